@@ -1,0 +1,35 @@
+# Two set-up-to-result targets: `make demo` (CPU smoke suite + its report) and `make test`.
+# Both build a local venv. torch is installed (the CPU wheel, 2.13.0) only where it is missing;
+# an interpreter that already has torch/triton (a GPU machine) keeps them.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.forge-installed
+OUT    ?= results/smoke
+REPORT ?= reports/smoke
+
+.PHONY: install demo test wheels clean-venv
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/forge-bench sweep --out $(OUT)
+	$(BIN)/forge-bench report $(OUT) -o $(REPORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Wheels for the GPU machine's Python (3.12, no internet there): see scripts/fetch_wheels.sh
+wheels:
+	bash scripts/fetch_wheels.sh
+
+clean-venv:
+	rm -rf $(VENV)

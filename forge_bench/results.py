@@ -1,0 +1,211 @@
+"""The parquet result schema and its atomic, kill-safe storage.
+
+Layout: a results folder holds one small parquet file per finished cell
+(``<cell_id>.parquet``), each written to a temporary name and then ``os.replace``d into place.
+A ``kill -9`` at any moment therefore leaves every finished row readable and no partial file
+under a ``*.parquet`` name; ``--resume`` skips the cell ids already present, so no row is lost
+or duplicated. ``load_results`` concatenates every row under a folder (recursively).
+
+Schema history (``schema_version``):
+  1: first version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = 1
+
+STATUSES = (
+    "ok",            # measured; timing and memory are valid
+    "parity_fail",   # the fp32 parity gate failed: no timing recorded
+    "oom",           # out of memory, after one retry with the cache freed
+    "oom_predicted", # skipped: free memory clearly cannot hold the cell
+    "timeout",       # killed at the per-cell timeout
+    "crashed",       # the cell process died; ``stderr_tail`` holds why
+    "diverged",      # NaN/Inf loss
+    "unavailable",   # the method cannot run here (missing package, no CUDA...); ``reason`` says why
+)
+
+_F = pa.float64()
+_I = pa.int64()
+_S = pa.string()
+
+# (name, type, doc). The doc is the column's meaning; docs/results_schema.md is generated from it.
+COLUMNS: list[tuple[str, pa.DataType, str]] = [
+    ("schema_version", _I, "version of this schema"),
+    ("run_id", _S, "one id per sweep run (kept across --resume); ratios only within one run_id"),
+    ("suite_name", _S, "suite file stem"),
+    ("suite_hash", _S, "sha256 of the suite file's bytes (first 16 hex)"),
+    ("cell_id", _S, "stable id of the cell: hash of model, batch, seq, method, dtype, suite hash"),
+    ("model", _S, "model zoo key"),
+    ("method", _S, "method registry key"),
+    ("method_family", _S, "baseline | forge | peer"),
+    ("method_settings", _S, "JSON of the arm's settings (lr, betas, state dtype, ranks ...)"),
+    ("batch", _I, "sequences per step"),
+    ("seq", _I, "tokens per sequence"),
+    ("dtype", _S, "model weight dtype: bfloat16 | float32 | float16"),
+    ("device_type", _S, "cuda | cpu"),
+    ("n_params", _I, "parameters in the model"),
+    ("n_fused_params", _I, "parameters whose update FORGE fused (0 for non-FORGE arms)"),
+    ("status", _S, "one of STATUSES"),
+    ("reason", _S, "why the status is not ok (null when ok)"),
+    ("attempts", _I, "process attempts used for this cell (OOM retry counts)"),
+    ("stderr_tail", _S, "last lines of the cell process's stderr when it crashed"),
+    ("timing_method", _S, "cuda_events | wall_clock"),
+    ("warmup_steps", _I, "untimed steps before the timed window"),
+    ("timed_steps", _I, "steps per timed run"),
+    ("repeats", _I, "timed runs"),
+    ("step_ms_median", _F, "median over runs of each run's median step time, ms"),
+    ("step_ms_run_medians", pa.list_(_F), "each run's median step time, ms"),
+    ("step_ms_run_spreads", pa.list_(_F), "each run's IQR / median (fraction)"),
+    ("step_ms_spread_max", _F, "max over runs of IQR / median (fraction)"),
+    ("step_ms_p10", _F, "10th percentile of all timed steps, ms"),
+    ("step_ms_p90", _F, "90th percentile of all timed steps, ms"),
+    ("step_ms_all", pa.list_(_F), "every timed step, ms, in order"),
+    ("tokens_per_s", _F, "batch * seq / median step time"),
+    ("peak_allocated_gib", _F, "torch.cuda.max_memory_allocated over the timed window, GiB (2^30)"),
+    ("peak_reserved_gib", _F, "torch.cuda.max_memory_reserved over the timed window, GiB (2^30)"),
+    ("peak_reason", _S, "why the peak is null (CPU run, ...)"),
+    ("mem_weights_gib", _F, "analytic: parameter bytes, GiB"),
+    ("mem_optimizer_states_gib", _F, "analytic: optimizer state bytes (moments, scales), GiB"),
+    ("mem_gradients_gib", _F, "analytic: bytes of gradients alive at the optimizer boundary, GiB"),
+    ("parity_rms_rel", _F, "rms(W - W_ref) / rms(W_ref) after the parity steps vs an fp32 reference"),
+    ("parity_steps", _I, "steps of the parity gate (0 = gate off)"),
+    ("parity_tolerance", _F, "the gate's bound on parity_rms_rel"),
+    ("parity_model", _S, "what the gate ran on (the model or its reduced-depth twin)"),
+    ("loss_first", _F, "loss of the first timed step"),
+    ("loss_last", _F, "loss of the last timed step"),
+    ("device_name", _S, "torch.cuda.get_device_name or the CPU model"),
+    ("device_count", _I, "visible CUDA devices"),
+    ("driver_version", _S, "NVIDIA driver (NVML)"),
+    ("cuda_version", _S, "torch.version.cuda"),
+    ("torch_version", _S, "torch.__version__"),
+    ("triton_version", _S, "triton.__version__"),
+    ("transformers_version", _S, "transformers.__version__"),
+    ("python_version", _S, "platform.python_version"),
+    ("git_commit", _S, "HEAD of the source tree (null outside git)"),
+    ("source_dirty", pa.bool_(), "uncommitted changes in forge_core/forge_bench"),
+    ("source_hash", _S, "sha256 of forge_core + forge_bench sources (first 16 hex)"),
+    ("hostname", _S, "machine name"),
+    ("sm_clock_mhz_before", _F, "NVML SM clock before the timed window"),
+    ("sm_clock_mhz_after", _F, "NVML SM clock after the timed window"),
+    ("mem_clock_mhz_before", _F, "NVML memory clock before"),
+    ("mem_clock_mhz_after", _F, "NVML memory clock after"),
+    ("sm_clock_max_mhz", _F, "NVML max SM clock"),
+    ("temperature_c_before", _F, "GPU temperature before, C"),
+    ("temperature_c_after", _F, "GPU temperature after, C"),
+    ("power_w_before", _F, "GPU power draw before, W"),
+    ("power_w_after", _F, "GPU power draw after, W"),
+    ("throttle_reasons_before", _S, "NVML clock-event reasons before (names, comma-separated)"),
+    ("throttle_reasons_after", _S, "NVML clock-event reasons after"),
+    ("nvml_reason", _S, "why NVML fields are null"),
+    ("started_at", _S, "UTC ISO time the cell started"),
+    ("finished_at", _S, "UTC ISO time the row was written"),
+    ("wall_s", _F, "seconds the cell took, process start to row"),
+    ("extra", _S, "JSON of anything else the arm measured (e.g. the kernel benchmark's fields)"),
+]
+
+SCHEMA = pa.schema([pa.field(name, typ) for name, typ, _ in COLUMNS])
+COLUMN_NAMES = [name for name, _, _ in COLUMNS]
+
+
+class ResultsError(RuntimeError):
+    """A results folder or row is not what the schema says."""
+
+
+def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill missing columns with None, reject unknown ones, JSON-encode dict settings."""
+    unknown = set(row) - set(COLUMN_NAMES)
+    if unknown:
+        raise ResultsError(f"row has columns not in schema v{SCHEMA_VERSION}: {sorted(unknown)}")
+    out = {name: row.get(name) for name in COLUMN_NAMES}
+    out["schema_version"] = SCHEMA_VERSION
+    for key in ("method_settings", "extra"):
+        if out[key] is not None and not isinstance(out[key], str):
+            out[key] = json.dumps(out[key], sort_keys=True, default=str)
+    if out["status"] not in STATUSES:
+        raise ResultsError(f"status {out['status']!r} is not one of {STATUSES}")
+    return out
+
+
+def row_path(results_dir: Path, cell_id: str) -> Path:
+    return Path(results_dir) / f"{cell_id}.parquet"
+
+
+def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
+    """Atomically write one cell's row: temp file in the same folder, fsync, os.replace."""
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    norm = normalize_row(row)
+    if not norm["cell_id"]:
+        raise ResultsError("row has no cell_id")
+    table = pa.Table.from_pylist([norm], schema=SCHEMA)
+    final = row_path(results_dir, norm["cell_id"])
+    fd, tmp = tempfile.mkstemp(dir=results_dir, prefix=".tmp-", suffix=".parquet.part")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            pq.write_table(table, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return final
+
+
+def iter_result_files(path: str | os.PathLike) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*.parquet") if not p.name.startswith(".tmp-"))
+
+
+def load_table(path: str | os.PathLike) -> pa.Table:
+    """Every row under ``path`` (a folder, searched recursively, or one parquet file)."""
+    path = Path(path)
+    if not path.exists():
+        raise ResultsError(f"{path}: no such file or folder")
+    files = iter_result_files(path)
+    if not files:
+        raise ResultsError(f"{path}: no parquet result files found")
+    tables = []
+    for f in files:
+        t = pq.read_table(f)
+        missing = [c for c in COLUMN_NAMES if c not in t.column_names]
+        if missing:
+            raise ResultsError(f"{f}: not a forge-bench v{SCHEMA_VERSION} result file (missing {missing[:5]})")
+        tables.append(t.select(COLUMN_NAMES).cast(SCHEMA))
+    return pa.concat_tables(tables)
+
+
+def load_results(path: str | os.PathLike):
+    """The rows under ``path`` as a pandas DataFrame."""
+    return load_table(path).to_pandas()
+
+
+def completed_cell_ids(results_dir: str | os.PathLike) -> set[str]:
+    """Cell ids that already have a row (what ``--resume`` skips)."""
+    results_dir = Path(results_dir)
+    if not results_dir.exists():
+        return set()
+    return {p.stem for p in results_dir.glob("*.parquet") if not p.name.startswith(".tmp-")}
+
+
+def schema_markdown() -> str:
+    lines = [f"# forge-bench result schema, version {SCHEMA_VERSION}", "",
+             "| column | type | meaning |", "|---|---|---|"]
+    lines += [f"| `{n}` | {t} | {d} |" for n, t, d in COLUMNS]
+    return "\n".join(lines) + "\n"
+
+
+def rows_as_dicts(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [normalize_row(r) for r in rows]
