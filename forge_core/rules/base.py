@@ -27,8 +27,20 @@ class Rule:
     """``fallback_optimizer(params_or_groups, **hp)``: the torch optimizer that steps the parameters
     FORGE does not fuse (biases, norms, embeddings, tied weights) with the same hyper-parameters."""
     epilogue: Any = None
-    """The ``@triton.jit`` epilogue function (see forge_core/kernels for its calling convention)."""
+    """The ``@triton.jit`` epilogue function (see forge_core/kernels for its calling convention):
+    ``epilogue(w, g, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7) -> (w, s0, s1)`` on fp32 tiles, where
+    ``s0``/``s1`` are the states in ``state_names`` order (``s1`` is a zero dummy for a one-state
+    rule and is not stored) and ``c0..c7`` are the floats returned by ``kernel_scalars``."""
+    kernel_scalars: Callable[[Mapping[str, Any], int], tuple[float, ...]] | None = None
+    """``kernel_scalars(hp, step) -> tuple`` of at most 8 floats the epilogue reads (lr, decay
+    factors, bias corrections...), computed on the host in float64 so that a new step or a new
+    ``lr`` is a new runtime argument, never a recompilation."""
     sqrt_domain_states: frozenset[str] = field(default_factory=frozenset)
     """States stored as sqrt(value) when quantized to int8 (second moments), see forge_core/state.py."""
     signed_states: frozenset[str] = field(default_factory=frozenset)
     """States that can be negative (first moments); the others are non-negative."""
+
+    def resolve_hp(self, hp: Mapping[str, Any]) -> dict[str, Any]:
+        """This rule's hyper-parameters from ``hp`` (a param_group holds more keys, e.g. ``params``),
+        with defaults filled in for any that are missing."""
+        return {key: hp.get(key, default) for key, default in self.defaults.items()}

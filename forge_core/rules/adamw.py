@@ -1,0 +1,91 @@
+"""AdamW (decoupled weight decay, bias correction), as torch.optim.AdamW computes it.
+
+The reference mirrors torch's single-tensor AdamW op for op (``lerp_`` for the first moment,
+``addcmul_`` for the second, ``addcdiv_`` with ``-lr / bias_correction1``), so that with fp32
+weights and fp32 states it is torch.optim.AdamW; the epilogue is the same arithmetic on a tile.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import Rule
+
+DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+
+
+def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
+    full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
+    lr, (beta1, beta2), eps, weight_decay = (float(full["lr"]), tuple(map(float, full["betas"])),
+                                             float(full["eps"]), float(full["weight_decay"]))
+    if not lr >= 0.0:
+        raise ValueError(f"adamw: lr must be >= 0, got {lr}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"adamw: betas must lie in [0, 1), got {(beta1, beta2)}")
+    if not eps >= 0.0:
+        raise ValueError(f"adamw: eps must be >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"adamw: weight_decay must be >= 0, got {weight_decay}")
+    return lr, beta1, beta2, eps, weight_decay
+
+
+def _check_step(step: int) -> None:
+    if int(step) < 1:
+        raise ValueError(f"adamw: step is 1-based, got {step}")
+
+
+def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+              hp: Mapping[str, Any], step: int) -> None:
+    """One AdamW step in place on fp32 tensors: the spec the fused epilogue is tested against."""
+    lr, beta1, beta2, eps, weight_decay = _checked(hp)
+    _check_step(step)
+    exp_avg, exp_avg_sq = states32["exp_avg"], states32["exp_avg_sq"]
+    weight32.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(grad32, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad32, grad32, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1 ** step)
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    weight32.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
+    """Host-side float64 scalars: (decay factor, 1-b1, b2, 1-b2, lr/bc1, sqrt(bc2), eps)."""
+    lr, beta1, beta2, eps, weight_decay = _checked(hp)
+    _check_step(step)
+    return (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
+            lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), eps)
+
+
+@triton.jit
+def epilogue(w, g, exp_avg, exp_avg_sq, decay, one_minus_beta1, beta2, one_minus_beta2,
+             step_size, bias_correction2_sqrt, eps, unused):
+    """AdamW on fp32 tiles; IEEE sqrt/div so that fp32 results match torch to rounding."""
+    w = w * decay
+    exp_avg = exp_avg + one_minus_beta1 * (g - exp_avg)
+    exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * g * g
+    denom = tl.math.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+    w = w - step_size * tl.math.div_rn(exp_avg, denom)
+    return w, exp_avg, exp_avg_sq
+
+
+def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
+    """torch.optim.AdamW with the same hyper-parameters, for the parameters FORGE does not fuse."""
+    return torch.optim.AdamW(params, **{key: hp[key] for key in DEFAULTS if key in hp})
+
+
+RULE = Rule(
+    name="adamw",
+    state_names=("exp_avg", "exp_avg_sq"),
+    defaults=DEFAULTS,
+    reference=reference,
+    fallback_optimizer=fallback_optimizer,
+    epilogue=epilogue,
+    kernel_scalars=kernel_scalars,
+    sqrt_domain_states=frozenset({"exp_avg_sq"}),
+    signed_states=frozenset({"exp_avg"}),
+)
