@@ -1,0 +1,19 @@
+"""forge_core: apply the optimizer inside the kernel that produces each weight gradient.
+
+Public API::
+
+    opt = forge_core.fuse(model, optimizer="adamw", lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                          state_dtype="bf16")     # a torch.optim.Optimizer
+    loss.backward()                               # fused Linear weights are updated here
+    opt.step(); opt.zero_grad()                   # the rest (biases, norms, embeddings, tied weights)
+    forge_core.unfuse(model)                      # plain nn.Linear again, weights as trained
+"""
+from __future__ import annotations
+
+from .linear import ForgeLinear
+from .manager import fuse, unfuse
+from .optimizer import ForgeOptimizer
+from .rules import RULES, get_rule
+from .state import STATE_DTYPES
+
+__all__ = ["fuse", "unfuse", "ForgeOptimizer", "ForgeLinear", "RULES", "get_rule", "STATE_DTYPES"]

@@ -1,0 +1,368 @@
+"""``fuse`` / ``unfuse``: choose which Linear weights FORGE updates inside backward, and why not.
+
+``fuse`` walks a model, turns every eligible ``nn.Linear`` into a ``ForgeLinear`` in place and
+returns a ``ForgeOptimizer`` (``forge_core.optimizer``) that owns their optimizer state and a
+standard torch optimizer (the *fallback*) for every other trainable parameter.
+
+A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
+
+* its weight is frozen (``requires_grad=False``: then it is in no optimizer at all);
+* its weight appears in more than one place (tied / shared: e.g. ``lm_head`` tied to
+  ``embed_tokens``; the fused update would see only one consumer's gradient);
+* it is not exactly ``nn.Linear`` (a subclass has its own forward or semantics; transformers'
+  GPT-2 ``Conv1D`` stores W transposed and is excluded explicitly, with a warning);
+* its weight is not fp32 / bf16, or not contiguous (what the kernel takes);
+* the fuse-time probe finds that the model reads its ``.weight`` outside its ``forward`` (e.g. a
+  library kernel or a sibling module uses the tensor directly), or calls its ``forward`` more than
+  once per pass (the update would run twice per step). Those are reverted with a warning.
+
+The probe is one forward/backward on a tiny input at ``fuse`` time. It updates nothing: fused
+layers only count their calls, gradients that existed before are put back, buffers (BatchNorm
+statistics and the like) are restored, and the RNG state is forked so the caller's random
+stream is unchanged. Inputs: ``probe_inputs`` if given (a tensor, a tuple of positional
+arguments or a dict of keyword arguments), else built from a transformers ``model.config``
+(token ids of length 8, or pixel values); if neither is possible the probe is skipped with a
+warning (``probe_inputs=False`` skips it on purpose, silently).
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import Counter
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
+from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
+from .rules import get_rule
+from .state import STATE_DTYPES
+
+PROBE_SEQUENCE_LENGTH = 8
+
+_CLIPPING_ERROR = (
+    "max_grad_norm is not supported with fused weights: global-norm clipping needs every gradient "
+    "before any weight moves, but FORGE applies each fused weight's update inside backward and its "
+    "gradient never exists. Train without clipping, or leave the model unfused (a standard torch "
+    "optimizer + torch.nn.utils.clip_grad_norm_)."
+)
+
+
+def _conv1d_class() -> Optional[type]:
+    """transformers' GPT-2 style Conv1D class when transformers is importable (no hard dependency)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # transformers absent or broken: nothing to exclude
+        return None
+    return Conv1D
+
+
+def _parameter_use_counts(model: nn.Module) -> Counter:
+    """How many places in the module tree hold each Parameter (tied and shared weights count >1)."""
+    counts: Counter = Counter()
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        counts[id(parameter)] += 1
+    return counts
+
+
+def _unique_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.parameters())  # nn.Module.parameters() already removes duplicates, in order
+
+
+def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str, str], dict[str, str]]:
+    """Split Linear-like modules into candidates and exclusions.
+
+    Returns (candidates, quiet exclusions, warned exclusions); both exclusion maps are
+    ``qualified module name -> reason``."""
+    use_counts = _parameter_use_counts(model)
+    conv1d = _conv1d_class()
+    candidates: dict[str, nn.Linear] = {}
+    quiet: dict[str, str] = {}
+    loud: dict[str, str] = {}
+    seen_modules: set[int] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        label = name or "<root>"
+        if conv1d is not None and isinstance(module, conv1d):
+            loud[label] = ("transformers Conv1D (GPT-2 style, weight stored as (Din, Dout)) is not fused; "
+                           "its weight is stepped by the fallback optimizer")
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        if isinstance(module, ForgeLinear):
+            raise ValueError(f"module {label!r} is already fused: call forge_core.unfuse(model) before fusing again")
+        if id(module) in seen_modules:
+            # The same module object registered under two names: shared. Drop the earlier entry too.
+            for other_name, other in list(candidates.items()):
+                if other is module:
+                    del candidates[other_name]
+                    quiet[other_name] = "module is registered in more than one place (shared)"
+            quiet[label] = "module is registered in more than one place (shared)"
+            continue
+        seen_modules.add(id(module))
+        weight = module.weight
+        if type(module) is not nn.Linear:
+            loud[label] = f"{type(module).__name__} is a subclass of nn.Linear with its own behaviour; not fused"
+        elif not weight.requires_grad:
+            quiet[label] = "weight is frozen (requires_grad=False)"
+        elif use_counts[id(weight)] > 1:
+            quiet[label] = f"weight is tied / shared ({use_counts[id(weight)]} places hold this Parameter)"
+        elif weight.dtype not in (torch.float32, torch.bfloat16):
+            loud[label] = f"weight dtype {weight.dtype} is not supported by the fused kernel (fp32 or bf16)"
+        elif not weight.is_contiguous():
+            loud[label] = "weight is not contiguous"
+        elif weight.device.type == "meta":
+            raise ValueError(f"module {label!r} has its weight on the meta device: materialize the model before fuse()")
+        else:
+            candidates[label] = module
+    return candidates, quiet, loud
+
+
+# ----------------------------------------------------------------------------------------------
+# The bypass probe
+# ----------------------------------------------------------------------------------------------
+
+def _model_device(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+def _model_float_dtype(model: nn.Module) -> torch.dtype:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def _auto_probe_inputs(model: nn.Module) -> Optional[dict[str, Any]]:
+    """Keyword inputs for a transformers model built from ``model.config``; None when unknown."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    accepted = signature.parameters
+    device = _model_device(model)
+    inputs: dict[str, Any] = {}
+    vocab_size = getattr(config, "vocab_size", None)
+    if isinstance(vocab_size, int) and vocab_size > 0 and "input_ids" in accepted:
+        # Deterministic ids; the RNG is forked around the probe anyway.
+        ids = (torch.arange(PROBE_SEQUENCE_LENGTH, device=device) * 7919 + 13) % vocab_size
+        inputs["input_ids"] = ids.unsqueeze(0)
+        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in accepted:
+            inputs["decoder_input_ids"] = ids.flip(0).unsqueeze(0)
+    elif "pixel_values" in accepted and isinstance(getattr(config, "image_size", None), int):
+        channels = int(getattr(config, "num_channels", 3))
+        size = int(config.image_size)
+        inputs["pixel_values"] = torch.randn(1, channels, size, size, device=device, dtype=_model_float_dtype(model))
+    else:
+        return None
+    if "use_cache" in accepted:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _call_model(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _grad_tensors(output: Any) -> Iterable[torch.Tensor]:
+    """Every floating tensor in a model output that carries a graph (nested tuples/dicts/ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point() and output.requires_grad:
+            yield output
+    elif isinstance(output, Mapping):
+        for value in output.values():
+            yield from _grad_tensors(value)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _grad_tensors(value)
+
+
+def _run_probe(model: nn.Module, bindings: dict[str, FusedWeight], inputs: Any) -> tuple[dict[str, str], Optional[str]]:
+    """Forward/backward once with updates off. Returns (reverted name -> reason, skip reason or None)."""
+    parameters = _unique_parameters(model)
+    saved_grads = [parameter.grad for parameter in parameters]
+    saved_buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    cuda_devices = sorted({p.device.index or 0 for p in parameters if p.device.type == "cuda"})
+    for parameter in parameters:
+        parameter.grad = None
+    for binding in bindings.values():
+        binding.begin_probe()
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad():
+            for binding in bindings.values():
+                binding.module.forge_counting_forwards = True
+            output = _call_model(model, inputs)
+            for binding in bindings.values():
+                binding.module.forge_counting_forwards = False
+            tensors = list(_grad_tensors(output))
+            if not tensors:
+                return {}, "the model output holds no tensor that requires grad"
+            probe_loss = sum((t.float() * torch.randn_like(t, dtype=torch.float32)).sum() for t in tensors)
+            probe_loss.backward()
+        reverted: dict[str, str] = {}
+        for name, binding in bindings.items():
+            forward_calls = binding.module.forge_forward_calls
+            if binding.weight.grad is not None:
+                reverted[name] = ("the model reads its .weight outside its forward (a direct use of the tensor "
+                                  f"that would never be trained by the fused update; forward calls: {forward_calls})")
+            elif forward_calls > 1 or binding.probe_backward_calls > 1:
+                reverted[name] = (f"its forward ran {forward_calls} times in one pass (its update would be "
+                                  "applied more than once per step)")
+        return reverted, None
+    finally:
+        for binding in bindings.values():
+            binding.end_probe()
+            binding.module.forge_counting_forwards = False
+            binding.module.forge_forward_calls = 0
+        for parameter, grad in zip(parameters, saved_grads):
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, snapshot in saved_buffers:
+                buffer.copy_(snapshot)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = None,
+         betas: Optional[tuple[float, float]] = None, eps: Optional[float] = None,
+         weight_decay: Optional[float] = None, momentum: Optional[float] = None,
+         state_dtype: str = "fp32", stochastic_rounding: bool = False, accumulate_steps: int = 1,
+         max_grad_norm: Optional[float] = None, backend: str = "auto",
+         probe_inputs: Any = None, **other_hyperparameters: Any) -> ForgeOptimizer:
+    """Fuse the optimizer ``optimizer`` into the backward of ``model``'s eligible Linear layers.
+
+    Swaps eligible ``nn.Linear`` modules in place (see the module docstring for what is excluded
+    and why) and returns a ``ForgeOptimizer``: a ``torch.optim.Optimizer`` over every trainable
+    parameter. ``loss.backward()`` updates fused weights layer by layer; ``opt.step()`` steps the
+    rest (the fallback torch optimizer) and advances the step count.
+
+    Hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum`` and any other of the
+    rule's ``defaults``, e.g. SGD's ``dampening`` / ``nesterov``) default to the rule's defaults;
+    one the rule does not have is an error. ``state_dtype``: "fp32", "bf16" or "int8" moments.
+    ``stochastic_rounding``: round bf16 weights stochastically when the update stores them.
+
+    ``accumulate_steps=k``: the fused update runs on the k-th backward after each ``opt.step()``;
+    the k-1 earlier micro-batches add ``dY^T X`` into an fp32 accumulator per fused weight. Memory
+    cost: one fp32 buffer the size of every fused weight (4 bytes per fused parameter, counted in
+    ``memory_breakdown()["gradients"]``), i.e. the gradient pool FORGE otherwise removes, in fp32.
+    Scale the loss by 1/k yourself, as with unfused accumulation.
+
+    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why).
+    ``backend``: "auto" (Triton on CUDA; on CPU Triton when TRITON_INTERPRET=1, else the torch
+    reference), "triton" or "reference". ``probe_inputs``: inputs for the bypass probe when the
+    model is not a transformers model (False: skip the probe).
+    """
+    if max_grad_norm is not None:
+        raise ValueError(_CLIPPING_ERROR)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse() needs an nn.Module, got {type(model).__name__}")
+    rule = get_rule(optimizer)
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise ValueError(f"accumulate_steps must be an integer >= 1, got {accumulate_steps!r}")
+    named = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum}
+    given = {key: value for key, value in named.items() if value is not None}
+    given.update(other_hyperparameters)
+    unknown = sorted(set(given) - set(rule.defaults))
+    if unknown:
+        raise ValueError(f"optimizer {rule.name!r} has no hyper-parameter(s) {unknown}; "
+                         f"its hyper-parameters are {sorted(rule.defaults)}")
+    hyperparameters = {**dict(rule.defaults), **given}
+    if "betas" in hyperparameters:
+        hyperparameters["betas"] = tuple(hyperparameters["betas"])
+    # Validate the values once, the way the fused path will read them (the rule raises on nonsense).
+    rule.fallback_optimizer([{"params": []}], **hyperparameters)
+
+    candidates, quiet, loud = _select_candidates(model)
+    bindings = {name: FusedWeight(name, module) for name, module in candidates.items()}
+    for name, binding in bindings.items():
+        install_forge_linear(binding.module, binding)
+
+    try:
+        if probe_inputs is False:
+            skipped_reason: Optional[str] = "probe_inputs=False"
+            inputs = None
+        elif probe_inputs is not None:
+            inputs, skipped_reason = probe_inputs, None
+        else:
+            inputs = _auto_probe_inputs(model)
+            skipped_reason = None if inputs is not None else (
+                "no probe_inputs given and the model has no transformers config to build them from")
+        reverted: dict[str, str] = {}
+        if inputs is not None and bindings:
+            try:
+                reverted, skipped_reason = _run_probe(model, bindings, inputs)
+            except Exception as error:
+                if probe_inputs is not None:
+                    raise RuntimeError(f"the fuse-time probe failed on the given probe_inputs: {error}") from error
+                skipped_reason = f"the probe forward on inputs built from model.config failed ({error!r})"
+        if skipped_reason is not None and probe_inputs is not False and bindings:
+            warnings.warn(
+                f"forge_core.fuse: bypass probe skipped ({skipped_reason}); a Linear whose weight the model "
+                "reads without calling its forward would not be trained. Pass probe_inputs= to check.",
+                stacklevel=2)
+        for name, reason in reverted.items():
+            remove_forge_linear(bindings.pop(name).module)
+            loud[name] = reason
+    except BaseException:
+        for binding in bindings.values():
+            remove_forge_linear(binding.module)
+        raise
+
+    if loud:
+        listing = "; ".join(f"{name}: {reason}" for name, reason in loud.items())
+        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by the fallback "
+                      f"{rule.name} instead: {listing}", stacklevel=2)
+    if not bindings:
+        warnings.warn("forge_core.fuse: no Linear weight was fused; every parameter is stepped by the "
+                      "standard torch optimizer", stacklevel=2)
+
+    fused_ids = {id(binding.weight) for binding in bindings.values()}
+    trainable = [p for p in _unique_parameters(model) if p.requires_grad]
+    devices = {binding.weight.device for binding in bindings.values()}
+    try:
+        chosen_backend = resolve_backend(backend, devices)
+        return ForgeOptimizer(
+            trainable, list(bindings.values()), rule=rule, hyperparameters=hyperparameters,
+            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
+            accumulate_steps=accumulate_steps, backend=chosen_backend,
+            excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
+            fused_ids=fused_ids)
+    except BaseException:
+        for binding in bindings.values():
+            remove_forge_linear(binding.module)
+        raise
+
+
+def unfuse(model: nn.Module) -> nn.Module:
+    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` (same module objects,
+    same Parameters, weights as trained). The optimizer returned by ``fuse`` must not be stepped
+    afterwards (it raises if a fused weight has grown a ``.grad``). Returns ``model``."""
+    pending = []
+    for name, module in model.named_modules():
+        if isinstance(module, ForgeLinear):
+            binding = getattr(module, "forge_updater", None)
+            if isinstance(binding, FusedWeight) and binding.micro_batches:
+                pending.append(name or "<root>")
+            if isinstance(binding, FusedWeight):
+                binding.detach_from_module()
+            remove_forge_linear(module)
+    if pending:
+        warnings.warn(f"forge_core.unfuse: {len(pending)} fused weight(s) had accumulated micro-batch gradients "
+                      f"that were never applied (opt.step() not reached): {pending}", stacklevel=2)
+    return model
+
+
+__all__ = ["fuse", "unfuse"]

@@ -1,0 +1,352 @@
+"""``ForgeOptimizer``: the torch.optim.Optimizer that ``forge_core.fuse`` returns.
+
+It holds every trainable parameter of the model in ``param_groups`` (so LR schedulers and code
+that edits ``group["lr"]`` work unchanged) and splits them in two:
+
+* *fused* weights: a ``FusedWeight`` binding each (its ``ParamState``, step count and, with
+  ``accumulate_steps > 1``, an fp32 gradient accumulator). The binding is what a ForgeLinear's
+  backward calls; it reads the group's hyper-parameters at that moment, so an ``lr`` change
+  reaches the next fused update.
+* *fallback* parameters (biases, norms, embeddings, tied / excluded weights): stepped by the
+  rule's standard torch optimizer in ``step()``, whose param_groups are synced from ours first.
+
+Step count: each fused weight counts the optimizer steps in which it was updated (as torch counts
+per parameter); the update during the backward of step t uses t, and ``step()`` advances it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from . import kernels
+from .rules.base import Rule
+from .state import ParamState
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
+    """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    devices = set(devices)
+    needs_interpreter = any(device.type != "cuda" for device in devices)
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "reference":
+        return "reference"
+    if backend == "auto":
+        if not kernels.triton_available():
+            return "reference"
+        return "triton" if (interpreting or not needs_interpreter) else "reference"
+    if not kernels.triton_available():
+        raise ValueError("backend='triton' but the Triton kernel is not available (import of "
+                         "forge_core.kernels.fused failed); use backend='reference'")
+    if needs_interpreter and not interpreting:
+        raise ValueError("backend='triton' with weights off CUDA needs TRITON_INTERPRET=1 in the environment "
+                         "before forge_core is imported; or use backend='reference'")
+    return "triton"
+
+
+class FusedWeight:
+    """One fused Linear weight: what its ForgeLinear's backward calls with (x, dY).
+
+    Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
+    to the ``ForgeOptimizer``, which allocates its state."""
+
+    def __init__(self, name: str, module: nn.Linear) -> None:
+        self.name = name
+        self.module: Optional[nn.Linear] = module
+        self.weight: nn.Parameter = module.weight
+        self.optimizer: Optional["ForgeOptimizer"] = None
+        self.group_index = 0
+        self.index = 0
+        self.state: Optional[ParamState] = None
+        self.grad_accum: Optional[torch.Tensor] = None
+        self.steps_done = 0
+        """Optimizer steps in which this weight was updated; the next update uses steps_done + 1."""
+        self.micro_batches = 0
+        """Backward passes seen since the last ``opt.step()``."""
+        self.probing = False
+        self.probe_backward_calls = 0
+
+    def begin_probe(self) -> None:
+        self.probing, self.probe_backward_calls = True, 0
+
+    def end_probe(self) -> None:
+        self.probing = False
+
+    def detach_from_module(self) -> None:
+        self.module = None
+
+    def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        if self.probing:
+            self.probe_backward_calls += 1
+            return
+        if self.optimizer is None:
+            raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
+        self.optimizer._fused_backward(self, x, grad_output)
+
+    def __repr__(self) -> str:
+        return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
+
+
+def _scalar_hyperparameter(value: Any) -> Any:
+    """Kernels take Python scalars: a one-element tensor lr (allowed by torch) becomes a float."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class ForgeOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
+
+    Built by ``forge_core.fuse``; not meant to be constructed directly."""
+
+    def __init__(self, params: list[nn.Parameter], bindings: list[FusedWeight], *, rule: Rule,
+                 hyperparameters: Mapping[str, Any], state_dtype: str, stochastic_rounding: bool,
+                 accumulate_steps: int, backend: str, excluded: Mapping[str, str],
+                 model_parameters: list[nn.Parameter], fused_ids: set[int]) -> None:
+        self._constructing = True
+        super().__init__([{"params": params}], dict(hyperparameters))
+        self._constructing = False
+        self.rule = rule
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.accumulate_steps = int(accumulate_steps)
+        self.backend = backend
+        self.excluded_modules: dict[str, str] = dict(excluded)
+        """Linear-like modules left unfused: qualified name -> reason."""
+        self._model_parameters = model_parameters
+        self._update_function: Callable[..., None] = (
+            kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
+        self._bindings = bindings
+        for index, binding in enumerate(bindings):
+            binding.optimizer = self
+            binding.index = index
+            binding.group_index = 0
+            binding.state = ParamState(binding.weight, rule, state_dtype)
+            if self.accumulate_steps > 1:
+                binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
+                                                 device=binding.weight.device)
+        self._fallback_params = [p for p in params if id(p) not in fused_ids]
+        self._fallback = rule.fallback_optimizer([{"params": list(self._fallback_params)}], **hyperparameters)
+        self._steps_taken = 0
+
+    # -- what is fused ----------------------------------------------------------------------
+
+    def fused_parameters(self) -> list[nn.Parameter]:
+        """The weights updated inside backward (they never get a ``.grad``)."""
+        return [binding.weight for binding in self._bindings]
+
+    def fallback_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters the standard torch optimizer steps in ``step()``."""
+        return list(self._fallback_params)
+
+    def fused_module_names(self) -> list[str]:
+        return [binding.name for binding in self._bindings]
+
+    @property
+    def fallback_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer for the fallback parameters (its hyper-parameters follow ours)."""
+        return self._fallback
+
+    @property
+    def steps_taken(self) -> int:
+        """Number of ``step()`` calls (restored by ``load_state_dict``)."""
+        return self._steps_taken
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held for training, by kind.
+
+        weights: every parameter of the fused model (frozen ones included). optimizer_states: the
+        fused weights' states (+ int8 scales; allocated at ``fuse``) and the fallback optimizer's
+        state tensors as currently allocated (torch allocates them at the first step: call this
+        after one step for the steady-state figure). gradients: the ``.grad`` of every fallback
+        parameter after a backward (one parameter-sized tensor each; fused weights have none) plus
+        the fp32 micro-batch accumulators (4 bytes per fused parameter when accumulate_steps > 1)."""
+        weights = sum(_tensor_bytes(p) for p in self._model_parameters)
+        states = sum(binding.state.nbytes() for binding in self._bindings)
+        for parameter_state in self._fallback.state.values():
+            states += sum(_tensor_bytes(t) for t in parameter_state.values() if isinstance(t, torch.Tensor))
+        gradients = sum(_tensor_bytes(p) for p in self._fallback_params)
+        gradients += sum(_tensor_bytes(b.grad_accum) for b in self._bindings if b.grad_accum is not None)
+        return {"weights": int(weights), "optimizer_states": int(states), "gradients": int(gradients)}
+
+    # -- the update inside backward ---------------------------------------------------------
+
+    def _kernel_hyperparameters(self, group_index: int) -> dict[str, Any]:
+        group = self.param_groups[group_index]
+        return {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
+
+    def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
+        k = self.accumulate_steps
+        if binding.micro_batches >= k:
+            raise RuntimeError(
+                f"fused weight {binding.name!r} received backward number {binding.micro_batches + 1} since the last "
+                f"opt.step(), but accumulate_steps={k}: call opt.step() after every {k} backward pass(es) "
+                "(or fuse with accumulate_steps= the number of micro-batches per step)")
+        binding.micro_batches += 1
+        if binding.micro_batches < k:
+            din = binding.weight.shape[1]
+            dout = binding.weight.shape[0]
+            x2 = x.reshape(-1, din)
+            dy2 = grad_output.reshape(-1, dout)
+            binding.grad_accum.addmm_(dy2.t().float(), x2.float())
+            return
+        self._apply_update(binding, x, grad_output)
+
+    def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        step = binding.steps_done + 1
+        self._update_function(
+            x, grad_output, binding.weight, binding.state, self._kernel_hyperparameters(binding.group_index), step,
+            grad_accum=binding.grad_accum, stochastic_rounding=self.stochastic_rounding,
+            seed=(binding.index * 1_000_003 + step) & 0x7FFFFFFF)
+        if binding.grad_accum is not None:
+            binding.grad_accum.zero_()
+
+    def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
+        """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
+        unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
+        weight = binding.weight
+        no_x = weight.new_zeros((0, weight.shape[1]))
+        no_dy = weight.new_zeros((0, weight.shape[0]))
+        with torch.no_grad():
+            self._apply_update(binding, no_x, no_dy)
+        binding.micro_batches = self.accumulate_steps
+
+    # -- torch.optim.Optimizer interface ----------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_constructing", True):
+            super().add_param_group(param_group)
+            return
+        raise NotImplementedError("ForgeOptimizer decides fused vs fallback parameters at fuse() time; "
+                                  "add_param_group is not supported (fuse the model again instead)")
+
+    def _sync_fallback_hyperparameters(self) -> None:
+        for ours, theirs in zip(self.param_groups, self._fallback.param_groups):
+            for key, value in ours.items():
+                if key != "params":
+                    theirs[key] = value
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Step the fallback parameters and advance the step count of the fused weights.
+
+        The fused weights were already updated during backward. ``closure`` (optional) is run
+        first with grad enabled (it should zero grads, run forward and backward, return the loss)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for binding in self._bindings:
+            if binding.weight.grad is not None:
+                raise RuntimeError(
+                    f"fused weight {binding.name!r} has a .grad: something used it outside its ForgeLinear "
+                    "(forge_core.unfuse was called, or the model reads the weight directly). Its gradient would "
+                    "be ignored; re-fuse the model (the fuse-time probe excludes such weights)")
+        for binding in self._bindings:
+            if 0 < binding.micro_batches < self.accumulate_steps:
+                self._flush_partial_accumulation(binding)
+        self._sync_fallback_hyperparameters()
+        self._fallback.step()
+        for binding in self._bindings:
+            if binding.micro_batches == self.accumulate_steps:
+                binding.steps_done += 1
+            binding.micro_batches = 0
+        self._steps_taken += 1
+        return loss
+
+    def _parameter_order(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's layout (``state`` by parameter index, ``param_groups`` with index lists) plus a
+        ``forge`` entry. A fused weight's state: ``step`` (float tensor, as torch) and its
+        ``ParamState`` tensors (``name`` and, for int8, ``name + "_scale"``). Tensors are references,
+        as in torch: deep-copy or ``torch.save`` it before training on."""
+        index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
+        state: dict[int, dict[str, Any]] = {}
+        for binding in self._bindings:
+            entry: dict[str, Any] = {"step": torch.tensor(float(binding.steps_done))}
+            entry.update(binding.state.state_dict())
+            state[index_of[id(binding.weight)]] = entry
+        for parameter, parameter_state in self._fallback.state.items():
+            state[index_of[id(parameter)]] = dict(parameter_state)
+        groups = []
+        for group in self.param_groups:
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = [index_of[id(p)] for p in group["params"]]
+            groups.append(packed)
+        forge = {
+            "rule": self.rule.name, "state_dtype": self.state_dtype, "steps_taken": self._steps_taken,
+            "accumulate_steps": self.accumulate_steps,
+            "fused": sorted(index_of[id(b.weight)] for b in self._bindings),
+        }
+        return {"state": state, "param_groups": groups, "forge": forge}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Restore what ``state_dict`` saved into an optimizer built by the same ``fuse`` call on
+        the same architecture (same rule, state dtype, parameters and fused set)."""
+        forge = state_dict.get("forge")
+        if not isinstance(forge, Mapping):
+            raise ValueError("not a ForgeOptimizer state dict (no 'forge' entry); it cannot be loaded here")
+        if forge.get("rule") != self.rule.name or forge.get("state_dtype") != self.state_dtype:
+            raise ValueError(f"state dict is for rule={forge.get('rule')!r} state_dtype={forge.get('state_dtype')!r}, "
+                             f"this optimizer is rule={self.rule.name!r} state_dtype={self.state_dtype!r}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        for saved, ours in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(ours["params"]):
+                raise ValueError(f"a param group holds {len(saved['params'])} parameters in the state dict but "
+                                 f"{len(ours['params'])} here: a different model")
+        order = self._parameter_order()
+        index_of = {id(p): i for i, p in enumerate(order)}
+        fused_here = sorted(index_of[id(b.weight)] for b in self._bindings)
+        if list(forge.get("fused", [])) != fused_here:
+            raise ValueError("the state dict fused a different set of weights than this optimizer "
+                             "(different model, or the probe / exclusions changed)")
+        saved_state = state_dict["state"]
+        for binding in self._bindings:
+            index = index_of[id(binding.weight)]
+            if index not in saved_state:
+                raise ValueError(f"state dict has no state for fused weight {binding.name!r} (index {index})")
+            entry = saved_state[index]
+            binding.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
+            binding.steps_done = int(entry["step"])
+            binding.micro_batches = 0
+            if binding.grad_accum is not None:
+                binding.grad_accum.zero_()
+        for saved, ours in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    ours[key] = copy.deepcopy(value)
+        self._sync_fallback_hyperparameters()
+        fallback_index = {id(p): i for i, p in enumerate(self._fallback_params)}
+        fallback_state = {fallback_index[id(order[i])]: value for i, value in saved_state.items()
+                          if id(order[i]) in fallback_index}
+        fallback_groups = []
+        for group in self._fallback.param_groups:
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = [fallback_index[id(p)] for p in group["params"]]
+            fallback_groups.append(packed)
+        self._fallback.load_state_dict({"state": fallback_state, "param_groups": fallback_groups})
+        self._steps_taken = int(forge.get("steps_taken", 0))
+
+    def __repr__(self) -> str:
+        return (f"ForgeOptimizer(rule={self.rule.name}, state_dtype={self.state_dtype}, backend={self.backend}, "
+                f"fused={len(self._bindings)}, fallback={len(self._fallback_params)}, "
+                f"accumulate_steps={self.accumulate_steps}, hyperparameters="
+                f"{ {k: v for k, v in self.param_groups[0].items() if k != 'params'} })")
+
+
+__all__ = ["ForgeOptimizer", "FusedWeight", "resolve_backend", "BACKENDS"]
