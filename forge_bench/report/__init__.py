@@ -1,0 +1,174 @@
+"""``forge-bench report``: every parquet row under a folder -> the paper's tables and figures.
+
+``build_report(results_dir, out_dir)`` writes into ``out_dir``:
+
+* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
+  where memory goes, hardware comparison, fidelity, what did not run;
+* ``figures/*.png`` and ``*.pdf``;
+* ``index.md`` linking all of it (with a note for every section that has no data),
+
+and returns the path of ``index.md``. Ratios obey one rule (``ratios.py``): only within one
+sweep run on one device, else "n/a (different run)".
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import figures, ratios, tables
+from .data import NoResultsError, load_rows, ordered_methods
+from .ratios import as_number, as_text
+
+__all__ = ["build_report", "NoResultsError"]
+
+MANIFEST = ".forge-report-manifest.json"
+
+
+def build_report(results_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the full report for every row under ``results_dir``; return ``out_dir/index.md``.
+
+    Raises ``NoResultsError`` (one line naming the folder) when there is nothing to report.
+    """
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    frame = load_rows(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_previous_outputs(out_dir)
+    table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
+    colors = figures.method_colors(ordered_methods(frame))
+    written: list[Path] = []
+    sections: list[str] = []
+
+    def link_files(paths: list[Path]) -> str:
+        return " · ".join(f"[{p.suffix[1:]}]({p.relative_to(out_dir).as_posix()})" for p in paths)
+
+    def figure_block(paths: list[Path]) -> list[str]:
+        lines = []
+        for png in [p for p in paths if p.suffix == ".png"]:
+            pdf = png.with_suffix(".pdf")
+            lines += [f"![{png.stem}]({png.relative_to(out_dir).as_posix()})",
+                      f"({link_files([png, pdf])})", ""]
+        return lines
+
+    def table_section(heading: str, stem: str, built: list[tables.Table], intro: str,
+                      inline: bool, skip_note: str) -> list[str]:
+        lines = [f"## {heading}", ""]
+        if not built:
+            lines += [f"_Skipped: {skip_note}._", ""]
+            return lines
+        paths = tables.write_tables(built, table_dir, stem, heading, intro)
+        written.extend(paths)
+        lines += [f"Tables: {link_files(paths)}", ""]
+        if inline:
+            lines += [t.to_markdown(level=3) for t in built]
+        else:
+            lines += [f"- {t.title}" for t in built] + [""]
+        return lines
+
+    # headline
+    headline = tables.headline_tables(frame)
+    sections += table_section("Headline", "headline", headline,
+                              "Per device, model and shape; one row per method.", True, "no rows")
+    head_figs = figures.headline_figures(frame, figure_dir, colors)
+    written += head_figs
+    sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
+
+    # grid
+    grid_note = "no run measured one model at two or more batch × seq shapes"
+    sections += table_section("Batch × sequence grid", "grid", tables.grid_tables(frame),
+                              "Peak and step per method at every batch × seq of one run.", False, grid_note)
+    grid_figs, _ = figures.grid_figures(frame, figure_dir, colors)
+    written += grid_figs
+    sections += figure_block(grid_figs)
+
+    # scaling
+    scaling_note = "no run measured two or more models at one shape"
+    sections += table_section("Model scaling", "scaling", tables.scaling_tables(frame),
+                              "Peak and step against parameter count.", False, scaling_note)
+    scale_figs, _ = figures.scaling_figures(frame, figure_dir, colors)
+    written += scale_figs
+    sections += figure_block(scale_figs)
+
+    # memory
+    sections += table_section("Where memory goes", "memory", tables.memory_tables(frame),
+                              "Analytic weights, optimizer states and gradients; activations + rest "
+                              "= measured peak minus them (GiB).", False, "no row ran ok")
+    mem_figs, _ = figures.memory_figures(frame, figure_dir)
+    written += mem_figs
+    sections += figure_block(mem_figs)
+
+    # hardware
+    hw_figs, hw_note = figures.hardware_figures(frame, figure_dir)
+    sections += table_section("Hardware comparison", "hardware", tables.hardware_tables(frame),
+                              "The same cells on each device, each device's ratios against its own "
+                              "baseline in its own run, side by side.", False, hw_note or "no data")
+    written += hw_figs
+    sections += figure_block(hw_figs)
+
+    # fidelity
+    fid_figs, fid_note = figures.fidelity_figures(frame, figure_dir, colors)
+    sections += table_section("Fidelity", "fidelity", tables.fidelity_tables(frame),
+                              "Parity rms-rel against an fp32 reference.", True,
+                              fid_note or "no row ran the parity gate")
+    written += fid_figs
+    sections += figure_block(fid_figs) if fid_figs else ([f"_No fidelity figure: {fid_note}._", ""])
+
+    # not run
+    not_run = tables.not_run_table(frame)
+    sections += table_section("What did not run", "not-run", [not_run] if not_run else [],
+                              "", True, "every row ran ok")
+
+    index = out_dir / "index.md"
+    header = _header(frame, results_dir)
+    index.write_text("\n".join(header + sections).rstrip() + "\n")
+    written.append(index)
+    (out_dir / MANIFEST).write_text(json.dumps(sorted(p.relative_to(out_dir).as_posix() for p in written),
+                                               indent=0))
+    return index
+
+
+def _remove_previous_outputs(out_dir: Path) -> None:
+    """Delete what the previous report in ``out_dir`` wrote (and only that), so no stale figure
+    of a group that no longer exists survives a re-run."""
+    manifest = out_dir / MANIFEST
+    if not manifest.exists():
+        return
+    try:
+        previous = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return
+    for rel in previous:
+        path = (out_dir / rel).resolve()
+        if out_dir.resolve() in path.parents and path.is_file():
+            path.unlink()
+
+
+def _header(frame: pd.DataFrame, results_dir: Path) -> list[str]:
+    lines = ["# FORGE benchmark report", "",
+             f"Generated by `forge-bench report` from {len(frame)} rows under `{results_dir}` "
+             f"({int((frame['status'] == 'ok').sum())} ok). Memory in GiB (2^30 bytes), times in ms.", "",
+             "## Runs", "",
+             "| Run | Suite | Device | torch | triton | CUDA | Commit | Rows (ok) | SM clock after, MHz |",
+             "|:--|:--|:--|:--|:--|:--|:--|--:|:--|"]
+    for run_id, group in frame.groupby("run_id", sort=True, dropna=False):
+        first = group.iloc[0]
+        clocks = [c for c in (as_number(v) for v in group["sm_clock_mhz_after"]) if c is not None]
+        clock_text = "—" if not clocks else f"{min(clocks):.0f}–{max(clocks):.0f}"
+        commit = (as_text(first.get("git_commit")) or "—")[:10]
+        if group["source_dirty"].fillna(False).astype(bool).any():
+            commit += " (dirty)"
+        devices = ", ".join(sorted({str(d) for d in group["device_name"]}))
+        lines.append(f"| {str(run_id)[:8]} | {as_text(first.get('suite_name')) or '—'} | {devices} | "
+                     f"{as_text(first.get('torch_version')) or '—'} | {as_text(first.get('triton_version')) or '—'} | "
+                     f"{as_text(first.get('cuda_version')) or '—'} | {commit} | "
+                     f"{len(group)} ({int((group['status'] == 'ok').sum())}) | {clock_text} |")
+    lines += ["", "## The rule for ratios", "",
+              "A speed-up or memory change is computed only between rows of the same sweep run "
+              "(`run_id`) on the same device with the same torch, triton and CUDA versions and SM "
+              f"clocks (after the timed window) within {ratios.CLOCK_TOLERANCE:.0%} of each other; "
+              f"anything else reads “{ratios.DIFFERENT_RUN}”. The baseline is torch fused AdamW "
+              "(`adamw_fused`), or `adamw_foreach` where the fused arm did not run (the caption says "
+              f"so). {ratios.NOISE_FOOTNOTE}", ""]
+    return lines

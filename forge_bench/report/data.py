@@ -1,0 +1,161 @@
+"""Loading result rows for the report, method ordering, grouping and baseline choice.
+
+Tables and figures both go through here so that they agree on which row is the baseline of
+which, and on the order and names in which methods and devices appear.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import pandas as pd
+
+from forge_bench.results import ResultsError, iter_result_files, load_results
+
+from .ratios import as_number, as_text, comparable
+
+# Baseline of every ratio: torch's fused AdamW; where it did not run (CPU: it needs CUDA), the
+# foreach AdamW, and the caption says so.
+BASELINE_PREFERENCE = ("adamw_fused", "adamw_foreach")
+
+# Known methods in reading order: floor and baselines, then FORGE arms; peers and unknown names
+# are placed by family, then alphabetically.
+KNOWN_METHOD_ORDER = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd",
+                      "forge_fp32", "forge_bf16", "forge_int8")
+FAMILY_ORDER = {"baseline": 0, "peer": 1, "forge": 2}
+
+HEADLINE_KEYS = ["device_name", "model", "dtype", "batch", "seq"]
+
+
+class NoResultsError(ResultsError):
+    """The results folder is missing or holds no parquet rows (message names the folder)."""
+
+
+def load_rows(results_dir: str | Path) -> pd.DataFrame:
+    """Every row under ``results_dir`` with a few derived display columns."""
+    folder = Path(results_dir)
+    if not folder.exists():
+        raise NoResultsError(f"results folder {folder} does not exist")
+    if not iter_result_files(folder):
+        raise NoResultsError(f"no forge-bench parquet result files under {folder}")
+    frame = load_results(folder)
+    frame["method_family"] = frame["method_family"].fillna("")
+    frame["run_short"] = frame["run_id"].map(lambda r: (as_text(r) or "?")[:8])
+    frame["device_label"] = frame["device_name"].map(device_label)
+    frame["shape_label"] = [f"b{int(b)}×s{int(s)}" for b, s in zip(frame["batch"], frame["seq"])]
+    return frame
+
+
+def device_label(name: Any) -> str:
+    """A short name for legends: the accelerator's model (H100, H200, B200 ...) or the name."""
+    text = as_text(name) or "unknown device"
+    match = re.search(r"\b([A-Z]{1,2}\d{2,3}[A-Z]?)\b", text)
+    if match and "NVIDIA" in text.upper():
+        return match.group(1)
+    return text if len(text) <= 32 else text[:31] + "…"
+
+
+def method_sort_key(method: str, family: str = "") -> tuple:
+    if method in KNOWN_METHOD_ORDER:
+        return (0, KNOWN_METHOD_ORDER.index(method), method)
+    return (1, FAMILY_ORDER.get(family or "", 3), method)
+
+
+def ordered_methods(frame: pd.DataFrame) -> list[str]:
+    """The distinct methods present in ``frame``, in reading order."""
+    families: dict[str, str] = {}
+    for method, family in zip(frame["method"], frame["method_family"]):
+        families.setdefault(method, family or "")
+    return sorted(families, key=lambda m: method_sort_key(m, families[m]))
+
+
+def is_forge(method: str, family: str = "") -> bool:
+    return family == "forge" or method.startswith("forge_")
+
+
+def records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    return frame.to_dict("records")
+
+
+def ok_rows(rows: Iterable[Mapping[str, Any]], method: str) -> list[Mapping[str, Any]]:
+    return [r for r in rows if r["method"] == method and as_text(r.get("status")) == "ok"]
+
+
+def choose_baseline(rows: list[Mapping[str, Any]]) -> tuple[str | None, str]:
+    """The baseline method of a group of rows and a caption sentence saying which and why."""
+    preferred = BASELINE_PREFERENCE[0]
+    for method in BASELINE_PREFERENCE:
+        if ok_rows(rows, method):
+            if method == preferred:
+                return method, f"Ratios are against torch fused AdamW (`{preferred}`)."
+            missing = [r for r in rows if r["method"] == preferred]
+            why = (f"it has status {as_text(missing[0].get('status'))}: "
+                   f"{as_text(missing[0].get('reason')) or 'no reason recorded'}"
+                   if missing else "it was not part of this run")
+            return method, (f"Ratios are against `{method}` because `{preferred}` has no ok row "
+                            f"here ({why}).")
+    return None, "No AdamW baseline row ran ok here: no ratios."
+
+
+def find_baseline_row(candidate: Mapping[str, Any], rows: list[Mapping[str, Any]],
+                      baseline_method: str | None) -> Mapping[str, Any] | None:
+    """The baseline row to divide ``candidate`` by: an ok one of the same run if there is one.
+
+    When the only baseline rows come from another run (or machine state), one of them is still
+    returned so that the shared ratio rule can refuse it visibly ("n/a (different run)") rather
+    than the cell silently saying "no baseline".
+    """
+    if baseline_method is None:
+        return None
+    same_method = [r for r in rows if r["method"] == baseline_method]
+    ok = [r for r in same_method if as_text(r.get("status")) == "ok"]
+    for row in ok:
+        if comparable(candidate, row):
+            return row
+    for row in same_method:
+        if comparable(candidate, row):
+            return row
+    if ok:
+        return ok[0]
+    return same_method[0] if same_method else None
+
+
+def group_title(keys: Mapping[str, Any]) -> str:
+    """A human title for a group key mapping (device, model, dtype, batch, seq, run...)."""
+    parts = []
+    if "device_name" in keys:
+        parts.append(str(keys["device_name"]))
+    if "model" in keys:
+        parts.append(str(keys["model"]))
+    if "dtype" in keys:
+        parts.append(str(keys["dtype"]))
+    if "batch" in keys and "seq" in keys:
+        parts.append(f"batch {int(keys['batch'])} × seq {int(keys['seq'])}")
+    if "run_id" in keys:
+        parts.append(f"run {str(keys['run_id'])[:8]}")
+    return " · ".join(parts)
+
+
+def slug(*parts: Any) -> str:
+    """A file-name-safe identifier built from group keys."""
+    text = "_".join(str(p) for p in parts if p is not None and str(p) != "")
+    text = re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+    return text[:120] or "all"
+
+
+def fmt_number(value: Any, digits: int = 2) -> str:
+    number = as_number(value)
+    return "—" if number is None else f"{number:.{digits}f}"
+
+
+def fmt_ms(value: Any) -> str:
+    """Step times: three significant-ish digits whatever the magnitude."""
+    number = as_number(value)
+    if number is None:
+        return "—"
+    if number >= 100:
+        return f"{number:.1f}"
+    if number >= 10:
+        return f"{number:.2f}"
+    return f"{number:.3f}"
