@@ -256,7 +256,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     the k-1 earlier micro-batches add ``dY^T X`` into an fp32 accumulator per fused weight. Memory
     cost: one fp32 buffer the size of every fused weight (4 bytes per fused parameter, counted in
     ``memory_breakdown()["gradients"]``), i.e. the gradient pool FORGE otherwise removes, in fp32.
-    Scale the loss by 1/k yourself, as with unfused accumulation.
+    Scale the loss by 1/k yourself, as with unfused accumulation. ``opt.step()`` after fewer than k
+    micro-batches applies what was accumulated (as unfused accumulation would).
+
+    A ``.grad`` already present on a weight that gets fused is dropped (it could never be applied).
 
     ``max_grad_norm``: not supported; any value raises ValueError (see the message for why).
     ``backend``: "auto" (Triton on CUDA; on CPU Triton when TRITON_INTERPRET=1, else the torch
@@ -329,6 +332,9 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         warnings.warn("forge_core.fuse: no Linear weight was fused; every parameter is stepped by the "
                       "standard torch optimizer", stacklevel=2)
 
+    for binding in bindings.values():
+        # A .grad left on a fused weight from before fuse() could never be applied: drop it.
+        binding.weight.grad = None
     fused_ids = {id(binding.weight) for binding in bindings.values()}
     trainable = [p for p in _unique_parameters(model) if p.requires_grad]
     devices = {binding.weight.device for binding in bindings.values()}

@@ -42,12 +42,10 @@ def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
         if not kernels.triton_available():
             return "reference"
         return "triton" if (interpreting or not needs_interpreter) else "reference"
-    if not kernels.triton_available():
-        raise ValueError("backend='triton' but the Triton kernel is not available (import of "
-                         "forge_core.kernels.fused failed); use backend='reference'")
-    if needs_interpreter and not interpreting:
-        raise ValueError("backend='triton' with weights off CUDA needs TRITON_INTERPRET=1 in the environment "
-                         "before forge_core is imported; or use backend='reference'")
+    if needs_interpreter and not interpreting or not kernels.triton_available():
+        where = sorted({str(device) for device in devices}) or ["no fused weights"]
+        raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
+                         "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
     return "triton"
 
 

@@ -1,0 +1,225 @@
+"""fuse / unfuse: which modules are fused, the bypass probe, argument errors."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import forge_core
+from forge_core.linear import ForgeLinear
+
+
+class BypassModel(nn.Module):
+    """``shortcut.weight`` is read directly; ``shortcut.forward`` is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(12, 12)
+        self.shortcut = nn.Linear(12, 12)
+        self.norm = nn.BatchNorm1d(12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = nn.functional.dropout(self.body(x), p=0.5, training=self.training)
+        return self.norm(hidden @ self.shortcut.weight.t())
+
+
+class TwiceModel(nn.Module):
+    """``block`` runs twice per forward (a weight-shared recurrence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
+
+
+class TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 20, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(self.embed(ids))))
+
+
+def _names(opt: forge_core.ForgeOptimizer) -> set[str]:
+    return set(opt.fused_module_names())
+
+
+def test_bypass_probe_reverts_module_whose_weight_is_read_directly_and_disturbs_nothing() -> None:
+    torch.manual_seed(0)
+    model = BypassModel()
+    model.norm.running_mean.normal_()
+    stale = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = stale[name].clone()
+    weights_before = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    probe_inputs = torch.randn(4, 12)
+    rng_before = torch.get_rng_state()
+    with pytest.warns(UserWarning, match=r"shortcut: the model reads its \.weight outside its forward"):
+        opt = forge_core.fuse(model, lr=1e-2, backend="reference", probe_inputs=probe_inputs)
+    assert _names(opt) == {"body"}
+    assert type(model.shortcut) is nn.Linear and isinstance(model.body, ForgeLinear)
+    assert "shortcut" in opt.excluded_modules
+    assert any(p is model.shortcut.weight for p in opt.fallback_parameters())
+    # The probe updated nothing, restored buffers, kept the RNG stream and the existing grads.
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights_before[name]), name
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    for name, p in model.named_parameters():
+        if name == "body.weight":
+            assert p.grad is None  # a stale grad on a now-fused weight could never be applied
+        else:
+            assert torch.equal(p.grad, stale[name]), name
+
+
+def test_probe_result_trains_bypassed_weight_like_plain_adamw() -> None:
+    torch.manual_seed(1)
+    model = BypassModel().eval()  # eval: no dropout, BN with running stats, deterministic
+    reference_model = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="shortcut"):
+        opt = forge_core.fuse(model, lr=1e-2, backend="reference", probe_inputs=torch.randn(4, 12))
+    reference_opt = torch.optim.AdamW(reference_model.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(6, 12)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        reference_model(x).square().mean().backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    for (name, fused), plain in zip(model.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_module_called_twice_per_forward_is_reverted() -> None:
+    model = TwiceModel()
+    with pytest.warns(UserWarning, match=r"block: its forward ran 2 times"):
+        opt = forge_core.fuse(model, backend="reference", probe_inputs=(torch.randn(2, 8),))
+    assert _names(opt) == {"head"}
+    assert type(model.block) is nn.Linear
+
+
+def test_tied_and_frozen_weights_are_excluded() -> None:
+    model = TiedModel()
+    model.mid.bias.requires_grad_(False)
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    model.frozen = frozen
+    opt = forge_core.fuse(model, backend="reference", probe_inputs={"ids": torch.tensor([[1, 2, 3]])})
+    assert _names(opt) == {"mid"}
+    assert "tied" in opt.excluded_modules["out"] and "frozen" in opt.excluded_modules["frozen"]
+    fallback = opt.fallback_parameters()
+    assert any(p is model.embed.weight for p in fallback)
+    assert not any(p is model.frozen.weight or p is model.mid.bias for p in fallback + opt.fused_parameters())
+    all_params = [p for group in opt.param_groups for p in group["params"]]
+    assert len(all_params) == len({id(p) for p in all_params}) == 2  # embed.weight (= out.weight), mid.weight
+
+
+def test_shared_module_object_is_excluded() -> None:
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(6, 2))
+    opt = forge_core.fuse(model, backend="reference", probe_inputs=torch.randn(2, 6))
+    assert _names(opt) == {"3"}
+    assert "shared" in opt.excluded_modules["0"] and "shared" in opt.excluded_modules["2"]
+
+
+def test_transformers_llama_probe_is_automatic_and_tied_head_excluded() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "probe skipped" warning: inputs come from model.config
+        opt = forge_core.fuse(model, backend="reference")
+    assert len(opt.fused_parameters()) == 7 and "lm_head" in opt.excluded_modules
+    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
+    assert "lm_head" in forge_core.fuse(untied, backend="reference").fused_module_names()
+
+
+@pytest.mark.filterwarnings("ignore:forge_core.fuse. no Linear weight was fused")
+def test_gpt2_conv1d_is_excluded_with_a_warning() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
+                                                                  n_positions=16, bos_token_id=0, eos_token_id=0))
+    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: transformers Conv1D"):
+        opt = forge_core.fuse(model, backend="reference")
+    assert opt.fused_parameters() == []
+    assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fallback_parameters())
+
+
+def test_probe_skipped_warning_without_inputs_or_config() -> None:
+    with pytest.warns(UserWarning, match="bypass probe skipped"):
+        forge_core.fuse(nn.Sequential(nn.Linear(4, 4)), backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forge_core.fuse(nn.Sequential(nn.Linear(4, 4)), backend="reference", probe_inputs=False)
+
+
+def test_clipping_request_raises_and_says_why() -> None:
+    with pytest.raises(ValueError, match="global-norm clipping needs every gradient"):
+        forge_core.fuse(nn.Linear(4, 4), max_grad_norm=1.0, probe_inputs=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"optimizer": "adafactor"}, "unknown optimizer rule"),
+    ({"momentum": 0.9}, r"has no hyper-parameter\(s\) \['momentum'\]"),
+    ({"state_dtype": "fp8"}, "state_dtype must be one of"),
+    ({"accumulate_steps": 0}, "accumulate_steps must be an integer >= 1"),
+    ({"backend": "cuda"}, "backend must be one of"),
+    ({"lr": -1.0}, "Invalid learning rate"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs: dict, message: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=message):
+        forge_core.fuse(model, probe_inputs=False, **kwargs)
+    assert type(model[0]) is nn.Linear  # a failed fuse leaves the model untouched
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        forge_core.fuse(model, backend="triton", probe_inputs=False)
+    assert type(model[0]) is nn.Linear
+    assert forge_core.fuse(model, backend="auto", probe_inputs=False).backend == "reference"
+
+
+def test_auto_backend_uses_the_interpreted_kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert forge_core.fuse(nn.Sequential(nn.Linear(4, 4)), probe_inputs=False).backend == "triton"
+
+
+def test_fusing_twice_is_an_error_and_unfuse_restores_plain_linear() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 3))
+    ids_before = [id(p) for p in model.parameters()]
+    opt = forge_core.fuse(model, lr=0.05, backend="reference", probe_inputs=torch.randn(2, 10))
+    with pytest.raises(ValueError, match="already fused"):
+        forge_core.fuse(model, probe_inputs=False)
+    for _ in range(2):
+        model(torch.randn(4, 10)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    trained = [p.detach().clone() for p in model.parameters()]
+    assert forge_core.unfuse(model) is model
+    assert all(type(m) is nn.Linear for m in (model[0], model[2]))
+    assert [id(p) for p in model.parameters()] == ids_before
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), trained))
+    assert not hasattr(model[0], "forge_updater")
+    # Plain torch training works again; the old ForgeOptimizer refuses to ignore the new grads.
+    model(torch.randn(4, 10)).sum().backward()
+    assert model[0].weight.grad is not None
+    with pytest.raises(RuntimeError, match="has a .grad"):
+        opt.step()
+    again = forge_core.fuse(model, backend="reference", probe_inputs=False)
+    assert len(again.fused_parameters()) == 2
