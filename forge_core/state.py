@@ -6,7 +6,7 @@ int8 format (the spec the fused kernel reproduces exactly):
   ``(Dout, Din)`` state; the last block of a row is ragged when ``Din % 64 != 0`` (its missing
   elements count as 0). ``scale = absmax / 127`` per block, stored in fp32 with shape
   ``(Dout, ceil(Din / 64))``.
-* Code ``q = sign(y) * min(127, floor(|y| / scale + 0.5))`` computed in fp32 (round half away from
+* Code ``q = ±min(127, floor(|y| / scale + 0.5))`` (sign of y; ``+`` for 0) computed in fp32 (round half away from
   zero; ``y / scale`` is an IEEE division in both torch and the kernel). A block with
   ``absmax == 0`` has ``scale = 0`` and all codes 0. Re-quantized from fp32 on every step.
 * Second moments (the rule's ``sqrt_domain_states``, e.g. AdamW's ``exp_avg_sq``) are stored in
@@ -61,7 +61,7 @@ def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool) -> tuple[torch.Tens
     magnitude = torch.where(scale.unsqueeze(-1) > 0, magnitude, torch.zeros_like(magnitude))
     if sqrt_domain:
         magnitude = torch.where(scale.unsqueeze(-1) > 0, magnitude.clamp_min(1.0), magnitude)
-    codes = (torch.sign(blocks) * magnitude).to(torch.int8)
+    codes = torch.where(blocks < 0, -magnitude, magnitude).to(torch.int8)
     codes = codes.reshape(*values.shape[:-1], -1)[..., : values.shape[-1]]
     return codes.contiguous(), scale
 

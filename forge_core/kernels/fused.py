@@ -1,0 +1,453 @@
+"""The fused weight-gradient + optimizer kernel (one Triton kernel for every rule).
+
+Each program owns one ``BM x BN`` tile of W (Dout x Din). It loops over the token axis in
+``BK`` chunks accumulating ``G = dY^T X`` in fp32 registers (``tl.dot``), adds ``grad_accum``
+when given, then loads the W tile and the state tiles (fp32 / bf16 / int8 + per-64-block
+scales), calls the rule's ``@triton.jit`` epilogue, and stores W and the states. G never
+reaches memory. The epilogue is a ``tl.constexpr`` argument, so a new rule needs no change here.
+
+Tile configurations are chosen per (shape, dtypes, state format) by timing candidates on
+scratch copies of W and the states (``tune_config``), so tuning never applies an update to the
+real tensors; the real launch runs once, afterwards. Under ``TRITON_INTERPRET=1`` one small
+fixed configuration is used (tuning in the interpreter would take minutes).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from ..state import QBLOCK, ParamState
+from .reference import check_arguments
+
+_STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
+NUM_SCALARS = 8
+MAX_STATES = 2
+SHARED_MEMORY_BYTES = 227 * 1024          # H100 / H200 per-block opt-in limit
+MAX_ACCUMULATOR_REGISTERS = 128           # fp32 accumulator registers per thread we allow
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (read at call time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    """Whether the fused kernel can run here: a CUDA device, or the Triton interpreter."""
+    return torch.cuda.is_available() or interpreting()
+
+
+# ----------------------------------------------------------------------------------------------
+# Device code
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _to_bf16_nearest_even(value):
+    """fp32 -> bf16, round to nearest even, done on the bit pattern so that the GPU and the
+    interpreter (whose own cast truncates) round alike; inf / NaN pass through unchanged."""
+    bits = value.to(tl.uint32, bitcast=True)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    rounded = tl.where(finite, rounded, bits)
+    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _store_rounded(ptr, value, mask):
+    """Store an fp32 tile into fp32 or bf16 memory (bf16: round to nearest even)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr, _to_bf16_nearest_even(value), mask=mask)
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_state(values_ptr, scales_ptr, offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                QB: tl.constexpr):
+    """A state tile as fp32: load fp32 / bf16 as is, or dequantize int8 codes with block scales."""
+    if KIND == 2:
+        NB: tl.constexpr = BN // QB
+        codes = tl.load(values_ptr + offsets, mask=mask, other=0).to(tl.float32)
+        block_cols = col_block0 + tl.arange(0, NB)
+        scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
+        scales = tl.load(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], mask=scale_mask,
+                         other=0.0)
+        value = tl.reshape(tl.reshape(codes, (BM, NB, QB)) * scales[:, :, None], (BM, BN))
+        if SQRT_DOMAIN:
+            value = value * value
+    else:
+        value = tl.load(values_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, col_block0, n_blocks,
+                 stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, QB: tl.constexpr):
+    """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 (see state.py)."""
+    if KIND == 2:
+        NB: tl.constexpr = BN // QB
+        value = tl.where(mask, value, 0.0)
+        if SQRT_DOMAIN:
+            value = tl.sqrt_rn(tl.maximum(value, 0.0))
+        blocks = tl.reshape(value, (BM, NB, QB))
+        magnitude_in = tl.abs(blocks)
+        scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
+        has_scale = scale > 0.0
+        safe_scale = tl.where(has_scale, scale, 1.0)
+        magnitude = tl.floor(tl.math.div_rn(magnitude_in, safe_scale[:, :, None]) + 0.5)
+        magnitude = tl.minimum(magnitude, 127.0)
+        magnitude = tl.where(has_scale[:, :, None], magnitude, 0.0)
+        if SQRT_DOMAIN:
+            magnitude = tl.where(has_scale[:, :, None], tl.maximum(magnitude, 1.0), magnitude)
+        codes = tl.where(blocks < 0.0, -magnitude, magnitude)
+        codes = tl.reshape(codes, (BM, BN)).to(tl.int8)
+        tl.store(values_ptr + offsets, codes, mask=mask)
+        block_cols = col_block0 + tl.arange(0, NB)
+        scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
+        tl.store(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], scale, mask=scale_mask)
+    else:
+        _store_rounded(values_ptr + offsets, value, mask)
+
+
+@triton.jit
+def _fused_wgrad_update_kernel(
+        X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
+        M, N, K,
+        stride_xk, stride_xn, stride_dyk, stride_dym,
+        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+        c0, c1, c2, c3, c4, c5, c6, c7, seed,
+        EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
+        S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
+        STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
+    # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    programs_per_group = GROUP * tiles_n
+    group_id = pid // programs_per_group
+    first_m = group_id * GROUP
+    group_rows = tl.minimum(tiles_m - first_m, GROUP)
+    pid_m = first_m + (pid % programs_per_group) % group_rows
+    pid_n = (pid % programs_per_group) // group_rows
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    row_mask = offs_m < M
+    col_mask = offs_n < N
+
+    # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
+    dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
+    x_ptrs = X + offs_k[:, None] * stride_xk + offs_n[None, :] * stride_xn           # (BK, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k_chunk in range(0, tl.cdiv(K, BK)):
+        k_left = K - k_chunk * BK
+        dy_tile = tl.load(dy_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        x_tile = tl.load(x_ptrs, mask=(offs_k[:, None] < k_left) & col_mask[None, :], other=0.0)
+        if UPCAST_DOT:
+            # The Triton 3.9 interpreter multiplies bf16 tiles as raw integers; fp32 is exact here
+            # (bf16 x bf16 products are exact in fp32, accumulation is fp32 either way).
+            acc = tl.dot(dy_tile.to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE_DOT:
+            acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dy_tile, x_tile, acc)
+        dy_ptrs += BK * stride_dyk
+        x_ptrs += BK * stride_xk
+
+    # Epilogue: W and states in, the rule, W and states out. 64-bit row offsets.
+    rows = offs_m.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    grad = acc
+    if HAS_GRAD_ACCUM:
+        grad += tl.load(GRAD_ACCUM + rows[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
+    w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
+    s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
+    weight = tl.load(W + w_offsets, mask=mask, other=0.0).to(tl.float32)
+    col_block0 = pid_n * (BN // QB)
+    n_blocks = tl.cdiv(N, QB)
+    if NUM_STATES >= 1:
+        s0 = _load_state(S0, SCALE0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                         STATE_KIND, S0_SQRT, BM, BN, QB)
+    else:
+        s0 = tl.zeros((BM, BN), dtype=tl.float32)
+    if NUM_STATES >= 2:
+        s1 = _load_state(S1, SCALE1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                         STATE_KIND, S1_SQRT, BM, BN, QB)
+    else:
+        s1 = tl.zeros((BM, BN), dtype=tl.float32)
+
+    weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7)
+
+    if NUM_STATES >= 1:
+        _store_state(S0, SCALE0, s0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                     STATE_KIND, S0_SQRT, BM, BN, QB)
+    if NUM_STATES >= 2:
+        _store_state(S1, SCALE1, s1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                     STATE_KIND, S1_SQRT, BM, BN, QB)
+    if STOCHASTIC_ROUNDING:
+        # Add 16 random low bits to the fp32 pattern, then truncate to bf16: unbiased rounding.
+        linear = (rows[:, None] * N + offs_n[None, :]).to(tl.uint32)
+        noise = tl.randint(seed, linear) & 0xFFFF
+        bits = weight.to(tl.uint32, bitcast=True)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        rounded = tl.where(finite, (bits + noise) & 0xFFFF0000, bits)
+        tl.store(W + w_offsets, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+    else:
+        _store_rounded(W + w_offsets, weight, mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of the fused kernel."""
+    block_m: int
+    block_n: int
+    block_k: int
+    group: int
+    num_warps: int
+    num_stages: int
+
+    def shared_memory_bytes(self, input_bytes: int) -> int:
+        """Shared memory of the software pipeline: ``stages`` buffers of the dY and X tiles."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * input_bytes
+
+    def accumulator_registers(self) -> int:
+        """fp32 accumulator registers per thread."""
+        return self.block_m * self.block_n // (32 * self.num_warps)
+
+
+TILE_SIZES = (64, 128, 256)
+K_CHUNKS = (32, 64, 128)
+GROUPS = (8, 16, 32)
+WARPS = (4, 8)
+STAGES = (2, 3, 4, 5, 6)
+INTERPRETER_CONFIG = TileConfig(32, 64, 32, 8, 4, 1)
+
+
+def config_space() -> list[TileConfig]:
+    """Every configuration the issue names: tiles {64,128,256}^2, BK {32,64,128}, GROUP {8,16,32},
+    warps {4,8}, stages 2..6."""
+    return [TileConfig(bm, bn, bk, group, warps, stages)
+            for bm in TILE_SIZES for bn in TILE_SIZES for bk in K_CHUNKS for group in GROUPS
+            for warps in WARPS for stages in STAGES]
+
+
+def fits(config: TileConfig, input_bytes: int) -> bool:
+    """Prune what cannot run well: pipeline shared memory over the H100 limit, or an fp32
+    accumulator needing more than ``MAX_ACCUMULATOR_REGISTERS`` registers per thread."""
+    return (config.shared_memory_bytes(input_bytes) <= SHARED_MEMORY_BYTES
+            and config.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
+
+
+def _pow2_at_least(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+# (BM, BN, warps) worth timing: 4 warps up to 128x128 tiles, 8 warps from 128x128 up.
+SHORTLIST_TILES = ((64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
+
+
+def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConfig]:
+    """The small set worth timing for one shape (GROUP fixed at 8; ``tune_config`` then tries the
+    other GROUP values on the winner).
+
+    From ``config_space()`` minus what does not ``fit``, keep: the (tile, warps) pairs of
+    ``SHORTLIST_TILES`` (64x64 too when the weight is that small) no larger than the weight
+    rounded up to a power of two; BK = 64, plus BK = 128 for 128x128 tiles on 8 warps; per
+    (tile, warps, BK) two pipeline depths: the deepest that fits (at most 4 and at most the number
+    of K chunks), and 2, the shallow one that leaves shared memory for a second resident program
+    when few tokens make the step memory-bound.
+    """
+    chosen: list[TileConfig] = []
+    max_m, max_n = max(64, _pow2_at_least(m)), max(64, _pow2_at_least(n))
+    shortlist = set(SHORTLIST_TILES)
+    if max_m <= 64 or max_n <= 64:
+        shortlist.add((64, 64, 4))
+    for config in config_space():
+        bm, bn, bk, warps = config.block_m, config.block_n, config.block_k, config.num_warps
+        if config.group != 8 or (bm, bn, warps) not in shortlist or not fits(config, input_bytes):
+            continue
+        if bm > max_m or bn > max_n:
+            continue
+        if bk != 64 and not (bk == 128 and (bm, bn, warps) == (128, 128, 8)):
+            continue
+        k_chunks = max(1, math.ceil(k / bk))
+        deepest = max(s for s in STAGES if fits(TileConfig(bm, bn, bk, 8, warps, s), input_bytes))
+        deep = max(2, min(4, deepest, k_chunks))
+        if config.num_stages not in {2, deep}:
+            continue
+        chosen.append(config)
+    return chosen
+
+
+def default_config(m: int, n: int, k: int, input_bytes: int) -> TileConfig:
+    """The untuned choice (``FORGE_AUTOTUNE=0`` or tuning impossible): 128x128 tiles; a shallow
+    pipeline when few tokens make the epilogue's memory traffic dominate."""
+    if k <= 1024:
+        return TileConfig(128, 128, 64, 8, 8, 2)
+    return TileConfig(128, 128, 64, 8, 8, 4)
+
+
+_TUNED: dict[tuple, TileConfig] = {}
+
+
+def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[TileConfig], None],
+                time_ms: Callable[[Callable[[], None]], float],
+                groups: Iterable[int] = GROUPS) -> tuple[TileConfig, dict[TileConfig, float]]:
+    """Time each candidate with ``run_on_scratch`` (which must only touch scratch copies), then
+    the other GROUP values on the fastest; return the winner and every timing. A candidate that
+    fails to compile or launch (out of resources) is skipped."""
+    timings: dict[TileConfig, float] = {}
+
+    def measure(config: TileConfig) -> None:
+        try:
+            timings[config] = float(time_ms(lambda: run_on_scratch(config)))
+        except Exception as error:  # noqa: BLE001 - resource errors differ between Triton versions
+            if "OutOfResources" not in type(error).__name__ and "out of resource" not in str(error).lower() \
+                    and "CompilationError" not in type(error).__name__:
+                raise
+
+    for config in candidates:
+        measure(config)
+    if not timings:
+        raise RuntimeError("fused_wgrad_update: no tile configuration could run on this device")
+    best = min(timings, key=timings.get)
+    for group in groups:
+        variant = TileConfig(best.block_m, best.block_n, best.block_k, group, best.num_warps, best.num_stages)
+        if variant not in timings:
+            measure(variant)
+    best = min(timings, key=timings.get)
+    return best, timings
+
+
+def use_fixed_config() -> bool:
+    """Whether to skip tuning and use ``INTERPRETER_CONFIG`` (in the interpreter)."""
+    return interpreting()
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("FORGE_AUTOTUNE", "1") != "0"
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
+            states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
+            scalars: tuple[float, ...], seed: int, meta: Mapping[str, Any]) -> None:
+    m, n = weight.shape
+    k = x2.shape[0]
+    placeholder = weight
+    s0 = states[0] if len(states) > 0 else placeholder
+    s1 = states[1] if len(states) > 1 else placeholder
+    scale0 = scales[0] if len(scales) > 0 and scales[0] is not None else placeholder
+    scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else placeholder
+    accum = grad_accum if grad_accum is not None else placeholder
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _fused_wgrad_update_kernel[grid](
+        x2, dy2, weight, s0, s1, scale0, scale1, accum,
+        m, n, k,
+        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+        weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
+        accum.stride(0), accum.stride(1),
+        *scalars, seed,
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
+        num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+
+
+def _bench_ms(fn: Callable[[], None]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def _tuned_config(key: tuple, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta) -> TileConfig:
+    m, n = weight.shape
+    k = x2.shape[0]
+    input_bytes = x2.element_size()
+    if key in _TUNED:
+        return _TUNED[key]
+    if not _autotune_enabled():
+        config = default_config(m, n, k, input_bytes)
+    else:
+        try:
+            scratch_weight = weight.detach().clone()
+            scratch_states = [s.clone() for s in states]
+            scratch_scales = [s.clone() if s is not None else None for s in scales]
+        except torch.OutOfMemoryError:
+            warnings.warn(f"fused_wgrad_update: no memory for tuning scratch copies of a {m}x{n} weight; "
+                          f"using the default tile configuration", RuntimeWarning, stacklevel=3)
+            config = default_config(m, n, k, input_bytes)
+        else:
+            def run_on_scratch(config: TileConfig) -> None:
+                _launch(config, x2, dy2, scratch_weight, scratch_states, scratch_scales, grad_accum, scalars, seed,
+                        meta)
+
+            config, _ = tune_config(candidate_configs(m, n, k, input_bytes), run_on_scratch, _bench_ms)
+            del scratch_weight, scratch_states, scratch_scales
+    _TUNED[key] = config
+    return config
+
+
+def tuned_configs() -> dict[tuple, TileConfig]:
+    """The configurations chosen so far in this process, by tuning key (for logs and benchmarks)."""
+    return dict(_TUNED)
+
+
+def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state: ParamState,
+                       hp: Mapping[str, Any], step: int, *, grad_accum: torch.Tensor | None = None,
+                       stochastic_rounding: bool = False, seed: int = 0, config: TileConfig | None = None) -> None:
+    """One optimizer step of ``state.rule`` on ``weight`` with G = dY^T X, G never materialized.
+
+    ``x``: (..., Din), ``dy``: (..., Dout), same dtype (bf16 / fp16 / fp32); ``weight`` (Dout, Din)
+    bf16 or fp32, updated in place with ``state``. fp32 inputs use IEEE fp32 products unless
+    ``torch.backends.cuda.matmul.allow_tf32`` is set. ``seed`` drives stochastic rounding (vary it
+    per step). ``config`` pins a tile configuration (benchmarks); otherwise one is tuned per shape.
+    """
+    if not triton_available():
+        raise RuntimeError("fused_wgrad_update needs a CUDA device or TRITON_INTERPRET=1; "
+                           "use reference_wgrad_update on this machine")
+    x2, dy2 = check_arguments(x, dy, weight, state, grad_accum)
+    if weight.device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"fused_wgrad_update: tensors are on {weight.device}, the Triton kernel needs CUDA")
+    rule = state.rule
+    if rule.epilogue is None or rule.kernel_scalars is None:
+        raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
+    if len(rule.state_names) > MAX_STATES:
+        raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
+    scalars = tuple(float(c) for c in rule.kernel_scalars(hp, int(step)))
+    if len(scalars) > NUM_SCALARS:
+        raise ValueError(f"rule {rule.name!r} returned {len(scalars)} kernel scalars; at most {NUM_SCALARS}")
+    scalars = scalars + (0.0,) * (NUM_SCALARS - len(scalars))
+    states = [state.values[name] for name in rule.state_names]
+    scales = [state.scales[name] for name in rule.state_names]
+    if any(s.stride() != states[0].stride() for s in states):
+        raise ValueError("all state tensors of one weight must share strides")
+    stochastic = bool(stochastic_rounding) and weight.dtype == torch.bfloat16
+    ieee = x2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    meta = dict(
+        EPILOGUE=rule.epilogue, NUM_STATES=len(states), STATE_KIND=_STATE_KIND[state.state_dtype],
+        S0_SQRT=len(states) > 0 and state.is_sqrt_domain(rule.state_names[0]),
+        S1_SQRT=len(states) > 1 and state.is_sqrt_domain(rule.state_names[1]),
+        HAS_GRAD_ACCUM=grad_accum is not None, STOCHASTIC_ROUNDING=stochastic, IEEE_DOT=ieee,
+        UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16)
+    seed = int(seed) & 0x7FFFFFFF
+    if config is None:
+        if use_fixed_config():
+            config = INTERPRETER_CONFIG
+        else:
+            key = (tuple(weight.shape), x2.shape[0], x2.dtype, weight.dtype, rule.name, state.state_dtype,
+                   grad_accum is not None, stochastic, ieee, str(weight.device))
+            config = _tuned_config(key, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta)
+    elif config.block_n % QBLOCK:
+        raise ValueError(f"block_n must be a multiple of {QBLOCK}, got {config.block_n}")
+    _launch(config, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta)

@@ -1,0 +1,327 @@
+"""The fused Triton kernel (TRITON_INTERPRET=1 on CPU) against the plain-torch reference.
+
+Shapes are deliberately odd (Dout=70, Din=90, BT=100 as 2x50) so every mask is exercised.
+A step of each side starts from identical weights and states; for bf16 / int8 storage the
+two sides may differ by one rounding step where fp32 summation order differs.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import forge_core.kernels.fused as fused_module
+from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
+from forge_core.kernels.fused import (TileConfig, candidate_configs, config_space, default_config, fits,
+                                      tune_config)
+from forge_core.kernels.reference import flatten_tokens
+from forge_core.rules import get_rule
+from forge_core.state import QBLOCK, STATE_DTYPES, ParamState
+
+HP = {
+    "adamw": dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+    "sgd": dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.05),
+    "lion": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+}
+
+
+def _inputs(dout, din, tokens, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*tokens, din, generator=gen).to(dtype)
+    dy = (torch.randn(*tokens, dout, generator=gen) * 0.1).to(dtype)
+    return x, dy
+
+
+def _pair(weight, rule_name, state_dtype):
+    """Two identical (weight, state) copies, with non-trivial state contents."""
+    rule = get_rule(rule_name)
+    states = []
+    for _ in range(2):
+        states.append((weight.clone(), ParamState(weight, rule, state_dtype)))
+    gen = torch.Generator().manual_seed(7)
+    for name in rule.state_names:
+        value = torch.randn(weight.shape, generator=gen)
+        value = value.abs() * 1e-2 if name in rule.sqrt_domain_states else value * 0.1
+        for _, state in states:
+            state.store(name, value)
+    return states
+
+
+def _copy_state(dst: ParamState, src: ParamState):
+    dst.load_state_dict({k: v.clone() for k, v in src.state_dict().items()})
+
+
+def _assert_storage_close(ours, ref, what):
+    """fp32: 1e-6 relative to the tensor's scale; bf16: within one bf16 step; int8: codes within 1."""
+    if ours.dtype == torch.int8:
+        assert (ours.int() - ref.int()).abs().max().item() <= 1, what
+        assert (ours != ref).float().mean().item() < 0.01, what
+    elif ours.dtype == torch.bfloat16:
+        ours32, ref32 = ours.float(), ref.float()
+        step = ref32.abs() * 2.0 ** -7 + 1e-30
+        assert torch.all((ours32 - ref32).abs() <= step * 1.01), what
+        assert (ours32 != ref32).float().mean().item() < 0.02, what
+    else:
+        scale = ref.abs().max().item()
+        assert (ours - ref).abs().max().item() <= 1e-6 * scale + 1e-12, what
+
+
+def _compare_step(x, dy, pair, rule_name, step, **kwargs):
+    (w_fused, s_fused), (w_ref, s_ref) = pair
+    hp = HP[rule_name]
+    before = w_fused.clone()
+    fused_wgrad_update(x, dy, w_fused, s_fused, hp, step, **kwargs)
+    reference_wgrad_update(x, dy, w_ref, s_ref, hp, step, **kwargs)
+    assert not torch.equal(w_fused, before), "the fused step changed nothing"
+    _assert_storage_close(w_fused, w_ref, f"weight at step {step}")
+    for name in s_ref.values:
+        _assert_storage_close(s_fused.values[name], s_ref.values[name], f"{name} at step {step}")
+        if s_ref.scales[name] is not None:
+            torch.testing.assert_close(s_fused.scales[name], s_ref.scales[name], rtol=2e-6, atol=0)
+    # continue both from the fused side's result, so each step is compared from equal inputs
+    w_ref.copy_(w_fused)
+    _copy_state(s_ref, s_fused)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["w32", "w16"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+@pytest.mark.parametrize("rule_name", ["adamw", "sgd", "lion"])
+def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
+    x, dy = _inputs(70, 90, (2, 50))
+    weight = torch.randn(70, 90).to(weight_dtype)
+    pair = _pair(weight, rule_name, state_dtype)
+    for step in (1, 2):
+        _compare_step(x, dy, pair, rule_name, step)
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(input_dtype):
+    x, dy = _inputs(70, 90, (100,), input_dtype, seed=3)
+    pair = _pair(torch.randn(70, 90), "adamw", "fp32")
+    _compare_step(x, dy, pair, "adamw", 1)
+
+
+@pytest.mark.parametrize("din", [70, 4100])
+def test_int8_ragged_blocks(din):
+    x, dy = _inputs(3, din, (40,), seed=din)
+    pair = _pair(torch.randn(3, din), "adamw", "int8")
+    assert pair[0][1].scales["exp_avg"].shape == (3, -(-din // QBLOCK))
+    for step in (1, 2):
+        _compare_step(x, dy, pair, "adamw", step)
+
+
+@pytest.mark.parametrize("rule_name,optimizer", [
+    ("adamw", lambda p, hp: torch.optim.AdamW(p, **hp, foreach=False)),
+    ("sgd", lambda p, hp: torch.optim.SGD(p, **hp, foreach=False)),
+])
+def test_fp32_fused_steps_match_torch_optim(rule_name, optimizer):
+    hp = dict(HP[rule_name])
+    if rule_name == "sgd":
+        hp = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.05)
+    weight = torch.randn(70, 90)
+    state = ParamState(weight, get_rule(rule_name), "fp32")
+    fused_weight = weight.clone()
+    param = torch.nn.Parameter(weight.clone())
+    opt = optimizer([param], hp)
+    for step in (1, 2, 3):
+        x, dy = _inputs(70, 90, (2, 50), seed=10 + step)
+        fused_wgrad_update(x, dy, fused_weight, state, hp, step)
+        param.grad = dy.reshape(-1, 70).t() @ x.reshape(-1, 90)
+        opt.step()
+        torch.testing.assert_close(fused_weight, param.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_grad_accum_is_added_before_the_rule():
+    x1, dy1 = _inputs(70, 90, (60,), seed=1)
+    x2, dy2 = _inputs(70, 90, (40,), seed=2)
+    accum = dy1.t() @ x1
+    weight = torch.randn(70, 90)
+    (w_fused, s_fused), (w_ref, s_ref) = _pair(weight, "adamw", "fp32")
+    fused_wgrad_update(x2, dy2, w_fused, s_fused, HP["adamw"], 1, grad_accum=accum)
+    reference_wgrad_update(torch.cat([x1, x2]), torch.cat([dy1, dy2]), w_ref, s_ref, HP["adamw"], 1)
+    torch.testing.assert_close(w_fused, w_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s_fused.values["exp_avg"], s_ref.values["exp_avg"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("update", [fused_wgrad_update, reference_wgrad_update], ids=["fused", "reference"])
+def test_stochastic_rounding_is_unbiased_between_neighbours(update):
+    ulp = 2.0 ** -7                      # bf16 spacing in [1, 2)
+    fraction = 0.3
+    weight = torch.ones(70, 90, dtype=torch.bfloat16)
+    state = ParamState(weight, get_rule("sgd"), "fp32")
+    x = torch.full((1, 90), -fraction * ulp)
+    dy = torch.ones(1, 70)                 # G = -0.3 ulp everywhere; w <- 1 + 0.3 ulp
+    update(x, dy, weight, state, dict(lr=1.0), 1, stochastic_rounding=True, seed=123)
+    values = weight.float()
+    assert torch.all((values == 1.0) | (values == 1.0 + ulp))
+    up = (values == 1.0 + ulp).float().mean().item()
+    sigma = (fraction * (1 - fraction) / values.numel()) ** 0.5
+    assert abs(up - fraction) < 5 * sigma
+    # deterministic per seed, different across seeds
+    again = torch.ones(70, 90, dtype=torch.bfloat16)
+    update(x, dy, again, ParamState(again, get_rule("sgd"), "fp32"), dict(lr=1.0), 1, stochastic_rounding=True, seed=123)
+    other = torch.ones(70, 90, dtype=torch.bfloat16)
+    update(x, dy, other, ParamState(other, get_rule("sgd"), "fp32"), dict(lr=1.0), 1, stochastic_rounding=True, seed=9)
+    assert torch.equal(again, weight) and not torch.equal(other, weight)
+
+
+def test_round_to_nearest_without_stochastic_rounding():
+    weight = torch.ones(70, 90, dtype=torch.bfloat16)
+    x = torch.full((1, 90), -0.3 * 2.0 ** -7)
+    fused_wgrad_update(x, torch.ones(1, 70), weight, ParamState(weight, get_rule("sgd"), "fp32"), dict(lr=1.0), 1)
+    assert torch.all(weight == 1.0)
+
+
+class _AllocationWatcher(TorchDispatchMode):
+    """Records every fp32 tensor of at least ``numel`` elements a torch op creates (new storage)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.found = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        in_storages = {a.untyped_storage().data_ptr() for a in inputs}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.numel \
+                    and t.untyped_storage().data_ptr() not in in_storages:
+                self.found.append(str(func))
+        return out
+
+
+def test_fused_step_never_allocates_a_weight_shaped_fp32_tensor():
+    x, dy = _inputs(70, 90, (2, 50), torch.bfloat16)
+    for update, should_allocate in ((reference_wgrad_update, True), (fused_wgrad_update, False)):
+        weight = torch.randn(70, 90, dtype=torch.bfloat16)
+        state = ParamState(weight, get_rule("adamw"), "bf16")
+        with _AllocationWatcher(70 * 90) as watcher:
+            update(x, dy, weight, state, HP["adamw"], 1)
+        assert bool(watcher.found) == should_allocate, (update.__name__, watcher.found)
+
+
+def test_three_d_inputs_are_flattened_as_views():
+    x = torch.randn(2, 50, 90)
+    assert flatten_tokens(x, 90, "x").data_ptr() == x.data_ptr()
+    assert flatten_tokens(x, 90, "x")._base is x
+    sliced = torch.randn(2, 50, 180)[..., :90]          # row-strided: still one 2-D view
+    flat = flatten_tokens(sliced, 90, "x")
+    assert flat.data_ptr() == sliced.data_ptr() and flat.stride() == (180, 1)
+    pair = _pair(torch.randn(70, 90), "sgd", "fp32")
+    dy = torch.randn(2, 50, 140)[..., ::2]              # column-strided dY
+    _compare_step(sliced, dy, pair, "sgd", 1)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.randn(10, 91)), r"x must have shape"),
+    (dict(dy=torch.randn(11, 70)), "tokens"),
+    (dict(x=torch.randn(10, 90, dtype=torch.float64)), "dtypes"),
+    (dict(x=torch.randn(10, 90).bfloat16()), "share a dtype"),
+    (dict(weight=torch.randn(70, 90).half()), "weight dtype"),
+    (dict(grad_accum=torch.randn(70, 90).bfloat16()), "grad_accum"),
+])
+@pytest.mark.parametrize("update", [fused_wgrad_update, reference_wgrad_update], ids=["fused", "reference"])
+def test_bad_arguments_raise_clear_errors(update, bad, match):
+    args = dict(x=torch.randn(10, 90), dy=torch.randn(10, 70), weight=torch.randn(70, 90), grad_accum=None)
+    args.update(bad)
+    state = ParamState(torch.zeros(70, 90), get_rule("adamw"), "fp32")
+    with pytest.raises(ValueError, match=match):
+        update(args["x"], args["dy"], args["weight"], state, HP["adamw"], 1, grad_accum=args["grad_accum"])
+
+
+def test_config_space_pruning():
+    space = config_space()
+    assert len(space) == 3 * 3 * 3 * 3 * 2 * 5
+    for m, n, k in [(4096, 4096, 512), (1024, 4096, 8192), (128256, 4096, 2048), (70, 90, 100)]:
+        for input_bytes in (2, 4):
+            candidates = candidate_configs(m, n, k, input_bytes)
+            assert 1 <= len(candidates) <= 16
+            assert all(fits(c, input_bytes) for c in candidates)
+            assert all(c.block_n % QBLOCK == 0 for c in candidates)
+            assert all(c.num_stages <= max(2, -(-k // c.block_k)) for c in candidates)
+    assert not fits(TileConfig(256, 256, 128, 8, 8, 6), 2)
+    assert fits(default_config(4096, 4096, 512, 2), 2)
+
+
+def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
+    """The tuner times candidates on scratch copies; the real weight/state see exactly one step."""
+    x, dy = _inputs(70, 90, (100,))
+    (w_real, s_real), (w_ref, s_ref) = _pair(torch.randn(70, 90), "adamw", "int8")
+    candidates = [TileConfig(32, 64, 32, 8, 4, 1), TileConfig(64, 64, 32, 8, 4, 1)]
+    launched = []
+    timed = []
+    original_launch = fused_module._launch
+
+    def tracking_launch(config, *args, **kwargs):
+        launched.append((config, args[2].data_ptr()))     # args[2] is the weight the kernel writes
+        return original_launch(config, *args, **kwargs)
+
+    def fake_bench(fn):
+        real_before = w_real.clone(), {k: v.clone() for k, v in s_real.state_dict().items()}
+        for _ in range(3):                                  # a benchmark runs the kernel many times
+            fn()
+        assert torch.equal(w_real, real_before[0]), "tuning touched the real weight"
+        assert all(torch.equal(v, real_before[1][k]) for k, v in s_real.state_dict().items())
+        config = launched[-1][0]
+        timed.append(config)
+        return {32: 2.0, 64: 1.0}[config.block_m] - (0.5 if config.group == 32 else 0.0)
+
+    monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: candidates)
+    monkeypatch.setattr(fused_module, "_bench_ms", fake_bench)
+    monkeypatch.setattr(fused_module, "_launch", tracking_launch)
+    monkeypatch.setattr(fused_module, "use_fixed_config", lambda: False)
+    monkeypatch.setattr(fused_module, "_TUNED", {})
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")
+    fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 1)
+    reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 1)
+    assert [c.block_m for c in timed[:2]] == [32, 64] and {c.group for c in timed[2:]} == {16, 32}
+    real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
+    assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1)], "exactly one real launch, with the winner"
+    assert list(fused_module.tuned_configs().values()) == real_launches
+    _assert_storage_close(w_real, w_ref, "weight after tuned step")
+    for name in s_ref.values:
+        _assert_storage_close(s_real.values[name], s_ref.values[name], name)
+    # a second call with the same key reuses the choice without timing again
+    fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
+    assert len(timed) == 4
+
+
+def test_tune_config_skips_configs_that_do_not_fit_the_device():
+    class OutOfResources(Exception):
+        pass
+
+    ran = []
+
+    def run(config):
+        if config.block_m == 256:
+            raise OutOfResources("shared memory")
+        ran.append(config)
+
+    def time_ms(fn):
+        fn()
+        return {64: 3.0, 128: 1.0}[ran[-1].block_m] - (0.1 if ran[-1].group == 16 else 0.0)
+
+    best, timings = tune_config([TileConfig(bm, 64, 32, 8, 4, 2) for bm in (64, 128, 256)], run, time_ms,
+                                groups=(8, 16))
+    assert best == TileConfig(128, 64, 32, 16, 4, 2)
+    assert all(c.block_m != 256 for c in timings) and len(timings) == 3
+
+    def broken(config):
+        raise ValueError("a real bug must not be swallowed")
+
+    with pytest.raises(ValueError, match="real bug"):
+        tune_config([TileConfig(64, 64, 32, 8, 4, 2)], broken, time_ms)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_changing_lr_does_not_recompile():
+    x, dy = _inputs(256, 256, (128,), torch.bfloat16)
+    x, dy = x.cuda(), dy.cuda()
+    weight = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    state = ParamState(weight, get_rule("adamw"), "bf16")
+    config = default_config(256, 256, 128, 2)
+    fused_wgrad_update(x, dy, weight, state, dict(HP["adamw"], lr=1e-3), 1, config=config)
+    kernel = fused_module._fused_wgrad_update_kernel
+    compiled = sum(len(c) for c in kernel.device_caches.values()) if hasattr(kernel, "device_caches") else None
+    for step, lr in enumerate([2e-3, 5e-4, 1e-5], start=2):
+        fused_wgrad_update(x, dy, weight, state, dict(HP["adamw"], lr=lr), step, config=config)
+    if compiled is not None:
+        assert sum(len(c) for c in kernel.device_caches.values()) == compiled

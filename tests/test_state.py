@@ -1,0 +1,125 @@
+"""forge_core.state: int8 block quantization (the spec the kernel reproduces) and ParamState."""
+import math
+
+import pytest
+import torch
+
+from forge_core.rules import get_rule
+from forge_core.state import (QBLOCK, STATE_DTYPES, ParamState, dequantize_blockwise, num_blocks,
+                              quantize_blockwise)
+
+
+@pytest.mark.parametrize("din", [64, 70, 130, 4100])
+def test_signed_roundtrip_error_is_at_most_half_a_step(din):
+    torch.manual_seed(din)
+    x = torch.randn(5, din) * torch.logspace(-3, 2, 5).unsqueeze(1)
+    q, scale = quantize_blockwise(x, sqrt_domain=False)
+    assert q.dtype == torch.int8 and q.shape == x.shape
+    assert scale.shape == (5, num_blocks(din)) and scale.dtype == torch.float32
+    back = dequantize_blockwise(q, scale, sqrt_domain=False)
+    per_element_scale = scale.repeat_interleave(QBLOCK, dim=1)[:, :din]
+    assert torch.all((back - x).abs() <= per_element_scale * 0.5 * (1 + 1e-5) + 1e-30)
+    # the block maximum is represented exactly by code +-127
+    assert int(q.abs().max()) == 127
+
+
+def test_ragged_last_block_uses_only_its_own_elements():
+    x = torch.zeros(1, 70)
+    x[0, :64] = 100.0          # a big first block
+    x[0, 64:] = torch.linspace(-1, 1, 6)
+    q, scale = quantize_blockwise(x, sqrt_domain=False)
+    assert scale.shape == (1, 2)
+    assert scale[0, 1].item() == pytest.approx(1.0 / 127.0)
+    assert q[0, 64].item() == -127 and q[0, 69].item() == 127
+
+
+def test_round_half_away_from_zero():
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5, 0.49]])
+    q, scale = quantize_blockwise(x, sqrt_domain=False)
+    assert scale.item() == 1.0
+    assert q.tolist() == [[127, 1, -1, 2, -3, 0]]
+
+
+def test_sqrt_domain_keeps_second_moment_positive_and_finite():
+    v = torch.zeros(2, 90)
+    v[0, 0] = 1e4
+    v[0, 1:] = 1e-12            # tiny next to the block max: would round to code 0
+    q, scale = quantize_blockwise(v, sqrt_domain=True)
+    back = dequantize_blockwise(q, scale, sqrt_domain=True)
+    assert torch.all(back[0] > 0) and torch.all(torch.isfinite(back))
+    assert back[0, 1].item() == pytest.approx((math.sqrt(1e4) / 127) ** 2, rel=1e-5)
+    assert back[0, 0].item() == pytest.approx(1e4, rel=1e-5)
+    assert torch.all(back[1] == 0)      # an all-zero block stays exactly zero
+    assert torch.all(scale[1] == 0)
+
+
+def test_sqrt_domain_clamps_negative_inputs():
+    q, scale = quantize_blockwise(torch.tensor([[-1.0, 4.0]]), sqrt_domain=True)
+    back = dequantize_blockwise(q, scale, sqrt_domain=True)
+    assert torch.all(back >= 0)
+
+
+def test_quantize_rejects_empty_and_dequantize_checks_shapes():
+    with pytest.raises(ValueError, match="non-empty"):
+        quantize_blockwise(torch.zeros(3, 0), sqrt_domain=False)
+    with pytest.raises(ValueError, match="int8"):
+        dequantize_blockwise(torch.zeros(2, 64), torch.zeros(2, 1), sqrt_domain=False)
+    with pytest.raises(ValueError, match="scale shape"):
+        dequantize_blockwise(torch.zeros(2, 65, dtype=torch.int8), torch.zeros(2, 1), sqrt_domain=False)
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_param_state_layout_store_and_dequantize(state_dtype):
+    weight = torch.randn(7, 130)
+    state = ParamState(weight, get_rule("adamw"), state_dtype)
+    assert set(state.values) == {"exp_avg", "exp_avg_sq"}
+    expected_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[state_dtype]
+    for name in state.values:
+        assert state.values[name].dtype == expected_dtype and state.values[name].shape == (7, 130)
+        assert torch.all(state.dequantize(name) == 0)
+        if state_dtype == "int8":
+            assert state.scales[name].shape == (7, 3)
+        else:
+            assert state.scales[name] is None
+    value = torch.rand(7, 130)
+    state.store("exp_avg_sq", value)
+    tolerance = {"fp32": 0.0, "bf16": 2 ** -8, "int8": 2.0 / 127}[state_dtype]
+    assert torch.allclose(state.dequantize("exp_avg_sq"), value, rtol=tolerance, atol=tolerance)
+    per_element = {"fp32": 4, "bf16": 2, "int8": 1}[state_dtype]
+    expected_bytes = 2 * 7 * 130 * per_element + (2 * 7 * 3 * 4 if state_dtype == "int8" else 0)
+    assert state.nbytes() == expected_bytes
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_state_dict_round_trip_is_exact(state_dtype):
+    weight = torch.randn(5, 70)
+    state = ParamState(weight, get_rule("adamw"), state_dtype)
+    state.store("exp_avg", torch.randn(5, 70))
+    state.store("exp_avg_sq", torch.rand(5, 70))
+    saved = {k: v.clone() for k, v in state.state_dict().items()}
+    if state_dtype == "int8":
+        assert set(saved) == {"exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"}
+    else:
+        assert set(saved) == {"exp_avg", "exp_avg_sq"}
+    other = ParamState(weight, get_rule("adamw"), state_dtype)
+    other.load_state_dict(saved)
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, saved[key])
+    with pytest.raises(KeyError, match="exp_avg"):
+        other.load_state_dict({})
+    bad = dict(saved)
+    bad["exp_avg"] = saved["exp_avg"][:, :3]
+    with pytest.raises(ValueError, match="expected"):
+        other.load_state_dict(bad)
+
+
+def test_param_state_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="state_dtype"):
+        ParamState(torch.zeros(2, 2), get_rule("sgd"), "fp8")
+    with pytest.raises(ValueError, match="2-D"):
+        ParamState(torch.zeros(4), get_rule("sgd"), "fp32")
+    state = ParamState(torch.zeros(2, 3), get_rule("sgd"), "fp32")
+    with pytest.raises(KeyError, match="no state"):
+        state.dequantize("exp_avg")
+    with pytest.raises(ValueError, match="shape"):
+        state.store("momentum_buffer", torch.zeros(3, 2))
