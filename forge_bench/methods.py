@@ -10,7 +10,9 @@ their adapters live in ``forge_bench/peers.py`` so this file stays a readable re
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -52,6 +54,16 @@ class Method:
     needs_cuda: bool = False
     extra_check: Callable[[], str | None] | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    # The parity gate (forge_bench/cell.py). ``parity_reference`` names the torch optimizer the
+    # arm claims to reproduce ("adamw" or "sgd", run in fp32 with the same hyper-parameters);
+    # None means the arm claims no reference algorithm and the gate does not apply to it.
+    parity_reference: str | None = None
+    # Bound on parity_rms_rel for this arm when it must differ from the suite's (lossy states);
+    # None: the suite's ``parity.tolerance``.
+    parity_tolerance: float | None = None
+    # For ``oom_predicted``: (optimizer-state bytes, gradient bytes alive at the optimizer
+    # boundary) per parameter, given the weight dtype's bytes. None: unknown, counted as 0.
+    bytes_per_param: Callable[[int], tuple[float, float]] | None = None
 
     def unavailable_reason(self, device: str) -> str | None:
         """None when this arm can run on ``device``; otherwise why not, in one line."""
@@ -81,4 +93,162 @@ def get_method(name: str) -> Method:
     except KeyError:
         raise KeyError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}") from None
 
+
+PLUGINS_ENV = "FORGE_BENCH_PLUGINS"
+
+
+class PluginError(ImportError):
+    """A module named in FORGE_BENCH_PLUGINS could not be imported."""
+
+
+def load_plugins() -> list[str]:
+    """Import the comma-separated modules named in ``$FORGE_BENCH_PLUGINS``.
+
+    A plugin module registers extra arms with ``register(Method(...))`` at import time. The
+    runner, every cell process and the CLI call this, so an arm a plugin adds is known
+    everywhere a cell can be planned or run (tests use it for arms that crash, hang or OOM).
+    """
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for module_name in names:
+        try:
+            importlib.import_module(module_name)
+        except Exception as exc:  # any import failure is the same user error
+            raise PluginError(f"{PLUGINS_ENV}: cannot import plugin module {module_name!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    return names
+
 # --- registry entries below (baselines and FORGE arms: forge_bench harness; peers: forge_bench/peers.py) ---
+
+
+def _unique_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters, each once (tied weights appear once in ``parameters()``)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _tensor_bytes(tensors) -> int:
+    return int(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return _tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+class TorchArm:
+    """A model plus an optional stock torch optimizer: forward, backward, step, free the grads.
+
+    Gradients are freed (``set_to_none``) after the optimizer step, so the peak holds the whole
+    gradient pool at the backward-to-optimizer boundary, as in any standard training loop.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, settings: Mapping[str, Any]):
+        self.model = model
+        self.optimizer = optimizer
+        self.settings = dict(settings)
+        self.n_fused_params = 0
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def memory_breakdown(self) -> Mapping[str, int]:
+        params = _unique_parameters(self.model)
+        weights = _tensor_bytes(self.model.parameters())
+        return {
+            "weights": weights,
+            "optimizer_states": _optimizer_state_bytes(self.optimizer),
+            "gradients": _tensor_bytes(params),  # one grad per trainable weight, weight dtype
+        }
+
+
+def _build_no_optimizer(model: nn.Module, cfg: TrainConfig) -> TorchArm:
+    return TorchArm(model, None, {"optimizer": None})
+
+
+def _adamw_builder(impl: str) -> Callable[[nn.Module, TrainConfig], TorchArm]:
+    def build(model: nn.Module, cfg: TrainConfig) -> TorchArm:
+        flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
+        optimizer = torch.optim.AdamW(_unique_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                      weight_decay=cfg.weight_decay, **flags)
+        settings = {"optimizer": "torch.optim.AdamW", "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps,
+                    "weight_decay": cfg.weight_decay, **flags}
+        return TorchArm(model, optimizer, settings)
+    return build
+
+
+def _build_sgd(model: nn.Module, cfg: TrainConfig) -> TorchArm:
+    optimizer = torch.optim.SGD(_unique_parameters(model), lr=cfg.lr, momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay, foreach=True)
+    settings = {"optimizer": "torch.optim.SGD", "lr": cfg.lr, "momentum": cfg.momentum,
+                "weight_decay": cfg.weight_decay, "foreach": True}
+    return TorchArm(model, optimizer, settings)
+
+
+class ForgeArm:
+    """A model whose eligible Linear weights are updated inside their weight-gradient kernel."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, settings: Mapping[str, Any]):
+        self.model = model
+        self.optimizer = optimizer
+        self.settings = dict(settings)
+        self.n_fused_params = int(sum(p.numel() for p in optimizer.fused_parameters()))
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        loss.backward()              # fused weights are updated here, their G never stored
+        self.optimizer.step()        # the fallback optimizer: tied/excluded weights, norms, biases
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def memory_breakdown(self) -> Mapping[str, int]:
+        return {k: int(v) for k, v in self.optimizer.memory_breakdown().items()}
+
+
+def _forge_missing() -> str | None:
+    try:
+        forge_core = importlib.import_module("forge_core")
+    except Exception as exc:
+        return f"forge_core cannot be imported: {type(exc).__name__}: {exc}"
+    if not callable(getattr(forge_core, "fuse", None)):
+        return "forge_core.fuse is not available in this checkout"
+    return None
+
+
+def _forge_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], ForgeArm]:
+    def build(model: nn.Module, cfg: TrainConfig) -> ForgeArm:
+        import forge_core
+
+        optimizer = forge_core.fuse(model, "adamw", lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                    weight_decay=cfg.weight_decay, state_dtype=state_dtype)
+        settings = {"optimizer": "forge_core.fuse(adamw)", "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps,
+                    "weight_decay": cfg.weight_decay, "state_dtype": state_dtype,
+                    "backend": getattr(optimizer, "backend", "auto")}
+        return ForgeArm(model, optimizer, settings)
+    return build
+
+
+# bytes per parameter for oom_predicted: (optimizer states, gradients at the boundary)
+_FORGE_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64}
+
+register(Method("no_optimizer", "baseline", "forward + backward only, no optimizer step: the floor",
+                _build_no_optimizer, bytes_per_param=lambda b: (0.0, float(b))))
+register(Method("adamw_foreach", "baseline", "torch.optim.AdamW(foreach=True), states in the weight dtype",
+                _adamw_builder("foreach"), parity_reference="adamw", bytes_per_param=lambda b: (2.0 * b, float(b))))
+register(Method("adamw_fused", "baseline", "torch.optim.AdamW(fused=True), states in the weight dtype",
+                _adamw_builder("fused"), needs_cuda=True, parity_reference="adamw",
+                bytes_per_param=lambda b: (2.0 * b, float(b))))
+register(Method("sgd", "baseline", "torch.optim.SGD with momentum (foreach)", _build_sgd,
+                parity_reference="sgd", bytes_per_param=lambda b: (float(b), float(b))))
+for _state_dtype, _tolerance in (("fp32", None), ("bf16", None), ("int8", None)):
+    register(Method(f"forge_{_state_dtype}", "forge",
+                    f"FORGE fused wgrad + AdamW update, {_state_dtype} moments (forge_core.fuse)",
+                    _forge_builder(_state_dtype), requires=("forge_core", "triton"), extra_check=_forge_missing,
+                    settings={"state_dtype": _state_dtype}, parity_reference="adamw", parity_tolerance=_tolerance,
+                    bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0)))
+
+# --- peer entries below this line (forge_bench/peers.py adapters) ---

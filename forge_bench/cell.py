@@ -1,0 +1,425 @@
+"""Run ONE cell in this process and write its ONE row.
+
+Order: availability -> predicted memory (GPU) -> parity gate (where the arm claims a reference
+algorithm) -> build the full model -> warm-up -> ``repeats`` x ``timed_steps`` timed steps
+(CUDA events on a GPU, wall clock on a CPU) with the peak-memory counters reset at the start of
+the timed window and NVML read just before and after it.
+
+The runner (runner.py) starts this module as ``python -m forge_bench.cell`` in a fresh process
+per cell. An out-of-memory error on the first attempt exits with ``EXIT_OOM_RETRY`` and no row;
+the runner then retries once in a new process (the whole cache freed) and this module writes
+the ``oom`` row if the second attempt fails too. Any other exception propagates: the process
+dies with the traceback on stderr and the runner writes the ``crashed`` row.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from forge_bench import methods as methods_mod
+from forge_bench import models as models_mod
+from forge_bench import results, telemetry
+from forge_bench.suite import Cell, Suite, load_suite
+
+EXIT_OOM_RETRY = 75      # "out of memory, please retry me in a fresh process"
+MAX_ATTEMPTS = 2
+GIB = float(2 ** 30)
+BATCH_POOL = 4           # distinct synthetic batches the timed steps cycle through
+PARITY_BATCH_SEED = 10_000
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Diverged(RuntimeError):
+    """A non-finite loss."""
+
+
+def _check_finite(losses: list[torch.Tensor], where: str) -> list[float]:
+    values = [float(x) for x in torch.stack([l.float().reshape(()) for l in losses]).cpu()]
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise Diverged(f"non-finite loss {values[bad[0]]} at {where} step {bad[0] + 1}")
+    return values
+
+
+# --- the parity gate ---------------------------------------------------------------------
+
+@dataclass
+class ParityResult:
+    rms_rel: float            # the worst tensor's rms(W - W_ref) / rms(W_ref)
+    rms_rel_global: float     # over all parameters together
+    worst_param: str
+    model_label: str
+    steps: int
+
+
+def _reference_optimizer(kind: str, params, cfg: methods_mod.TrainConfig) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 foreach=False)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
+    raise ValueError(f"unknown parity reference {kind!r} (expected 'adamw' or 'sgd')")
+
+
+def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityResult:
+    """``steps`` steps of the arm vs the fp32 torch reference from the same initial weights.
+
+    Big models are gated on a reduced-depth twin (same widths, ``parity.max_layers`` layers), so
+    every Linear shape of the model is exercised. The reference runs first and its final weights
+    are parked on the host, so the gate never holds both models on the device at once.
+    """
+    spec, device = suite.spec, suite.spec.device
+    cfg = suite.spec.train_config()
+    twin_layers = models_mod.reduced_depth(cell.model, spec.parity.max_layers)
+    label = cell.model if twin_layers is None else f"{cell.model} (reduced to {twin_layers} layers)"
+    arm_model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed, num_layers=twin_layers)
+    batches = [models_mod.make_batch(cell.model, cell.batch, cell.seq, device, seed=PARITY_BATCH_SEED + i)
+               for i in range(spec.parity.steps)]
+
+    ref_model = copy.deepcopy(arm_model).float()
+    ref_opt = _reference_optimizer(method.parity_reference, [p for p in ref_model.parameters() if p.requires_grad], cfg)
+    ref_losses = []
+    for batch in batches:
+        loss = ref_model(**batch).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(loss.detach())
+    _check_finite(ref_losses, "parity reference")
+    reference = {name: p.detach().to("cpu", copy=True) for name, p in ref_model.named_parameters()}
+    del ref_model, ref_opt, ref_losses
+    _free_memory(device)
+
+    params_before = dict(arm_model.named_parameters())
+    torch.manual_seed(spec.seed)
+    arm = method.build(arm_model, cfg)
+    losses = [arm.step(batch) for batch in batches]
+    _check_finite(losses, "parity")
+    _sync(device)
+
+    params_after = dict(arm_model.named_parameters())
+    worst, worst_name, diff_sq, ref_sq = 0.0, "", 0.0, 0.0
+    for name, ref in reference.items():
+        got = params_after.get(name, params_before.get(name))
+        if got is None:
+            raise RuntimeError(f"parity: the arm's model has no parameter {name!r} any more")
+        got = got.detach().float().cpu()
+        d = float((got - ref).pow(2).sum())
+        r = float(ref.pow(2).sum())
+        diff_sq += d
+        ref_sq += r
+        if r > 0:
+            rel = math.sqrt(d / r)
+            if not math.isfinite(rel) or rel > worst or not worst_name:
+                worst, worst_name = rel if math.isfinite(rel) else float("inf"), name
+    del arm, arm_model, losses, batches, reference, params_before, params_after
+    _free_memory(device)
+    return ParityResult(worst, math.sqrt(diff_sq / ref_sq) if ref_sq else float("nan"), worst_name, label,
+                        spec.parity.steps)
+
+
+# --- timing --------------------------------------------------------------------------------
+
+@dataclass
+class Timing:
+    run_ms: list[list[float]]
+    losses: list[float]
+    peak_allocated_gib: float | None
+    peak_reserved_gib: float | None
+    peak_reason: str | None
+    memory_breakdown: dict[str, int]
+    n_params: int
+    n_fused_params: int
+    settings: dict[str, Any]
+    nvml: dict[str, Any] = field(default_factory=dict)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100])."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def timing_columns(run_ms: list[list[float]], tokens_per_step: int) -> dict[str, Any]:
+    """Per-run medians and IQR/median spreads, the median of medians, tail percentiles."""
+    medians = [statistics.median(r) for r in run_ms]
+    spreads = [(_percentile(r, 75) - _percentile(r, 25)) / statistics.median(r) for r in run_ms]
+    every = [x for r in run_ms for x in r]
+    median = statistics.median(medians)
+    return {
+        "step_ms_median": median,
+        "step_ms_run_medians": medians,
+        "step_ms_run_spreads": spreads,
+        "step_ms_spread_max": max(spreads),
+        "step_ms_p10": _percentile(every, 10),
+        "step_ms_p90": _percentile(every, 90),
+        "step_ms_all": every,
+        "tokens_per_s": tokens_per_step / (median / 1000.0),
+    }
+
+
+def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
+    spec, device = suite.spec, suite.spec.device
+    on_cuda = device.startswith("cuda")
+    model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    torch.manual_seed(spec.seed)
+    arm = method.build(model, spec.train_config())
+    batches = [models_mod.make_batch(cell.model, cell.batch, cell.seq, device, seed=spec.seed + i)
+               for i in range(BATCH_POOL)]
+
+    warm = [arm.step(batches[i % BATCH_POOL]) for i in range(spec.warmup_steps)]
+    if warm:
+        _check_finite(warm, "warm-up")
+    del warm
+    breakdown = {k: int(v) for k, v in arm.memory_breakdown().items()}
+    _sync(device)
+
+    nvml_before = telemetry.nvml_snapshot(torch.device(device).index or 0) if on_cuda else None
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    run_ms: list[list[float]] = []
+    losses: list[torch.Tensor] = []
+    step_index = 0
+    for _ in range(spec.repeats):
+        if on_cuda:
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
+            for i in range(spec.timed_steps):
+                starts[i].record()
+                losses.append(arm.step(batches[step_index % BATCH_POOL]))
+                ends[i].record()
+                step_index += 1
+            torch.cuda.synchronize()
+            run_ms.append([s.elapsed_time(e) for s, e in zip(starts, ends)])
+        else:
+            times = []
+            for _ in range(spec.timed_steps):
+                t0 = time.perf_counter()
+                losses.append(arm.step(batches[step_index % BATCH_POOL]))
+                times.append((time.perf_counter() - t0) * 1000.0)
+                step_index += 1
+            run_ms.append(times)
+    if on_cuda:
+        peak_alloc = torch.cuda.max_memory_allocated() / GIB
+        peak_reserved = torch.cuda.max_memory_reserved() / GIB
+        peak_reason = None
+        nvml = telemetry.nvml_columns(nvml_before, telemetry.nvml_snapshot(torch.device(device).index or 0))
+    else:
+        peak_alloc = peak_reserved = None
+        peak_reason = "CPU run: torch keeps no peak-memory counter for CPU tensors"
+        nvml = telemetry.cpu_nvml_columns()
+    values = _check_finite(losses, "timed")
+    settings = {**dict(method.settings), **dict(getattr(arm, "settings", {}) or {})}
+    return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
+                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml)
+
+
+# --- memory prediction ---------------------------------------------------------------------
+
+def predicted_bytes(cell: Cell, method: methods_mod.Method) -> dict[str, int]:
+    """A low estimate of what the cell needs: weights + states + gradients + activations."""
+    dtype_bytes = torch.empty((), dtype=models_mod.torch_dtype(cell.dtype)).element_size()
+    n = models_mod.param_count(cell.model)
+    states, grads = method.bytes_per_param(dtype_bytes) if method.bytes_per_param else (0.0, 0.0)
+    parts = {
+        "weights": n * dtype_bytes,
+        "optimizer_states": int(n * states),
+        "gradients": int(n * grads),
+        "activations": models_mod.activation_bytes_estimate(cell.model, cell.batch, cell.seq, dtype_bytes),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def oom_prediction(cell: Cell, method: methods_mod.Method, device: str) -> str | None:
+    """A reason when free device memory clearly cannot hold the cell, else None."""
+    if not device.startswith("cuda"):
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    need = predicted_bytes(cell, method)
+    if need["total"] <= free:
+        return None
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in need.items() if k != "total")
+    return f"needs at least {need['total'] / GIB:.1f} GiB ({parts}) but {free / GIB:.1f} GiB is free"
+
+
+# --- the row -------------------------------------------------------------------------------
+
+def base_row(suite: Suite, cell: Cell, method: methods_mod.Method | None, run_id: str, attempt: int) -> dict[str, Any]:
+    spec = suite.spec
+    return {
+        "run_id": run_id, "suite_name": suite.name, "suite_hash": suite.sha256, "cell_id": cell.cell_id,
+        "model": cell.model, "method": cell.method, "method_family": method.family if method else None,
+        "method_settings": dict(method.settings) if method else None,
+        "batch": cell.batch, "seq": cell.seq, "dtype": cell.dtype, "device_type": spec.device_type,
+        "attempts": attempt, "warmup_steps": spec.warmup_steps, "timed_steps": spec.timed_steps,
+        "repeats": spec.repeats,
+        "parity_steps": spec.parity.steps if (spec.parity.enabled and method and method.parity_reference) else 0,
+        "parity_tolerance": (method.parity_tolerance or spec.parity.tolerance) if method else None,
+        "timing_method": "cuda_events" if spec.device_type == "cuda" else "wall_clock",
+        **telemetry.environment(spec.device),
+        "driver_version": telemetry.driver_version() if spec.device_type == "cuda" else None,
+    }
+
+
+def _finish(row: dict[str, Any], t_start: float, extra: dict[str, Any]) -> dict[str, Any]:
+    row["finished_at"] = _now()
+    row["wall_s"] = time.time() - t_start
+    row["extra"] = extra or None
+    return row
+
+
+def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
+    """Measure ``cell`` and write its row; returns the process exit code (0, or EXIT_OOM_RETRY)."""
+    t_start = time.time()
+    started = _now()
+    method = methods_mod.METHODS.get(cell.method)
+    row = base_row(suite, cell, method, run_id, attempt)
+    row["started_at"] = started
+    extra: dict[str, Any] = {}
+    device = suite.spec.device
+
+    reason = None
+    if method is None:
+        reason = f"method {cell.method!r} is not registered in this process"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        reason = f"suite device is {device} but no CUDA device is visible"
+    else:
+        reason = method.unavailable_reason(device)
+    if reason:
+        row.update(status="unavailable", reason=reason)
+        results.write_row(out_dir, _finish(row, t_start, extra))
+        return 0
+
+    try:
+        predicted = oom_prediction(cell, method, device)
+        if predicted:
+            row.update(status="oom_predicted", reason=predicted)
+            results.write_row(out_dir, _finish(row, t_start, extra))
+            return 0
+
+        if row["parity_steps"]:
+            parity = run_parity(suite, cell, method)
+            row.update(parity_rms_rel=parity.rms_rel, parity_model=parity.model_label)
+            extra.update(parity_rms_rel_global=parity.rms_rel_global, parity_worst_param=parity.worst_param)
+            if not parity.rms_rel <= row["parity_tolerance"]:
+                row.update(status="parity_fail",
+                           reason=f"parity rms-rel {parity.rms_rel:.3g} > tolerance {row['parity_tolerance']:.3g} "
+                                  f"after {parity.steps} steps vs fp32 {method.parity_reference} "
+                                  f"(worst: {parity.worst_param})")
+                results.write_row(out_dir, _finish(row, t_start, extra))
+                return 0
+
+        timing = run_timing(suite, cell, method)
+    except Diverged as exc:
+        row.update(status="diverged", reason=str(exc))
+        results.write_row(out_dir, _finish(row, t_start, extra))
+        return 0
+    except BaseException as exc:
+        if not is_oom(exc):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        del exc
+        _free_memory(device)
+        if attempt < MAX_ATTEMPTS:
+            print(f"forge_bench.cell: out of memory on attempt {attempt}: {message}", file=sys.stderr)
+            return EXIT_OOM_RETRY
+        row.update(status="oom", reason=f"out of memory on attempt {attempt} of {MAX_ATTEMPTS} "
+                                        f"(each in a fresh process): {message}"[:1000])
+        results.write_row(out_dir, _finish(row, t_start, extra))
+        return 0
+
+    gib = {k: v / GIB for k, v in timing.memory_breakdown.items()}
+    row.update(
+        status="ok", n_params=timing.n_params, n_fused_params=timing.n_fused_params,
+        method_settings=timing.settings,
+        peak_allocated_gib=timing.peak_allocated_gib, peak_reserved_gib=timing.peak_reserved_gib,
+        peak_reason=timing.peak_reason,
+        mem_weights_gib=gib.get("weights"), mem_optimizer_states_gib=gib.get("optimizer_states"),
+        mem_gradients_gib=gib.get("gradients"),
+        loss_first=timing.losses[0], loss_last=timing.losses[-1],
+        **timing_columns(timing.run_ms, cell.batch * cell.seq), **timing.nvml,
+    )
+    extra["memory_breakdown_bytes"] = timing.memory_breakdown
+    results.write_row(out_dir, _finish(row, t_start, extra))
+    return 0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the sweep that spawned it dies (``kill -9`` of the
+    sweep must not leave a cell running on the GPU); elsewhere a watchdog thread does it."""
+    import ctypes
+    import os
+    import signal
+    import threading
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except Exception:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:           # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m forge_bench.cell",
+                                     description="Run one cell of a suite in this process and write its row.")
+    parser.add_argument("--suite", required=True, help="suite YAML file")
+    parser.add_argument("--cell-id", required=True)
+    parser.add_argument("--out", required=True, help="results folder")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--attempt", type=int, default=1)
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="die with this process (the sweep): set by the runner")
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
+    suite = load_suite(args.suite)
+    return run_cell(suite, suite.cell(args.cell_id), args.out, args.run_id, args.attempt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""``forge-bench``: sweep suites one process per cell, inspect the set-up, build reports.
+
+Runs installed (``forge-bench ...``) or from a source tree (``python3 -m forge_bench.cli ...``
+with the repository root on PYTHONPATH). Bad input is a one-line error and exit code 2;
+nothing already written is touched by a refused command.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="FORGE benchmark harness: measure training-step time and peak memory of FORGE against "
+         "every alternative, one process per cell, into atomic parquet rows.",
+)
+out_console = Console()
+err_console = Console(stderr=True)
+
+EXIT_BAD_INPUT = 2
+EXIT_CHECK_FAILED = 1
+
+
+def _fail(message: str) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from forge_bench.methods import PluginError
+    from forge_bench.models import ModelError
+    from forge_bench.results import ResultsError
+    from forge_bench.runner import RunnerError
+    from forge_bench.suite import SuiteError
+
+    return SuiteError, RunnerError, PluginError, ResultsError, ModelError
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    try:
+        if value != value:   # NaN
+            return "-"
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+_STATUS_STYLE = {"ok": "green", "parity_fail": "red", "crashed": "red", "diverged": "red", "timeout": "red",
+                 "oom": "yellow", "oom_predicted": "yellow", "unavailable": "dim"}
+
+
+def _summary_table(outcomes, title: str) -> Table:
+    table = Table(title=title, show_lines=False)
+    for name, justify in (("cell", "left"), ("status", "left"), ("step ms", "right"), ("spread", "right"),
+                          ("peak GiB", "right"), ("tok/s", "right"), ("note", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for o in outcomes:
+        r = o.row
+        style = _STATUS_STYLE.get(o.status, "")
+        note = (r.get("reason") or "") if o.status != "ok" else ""
+        if o.skipped:
+            note = ("(from an earlier run) " + note).strip()
+        table.add_row(o.cell.label, f"[{style}]{o.status}[/]" if style else o.status,
+                      _fmt(r.get("step_ms_median")), _fmt(r.get("step_ms_spread_max"), ".1%"),
+                      _fmt(r.get("peak_allocated_gib")), _fmt(r.get("tokens_per_s"), ",.0f"), note[:160])
+    return table
+
+
+@app.command()
+def sweep(
+    suite: Annotated[Optional[Path], typer.Argument(help="suite YAML; default: the CPU smoke suite shipped in the package")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="results folder (default results/<suite name>)")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="run only the cells that have no row yet, under the same run id")] = False,
+    only: Annotated[Optional[str], typer.Option("--only", help="comma-separated patterns on grid/model/bB/sS/method labels; a plain word matches a substring, e.g. 'headline' or '*/b1/s512/forge_*'")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the cells and what would happen, run nothing, write nothing")] = False,
+    check: Annotated[Optional[Path], typer.Option("--check", help="baseline parquet (file or folder): exit 1 when a FORGE arm's median step time regresses by more than --tolerance vs its rows of the same device, model, shape and method")] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="allowed slow-down for --check, as a fraction", min=0.0)] = 0.10,
+    allow_mixed: Annotated[bool, typer.Option("--allow-mixed", help="allow a different suite's rows in the same --out")] = False,
+) -> None:
+    """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
+    from forge_bench import results as results_mod
+    from forge_bench import runner
+    from forge_bench.suite import load_suite
+
+    try:
+        loaded = load_suite(suite)
+        cells = loaded.select(only)
+        if not cells:
+            raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "
+                        f"(labels look like {loaded.cells[0].label!r})")
+        out_dir = out or Path("results") / loaded.name
+        baseline = results_mod.load_results(check) if check is not None else None
+        run_id, _manifest, done = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+
+    todo = [c for c in cells if c.cell_id not in done]
+    err_console.print(f"suite [bold]{loaded.name}[/] ({loaded.path}, hash {loaded.sha256}): {len(cells)} of "
+                      f"{len(loaded.cells)} cells selected, {len(cells) - len(todo)} already done; "
+                      f"out {out_dir}; run {run_id}", highlight=False)
+    if dry_run:
+        _print_plan(loaded, cells, done)
+        return
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console,
+                  transient=False) as progress:
+        task = progress.add_task("starting", total=len(todo))
+
+        def on_start(cell, index, total):
+            progress.update(task, description=f"{cell.label}")
+
+        def on_done(outcome):
+            if not outcome.skipped:
+                progress.advance(task)
+                progress.console.print(f"  {outcome.cell.label}: {outcome.status}"
+                                       + (f" {outcome.row.get('step_ms_median'):.2f} ms"
+                                          if outcome.status == "ok" and outcome.row.get('step_ms_median') else ""),
+                                       highlight=False)
+
+        try:
+            run_id, outcomes = runner.run_sweep(loaded, cells, out_dir, resume=resume, allow_mixed=allow_mixed,
+                                                on_start=on_start, on_done=on_done, tick=progress.refresh)
+        except _user_errors() as exc:
+            raise _fail(str(exc)) from None
+        progress.update(task, description="done")
+
+    out_console.print(_summary_table(outcomes, f"{loaded.name}: run {run_id}"))
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    out_console.print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())) + f"  rows in {out_dir}",
+                      highlight=False)
+
+    if baseline is not None:
+        current = results_mod.load_results(out_dir)
+        current = current[current["cell_id"].isin({c.cell_id for c in cells})]
+        failures, notes = runner.check_against_baseline(current, baseline, tolerance)
+        for line in notes:
+            out_console.print(f"  check: {line}", highlight=False)
+        for line in failures:
+            err_console.print(f"[bold red]REGRESSION[/] {line}", highlight=False)
+        if failures:
+            raise typer.Exit(EXIT_CHECK_FAILED)
+        out_console.print(f"check passed: no FORGE arm slower than baseline by more than {tolerance:.0%}")
+
+
+def _print_plan(loaded, cells, done) -> None:
+    from forge_bench.methods import METHODS
+
+    table = Table(title=f"{loaded.name}: plan (dry run)")
+    for col in ("cell", "cell id", "plan"):
+        table.add_column(col, overflow="fold")
+    for c in cells:
+        reason = METHODS[c.method].unavailable_reason(loaded.spec.device)
+        plan = "done (kept)" if c.cell_id in done else (f"unavailable: {reason}" if reason else "run")
+        table.add_row(c.label, c.cell_id, plan)
+    out_console.print(table)
+    s = loaded.spec
+    out_console.print(f"device {s.device}, dtype {s.dtype}, warm-up {s.warmup_steps}, {s.repeats} x {s.timed_steps} "
+                      f"timed steps, parity {'on' if s.parity.enabled else 'off'} ({s.parity.steps} steps, tolerance "
+                      f"{s.parity.tolerance}), timeout {s.timeout_s:g} s per cell", highlight=False)
+
+
+@app.command()
+def cell(
+    suite: Annotated[Path, typer.Option("--suite", help="suite YAML")],
+    cell_id: Annotated[str, typer.Option("--cell-id", help="the cell's id (see sweep --dry-run)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="results folder")],
+    run_id: Annotated[str, typer.Option("--run-id", help="run id to record")] = "manual",
+    attempt: Annotated[int, typer.Option("--attempt", help="attempt number (OOM retry)")] = 1,
+) -> None:
+    """(internal) Run ONE cell in this process and write its row; the sweep calls this per cell."""
+    from forge_bench.cell import run_cell
+    from forge_bench.suite import load_suite
+
+    try:
+        loaded = load_suite(suite)
+        target = loaded.cell(cell_id)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(run_cell(loaded, target, out, run_id, attempt))
+
+
+@app.command("list")
+def list_(
+    device: Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda when visible)")] = None,
+) -> None:
+    """List the models and methods, and why any method cannot run on this machine."""
+    import torch
+
+    from forge_bench import methods as methods_mod
+    from forge_bench import models as models_mod
+
+    try:
+        methods_mod.load_plugins()
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    models_table = Table(title="models (forge_bench/configs)")
+    for col in ("name", "params", "layers", "max seq", "mirrors", "about"):
+        models_table.add_column(col, overflow="fold")
+    for spec in models_mod.MODEL_ZOO.values():
+        models_table.add_row(spec.name, f"{models_mod.param_count(spec.name) / 1e9:.3f} B",
+                             str(models_mod.num_layers(spec.name)), str(models_mod.max_seq_len(spec.name)),
+                             spec.source, spec.description)
+    out_console.print(models_table)
+    methods_table = Table(title=f"methods (on {device})")
+    for col in ("name", "family", "parity ref", "available", "about"):
+        methods_table.add_column(col, overflow="fold")
+    for m in methods_mod.METHODS.values():
+        reason = m.unavailable_reason(device)
+        methods_table.add_row(m.name, m.family, m.parity_reference or "-",
+                              "[green]yes[/]" if reason is None else f"[red]no[/]: {reason}", m.description)
+    out_console.print(methods_table)
+
+
+@app.command()
+def env() -> None:
+    """Show the device, library versions, source identity and an NVML snapshot."""
+    import torch
+
+    from forge_bench import telemetry
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    info = {**telemetry.environment(device), "driver_version": telemetry.driver_version()}
+    table = Table(title="environment")
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    for key, value in info.items():
+        table.add_row(key, str(value))
+    if device == "cuda":
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            table.add_row(f"cuda:{i} memory", f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
+    snap = telemetry.nvml_snapshot(0)
+    for key, value in snap.items():
+        table.add_row(f"nvml {key}", "-" if value is None else str(value))
+    out_console.print(table)
+
+
+@app.command()
+def report(
+    results_dir: Annotated[Path, typer.Argument(help="results folder (or parquet file) of one or more sweeps")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default reports/<results folder name>)")] = None,
+) -> None:
+    """Build tables (Markdown + LaTeX) and figures from sweep results."""
+    if not results_dir.exists():
+        raise _fail(f"{results_dir}: no such results folder or file")
+    try:
+        from forge_bench.report import build_report
+    except ImportError as exc:
+        raise _fail(f"the report builder is not available in this checkout ({exc})") from None
+    out_dir = out or Path("reports") / results_dir.resolve().name
+    try:
+        written = build_report(results_dir, out_dir)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    out_console.print(f"report written to {out_dir}" + (f" ({len(written)} files)" if isinstance(written, (list, tuple)) else ""))
+
+
+@app.command()
+def kernel(
+    out: Annotated[Path, typer.Option("--out", "-o", help="results folder for the kernel benchmark")] = Path("results/kernel"),
+    quick: Annotated[bool, typer.Option("--quick", help="a few shapes only (CI / CPU interpreter)")] = False,
+) -> None:
+    """Time the fused wgrad+update kernel per Llama-3.1-8B Linear shape against cuBLAS + torch AdamW and its roofline."""
+    try:
+        from forge_bench.kernel_bench import main as kernel_main
+    except ImportError as exc:
+        raise _fail(f"the kernel benchmark is not available in this checkout ({exc})") from None
+    frame = kernel_main(out, quick=quick)
+    if frame is not None and len(frame):
+        table = Table(title=f"kernel benchmark -> {out}")
+        cols = list(frame.columns)[:10]
+        for c in cols:
+            table.add_column(str(c), overflow="fold")
+        for _, row in frame.head(60).iterrows():
+            table.add_row(*[_fmt(row[c], ".3g") if isinstance(row[c], float) else str(row[c]) for c in cols])
+        out_console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""One process per cell: spawn, time-limit, OOM retry, crash capture, resume.
+
+A sweep writes into one results folder:
+
+* ``manifest.json``: the run id(s) and the suite(s) the folder holds (written atomically);
+* ``<cell_id>.parquet``: one row per finished cell (``forge_bench.results.write_row``);
+* ``logs/<cell_id>.attempt<N>.{out,err}``: each cell process's stdout and stderr.
+
+Every cell ends in exactly one row whatever happens to its process: the cell writes ``ok``,
+``parity_fail``, ``diverged``, ``unavailable``, ``oom_predicted`` or ``oom`` itself; this module
+writes ``timeout`` (killed at the suite's ``timeout_s``) and ``crashed`` (the process died
+without a row; the row keeps its stderr tail). ``--resume`` skips cell ids that already have a
+row, so a ``kill -9`` of the sweep loses no written row and duplicates none. The cell process
+dies with the sweep (Linux parent-death signal), so a killed sweep leaves nothing running.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from forge_bench import methods as methods_mod
+from forge_bench import results
+from forge_bench.suite import Cell, Suite
+
+MANIFEST = "manifest.json"
+LOG_DIR = "logs"
+STDERR_TAIL_LINES = 40
+STDERR_TAIL_CHARS = 4000
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class RunnerError(ValueError):
+    """A results folder that this sweep must not write into (one line)."""
+
+
+# --- the manifest ----------------------------------------------------------------------------
+
+def _utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    path = Path(out_dir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunnerError(f"{path}: unreadable manifest ({exc}); move it away or use another --out") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise RunnerError(f"{path}: not a forge-bench manifest (no 'runs' list)")
+    return data
+
+
+def _write_manifest(out_dir: Path, data: dict[str, Any]) -> None:
+    path = Path(out_dir) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def new_run_id(suite: Suite) -> str:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{suite.name}-{secrets.token_hex(3)}"
+
+
+def plan_run(out_dir: Path, suite: Suite, *, resume: bool, allow_mixed: bool) -> tuple[str, dict[str, Any] | None, set[str]]:
+    """Decide the run id without writing: (run_id, manifest to write or None, cell ids already done).
+
+    Refuses (``RunnerError``) to add a different suite to a folder unless ``allow_mixed``, and
+    to start over a folder that already holds rows of this suite unless ``resume``.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunnerError(f"{out_dir}: --out exists and is not a folder")
+    manifest = read_manifest(out_dir)
+    done = results.completed_cell_ids(out_dir)
+    suite_ids = {c.cell_id for c in suite.cells}
+    if manifest is None:
+        if done:
+            raise RunnerError(f"{out_dir}: holds {len(done)} result rows but no {MANIFEST}; use an empty --out")
+        run_id = new_run_id(suite)
+        manifest = {"format": 1, "runs": [_run_entry(suite, run_id)]}
+        return run_id, manifest, set()
+    runs = manifest["runs"]
+    mine = next((r for r in runs if r.get("suite_hash") == suite.sha256), None)
+    if mine is None:
+        if runs and not allow_mixed:
+            other = runs[-1]
+            raise RunnerError(
+                f"{out_dir}: holds results of suite {other.get('suite_name')!r} (hash {other.get('suite_hash')}), "
+                f"not {suite.name!r} (hash {suite.sha256}); use another --out, or --allow-mixed to add it")
+        run_id = new_run_id(suite)
+        runs.append(_run_entry(suite, run_id))
+        return run_id, manifest, set()
+    already = done & suite_ids
+    if already and not resume:
+        raise RunnerError(f"{out_dir}: already holds {len(already)} of {len(suite_ids)} cells of suite {suite.name!r} "
+                          f"(run {mine['run_id']}); add --resume to run only the missing cells, or use another --out")
+    mine.setdefault("resumed_at", []).append(_utc())
+    return mine["run_id"], manifest, already
+
+
+def _run_entry(suite: Suite, run_id: str) -> dict[str, Any]:
+    return {"run_id": run_id, "suite_name": suite.name, "suite_hash": suite.sha256, "suite_path": str(suite.path),
+            "cells": len(suite.cells), "created_at": _utc()}
+
+
+# --- one cell process ------------------------------------------------------------------------
+
+@dataclass
+class CellOutcome:
+    cell: Cell
+    status: str
+    row: dict[str, Any] = field(default_factory=dict)
+    skipped: bool = False     # already done (resume)
+
+
+def _child_env() -> dict[str, str]:
+    """The cell process must import this very source tree (no install needed on a GPU box)."""
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def stderr_tail(path: Path) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    tail = "\n".join(text.rstrip().splitlines()[-STDERR_TAIL_LINES:])
+    return tail[-STDERR_TAIL_CHARS:] or None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, timeout_s: float,
+               tick: Callable[[], None] | None = None) -> tuple[int | None, Path]:
+    """Run the cell process; returns (exit code or None when killed at the timeout, stderr file)."""
+    log_dir = out_dir / LOG_DIR
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out_path = log_dir / f"{cell.cell_id}.attempt{attempt}.out"
+    err_path = log_dir / f"{cell.cell_id}.attempt{attempt}.err"
+    cmd = [sys.executable, "-m", "forge_bench.cell", "--suite", str(suite.path), "--cell-id", cell.cell_id,
+           "--out", str(out_dir), "--run-id", run_id, "--attempt", str(attempt), "--parent-pid", str(os.getpid())]
+    with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(),
+                                cwd=os.getcwd(), start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=min(0.25, max(0.0, deadline - time.monotonic()))), err_path
+                except subprocess.TimeoutExpired:
+                    if tick:
+                        tick()
+                    if time.monotonic() >= deadline:
+                        _kill_group(proc)
+                        return None, err_path
+        except BaseException:
+            _kill_group(proc)   # Ctrl-C or an error here: never leave a cell running
+            raise
+
+
+def _load_row(out_dir: Path, cell_id: str) -> dict[str, Any] | None:
+    path = results.row_path(out_dir, cell_id)
+    if not path.exists():
+        return None
+    return results.load_table(path).to_pylist()[0]
+
+
+def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str, reason: str,
+                tail: str | None, wall_s: float) -> dict[str, Any]:
+    from forge_bench.cell import base_row
+
+    row = base_row(suite, cell, methods_mod.METHODS.get(cell.method), run_id, attempt)
+    row.update(status=status, reason=reason, stderr_tail=tail, finished_at=_utc(), wall_s=wall_s)
+    return row
+
+
+def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
+    from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, run_cell
+
+    method = methods_mod.METHODS.get(cell.method)
+    if method is not None and method.unavailable_reason(suite.spec.device) is not None:
+        run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing
+        return _load_row(out_dir, cell.cell_id) or {}
+    t0 = time.monotonic()
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, suite.spec.timeout_s, tick)
+        if rc is None:
+            row = _runner_row(suite, cell, run_id, attempt, "timeout",
+                              f"killed after the per-cell timeout of {suite.spec.timeout_s:g} s",
+                              stderr_tail(err_path), time.monotonic() - t0)
+            results.write_row(out_dir, row)
+            return row
+        if rc == EXIT_OOM_RETRY and attempt < MAX_ATTEMPTS:
+            continue
+        row = _load_row(out_dir, cell.cell_id)
+        if row is not None:
+            return row
+        how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        row = _runner_row(suite, cell, run_id, attempt, "crashed", f"cell process died ({how}) without a row",
+                          stderr_tail(err_path), time.monotonic() - t0)
+        results.write_row(out_dir, row)
+        return row
+    raise AssertionError("unreachable")
+
+
+def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: bool = False,
+              allow_mixed: bool = False,
+              on_start: Callable[[Cell, int, int], None] | None = None,
+              on_done: Callable[[CellOutcome], None] | None = None,
+              tick: Callable[[], None] | None = None) -> tuple[str, list[CellOutcome]]:
+    """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does."""
+    out_dir = Path(out_dir)
+    run_id, manifest, done = plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if manifest is not None:
+        _write_manifest(out_dir, manifest)
+    outcomes: list[CellOutcome] = []
+    for index, cell in enumerate(cells):
+        if cell.cell_id in done:
+            outcome = CellOutcome(cell, (_load_row(out_dir, cell.cell_id) or {}).get("status", "?"),
+                                  _load_row(out_dir, cell.cell_id) or {}, skipped=True)
+        else:
+            if on_start:
+                on_start(cell, index, len(cells))
+            row = run_one(suite, cell, out_dir, run_id, tick)
+            outcome = CellOutcome(cell, row.get("status", "?"), row)
+        outcomes.append(outcome)
+        if on_done:
+            on_done(outcome)
+    return run_id, outcomes
+
+
+# --- regression check against a committed baseline -------------------------------------------
+
+CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method")
+
+
+def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",)) -> tuple[list[str], list[str]]:
+    """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
+    dtype and method. Returns (failures, notes); any failure means a regression (or a FORGE cell
+    that no longer measures), and having nothing to compare is a failure too."""
+    failures: list[str] = []
+    notes: list[str] = []
+    cur = current[current["method_family"].isin(families)]
+    base = baseline[(baseline["method_family"].isin(families)) & (baseline["status"] == "ok")]
+    compared = 0
+    for _, row in cur.iterrows():
+        label = f"{row['model']} b{row['batch']} s{row['seq']} {row['method']} on {row['device_name']}"
+        match = base
+        for key in CHECK_KEYS:
+            match = match[match[key] == row[key]]
+        if match.empty:
+            notes.append(f"{label}: no baseline row")
+            continue
+        ref_ms = float(match["step_ms_median"].median())
+        if row["status"] != "ok":
+            failures.append(f"{label}: status {row['status']} ({row['reason']}), baseline ran at {ref_ms:.2f} ms")
+            compared += 1
+            continue
+        ms = float(row["step_ms_median"])
+        change = ms / ref_ms - 1.0
+        compared += 1
+        line = f"{label}: {ms:.2f} ms vs baseline {ref_ms:.2f} ms ({change:+.1%})"
+        if change > tolerance:
+            failures.append(f"{line} > +{tolerance:.0%}")
+        else:
+            notes.append(line)
+    if compared == 0:
+        devices = sorted(set(cur["device_name"].dropna()))
+        failures.append(f"nothing to compare: the baseline has no ok FORGE rows matching device {devices} "
+                        f"and these models/shapes/methods")
+    return failures, notes

@@ -1,0 +1,273 @@
+"""YAML suite -> validated list of cells.
+
+A suite is one or more grids of models x batch x seq x methods sharing one set of run
+settings (device, dtype, warm-up, timed steps, repeats, parity gate, timeout, optimizer
+hyper-parameters). A file with top-level ``models/batch/seq/methods`` and no ``grids`` is one
+grid named ``main``. Grids let a suite name its headline cell so ``--only headline`` runs it
+alone. A cell that two grids share runs once (the first grid's name is its label).
+
+Errors are one line: ``<file>: <field>: <what was expected>``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from forge_bench import methods as methods_mod
+from forge_bench import models as models_mod
+
+DEFAULT_SUITE = "smoke.yaml"   # shipped inside the package: what `forge-bench sweep` runs without a suite
+DEFAULT_WARMUP = {"cuda": 30, "cpu": 3}
+
+
+class SuiteError(ValueError):
+    """A suite file that cannot be used; the message is one line naming file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class OptimizerSettings(_Strict):
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected two numbers in [0, 1), got {list(betas)}")
+        return betas
+
+
+class ParitySettings(_Strict):
+    enabled: bool = True
+    steps: int = Field(20, ge=1)
+    tolerance: float = Field(0.02, gt=0)
+    max_layers: int = Field(2, ge=1, description="big models are gated on a twin with this many layers")
+
+
+def _names_check(values: list[str], known: dict[str, Any], what: str) -> list[str]:
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} names repeat: {values}")
+    return values
+
+
+class Grid(_Strict):
+    name: str = Field("main", pattern=r"^[A-Za-z0-9_.-]+$")
+    models: list[str] = Field(min_length=1)
+    batch: list[int] = Field(min_length=1)
+    seq: list[int] = Field(min_length=1)
+    methods: list[str] = Field(min_length=1)
+
+    @field_validator("models")
+    @classmethod
+    def _known_models(cls, v: list[str]) -> list[str]:
+        return _names_check(v, models_mod.MODEL_ZOO, "model")
+
+    @field_validator("methods")
+    @classmethod
+    def _known_methods(cls, v: list[str]) -> list[str]:
+        return _names_check(v, methods_mod.METHODS, "method")
+
+    @field_validator("batch", "seq")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        bad = [x for x in v if x < 1]
+        if bad:
+            raise ValueError(f"expected positive integers, got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _seq_fits_models(self) -> "Grid":
+        for model in self.models:
+            limit = models_mod.max_seq_len(model)
+            too_long = [s for s in self.seq if s > limit]
+            if too_long:
+                raise ValueError(f"seq {too_long} too long for model {model!r} (at most {limit} tokens)")
+        return self
+
+
+class SuiteSpec(_Strict):
+    name: str | None = None
+    description: str = ""
+    device: str = Field("cuda", pattern=r"^(cpu|cuda(:\d+)?)$")
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    warmup_steps: int | None = Field(None, ge=0, description="default: 30 on cuda, 3 on cpu")
+    timed_steps: int = Field(20, ge=1)
+    repeats: int = Field(3, ge=1)
+    timeout_s: float = Field(900.0, gt=0, description="per-cell wall-clock limit, process start to row")
+    seed: int = 0
+    optimizer: OptimizerSettings = OptimizerSettings()
+    parity: ParitySettings = ParitySettings()
+    grids: list[Grid] | None = None
+    # the one-grid shorthand
+    models: list[str] | None = None
+    batch: list[int] | None = None
+    seq: list[int] | None = None
+    methods: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_grid_shorthand(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        short = {k: data[k] for k in ("models", "batch", "seq", "methods") if k in data}
+        if short and "grids" in data:
+            raise ValueError("give either 'grids' or top-level models/batch/seq/methods, not both")
+        if not short and "grids" not in data:
+            raise ValueError("expected 'grids' (a list) or top-level models, batch, seq and methods")
+        if short:
+            data = {k: v for k, v in data.items() if k not in short}
+            data["grids"] = [{"name": "main", **short}]
+        return data
+
+    @model_validator(mode="after")
+    def _checks(self) -> "SuiteSpec":
+        if not self.grids:
+            raise ValueError("grids: expected at least one grid")
+        names = [g.name for g in self.grids]
+        if len(set(names)) != len(names):
+            raise ValueError(f"grids: names repeat: {names}")
+        if self.warmup_steps is None:
+            self.warmup_steps = DEFAULT_WARMUP["cpu" if self.device == "cpu" else "cuda"]
+        return self
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.device == "cpu" else "cuda"
+
+    def train_config(self) -> methods_mod.TrainConfig:
+        o = self.optimizer
+        return methods_mod.TrainConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                       momentum=o.momentum, device=self.device)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: a model at one shape with one method, under one suite."""
+    cell_id: str
+    grid: str
+    model: str
+    batch: int
+    seq: int
+    method: str
+    dtype: str
+    device: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.grid}/{self.model}/b{self.batch}/s{self.seq}/{self.method}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    path: Path
+    name: str
+    sha256: str          # first 16 hex of the file's bytes
+    spec: SuiteSpec
+    cells: tuple[Cell, ...]
+
+    def cell(self, cell_id: str) -> Cell:
+        for c in self.cells:
+            if c.cell_id == cell_id:
+                return c
+        raise SuiteError(f"{self.path}: no cell with id {cell_id!r}")
+
+    def select(self, only: str | None) -> list[Cell]:
+        return select_cells(self.cells, only)
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
+
+
+def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str) -> str:
+    """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it."""
+    key = json.dumps([suite_hash, model, batch, seq, method, dtype, device])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}_{digest}"
+
+
+def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
+    """The grid product, in order grid > model > batch > seq > method (arms of one shape adjacent)."""
+    cells: dict[str, Cell] = {}
+    for grid in spec.grids or []:
+        for model in grid.models:
+            for batch in grid.batch:
+                for seq in grid.seq:
+                    for method in grid.methods:
+                        cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device)
+                        cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device))
+    return tuple(cells.values())
+
+
+def select_cells(cells: tuple[Cell, ...] | list[Cell], only: str | None) -> list[Cell]:
+    """Cells whose label matches any comma-separated pattern (glob; a plain word is a substring)."""
+    if not only:
+        return list(cells)
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    globs = [p if any(ch in p for ch in "*?[") else f"*{p}*" for p in patterns]
+    return [c for c in cells if any(fnmatch.fnmatchcase(c.label, g) for g in globs)]
+
+
+def default_suite_path() -> Path:
+    return Path(str(resources.files("forge_bench") / "suites" / DEFAULT_SUITE))
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    errors = err.errors()
+    parts = []
+    for e in errors[:3]:
+        loc = ".".join(f"[{x}]" if isinstance(x, int) else str(x) for x in e["loc"]).replace(".[", "[")
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (a typo?)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        got = e.get("input")
+        detail = f" (got {got!r})" if e["type"] not in ("missing", "value_error") and not isinstance(got, dict) else ""
+        parts.append(f"{loc or '<top level>'}: {msg}{detail}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return f"{path}: " + "; ".join(parts) + more
+
+
+def load_suite(path: str | Path | None = None) -> Suite:
+    """Parse and validate a suite file (None: the smoke suite shipped in the package)."""
+    methods_mod.load_plugins()
+    path = default_suite_path() if path is None else Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SuiteError(f"{path}: cannot read suite file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SuiteError(f"{path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise SuiteError(f"{path}: expected a mapping of suite fields at the top level, got {type(data).__name__}")
+    try:
+        spec = SuiteSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SuiteError(_format_validation_error(path, exc)) from None
+    sha = hashlib.sha256(raw).hexdigest()[:16]
+    name = spec.name or path.stem
+    return Suite(path=path.resolve(), name=name, sha256=sha, spec=spec, cells=expand(spec, sha))

@@ -1,0 +1,207 @@
+"""What a row records about where it was measured: device, versions, source identity, NVML.
+
+Nothing here may crash a cell: a missing NVML library, a CPU-only machine or a tree outside
+git gives nulls plus a one-line reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import socket
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_PACKAGES = ("forge_core", "forge_bench")
+SOURCE_SUFFIXES = (".py", ".json", ".yaml")
+GIT_COMMIT_ENV = "FORGE_BENCH_GIT_COMMIT"   # set where the tree was copied without .git
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:
+        return None
+    return str(getattr(mod, "__version__", None))
+
+
+def versions() -> dict[str, Any]:
+    import torch
+
+    return {
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "triton_version": _version("triton"),
+        "transformers_version": _version("transformers"),
+        "python_version": platform.python_version(),
+    }
+
+
+def _source_files() -> list[Path]:
+    files: list[Path] = []
+    for pkg in SOURCE_PACKAGES:
+        root = REPO_ROOT / pkg
+        if root.is_dir():
+            files += [p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts]
+    return sorted(files)
+
+
+@lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 over the relative paths and bytes of the forge_core/forge_bench sources (16 hex)."""
+    h = hashlib.sha256()
+    for path in _source_files():
+        h.update(str(path.relative_to(REPO_ROOT)).encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+@lru_cache(maxsize=1)
+def git_info() -> dict[str, Any]:
+    """HEAD and whether the library/harness sources differ from it (nulls outside git)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"git_commit": os.environ.get(GIT_COMMIT_ENV) or None, "source_dirty": None}
+    status = _git("status", "--porcelain", "--", *SOURCE_PACKAGES)
+    return {"git_commit": commit.strip(), "source_dirty": bool(status.strip()) if status is not None else None}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: str) -> dict[str, Any]:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        return {"device_name": torch.cuda.get_device_name(index), "device_count": torch.cuda.device_count()}
+    return {"device_name": cpu_name(), "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def environment(device: str) -> dict[str, Any]:
+    """The identity columns every row carries."""
+    return {**device_info(device), **versions(), **git_info(), "source_hash": source_hash(),
+            "hostname": socket.gethostname()}
+
+
+# --- NVML ---------------------------------------------------------------------------------
+
+NVML_FIELDS = ("sm_clock_mhz", "mem_clock_mhz", "sm_clock_max_mhz", "temperature_c", "power_w", "throttle_reasons")
+
+
+def _throttle_names(pynvml: Any, mask: int) -> str:
+    names = []
+    for attr in dir(pynvml):
+        for prefix in ("nvmlClocksEventReason", "nvmlClocksThrottleReason"):
+            if attr.startswith(prefix):
+                bit = getattr(pynvml, attr)
+                name = attr[len(prefix):]
+                if isinstance(bit, int) and bit and name not in ("All", "None", "Unknown") and mask & bit == bit \
+                        and bin(bit).count("1") == 1 and name not in names:
+                    names.append(name)
+    return ",".join(sorted(names)) if names else ("none" if mask == 0 else hex(mask))
+
+
+def _clock_event_reasons(pynvml: Any):
+    """NVML renamed "throttle reasons" to "clocks event reasons"; use whichever this binding has."""
+    return getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+
+
+def nvml_snapshot(device_index: int = 0) -> dict[str, Any]:
+    """SM/memory clocks, temperature, power and throttle reasons; ``reason`` says why any is null."""
+    out: dict[str, Any] = {k: None for k in NVML_FIELDS}
+    out["reason"] = None
+    try:
+        import pynvml
+    except Exception as exc:
+        out["reason"] = f"pynvml not importable: {type(exc).__name__}"
+        return out
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        out["reason"] = f"NVML unavailable: {exc}"
+        return out
+    problems = []
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        probes = {
+            "sm_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "mem_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)),
+            "sm_clock_max_mhz": lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+            "temperature_c": lambda: float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+            "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            "throttle_reasons": lambda: _throttle_names(pynvml, int(_clock_event_reasons(pynvml)(handle))),
+        }
+        for key, probe in probes.items():
+            try:
+                out[key] = probe()
+            except Exception as exc:
+                problems.append(f"{key}: {exc}")
+    except Exception as exc:
+        problems.append(f"device {device_index}: {exc}")
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    if problems:
+        out["reason"] = "; ".join(problems)[:500]
+    return out
+
+
+def driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        return None
+
+
+def nvml_columns(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The row's NVML columns from two snapshots."""
+    cols = {
+        "sm_clock_mhz_before": before["sm_clock_mhz"], "sm_clock_mhz_after": after["sm_clock_mhz"],
+        "mem_clock_mhz_before": before["mem_clock_mhz"], "mem_clock_mhz_after": after["mem_clock_mhz"],
+        "sm_clock_max_mhz": before["sm_clock_max_mhz"] or after["sm_clock_max_mhz"],
+        "temperature_c_before": before["temperature_c"], "temperature_c_after": after["temperature_c"],
+        "power_w_before": before["power_w"], "power_w_after": after["power_w"],
+        "throttle_reasons_before": before["throttle_reasons"], "throttle_reasons_after": after["throttle_reasons"],
+    }
+    reasons = {r for r in (before.get("reason"), after.get("reason")) if r}
+    cols["nvml_reason"] = "; ".join(sorted(reasons)) or None
+    return cols
+
+
+def cpu_nvml_columns(reason: str = "CPU run: no GPU to query") -> dict[str, Any]:
+    empty = {k: None for k in NVML_FIELDS}
+    cols = nvml_columns(empty, empty)
+    cols["nvml_reason"] = reason
+    return cols
