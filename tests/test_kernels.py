@@ -16,6 +16,20 @@ from forge_core.kernels.reference import flatten_tokens
 from forge_core.rules import get_rule
 from forge_core.state import QBLOCK, STATE_DTYPES, ParamState
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _default_device(monkeypatch):
+    """Run every test on the GPU when there is one (the interpreter on CPU otherwise), with the
+    untuned default tile configuration on the GPU (tuning is tested on its own below)."""
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
+    previous = torch.get_default_device()
+    torch.set_default_device(DEVICE)
+    yield
+    torch.set_default_device(previous)
+
+
 HP = {
     "adamw": dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
     "sgd": dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.05),
@@ -25,8 +39,8 @@ HP = {
 
 def _inputs(dout, din, tokens, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(*tokens, din, generator=gen).to(dtype)
-    dy = (torch.randn(*tokens, dout, generator=gen) * 0.1).to(dtype)
+    x = torch.randn(*tokens, din, generator=gen, device="cpu").to(DEVICE, dtype)
+    dy = (torch.randn(*tokens, dout, generator=gen, device="cpu") * 0.1).to(DEVICE, dtype)
     return x, dy
 
 
@@ -38,7 +52,7 @@ def _pair(weight, rule_name, state_dtype):
         states.append((weight.clone(), ParamState(weight, rule, state_dtype)))
     gen = torch.Generator().manual_seed(7)
     for name in rule.state_names:
-        value = torch.randn(weight.shape, generator=gen)
+        value = torch.randn(weight.shape, generator=gen, device="cpu").to(weight.device)
         value = value.abs() * 1e-2 if name in rule.sqrt_domain_states else value * 0.1
         for _, state in states:
             state.store(name, value)

@@ -1,0 +1,264 @@
+"""The kernel benchmark (issue 6): the fused wgrad + AdamW kernel per Llama-3.1-8B Linear shape.
+
+For each shape, token count BT and state dtype it times, on one CUDA device:
+
+* ``fused``: ``forge_core.kernels.fused_wgrad_update`` (bf16 X, dY and W; AdamW; tuned first);
+* ``baseline``: what it replaces, cuBLAS ``dY^T X`` into a bf16 gradient plus torch's fused AdamW
+  (``torch._fused_adamw_``) on that bf16 weight with bf16 moments; ``gemm`` and ``adamw`` alone too;
+* ``roofline``: ``max(gemm_ms, state_bytes / copy_bandwidth)`` with the cuBLAS time of the same
+  GEMM and the device-to-device copy rate measured in the same process; state bytes are W and
+  the two moments (and int8 scales) read and written once (``forge_bench.floor``).
+
+Every time is the median over replays of a CUDA graph that runs the operation once on each of
+several independent input sets (weights, states, activations), enough sets that they do not fit
+in L2 together, so a replay measures HBM traffic, not cache hits, and no launch gaps.
+
+``main(out_dir, shapes=None, bts=None, state_dtypes=None)`` writes ``kernel_bench.parquet`` and
+``kernel_bench.png`` and returns the DataFrame; ``python -m forge_bench.kernel_bench --out DIR
+[--quick]`` runs it from a shell.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from .floor import measure_copy_bandwidth, state_traffic_bytes
+
+LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
+    "q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
+    "gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
+}
+BTS = (512, 2048, 8192)
+STATE_DTYPES = ("fp32", "bf16", "int8")
+QUICK_SHAPES = ("q", "k", "gate", "down")
+QUICK_BTS = (512, 8192)
+ADAMW_HP = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+L2_EVICT_BYTES = 200 * 2 ** 20      # input sets per graph replay until they exceed ~4x H100 L2
+
+
+def require_cuda() -> torch.device:
+    """The CUDA device, or a one-line error saying why the benchmark cannot run."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the kernel benchmark needs a CUDA GPU; torch.cuda.is_available() is False here")
+    return torch.device("cuda")
+
+
+def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replays: int = 20) -> float:
+    """Median ms of one ``call(set)``: capture a CUDA graph running ``call`` once on each set,
+    replay it ``replays`` times between CUDA events, divide by the number of sets."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for item in sets:            # warm-up: JIT, tuning, cuBLAS handles, outside the graph
+            call(item)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for item in sets:
+            call(item)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(sets))
+    del graph
+    return statistics.median(times)
+
+
+def _sets_needed(bytes_per_set: float) -> int:
+    return max(1, min(16, math.ceil(L2_EVICT_BYTES / max(bytes_per_set, 1.0))))
+
+
+def _random(shape, dtype, device, scale=1.0) -> torch.Tensor:
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], device: torch.device,
+                copy_bytes_per_s: float) -> list[dict]:
+    """Rows for one (Dout, Din, BT): baseline and GEMM once, the fused kernel per state dtype."""
+    from forge_core.kernels import fused_wgrad_update
+    from forge_core.kernels.fused import tuned_configs
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    bf16 = torch.bfloat16
+    flops = 2.0 * tokens * dout * din
+    activation_bytes = tokens * (dout + din) * 2
+
+    # what FORGE replaces: bf16 G from cuBLAS, then torch's fused AdamW on bf16 W / m / v
+    n_sets = _sets_needed(dout * din * 2 * 4 + activation_bytes)
+    base_sets = []
+    for _ in range(n_sets):
+        weight = _random((dout, din), bf16, device, 0.02)
+        base_sets.append(dict(x=_random((tokens, din), bf16, device), dy=_random((tokens, dout), bf16, device, 0.01),
+                              weight=weight, grad=torch.empty_like(weight), exp_avg=torch.zeros_like(weight),
+                              exp_avg_sq=torch.zeros_like(weight),
+                              step=torch.ones((), device=device, dtype=torch.float32)))
+
+    def gemm(s):
+        torch.matmul(s["dy"].t(), s["x"], out=s["grad"])
+
+    def adamw(s):
+        torch._fused_adamw_([s["weight"]], [s["grad"]], [s["exp_avg"]], [s["exp_avg_sq"]], [], [s["step"]],
+                            amsgrad=False, lr=ADAMW_HP["lr"], beta1=ADAMW_HP["betas"][0],
+                            beta2=ADAMW_HP["betas"][1], weight_decay=ADAMW_HP["weight_decay"],
+                            eps=ADAMW_HP["eps"], maximize=False, grad_scale=None, found_inf=None)
+
+    def baseline(s):
+        gemm(s)
+        adamw(s)
+
+    gemm_ms = time_graph_ms(gemm, base_sets)
+    adamw_ms = time_graph_ms(adamw, base_sets)
+    baseline_ms = time_graph_ms(baseline, base_sets)
+    del base_sets
+    torch.cuda.empty_cache()
+
+    rows = []
+    rule = get_rule("adamw")
+    for state_dtype in state_dtypes:
+        state_bytes = state_traffic_bytes([(dout, din)], 2.0, state_dtype)
+        n_sets = _sets_needed(state_bytes / 2 + activation_bytes)
+        sets = []
+        for _ in range(n_sets):
+            weight = _random((dout, din), bf16, device, 0.02)
+            state = ParamState(weight, rule, state_dtype)
+            state.store("exp_avg", _random((dout, din), torch.float32, device, 1e-3))
+            state.store("exp_avg_sq", _random((dout, din), torch.float32, device, 1e-3).square())
+            sets.append(dict(x=_random((tokens, din), bf16, device), dy=_random((tokens, dout), bf16, device, 0.01),
+                             weight=weight, state=state))
+
+        def fused(s):
+            fused_wgrad_update(s["x"], s["dy"], s["weight"], s["state"], ADAMW_HP, 10)
+
+        started = time.perf_counter()
+        fused(sets[0])               # tunes (on scratch copies) for this key
+        torch.cuda.synchronize()
+        tune_s = time.perf_counter() - started
+        fused_ms = time_graph_ms(fused, sets)
+        config = [c for k, c in tuned_configs().items() if k[0] == (dout, din) and k[1] == tokens
+                  and k[5] == state_dtype]
+        traffic_ms = state_bytes / copy_bytes_per_s * 1e3
+        roofline_ms = max(gemm_ms, traffic_ms)
+        rows.append(dict(
+            dout=dout, din=din, tokens=tokens, state_dtype=state_dtype,
+            fused_ms=fused_ms, baseline_ms=baseline_ms, gemm_ms=gemm_ms, adamw_ms=adamw_ms,
+            traffic_ms=traffic_ms, roofline_ms=roofline_ms, ratio_to_roofline=fused_ms / roofline_ms,
+            speedup_vs_baseline=baseline_ms / fused_ms,
+            fused_tflops=flops / (fused_ms * 1e-3) / 1e12, gemm_tflops=flops / (gemm_ms * 1e-3) / 1e12,
+            fused_gbps=(state_bytes + activation_bytes) / (fused_ms * 1e-3) / 1e9,
+            state_bytes=state_bytes, copy_gbps=copy_bytes_per_s / 1e9, tune_s=tune_s,
+            config=str(config[-1]) if config else "", input_sets=n_sets))
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(frame, path: Path) -> None:
+    """Ratio to roofline (left) and speed-up over cuBLAS + fused AdamW (right) per shape and BT."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = [f"{r.shape}\nBT={r.tokens}" for r in frame[frame.state_dtype == frame.state_dtype.iloc[0]].itertuples()]
+    positions = range(len(labels))
+    width = 0.8 / max(1, frame.state_dtype.nunique())
+    for offset, (state_dtype, part) in enumerate(frame.groupby("state_dtype", sort=False)):
+        xs = [p + offset * width for p in positions]
+        axes[0].bar(xs, part.ratio_to_roofline, width, label=f"{state_dtype} states")
+        axes[1].bar(xs, part.speedup_vs_baseline, width, label=f"{state_dtype} states")
+    axes[0].axhline(1.15, color="k", ls="--", lw=1, label="target 1.15x")
+    axes[0].set_ylabel("fused time / roofline")
+    axes[1].axhline(1.0, color="k", lw=1)
+    axes[1].set_ylabel("(cuBLAS dY^T X + fused AdamW) / fused")
+    for ax in axes:
+        ax.set_xticks([p + width * (frame.state_dtype.nunique() - 1) / 2 for p in positions])
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.legend(fontsize=8)
+    device = frame.device.iloc[0] if "device" in frame else ""
+    fig.suptitle(f"FORGE fused wgrad + AdamW, Llama-3.1-8B Linear shapes ({device})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None = None,
+         state_dtypes: Sequence[str] | None = None):
+    """Run the benchmark; write ``kernel_bench.parquet`` and ``kernel_bench.png`` under ``out_dir``."""
+    import pandas as pd
+    import triton
+
+    device = require_cuda()
+    shapes = list(shapes or LLAMA_8B_SHAPES)
+    unknown = [s for s in shapes if s not in LLAMA_8B_SHAPES]
+    if unknown:
+        raise ValueError(f"unknown shape names {unknown}; known: {list(LLAMA_8B_SHAPES)}")
+    state_dtypes = list(state_dtypes or STATE_DTYPES)
+    bad = [s for s in state_dtypes if s not in STATE_DTYPES]
+    if bad:
+        raise ValueError(f"unknown state dtypes {bad}; known: {list(STATE_DTYPES)}")
+    bts = [int(b) for b in (bts or BTS)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_bytes_per_s = measure_copy_bandwidth(device)
+    measured: dict[tuple[int, int, int], list[dict]] = {}
+    rows = []
+    for name in shapes:
+        dout, din = LLAMA_8B_SHAPES[name]
+        for tokens in bts:
+            key = (dout, din, tokens)
+            if key not in measured:       # q/o, k/v, gate/up share a shape: measure once
+                measured[key] = bench_shape(dout, din, tokens, state_dtypes, device, copy_bytes_per_s)
+                for row in measured[key]:
+                    print(f"{name:8s} {dout:6d}x{din:<6d} BT={tokens:5d} {row['state_dtype']:4s} "
+                          f"fused {row['fused_ms']:.3f} ms  roofline {row['roofline_ms']:.3f}  "
+                          f"ratio {row['ratio_to_roofline']:.2f}  vs baseline x{row['speedup_vs_baseline']:.2f}",
+                          flush=True)
+            rows.extend(dict(row, shape=name) for row in measured[key])
+    frame = pd.DataFrame(rows)
+    frame["device"] = torch.cuda.get_device_name(device)
+    frame["torch_version"] = torch.__version__
+    frame["triton_version"] = triton.__version__
+    columns = ["shape"] + [c for c in frame.columns if c != "shape"]
+    frame = frame[columns]
+    frame.to_parquet(out / "kernel_bench.parquet", index=False)
+    plot(frame, out / "kernel_bench.png")
+    return frame
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output folder for kernel_bench.parquet / .png")
+    parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, BT {QUICK_BTS}")
+    parser.add_argument("--shapes", nargs="*", help=f"names from {list(LLAMA_8B_SHAPES)}")
+    parser.add_argument("--bts", nargs="*", type=int)
+    parser.add_argument("--state-dtypes", nargs="*")
+    args = parser.parse_args(argv)
+    shapes = args.shapes or (list(QUICK_SHAPES) if args.quick else None)
+    bts = args.bts or (list(QUICK_BTS) if args.quick else None)
+    try:
+        frame = main(args.out, shapes, bts, args.state_dtypes)
+    except (RuntimeError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(frame.to_string(index=False, columns=["shape", "tokens", "state_dtype", "fused_ms", "roofline_ms",
+                                                "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())

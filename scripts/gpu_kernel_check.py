@@ -1,0 +1,293 @@
+"""Check and time the fused wgrad + optimizer kernel on a CUDA GPU (one call of the device tool).
+
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_kernel_check.py --out $OUT 2>&1 | tee $OUT/log.txt
+
+1. correctness: one fused step at each Llama-3.1-8B Linear shape, BT in {512, 4096}, inputs and
+   weight bf16 or fp32, AdamW with fp32 / bf16 / int8 states (and SGD, Lion at one shape), against
+   the torch reference on the same device; plus a pure-GEMM check (SGD, lr=1: W0 - W1 = G);
+2. properties: changing lr does not recompile; the fused call allocates no weight-sized memory;
+3. timing (``--time``): forge_bench.kernel_bench on a subset, tuning tables printed.
+Results go to $OUT/check.jsonl (one JSON object per line, written as they come) and the log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+HP = {"adamw": dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+      "sgd": dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True),
+      "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)}
+
+
+def emit(out: Path, record: dict) -> None:
+    print(json.dumps(record), flush=True)
+    with open(out / "check.jsonl", "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def compare(name: str, ours: torch.Tensor, ref: torch.Tensor, before: torch.Tensor | None = None) -> dict:
+    """Error measures: relative L2 of the difference; for the weight, max |diff| over max |update|."""
+    ours32, ref32 = ours.float(), ref.float()
+    diff = (ours32 - ref32)
+    record = {f"{name}_rel_l2": (diff.norm() / ref32.norm().clamp_min(1e-30)).item()}
+    if ours.dtype == torch.int8:
+        record[f"{name}_max_code_diff"] = int(diff.abs().max().item())
+        record[f"{name}_frac_diff"] = (diff != 0).float().mean().item()
+    elif ours.dtype == torch.bfloat16:
+        record[f"{name}_frac_diff"] = (diff != 0).float().mean().item()
+        ulp = torch.where(ref32 == 0, torch.ones_like(ref32), ref32.abs() * 2.0 ** -7)
+        record[f"{name}_max_diff_over_ulp"] = (diff.abs() / ulp).max().item()
+    if before is not None:
+        update = (ref32 - before.float()).abs().max().item()
+        record[f"{name}_max_diff_over_max_update"] = diff.abs().max().item() / max(update, 1e-30)
+    return record
+
+
+def guarded(out: Path, fn, *args) -> None:
+    """Run one check; an exception becomes an error record instead of ending the script."""
+    try:
+        fn(out, *args)
+    except Exception as error:  # noqa: BLE001
+        import traceback
+        emit(out, dict(kind="error", check=fn.__name__, args=[str(a) for a in args],
+                       error=f"{type(error).__name__}: {str(error)[:500]}", where=traceback.format_exc()[-1500:]))
+        torch.cuda.empty_cache()
+
+
+def check_step(out: Path, label: str, dout: int, din: int, tokens: int, dtype: torch.dtype, rule_name: str,
+               state_dtype: str) -> None:
+    from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    torch.manual_seed(dout + din + tokens)
+    device = "cuda"
+    x = torch.randn(tokens, din, device=device).to(dtype)
+    dy = (torch.randn(tokens, dout, device=device) * 0.01).to(dtype)
+    w0 = (torch.randn(dout, din, device=device) * 0.02).to(dtype)
+    rule = get_rule(rule_name)
+    states = [ParamState(w0, rule, state_dtype) for _ in range(2)]
+    for n in rule.state_names:
+        value = torch.randn(dout, din, device=device)
+        value = value.abs() * 1e-6 if n in rule.sqrt_domain_states else value * 1e-4
+        for state in states:
+            state.store(n, value)
+    del value
+    torch.manual_seed(0)
+    w_fused, w_ref = w0.clone(), w0.clone()
+    started = time.perf_counter()
+    fused_wgrad_update(x, dy, w_fused, states[0], HP[rule_name], 3)
+    torch.cuda.synchronize()
+    fused_s = time.perf_counter() - started
+    reference_wgrad_update(x, dy, w_ref, states[1], HP[rule_name], 3)
+    torch.cuda.synchronize()
+    record = dict(kind="correctness", shape=label, dout=dout, din=din, tokens=tokens, dtype=str(dtype),
+                  rule=rule_name, state_dtype=state_dtype, first_call_s=round(fused_s, 2))
+    record.update(compare("weight", w_fused, w_ref, w0))
+    for n in rule.state_names:
+        record.update(compare(n, states[0].values[n], states[1].values[n]))
+        if states[0].scales[n] is not None:
+            record.update(compare(n + "_scale", states[0].scales[n], states[1].scales[n]))
+    record["finite"] = bool(torch.isfinite(w_fused.float()).all().item())
+    emit(out, record)
+    del x, dy, w0, w_fused, w_ref, states
+    torch.cuda.empty_cache()
+
+
+def check_gemm(out: Path, label: str, dout: int, din: int, tokens: int) -> None:
+    """G itself: an fp32 weight, SGD lr=1 without momentum, so W0 - W1 = G exactly up to rounding."""
+    from forge_core.kernels import fused_wgrad_update
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    torch.manual_seed(1)
+    x = torch.randn(tokens, din, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, dout, device="cuda", dtype=torch.bfloat16)
+    w0 = torch.zeros(dout, din, device="cuda")
+    w = w0.clone()
+    fused_wgrad_update(x, dy, w, ParamState(w, get_rule("sgd"), "fp32"), dict(lr=1.0), 1)
+    g_ref = dy.double().t() @ x.double()
+    g_ours = (w0 - w).double()
+    emit(out, dict(kind="gemm", shape=label, tokens=tokens,
+                   g_rel_l2_vs_fp64=((g_ours - g_ref).norm() / g_ref.norm()).item()))
+    del x, dy, w0, w, g_ref, g_ours
+    torch.cuda.empty_cache()
+
+
+def check_properties(out: Path) -> None:
+    from forge_core.kernels import fused_wgrad_update
+    from forge_core.kernels import fused as fused_module
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    dout, din, tokens = 4096, 4096, 512
+    x = torch.randn(tokens, din, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, dout, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(dout, din, device="cuda", dtype=torch.bfloat16)
+    state = ParamState(w, get_rule("adamw"), "bf16")
+    config = fused_module.default_config(dout, din, tokens, 2)
+    fused_wgrad_update(x, dy, w, state, dict(HP["adamw"], lr=1e-3), 1, config=config)
+    torch.cuda.synchronize()
+    kernel = fused_module._fused_wgrad_update_kernel
+
+    def compiled_count():
+        caches = getattr(kernel, "device_caches", None) or getattr(kernel, "cache", {})
+        total = 0
+        for value in caches.values():
+            total += len(value[0]) if isinstance(value, tuple) else len(value)
+        return total
+
+    before = compiled_count()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for step, lr in enumerate((2e-3, 3e-4, 1e-6), start=2):
+        fused_wgrad_update(x, dy, w, state, dict(HP["adamw"], lr=lr), step, config=config)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    emit(out, dict(kind="properties", compiled_before=before, compiled_after=compiled_count(),
+                   extra_peak_bytes_during_fused=int(extra), weight_fp32_bytes=dout * din * 4))
+
+
+def run_timing(out: Path, shapes, bts, state_dtypes, budget_s: float) -> None:
+    from forge_bench import kernel_bench
+    from forge_core.kernels import fused as fused_module
+
+    original = fused_module.tune_config
+
+    def logged_tune(candidates, run_on_scratch, time_ms, groups=fused_module.GROUPS):
+        best, timings = original(candidates, run_on_scratch, time_ms, groups)
+        emit(out, dict(kind="tuning", best=str(best),
+                       timings={str(c): round(t, 4) for c, t in sorted(timings.items(), key=lambda kv: kv[1])}))
+        return best, timings
+
+    fused_module.tune_config = logged_tune
+    started = time.perf_counter()
+    device = kernel_bench.require_cuda()
+    bandwidth = kernel_bench.measure_copy_bandwidth(device)
+    emit(out, dict(kind="copy_bandwidth", gbps=bandwidth / 1e9))
+    for name in shapes:
+        dout, din = kernel_bench.LLAMA_8B_SHAPES[name]
+        for tokens in bts:
+            if time.perf_counter() - started > budget_s:
+                emit(out, dict(kind="timing_skipped", shape=name, tokens=tokens, reason="time budget"))
+                continue
+            for row in kernel_bench.bench_shape(dout, din, tokens, state_dtypes, device, bandwidth):
+                emit(out, dict(kind="timing", shape=name, **row))
+
+
+def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str, configs) -> None:
+    """Time each tile configuration on rotating input sets; report registers, spills, shared memory."""
+    from forge_bench.kernel_bench import _sets_needed, time_graph_ms
+    from forge_bench.floor import state_traffic_bytes
+    from forge_core.kernels import fused as fused_module
+    from forge_core.kernels import fused_wgrad_update
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    rule = get_rule("adamw")
+    state_bytes = state_traffic_bytes([(dout, din)], 2.0, state_dtype)
+    sets = []
+    for _ in range(_sets_needed(state_bytes / 2)):
+        w = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
+        state = ParamState(w, rule, state_dtype)
+        state.store("exp_avg", torch.randn(dout, din, device="cuda") * 1e-4)
+        state.store("exp_avg_sq", torch.rand(dout, din, device="cuda") * 1e-6)
+        sets.append((torch.randn(tokens, din, device="cuda").bfloat16(),
+                     (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16(), w, state))
+    for config in configs:
+        record = dict(kind="sweep", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, config=str(config))
+        try:
+            handle = None
+            x, dy, w, state = sets[0]
+            scalars = tuple(rule.kernel_scalars(HP["adamw"], 3)) + (0.0,)
+            meta = dict(EPILOGUE=rule.epilogue, NUM_STATES=2, STATE_KIND=fused_module._STATE_KIND[state_dtype],
+                        S0_SQRT=False, S1_SQRT=True, HAS_GRAD_ACCUM=False, STOCHASTIC_ROUNDING=False,
+                        IEEE_DOT=False, UPCAST_DOT=False)
+            started = time.perf_counter()
+            handle = fused_module._launch(config, x, dy, w, [state.values["exp_avg"], state.values["exp_avg_sq"]],
+                                          [state.scales["exp_avg"], state.scales["exp_avg_sq"]], None, scalars, 0,
+                                          meta)
+            torch.cuda.synchronize()
+            record["compile_s"] = round(time.perf_counter() - started, 2)
+            for attr in ("n_regs", "n_spills"):
+                record[attr] = getattr(handle, attr, None)
+            record["shared"] = getattr(getattr(handle, "metadata", None), "shared", None)
+            record["ms"] = time_graph_ms(
+                lambda s: fused_wgrad_update(s[0], s[1], s[2], s[3], HP["adamw"], 3, config=config), sets)
+            traffic_ms = state_bytes / BANDWIDTH[0] * 1e3 if BANDWIDTH else None
+            record["traffic_ms"] = traffic_ms
+        except Exception as error:  # noqa: BLE001 - report and go on
+            record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        emit(out, record)
+    del sets
+    torch.cuda.empty_cache()
+
+
+BANDWIDTH: list[float] = []
+
+
+def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str) -> None:
+    from forge_core.kernels.fused import TileConfig, candidate_configs
+    extra = [TileConfig(64, 128, 64, 8, 8, 2), TileConfig(128, 64, 64, 8, 8, 2), TileConfig(64, 64, 64, 8, 4, 2),
+             TileConfig(64, 128, 64, 8, 8, 3), TileConfig(64, 256, 64, 8, 8, 3)]
+    sweep_configs(out, dout, din, tokens, state_dtype, candidate_configs(dout, din, tokens, 2) + extra)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--time", action="store_true")
+    parser.add_argument("--time-shapes", nargs="*", default=["q", "k", "gate", "down", "lm_head"])
+    parser.add_argument("--time-bts", nargs="*", type=int, default=[512, 8192])
+    parser.add_argument("--time-states", nargs="*", default=["bf16", "int8", "fp32"])
+    parser.add_argument("--time-budget", type=float, default=200.0)
+    parser.add_argument("--sweep", type=int, default=0,
+                        help="time every candidate config for the first N of: q@512 bf16 (before the "
+                             "correctness checks), gate@8192 bf16, q@512 int8, q@512 fp32")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import triton
+    emit(out, dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, autotune=os.environ.get("FORGE_AUTOTUNE", "1")))
+    sweep_cases = [(4096, 4096, 512, "bf16"), (14336, 4096, 8192, "bf16"), (4096, 4096, 512, "int8"),
+                   (4096, 4096, 512, "fp32")][: args.sweep]
+    if sweep_cases:
+        from forge_bench.floor import measure_copy_bandwidth
+        BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
+        emit(out, dict(kind="copy_bandwidth", gbps=BANDWIDTH[0] / 1e9))
+    if sweep_cases:
+        guarded(out, run_sweep, *sweep_cases[0])
+    if not args.skip_correctness:
+        os.environ["FORGE_AUTOTUNE"] = "0"     # correctness with the default tile config: fewer compiles
+        for rule_name in ("sgd", "lion"):
+            for state_dtype in ("fp32", "bf16", "int8"):
+                guarded(out, check_step, "q/o", 4096, 4096, 512, torch.bfloat16, rule_name, state_dtype)
+        for label, (dout, din) in SHAPES.items():
+            for tokens in (512, 4096):
+                guarded(out, check_gemm, label, dout, din, tokens)
+                for dtype in (torch.bfloat16, torch.float32):
+                    for state_dtype in ("fp32", "bf16", "int8"):
+                        guarded(out, check_step, label, dout, din, tokens, dtype, "adamw", state_dtype)
+        guarded(out, check_properties)
+        os.environ["FORGE_AUTOTUNE"] = "1"
+    for case in sweep_cases[1:]:
+        guarded(out, run_sweep, *case)
+    if args.time:
+        run_timing(out, args.time_shapes, args.time_bts, args.time_states, args.time_budget)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
