@@ -91,3 +91,21 @@ def test_llama_bf16_on_gpu_is_no_further_from_fp32_than_torch_bf16_adamw() -> No
     forge_error = _rms_rel(list(forge_bf16.parameters()), reference)
     print(f"\n[llama bf16 on GPU] rms-rel vs fp32: torch AdamW bf16 {torch_error:.3e}, FORGE bf16 {forge_error:.3e}")
     assert forge_error < 1.5 * torch_error + 1e-4
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_llama_with_gradient_checkpointing_matches_torch_adamw(use_reentrant: bool) -> None:
+    """Checkpointing re-runs forwards during backward: each fused weight must still update once."""
+    model = _tiny_llama()
+    reference_model = copy.deepcopy(model)
+    for m in (model, reference_model):
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        m.train()
+    opt = forge_core.fuse(model, backend="reference", **HYPERPARAMETERS)
+    assert len(opt.fused_parameters()) == 14
+    reference_opt = torch.optim.AdamW(reference_model.parameters(), **HYPERPARAMETERS)
+    batches = _batches(3)
+    _train(model, opt, batches)
+    _train(reference_model, reference_opt, batches)
+    assert _rms_rel(list(model.parameters()), list(reference_model.parameters())) < 1e-6
