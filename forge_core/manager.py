@@ -261,7 +261,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     A ``.grad`` already present on a weight that gets fused is dropped (it could never be applied).
 
-    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why).
+    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why). A
+    ``torch.nn.utils.clip_grad_norm_`` call of your own (HF Trainer's default max_grad_norm=1.0)
+    would see, and clip, only the fallback parameters' gradients: turn it off.
+    Data parallelism (DDP/FSDP) is not supported: fused gradients are never all-reduced.
     ``backend``: "auto" (Triton on CUDA; on CPU Triton when TRITON_INTERPRET=1, else the torch
     reference), "triton" or "reference". ``probe_inputs``: inputs for the bypass probe when the
     model is not a transformers model (False: skip the probe).

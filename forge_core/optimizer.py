@@ -270,7 +270,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """torch's layout (``state`` by parameter index, ``param_groups`` with index lists) plus a
         ``forge`` entry. A fused weight's state: ``step`` (float tensor, as torch) and its
         ``ParamState`` tensors (``name`` and, for int8, ``name + "_scale"``). Tensors are references,
-        as in torch: deep-copy or ``torch.save`` it before training on."""
+        as in torch: deep-copy or ``torch.save`` it before training on. Like torch (which never
+        saves ``.grad``), a micro-batch accumulator between ``opt.step()`` calls is not saved:
+        checkpoint at step boundaries."""
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for binding in self._bindings:
