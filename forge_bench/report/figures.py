@@ -8,6 +8,7 @@ Each builder returns ``(paths, note)``: the files written, or none plus a one-li
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -68,12 +69,16 @@ def _step_errors(rows: list[Mapping[str, Any]]) -> np.ndarray:
     return np.array([lower, upper])
 
 
-def _bar_labels(ax, bars, texts: list[str], vertical: bool = False) -> None:
-    """Write each text just past the end of its bar (below a negative bar, above a positive)."""
-    for bar, text in zip(bars, texts):
+def _bar_labels(ax, bars, texts: list[str], vertical: bool = False,
+                tops: list[float] | None = None) -> None:
+    """Write each text just past the end of its bar (below a negative bar, above a positive),
+    or above ``tops`` (e.g. the whisker's end) where given."""
+    for k, (bar, text) in enumerate(zip(bars, texts)):
         if not text:
             continue
         height = bar.get_y() + bar.get_height()
+        if tops is not None and bar.get_height() >= 0:
+            height = max(height, tops[k])
         below = bar.get_height() < 0
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, height),
                     xytext=(0, -2 if below else 2), textcoords="offset points", ha="center",
@@ -111,25 +116,31 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
             ax_mem.margins(y=0.15)
         else:
             reason = as_text(rows[0].get("peak_reason")) or "not recorded"
-            ax_mem.text(0.5, 0.5, f"peak memory not measured\n({reason})", ha="center", va="center",
-                        transform=ax_mem.transAxes, wrap=True)
+            ax_mem.text(0.5, 0.5, "peak memory not measured\n" + textwrap.fill(f"({reason})", 36),
+                        ha="center", va="center", transform=ax_mem.transAxes)
             ax_mem.set_yticks([])
         ax_mem.set_title("Peak memory (label: change vs baseline)")
         steps = [as_number(r.get("step_ms_median")) or 0.0 for r in rows]
-        bars = ax_time.bar(x, steps, yerr=_step_errors(rows), capsize=3,
+        errors = _step_errors(rows)
+        bars = ax_time.bar(x, steps, yerr=errors, capsize=3,
                            color=[colors[r["method"]] for r in rows])
         texts = []
         for row in rows:
             base = find_baseline_row(row, all_rows, base_method)
             texts.append("base" if base is row else
                          ratios.speedup(row, base).text.replace(DIFFERENT_RUN, "n/a"))
-        _bar_labels(ax_time, bars, texts)
+        whisker_tops = [m + up for m, up in zip(steps, errors[1])]
+        _bar_labels(ax_time, bars, texts, tops=whisker_tops)
+        ax_time.set_ylim(0, max(whisker_tops + [1e-9]) * 1.15)
         ax_time.set_ylabel("median step time (ms)")
         ax_time.set_title("Step time, p10–p90 whiskers (label: speed-up)")
         ax_time.margins(y=0.15)
         for ax in (ax_mem, ax_time):
             ax.set_xticks(x, labels, rotation=30, ha="right")
             ax.set_xlabel("method")
+        if all(p is None for p in peaks):
+            ax_mem.set_xticks([])
+            ax_mem.set_xlabel("")
         baseline_text = f"baseline {base_method}" if base_method else "no baseline"
         fig.suptitle(f"{group_title(dict(zip(HEADLINE_KEYS, keys)))} ({baseline_text}; "
                      f"{NOISE_MARK} = inside step-time noise)")
@@ -177,8 +188,9 @@ def _grid_lines(group, keys, shapes, folder, stem, colors) -> list[Path]:
                          yerr=_step_errors([r for _, r in ok]), marker="o", capsize=3,
                          color=colors[method], label=method)
     if not any_peak:
-        ax_mem.text(0.5, 0.5, "peak memory not measured\n(" + (as_text(group["peak_reason"].dropna().iloc[0])
-                    if group["peak_reason"].notna().any() else "no reason recorded") + ")",
+        reason = (as_text(group["peak_reason"].dropna().iloc[0]) if group["peak_reason"].notna().any()
+                  else "no reason recorded")
+        ax_mem.text(0.5, 0.5, "peak memory not measured\n" + textwrap.fill(f"({reason})", 36),
                     ha="center", va="center", transform=ax_mem.transAxes)
     ax_mem.set_ylabel("peak allocated memory (GiB)")
     ax_mem.set_title("Peak memory")
@@ -280,11 +292,17 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -
             ax_time.errorbar(n, [as_number(r.get("step_ms_median")) for r in ok],
                              yerr=_step_errors(ok), marker="o", capsize=3, color=colors[method],
                              label=method)
-        if not any_peak:
-            ax_mem.text(0.5, 0.5, "peak memory not measured", ha="center", va="center",
-                        transform=ax_mem.transAxes)
         sizes = [n for _, n in models if n is not None]
-        for ax in (ax_mem, ax_time):
+        drawn = (ax_mem, ax_time)
+        if not any_peak:
+            reason = (as_text(group["peak_reason"].dropna().iloc[0]) if group["peak_reason"].notna().any()
+                      else "no reason recorded")
+            ax_mem.text(0.5, 0.5, "peak memory not measured\n" + textwrap.fill(f"({reason})", 36),
+                        ha="center", va="center", transform=ax_mem.transAxes)
+            ax_mem.set_xticks([])
+            ax_mem.set_yticks([])
+            drawn = (ax_time,)
+        for ax in drawn:
             ax.set_xscale("log")
             ax.set_xlabel("parameters (log scale)")
             ax.grid(alpha=0.3, which="both")
@@ -341,7 +359,8 @@ def memory_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str |
         ax.set_xticks(x, [r["method"] for r in rows], rotation=30, ha="right")
         ax.set_xlabel("method")
         ax.set_ylabel("memory (GiB)")
-        ax.margins(y=0.12)
+        peaks = [as_number(r.get("peak_allocated_gib")) or 0.0 for r in rows]
+        ax.set_ylim(0, max(list(bottom) + peaks + [1e-9]) * 1.15)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="part")
         note = ("\n(activations + rest unknown where the peak was not measured)" if unknown_rest else "")
         ax.set_title(f"Where memory goes: {group_title(keys)}{note}")

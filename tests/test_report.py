@@ -1,0 +1,393 @@
+"""Tests of ``forge-bench report`` on committed parquet rows from real runs.
+
+The fixture folders are listed in ``report_fixture_folders``; real GPU result sets
+(``results/h100``, ``results/h200``, ``results/b200``) join the parametrized tests automatically
+once they hold parquet files, and more can be named with ``FORGE_REPORT_FIXTURES`` (paths
+separated by ``os.pathsep``). Expected values are computed here straight from the parquet
+files with pyarrow, independently of the report's own pandas path.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from forge_bench.report import NoResultsError, build_report, ratios
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FIXTURES = TESTS / "fixtures"
+SMOKE = FIXTURES / "smoke"
+GRID = FIXTURES / "grid"
+RERUN_PARTIAL = FIXTURES / "smoke_rerun_partial"
+
+
+def _has_parquet(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.rglob("*.parquet"))
+
+
+def report_fixture_folders() -> list[Path]:
+    folders = [SMOKE, GRID]
+    folders += [REPO / "results" / name for name in ("h100", "h200", "b200")]
+    folders += [Path(p) for p in os.environ.get("FORGE_REPORT_FIXTURES", "").split(os.pathsep) if p]
+    return [f for f in folders if _has_parquet(f)]
+
+
+FOLDERS = report_fixture_folders()
+FOLDER_IDS = [str(f.relative_to(REPO)) if REPO in f.parents else str(f) for f in FOLDERS]
+
+
+def raw_rows(folder: Path) -> list[dict]:
+    """Every row under ``folder`` as plain Python values (None for nulls)."""
+    rows = []
+    for path in sorted(folder.rglob("*.parquet")):
+        if not path.name.startswith(".tmp-"):
+            rows += pq.read_table(path).to_pylist()
+    return rows
+
+
+def parse_markdown_tables(text: str) -> dict[str, list[dict[str, str]]]:
+    """{### title: [ {header: cell} ... ]} for every table in a generated Markdown file."""
+    tables: dict[str, list[dict[str, str]]] = {}
+    title, header = None, None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            title, header = line[4:].strip(), None
+            tables[title] = []
+        elif line.startswith("|") and title is not None:
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if header is None:
+                header = cells
+            elif not all(set(c) <= set(":-") for c in cells):
+                tables[title].append(dict(zip(header, cells)))
+        elif not line.strip().startswith("|"):
+            header = None if not line.strip() == "" else header
+    return tables
+
+
+@pytest.fixture(scope="module", params=FOLDERS, ids=FOLDER_IDS)
+def built(request, tmp_path_factory):
+    """(folder, rows, out_dir, index) of one report built from one fixture folder."""
+    folder = request.param
+    out = tmp_path_factory.mktemp("report")
+    index = build_report(folder, out)
+    return folder, raw_rows(folder), out, index
+
+
+def _group_key(row: dict) -> tuple:
+    return (row["device_name"], row["model"], row["dtype"], row["batch"], row["seq"])
+
+
+def _title(key: tuple) -> str:
+    device, model, dtype, batch, seq = key
+    return f"{device} · {model} · {dtype} · batch {batch} × seq {seq}"
+
+
+def _close_to_printed(printed: str, value: float) -> bool:
+    """``printed`` is ``value`` rounded to the digits it shows."""
+    number = float(printed.lstrip("~").rstrip("×%"))
+    decimals = len(printed.split(".")[1].rstrip("×%")) if "." in printed else 0
+    return abs(number - value) <= 0.5 * 10 ** -decimals + 1e-12
+
+
+# --- the headline table equals a hand computation from the parquet rows ---------------------------
+
+def test_fixture_folders_exist():
+    assert _has_parquet(SMOKE), f"committed fixture {SMOKE} is missing"
+    assert _has_parquet(GRID), f"committed fixture {GRID} is missing"
+    assert _has_parquet(RERUN_PARTIAL), f"committed fixture {RERUN_PARTIAL} is missing"
+
+
+def test_headline_values_equal_hand_computation(built):
+    folder, rows, out, _ = built
+    tables = parse_markdown_tables((out / "tables" / "headline.md").read_text())
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_group_key(row), []).append(row)
+    assert set(tables) == {_title(k) for k in groups}
+    checked_ratios = 0
+    for key, group in groups.items():
+        table = tables[_title(key)]
+        assert len(table) == len(group)
+        ok = {m for m in ("adamw_fused", "adamw_foreach")
+              if any(r["method"] == m and r["status"] == "ok" for r in group)}
+        base_method = "adamw_fused" if "adamw_fused" in ok else ("adamw_foreach" if ok else None)
+        several_runs = len({r["run_id"] for r in group}) > 1
+        for row in group:
+            [line] = [t for t in table if t["Method"] == f"`{row['method']}`"
+                      and (not several_runs or t["Run"] == row["run_id"][:8])]
+            assert line["Status"] == row["status"]
+            peak = row["peak_allocated_gib"]
+            assert line["Peak GiB"] == ("—" if peak is None else f"{peak:.2f}")
+            if row["step_ms_median"] is None:
+                assert line["Step ms"] == "—"
+            else:
+                assert _close_to_printed(line["Step ms"], row["step_ms_median"])
+            if row["step_ms_spread_max"] is not None:
+                assert line["Spread"] == f"{row['step_ms_spread_max'] * 100:.1f}%"
+            bases = [r for r in group if r["method"] == base_method and r["status"] == "ok"
+                     and r["run_id"] == row["run_id"]]
+            if base_method is None:
+                assert line["Speed-up"].startswith("n/a")
+            elif bases and bases[0] is row:
+                assert line["Speed-up"] == "baseline" and line["Δ peak"] == "baseline"
+            elif bases and row["status"] == "ok":
+                expected = bases[0]["step_ms_median"] / row["step_ms_median"]
+                assert line["Speed-up"].endswith("×") and _close_to_printed(line["Speed-up"], expected)
+                checked_ratios += 1
+                if peak is not None and bases[0]["peak_allocated_gib"] is not None:
+                    change = (peak - bases[0]["peak_allocated_gib"]) / bases[0]["peak_allocated_gib"] * 100
+                    assert _close_to_printed(line["Δ peak"], change)
+                else:
+                    assert line["Δ peak"] == "n/a (no peak)"
+            elif not bases:
+                assert line["Speed-up"] == ratios.DIFFERENT_RUN
+    assert checked_ratios > 0, "the fixture should hold at least one ratio against a baseline"
+
+
+def test_headline_csv_holds_exact_ratios(built):
+    folder, rows, out, _ = built
+    with (out / "tables" / "headline.csv").open() as fh:
+        records = list(csv.DictReader(fh))
+    assert len(records) == len(rows)
+    by_run_method = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], r["method"]): r for r in rows}
+    for rec in records:
+        if rec["speedup"] in ("", "None"):
+            continue
+        row = by_run_method[(rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]),
+                             int(rec["seq"]), rec["method"])]
+        base = by_run_method[(rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]),
+                              int(rec["seq"]), rec["baseline_method"])]
+        assert float(rec["speedup"]) == pytest.approx(base["step_ms_median"] / row["step_ms_median"], rel=1e-12)
+
+
+def test_baseline_choice_and_caption(built):
+    """adamw_fused where it ran ok in a group, else adamw_foreach, and the caption says which."""
+    _, rows, out, _ = built
+    with (out / "tables" / "headline.csv").open() as fh:
+        records = list(csv.DictReader(fh))
+    text = (out / "tables" / "headline.md").read_text()
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_group_key(row), []).append(row)
+    for key, group in groups.items():
+        ok = {r["method"] for r in group if r["status"] == "ok"}
+        expected = next((m for m in ("adamw_fused", "adamw_foreach") if m in ok), "")
+        got = {r["baseline_method"] for r in records
+               if (r["device_name"], r["model"], r["dtype"], int(r["batch"]), int(r["seq"])) == key}
+        assert got == {expected}
+        if expected == "adamw_fused":
+            assert "Ratios are against torch fused AdamW (`adamw_fused`)." in text
+        elif expected == "adamw_foreach":
+            assert "Ratios are against `adamw_foreach` because `adamw_fused` has no ok row here" in text
+
+
+def test_latex_is_booktabs_and_escaped(built):
+    _, _, out, _ = built
+    for tex in (out / "tables").glob("*.tex"):
+        text = tex.read_text()
+        assert text.count(r"\begin{table}") == text.count(r"\end{table}") >= 1
+        assert text.count(r"\toprule") == text.count(r"\midrule") == text.count(r"\bottomrule")
+        body = re.sub(r"\\label\{[^}]*\}", "", text).split("\n", 1)[1].replace(" & ", " ")
+        assert not re.search(r"(?<!\\)[_%&#]", body), f"unescaped character in {tex.name}"
+        assert "×" not in text and "~" not in text.replace(r"$\sim$", "")
+
+
+def test_not_run_table_lists_every_non_ok_row(built):
+    _, rows, out, index = built
+    bad = [r for r in rows if r["status"] != "ok"]
+    if not bad:
+        assert "_Skipped: every row ran ok._" in index.read_text()
+        return
+    with (out / "tables" / "not-run.csv").open() as fh:
+        records = list(csv.DictReader(fh))
+    assert sorted((r["method"], r["model"], r["status"]) for r in records) == \
+        sorted((r["method"], r["model"], r["status"]) for r in bad)
+    for rec in records:
+        assert rec["reason"] and rec["reason"] != "no reason recorded"
+
+
+# --- figures -----------------------------------------------------------------------------------------
+
+def test_every_figure_written_and_linked(built):
+    _, rows, out, index = built
+    text = index.read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links, "index.md links nothing"
+    for link in links:
+        target = out / link
+        assert target.is_file() and target.stat().st_size > 0, f"index.md links a missing or empty {link}"
+    pngs = sorted((out / "figures").glob("*.png"))
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        pdf = png.with_suffix(".pdf")
+        assert pdf.read_bytes()[:5] == b"%PDF-", f"{pdf.name} missing or not a PDF"
+        assert f"figures/{png.name}" in links
+    ok = [r for r in rows if r["status"] == "ok"]
+    expected_headline = len({_group_key(r) for r in ok})
+    expected_memory = len({(r["run_id"],) + _group_key(r) for r in ok})
+    expected_fidelity = len({r["device_name"] for r in rows if r["status"] in ("ok", "parity_fail")
+                             and r["parity_rms_rel"] is not None and r["parity_steps"] != 0})
+    by_run_model = {}
+    for r in rows:
+        by_run_model.setdefault((r["run_id"], r["device_name"], r["model"], r["dtype"]), set()).add((r["batch"], r["seq"]))
+    expected_grid = sum(len(s) >= 2 for s in by_run_model.values())
+    by_run_shape = {}
+    for r in rows:
+        by_run_shape.setdefault((r["run_id"], r["device_name"], r["dtype"], r["batch"], r["seq"]), set()).add(r["model"])
+    expected_scaling = sum(len(s) >= 2 for s in by_run_shape.values())
+    names = [p.name for p in pngs]
+    assert sum(n.startswith("headline-") for n in names) == expected_headline
+    assert sum(n.startswith("memory-") for n in names) == expected_memory
+    assert sum(n.startswith("fidelity-") for n in names) == expected_fidelity
+    assert sum(n.startswith("scaling-") for n in names) == expected_scaling
+    assert sum(n.startswith("grid-") and n.endswith("-lines.png") for n in names) == expected_grid
+    devices = {r["device_name"] for r in rows}
+    if len(devices) == 1:
+        assert f"_Skipped: only one device in these results ({devices.pop()})._" in text
+    if expected_grid == 0:
+        assert "_Skipped: no run measured one model at two or more batch × seq shapes._" in text
+
+
+def test_grid_fixture_draws_heatmaps():
+    rows = raw_rows(GRID)
+    assert len({(r["batch"], r["seq"]) for r in rows}) >= 2, "the grid fixture must span shapes"
+
+
+def test_rebuild_removes_stale_outputs(tmp_path):
+    """Re-running into one folder deletes what the last report wrote for vanished groups."""
+    rows = tmp_path / "rows"
+    shutil.copytree(SMOKE, rows / "a")
+    shutil.copytree(RERUN_PARTIAL, rows / "b")
+    out = tmp_path / "out"
+    (out / "figures").mkdir(parents=True)
+    (out / "figures" / "mine.png").write_bytes(b"not the report's")
+    build_report(rows, out)
+    run_b = raw_rows(RERUN_PARTIAL)[0]["run_id"][:8].lower()
+    assert list((out / "figures").glob(f"memory-*{run_b}*.png"))
+    shutil.rmtree(rows / "b")
+    build_report(rows, out)
+    assert not list((out / "figures").glob(f"memory-*{run_b}*.png")), "a figure of a vanished run survived"
+    assert (out / "figures" / "mine.png").exists(), "a file the report did not write was deleted"
+
+
+# --- the ratio rule ------------------------------------------------------------------------------
+
+def test_cross_run_ratios_are_refused(tmp_path):
+    """Run B (a second real smoke run whose baseline rows were removed) against run A's baseline."""
+    rows_a, rows_b = raw_rows(SMOKE), raw_rows(RERUN_PARTIAL)
+    run_a = {r["run_id"] for r in rows_a}
+    run_b = {r["run_id"] for r in rows_b}
+    assert len(run_a) == len(run_b) == 1 and run_a != run_b
+    assert not any(r["method"] == "adamw_foreach" for r in rows_b)
+    shutil.copytree(SMOKE, tmp_path / "rows" / "a")
+    shutil.copytree(RERUN_PARTIAL, tmp_path / "rows" / "b")
+    out = tmp_path / "out"
+    build_report(tmp_path / "rows", out)
+    tables = parse_markdown_tables((out / "tables" / "headline.md").read_text())
+    short_b = next(iter(run_b))[:8]
+    refused = numbers = 0
+    for lines in tables.values():
+        for line in lines:
+            if line["Speed-up"] == "baseline":
+                continue
+            if line["Run"] == short_b:
+                assert line["Speed-up"] == ratios.DIFFERENT_RUN
+                assert line["Δ peak"] == ratios.DIFFERENT_RUN
+                refused += 1
+            elif line["Status"] == "ok":
+                assert line["Speed-up"].endswith("×")
+                numbers += 1
+    assert refused == len(rows_b) and numbers > 0
+    text = (out / "tables" / "headline.md").read_text()
+    assert "run_id differs" in text
+    with (out / "tables" / "headline.csv").open() as fh:
+        for rec in csv.DictReader(fh):
+            if rec["run_id"] in run_b:
+                assert rec["speedup"] == "" and rec["peak_change"] == ""
+
+
+def _real_pair() -> tuple[dict, dict]:
+    """A real FORGE row and its real baseline row from one smoke run."""
+    rows = raw_rows(SMOKE)
+    base = next(r for r in rows if r["method"] == "adamw_foreach" and r["status"] == "ok")
+    cand = next(r for r in rows if r["method"].startswith("forge_") and r["status"] == "ok"
+                and r["model"] == base["model"])
+    return copy.deepcopy(cand), copy.deepcopy(base)
+
+
+@pytest.mark.parametrize("column, value", [("run_id", "another-run"), ("device_name", "NVIDIA H200"),
+                                           ("torch_version", "2.11.0+cu130"), ("triton_version", "3.6.0"),
+                                           ("cuda_version", "13.0")])
+def test_ratio_refused_when_context_differs(column, value):
+    cand, base = _real_pair()
+    cand[column] = value
+    for ratio in (ratios.speedup(cand, base), ratios.peak_change(cand, base), ratios.memory_saving(cand, base)):
+        assert ratio.value is None and ratio.text == ratios.DIFFERENT_RUN
+        assert column in ratio.refusal
+
+
+def test_clock_tolerance():
+    cand, base = _real_pair()
+    base["sm_clock_mhz_after"] = 1980.0
+    cand["sm_clock_mhz_after"] = 1980.0 * (1 - ratios.CLOCK_TOLERANCE * 0.9)
+    assert ratios.speedup(cand, base).value == pytest.approx(base["step_ms_median"] / cand["step_ms_median"])
+    cand["sm_clock_mhz_after"] = 1980.0 * (1 - ratios.CLOCK_TOLERANCE * 1.1)
+    assert ratios.speedup(cand, base).text == ratios.DIFFERENT_RUN
+    cand["sm_clock_mhz_after"] = None
+    assert ratios.speedup(cand, base).text == ratios.DIFFERENT_RUN
+
+
+def test_noise_flag():
+    cand, base = _real_pair()
+    for row, ms in ((cand, 100.0), (base, 101.0)):
+        row.update(step_ms_median=ms, step_ms_spread_max=0.02, step_ms_run_medians=[ms - 1, ms, ms + 1])
+    inside = ratios.speedup(cand, base)
+    assert inside.within_noise and inside.text == f"~{101 / 100:.2f}×"
+    base.update(step_ms_median=110.0, step_ms_run_medians=[109.5, 110.0, 110.5])
+    clean = ratios.speedup(cand, base)
+    assert not clean.within_noise and clean.text == f"{110 / 100:.2f}×"
+
+
+def test_noise_flag_on_real_rows(built):
+    """Every ratio marked ~ in the CSV has |difference| inside the sum of the two noise bands."""
+    _, rows, out, _ = built
+    with (out / "tables" / "headline.csv").open() as fh:
+        records = [r for r in csv.DictReader(fh) if r["speedup"] not in ("", "None")]
+    index = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], r["method"]): r for r in rows}
+
+    def band(row):
+        widths = [0.0]
+        if row["step_ms_spread_max"] is not None:
+            widths.append(row["step_ms_spread_max"] * row["step_ms_median"] / 2)
+        if row["step_ms_run_medians"] and len(row["step_ms_run_medians"]) >= 2:
+            widths.append((max(row["step_ms_run_medians"]) - min(row["step_ms_run_medians"])) / 2)
+        return max(widths)
+
+    for rec in records:
+        key = (rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]), int(rec["seq"]))
+        row, base = index[key + (rec["method"],)], index[key + (rec["baseline_method"],)]
+        inside = abs(row["step_ms_median"] - base["step_ms_median"]) <= band(row) + band(base)
+        assert (rec["speedup_within_noise"] == "True") == inside
+        assert rec["speedup_text"].startswith("~") == inside
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_folder_without_parquet_is_a_clear_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("no rows here")
+    with pytest.raises(NoResultsError) as err:
+        build_report(tmp_path, tmp_path / "out")
+    message = str(err.value)
+    assert str(tmp_path) in message and "\n" not in message and "parquet" in message
+    missing = tmp_path / "does-not-exist"
+    with pytest.raises(NoResultsError, match=re.escape(str(missing))):
+        build_report(missing, tmp_path / "out")
+    assert not (tmp_path / "out").exists(), "no output folder for a failed report"
