@@ -252,3 +252,54 @@ for _state_dtype, _tolerance in (("fp32", None), ("bf16", None), ("int8", None))
                     bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0)))
 
 # --- peer entries below this line (forge_bench/peers.py adapters) ---
+
+from forge_bench import peers as _peers  # noqa: E402  (peers.py needs nothing from this module at import)
+
+_PEER_ENTRIES: tuple[tuple[str, str, Callable[[nn.Module, TrainConfig], Arm], str, str, bool,
+                           Callable[[int], tuple[float, float]], dict[str, Any]], ...] = (
+    # name, description, builder, requires (import name), probe, needs_cuda, bytes/param, key settings
+    ("bnb_adamw8bit", "bitsandbytes AdamW8bit: block-wise 8-bit moments",
+     _peers.build_bnb_adamw8bit, "bitsandbytes", "bitsandbytes", False, _peers.bytes_8bit_blockwise,
+     {"optim_bits": 8}),
+    ("bnb_paged_adamw8bit", "bitsandbytes PagedAdamW8bit: 8-bit moments in CUDA managed memory",
+     _peers.build_bnb_paged_adamw8bit, "bitsandbytes", "bitsandbytes", True, _peers.bytes_8bit_blockwise,
+     {"optim_bits": 8, "paged": True}),
+    ("torchao_adamw8bit", "torchao.optim.AdamW8bit: 8-bit block-quantized moments (torch.compile step)",
+     _peers.build_torchao_adamw8bit, "torchao", "torchao", False, _peers.bytes_8bit_blockwise,
+     {"state_format": "8bit"}),
+    ("torchao_adamw4bit", "torchao.optim.AdamW4bit: 4-bit block-quantized moments (torch.compile step)",
+     _peers.build_torchao_adamw4bit, "torchao", "torchao", False, _peers.bytes_4bit_blockwise,
+     {"state_format": "4bit"}),
+    ("torchao_adamw_fp8", "torchao.optim.AdamWFp8: FP8 (e4m3) block-scaled moments (torch.compile step)",
+     _peers.build_torchao_adamw_fp8, "torchao", "torchao_fp8", False, _peers.bytes_8bit_blockwise,
+     {"state_format": "fp8"}),
+    ("optimi_adamw_kahan", "optimi AdamW on bf16 weights with Kahan summation",
+     _peers.build_optimi_adamw, "optimi", "optimi", False, _peers.bytes_optimi_kahan,
+     {"kahan_sum": True, "weights": "bf16"}),
+    ("optimi_adamw_kahan_release", "optimi AdamW, bf16 + Kahan, with gradient release (update in backward hooks)",
+     _peers.build_optimi_adamw_release, "optimi", "optimi", False, _peers.bytes_optimi_kahan_release,
+     {"kahan_sum": True, "weights": "bf16", "gradient_release": True}),
+    ("galore_adamw", "GaLore AdamW: rank-128 SVD projection of attention/MLP gradients",
+     _peers.build_galore_adamw, "galore_torch", "galore_torch", False, _peers.bytes_low_rank,
+     {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}),
+    ("apollo_adamw", "APOLLO AdamW: channel-wise scaling from a rank-256 random projection",
+     _peers.build_apollo_adamw, "apollo_torch", "apollo_torch", False, _peers.bytes_low_rank,
+     {"rank": 256, "scale": 1.0, "scale_type": "channel", "proj": "random", "update_proj_gap": 200}),
+    ("lomo", "LOMO: SGD applied inside backward (lomo-optim fused_backward)",
+     _peers.build_lomo, "lomo_optim", "lomo_optim", False, _peers.bytes_in_backward,
+     {"update": "sgd in backward"}),
+    ("adalomo", "AdaLomo: factored adaptive update inside backward (lomo-optim; its states are created with .cuda())",
+     _peers.build_adalomo, "lomo_optim", "lomo_optim", True, _peers.bytes_in_backward,
+     {"update": "factored adaptive in backward"}),
+    ("flashoptim_adamw", "FlashOptim FlashAdamW: bf16 weights + 8-bit correction, 8-bit moments, fused Triton step",
+     _peers.build_flashoptim_adamw, "flashoptim", "flashoptim", True, _peers.bytes_flashoptim,
+     {"master_weight_bits": 24}),
+    ("flashoptim_adamw_release", "FlashOptim FlashAdamW with gradient release (update in backward hooks)",
+     _peers.build_flashoptim_adamw_release, "flashoptim", "flashoptim", True, _peers.bytes_flashoptim_release,
+     {"master_weight_bits": 24, "gradient_release": True}),
+)
+
+for (_name, _description, _builder, _module, _probe, _needs_cuda, _bytes, _key_settings) in _PEER_ENTRIES:
+    register(Method(_name, "peer", _description, _builder, requires=(_module,), needs_cuda=_needs_cuda,
+                    extra_check=_peers.availability_check(_probe), settings=_key_settings,
+                    bytes_per_param=_bytes))

@@ -1,0 +1,238 @@
+"""Peer arms (forge_bench/peers.py and their registry entries in methods.py), on CPU.
+
+Arms whose package runs on CPU take a few real steps on a tiny Llama; an arm whose package is
+missing must answer with a reason instead of crashing; CUDA-only arms must say so.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from forge_bench import peers
+from forge_bench.methods import METHODS, TrainConfig
+
+PEER_NAMES = {
+    "bnb_adamw8bit", "bnb_paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8",
+    "optimi_adamw_kahan", "optimi_adamw_kahan_release", "galore_adamw", "apollo_adamw", "lomo", "adalomo",
+    "flashoptim_adamw", "flashoptim_adamw_release",
+}
+# Arms whose package runs on CPU (checked by hand: see docs/peers.md) and the module they import.
+CPU_ARMS = {
+    "bnb_adamw8bit": "bitsandbytes",
+    "torchao_adamw8bit": "torchao",
+    "torchao_adamw4bit": "torchao",
+    "torchao_adamw_fp8": "torchao",
+    "optimi_adamw_kahan": "optimi",
+    "optimi_adamw_kahan_release": "optimi",
+    "galore_adamw": "galore_torch",
+    "apollo_adamw": "apollo_torch",
+    "lomo": "lomo_optim",
+}
+# Arms that cannot run without CUDA, whatever is installed.
+CUDA_ONLY_ARMS = {"bnb_paged_adamw8bit", "adalomo", "flashoptim_adamw", "flashoptim_adamw_release"}
+ADAM_ARMS = {"bnb_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8",
+             "optimi_adamw_kahan", "optimi_adamw_kahan_release", "galore_adamw", "apollo_adamw"}
+
+CFG = TrainConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, device="cpu")
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                         tie_word_embeddings=False, use_cache=False)
+    return LlamaForCausalLM(config).to(torch.bfloat16).train()
+
+
+def tiny_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def projection_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The attention/MLP weights: every peer must move them (bf16 norms may round back)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "proj" in name}
+
+
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    """torchao compiles its step; on 2 CPU cores that costs minutes, so tests run it eagerly.
+
+    The same optimizer code runs, only uncompiled (the GPU sweep runs it compiled).
+    """
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")   # read by torch.compile at each call
+
+
+def test_every_peer_is_registered_with_a_cost_model():
+    registered = {name for name, m in METHODS.items() if m.family == "peer"}
+    assert PEER_NAMES <= registered
+    for name in PEER_NAMES:
+        method = METHODS[name]
+        assert method.description and method.requires and method.extra_check is not None
+        states, grads = method.bytes_per_param(2)
+        assert states >= 0.0 and grads >= 0.0, name
+
+
+@pytest.mark.parametrize("name", sorted(PEER_NAMES))
+def test_missing_package_gives_a_reason_not_a_crash(name, monkeypatch):
+    method = METHODS[name]
+    missing = set(method.requires)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda mod, *a, **k: None if mod.split(".")[0] in missing else real_find_spec(mod, *a, **k))
+    peers.peer_problem.cache_clear()
+    try:
+        reason = method.unavailable_reason("cuda")
+        assert reason is not None and "not installed" in reason and method.requires[0] in reason
+        # the probe itself (what extra_check runs) says the same, with the pip name
+        probe_reason = peers.run_probe(method.extra_check.__name__.removeprefix("check_"))
+        assert probe_reason is not None and "not installed" in probe_reason
+    finally:
+        peers.peer_problem.cache_clear()
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_ONLY_ARMS))
+def test_cuda_only_arms_say_so_on_cpu(name):
+    reason = METHODS[name].unavailable_reason("cpu")
+    assert reason is not None
+    assert "not installed" in reason or "needs a CUDA device" in reason
+
+
+def test_import_failure_reports_the_first_line(tmp_path, monkeypatch):
+    (tmp_path / "forge_broken_peer.py").write_text(textwrap.dedent("""
+        raise ImportError("libbroken.so.13: cannot open shared object file\\nsecond line never shown")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reason = peers._import_problem(peers.PeerPackage("forge_broken_peer", "forge-broken-peer", "0", "X"))
+    assert reason == "forge-broken-peer failed to import: ImportError: libbroken.so.13: cannot open shared object file"
+
+
+def test_too_old_version_and_missing_symbol_are_reported():
+    too_old = peers._import_problem(peers.PeerPackage("torch", "torch", "999.0", "optim"))
+    assert too_old is not None and "too old" in too_old and "999.0" in too_old
+    no_symbol = peers._import_problem(peers.PeerPackage("torch", "torch", "1.0", "optim.NoSuchOptimizer"))
+    assert no_symbol is not None and "no torch.optim.NoSuchOptimizer" in no_symbol
+    absent = peers._import_problem(peers.PeerPackage("forge_no_such_package", "forge-no-such", "0", "X"))
+    assert absent == "Python package 'forge_no_such_package' (pip: forge-no-such) is not installed"
+
+
+def test_probe_runs_in_a_child_process():
+    expected = peers.run_probe("lomo_optim")
+    assert peers._probe_in_child("lomo_optim") == expected
+    usage = subprocess.run([sys.executable, "-m", "forge_bench.peers", "probe", "nope"],
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+@pytest.mark.parametrize("name", sorted(CPU_ARMS))
+def test_cpu_arm_trains_a_tiny_llama(name, eager_torchao):
+    method = METHODS[name]
+    reason = method.unavailable_reason("cpu")
+    if importlib.util.find_spec(CPU_ARMS[name]) is None:
+        assert reason is not None and "not installed" in reason
+        return
+    assert reason is None, reason
+    model = tiny_llama()
+    before = projection_weights(model)
+    arm = method.build(model, CFG)
+    losses = [float(arm.step(tiny_batch())) for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0], losses          # lr 1e-2 on one repeated batch: it must learn
+    after = projection_weights(model)
+    unchanged = [n for n in before if torch.equal(before[n], after[n])]
+    assert not unchanged, f"{name} left these weights untouched: {unchanged}"
+    assert all(p.grad is None for p in model.parameters()), "gradients must be freed after the step"
+
+    memory = arm.memory_breakdown()
+    assert set(memory) >= {"weights", "optimizer_states", "gradients"}
+    assert memory["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    settings = arm.settings
+    assert settings["package_version"] != "unknown" and settings["weights_dtype"] == "bfloat16"
+    assert settings["lr"] == CFG.lr and settings["weight_decay"] == CFG.weight_decay
+    if name in ADAM_ARMS:
+        assert settings["betas"] == list(CFG.betas) and settings["eps"] == CFG.eps
+
+
+def _weights_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_state_accounting_matches_each_method(eager_torchao):
+    """States: Kahan AdamW holds 3 bf16 tensors a weight, 8-bit ~1 byte a moment, LOMO none."""
+    if importlib.util.find_spec("optimi") is not None:
+        model = tiny_llama()
+        arm = METHODS["optimi_adamw_kahan"].build(model, CFG)
+        arm.step(tiny_batch())
+        assert arm.memory_breakdown()["optimizer_states"] >= 3 * _weights_bytes(model)
+        release = METHODS["optimi_adamw_kahan_release"].build(tiny_llama(), CFG)
+        assert release.memory_breakdown()["gradients"] == max(
+            p.numel() * p.element_size() for p in release.model.parameters())
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        model = tiny_llama()
+        arm = METHODS["bnb_adamw8bit"].build(model, CFG)
+        arm.step(tiny_batch())
+        quantized = sum(p.numel() for p in model.parameters() if p.numel() >= 4096)
+        small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)
+        states = arm.memory_breakdown()["optimizer_states"]
+        assert 2 * quantized + 8 * small <= states < 2 * quantized + 8 * small + 64 * 1024
+    if importlib.util.find_spec("lomo_optim") is not None:
+        model = tiny_llama()
+        arm = METHODS["lomo"].build(model, CFG)
+        arm.step(tiny_batch())
+        sizes = sorted((p.numel() * p.element_size() for p in model.parameters()), reverse=True)
+        assert arm.memory_breakdown() == {"weights": _weights_bytes(model), "optimizer_states": 0,
+                                          "gradients": sizes[0] + sizes[1]}
+
+
+def test_low_rank_arms_project_attention_and_mlp_only():
+    model = tiny_llama()
+    names = [name for name, _ in peers.low_rank_targets(model)]
+    assert len(names) == 2 * 7                      # q, k, v, o, gate, up, down per layer
+    assert not any("embed" in n or "lm_head" in n or "norm" in n for n in names)
+    with pytest.raises(ValueError, match="no attention/MLP linear layer"):
+        peers._low_rank_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"rank": 2})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None or importlib.util.find_spec("apollo_torch") is None,
+                    reason="galore-torch / apollo-torch not installed")
+def test_low_rank_states_shrink_with_rank():
+    """With a rank below the layer width, the projected moments are smaller than full AdamW's."""
+    for build in (lambda m: peers.build_galore_adamw(m, CFG, rank=8),
+                  lambda m: peers.build_apollo_adamw(m, CFG, rank=8)):
+        model = tiny_llama()
+        arm = build(model)
+        for _ in range(2):
+            assert math.isfinite(float(arm.step(tiny_batch())))
+        full_adam_states = 2 * _weights_bytes(model)
+        assert arm.memory_breakdown()["optimizer_states"] < full_adam_states / 2
+        assert arm.settings["rank"] == 8
+
+
+def test_lomo_refuses_clip_grad_norm():
+    if importlib.util.find_spec("lomo_optim") is None:
+        pytest.skip("lomo-optim not installed")
+    with pytest.raises(ValueError, match="second backward"):
+        peers.build_lomo(tiny_llama(), CFG, clip_grad_norm=1.0)
+
+
+def test_paged_state_bytes_count_only_large_tensors():
+    params = [torch.zeros(400, 400), torch.zeros(100, 100), torch.zeros(64)]
+    assert peers._bnb_paged_bytes(params) == 2 * 400 * 400
+
+
+def test_torchao_kind_is_checked():
+    with pytest.raises(ValueError, match="torchao optimizer kind"):
+        peers.build_torchao_adamw(tiny_llama(), CFG, kind="2bit")
+
+
+def test_model_without_labels_gives_a_clear_error():
+    with pytest.raises(ValueError, match="labels"):
+        peers.model_loss(tiny_llama(), {"input_ids": tiny_batch()["input_ids"]})
