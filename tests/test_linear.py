@@ -13,17 +13,23 @@ from forge_core.linear import FusedLinearFunction, ForgeLinear
 BACKENDS = ["reference", "triton"]
 
 
-def _mlp(seed: int = 0, bias: bool = True) -> nn.Sequential:
+def _device(backend: str) -> str:
+    """The Triton kernel runs on CUDA when there is one, else in the interpreter on CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _mlp(seed: int = 0, bias: bool = True, device: str = "cpu") -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(70, 90, bias=bias), nn.GELU(), nn.Linear(90, 33, bias=bias))
+    return nn.Sequential(nn.Linear(70, 90, bias=bias), nn.GELU(), nn.Linear(90, 33, bias=bias)).to(device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_first_layer_with_input_that_needs_no_grad_still_updates(backend: str) -> None:
-    model = _mlp()
+    device = _device(backend)
+    model = _mlp(device=device)
     before = [p.detach().clone() for p in model.parameters()]
-    opt = forge_core.fuse(model, lr=1e-2, backend=backend, probe_inputs=torch.randn(3, 70))
-    x = torch.randn(4, 25, 70)  # requires_grad=False: the first layer's input
+    opt = forge_core.fuse(model, lr=1e-2, backend=backend, probe_inputs=torch.randn(3, 70, device=device))
+    x = torch.randn(4, 25, 70, device=device)  # requires_grad=False: the first layer's input
     assert not x.requires_grad
     model(x).square().mean().backward()
     first_weight = model[0].weight

@@ -43,20 +43,20 @@ def _rms_rel(params: list[torch.Tensor], reference: list[torch.Tensor]) -> float
     return float((numerator / denominator).sqrt())
 
 
-def _parity(backend: str, steps: int) -> tuple[float, float]:
-    model = _tiny_llama()
+def _parity(backend: str, steps: int, device: str = "cpu") -> tuple[float, float]:
+    model = _tiny_llama(device=device)
     reference_model = copy.deepcopy(model)
     opt = forge_core.fuse(model, optimizer="adamw", backend=backend, **HYPERPARAMETERS)
     assert len(opt.fused_parameters()) == 14 and "lm_head" in opt.excluded_modules
     reference_opt = torch.optim.AdamW(reference_model.parameters(), **HYPERPARAMETERS)
-    batches = _batches(steps)
+    batches = _batches(steps, device=device)
     _train(model, opt, batches)
     _train(reference_model, reference_opt, batches)
     fused_ids = {id(p) for p in opt.fused_parameters()}
     pairs = list(zip(model.parameters(), reference_model.parameters()))
     all_rms = _rms_rel([a for a, _ in pairs], [b for _, b in pairs])
     fused_rms = _rms_rel([a for a, _ in pairs if id(a) in fused_ids], [b for a, b in pairs if id(a) in fused_ids])
-    moved = _rms_rel([b for _, b in pairs], list(_tiny_llama().parameters()))
+    moved = _rms_rel([b for _, b in pairs], list(_tiny_llama(device=device).parameters()))
     print(f"\n[llama parity] backend={backend} steps={steps} rms-rel all weights={all_rms:.3e} "
           f"fused weights={fused_rms:.3e} (weights moved rms-rel {moved:.3e} from init)")
     assert moved > 1e-3, "the run did not train: parity would be vacuous"
@@ -71,7 +71,8 @@ def test_llama_20_steps_match_torch_adamw_fp32_reference_backend() -> None:
 def test_llama_steps_match_torch_adamw_fp32_triton_kernel() -> None:
     if not triton_available():
         pytest.skip("the Triton kernel cannot run here (no CUDA, TRITON_INTERPRET unset at import)")
-    all_rms, fused_rms = _parity("triton", steps=20 if torch.cuda.is_available() else 3)
+    on_gpu = torch.cuda.is_available()
+    all_rms, fused_rms = _parity("triton", steps=20 if on_gpu else 3, device="cuda" if on_gpu else "cpu")
     assert all_rms < 1e-5 and fused_rms < 1e-5
 
 

@@ -15,14 +15,19 @@ from forge_core.rules import get_rule
 BACKENDS = ["reference", "triton"]
 
 
-def _mlp(seed: int = 0) -> nn.Sequential:
+def _device(backend: str) -> str:
+    """The Triton kernel runs on CUDA when there is one, else in the interpreter on CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _mlp(seed: int = 0, device: str = "cpu") -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(70, 90), nn.GELU(), nn.Linear(90, 33), nn.LayerNorm(33))
+    return nn.Sequential(nn.Linear(70, 90), nn.GELU(), nn.Linear(90, 33), nn.LayerNorm(33)).to(device)
 
 
-def _batches(count: int, seed: int = 123) -> list[torch.Tensor]:
+def _batches(count: int, seed: int = 123, device: str = "cpu") -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(4, 25, 70, generator=generator) for _ in range(count)]  # BT = 100
+    return [torch.randn(4, 25, 70, generator=generator).to(device) for _ in range(count)]  # BT = 100
 
 
 def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -40,7 +45,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Ten
 
 def _fuse(model: nn.Module, **kwargs) -> forge_core.ForgeOptimizer:
     kwargs.setdefault("backend", "reference")
-    return forge_core.fuse(model, probe_inputs=torch.zeros(2, 70), **kwargs)
+    device = next(model.parameters()).device
+    return forge_core.fuse(model, probe_inputs=torch.zeros(2, 70, device=device), **kwargs)
 
 
 def _assert_same_parameters(a: nn.Module, b: nn.Module, rtol: float, atol: float) -> None:
@@ -68,12 +74,13 @@ def test_is_a_torch_optimizer_with_all_trainable_parameters() -> None:
 ])
 def test_fused_steps_equal_torch_optimizer(backend: str, optimizer: str, hyperparameters: dict,
                                            torch_optimizer: type) -> None:
-    model = _mlp()
+    device = _device(backend)
+    model = _mlp(device=device)
     reference_model = copy.deepcopy(model)
     opt = _fuse(model, optimizer=optimizer, backend=backend, **hyperparameters)
     assert opt.backend == backend
     reference_opt = torch_optimizer(reference_model.parameters(), **hyperparameters)
-    batches = _batches(3 if backend == "triton" else 5)
+    batches = _batches(3 if backend == "triton" else 5, device=device)
     _train(model, opt, batches)
     _train(reference_model, reference_opt, batches)
     _assert_same_parameters(model, reference_model, rtol=1e-6, atol=1e-6)
@@ -81,12 +88,13 @@ def test_fused_steps_equal_torch_optimizer(backend: str, optimizer: str, hyperpa
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lion_fused_equals_its_fallback_optimizer(backend: str) -> None:
-    model = _mlp()
+    device = _device(backend)
+    model = _mlp(device=device)
     reference_model = copy.deepcopy(model)
     hyperparameters = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
     opt = _fuse(model, optimizer="lion", backend=backend, **hyperparameters)
     reference_opt = get_rule("lion").fallback_optimizer(reference_model.parameters(), **hyperparameters)
-    batches = _batches(3)
+    batches = _batches(3, device=device)
     _train(model, opt, batches)
     _train(reference_model, reference_opt, batches)
     _assert_same_parameters(model, reference_model, rtol=1e-6, atol=1e-6)
@@ -191,11 +199,12 @@ def test_load_state_dict_refuses_a_mismatch() -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_micro_batch_accumulation_equals_unfused_accumulation(backend: str) -> None:
     k = 3
-    model = _mlp()
+    device = _device(backend)
+    model = _mlp(device=device)
     reference_model = copy.deepcopy(model)
     opt = _fuse(model, lr=1e-2, weight_decay=0.1, accumulate_steps=k, backend=backend)
     reference_opt = torch.optim.AdamW(reference_model.parameters(), lr=1e-2, weight_decay=0.1)
-    batches = _batches(2 * k if backend == "reference" else k)
+    batches = _batches(2 * k if backend == "reference" else k, device=device)
     for start in range(0, len(batches), k):
         for batch in batches[start:start + k]:
             (_loss(model, batch) / k).backward()
