@@ -236,3 +236,25 @@ def test_torchao_kind_is_checked():
 def test_model_without_labels_gives_a_clear_error():
     with pytest.raises(ValueError, match="labels"):
         peers.model_loss(tiny_llama(), {"input_ids": tiny_batch()["input_ids"]})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(PEER_NAMES))
+def test_every_peer_trains_on_cuda(name):
+    """On the GPU machine (wheels from scripts/fetch_wheels.sh): every peer runs, or says why not."""
+    method = METHODS[name]
+    reason = method.unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    model = tiny_llama().cuda()
+    before = projection_weights(model)
+    arm = method.build(model, TrainConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, device="cuda"))
+    batch = {k: v.cuda() for k, v in tiny_batch().items()}
+    losses = [float(arm.step(batch)) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert all(math.isfinite(v) for v in losses), losses
+    after = projection_weights(model)
+    assert not [n for n in before if torch.equal(before[n], after[n])]
+    memory = arm.memory_breakdown()
+    assert memory["weights"] > 0 and memory["optimizer_states"] >= 0
