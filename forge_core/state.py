@@ -6,9 +6,11 @@ int8 format (the spec the fused kernel reproduces exactly):
   ``(Dout, Din)`` state; the last block of a row is ragged when ``Din % 64 != 0`` (its missing
   elements count as 0). ``scale = absmax / 127`` per block, stored in fp32 with shape
   ``(Dout, ceil(Din / 64))``.
-* Code ``q = ±min(127, floor(|y| / scale + 0.5))`` (sign of y; ``+`` for 0) computed in fp32 (round half away from
-  zero; ``y / scale`` is an IEEE division in both torch and the kernel). A block with
-  ``absmax == 0`` has ``scale = 0`` and all codes 0. Re-quantized from fp32 on every step.
+* Code ``q = ±min(127, floor(|y| * (1 / scale) + 0.5))`` (sign of y; ``+`` for 0) in fp32: round
+  half away from zero, with one IEEE reciprocal per block. The kernel computes the same; where
+  its fp32 rounding differs (a fused multiply-add, the fast sqrt of a second moment) a code can
+  differ by one, never more. A block with ``absmax == 0`` has ``scale = 0`` and all codes 0.
+  Re-quantized from fp32 on every step.
 * Second moments (the rule's ``sqrt_domain_states``, e.g. AdamW's ``exp_avg_sq``) are stored in
   the sqrt domain: ``y = sqrt(max(v, 0))`` is quantized and ``v = (q * scale)**2`` on load. This
   halves the dynamic range the 8 bits must cover, and their codes are floored at 1 whenever the
@@ -56,8 +58,8 @@ def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool) -> tuple[torch.Tens
         values = values.clamp_min(0.0).sqrt()
     blocks = _blocked(values)
     scale = blocks.abs().amax(dim=-1) / 127.0
-    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    magnitude = torch.floor(blocks.abs() / safe_scale.unsqueeze(-1) + 0.5).clamp_(max=127.0)
+    inverse = 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale))
+    magnitude = torch.floor(blocks.abs() * inverse.unsqueeze(-1) + 0.5).clamp_(max=127.0)
     magnitude = torch.where(scale.unsqueeze(-1) > 0, magnitude, torch.zeros_like(magnitude))
     if sqrt_domain:
         magnitude = torch.where(scale.unsqueeze(-1) > 0, magnitude.clamp_min(1.0), magnitude)

@@ -173,8 +173,7 @@ def run_timing(out: Path, shapes, bts, state_dtypes, budget_s: float) -> None:
     fused_module.tune_config = logged_tune
     started = time.perf_counter()
     device = kernel_bench.require_cuda()
-    bandwidth = kernel_bench.measure_copy_bandwidth(device)
-    emit(out, dict(kind="copy_bandwidth", gbps=bandwidth / 1e9))
+    bandwidth = BANDWIDTH[0]
     for name in shapes:
         dout, din = kernel_bench.LLAMA_8B_SHAPES[name]
         for tokens in bts:
@@ -236,11 +235,15 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
 BANDWIDTH: list[float] = []
 
 
-def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str) -> None:
+def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str, full: bool = True) -> None:
+    """Every candidate (``full``) or the six usual winners, plus prefetch variants of four."""
+    import dataclasses
     from forge_core.kernels.fused import TileConfig, candidate_configs
-    extra = [TileConfig(64, 128, 64, 8, 8, 2), TileConfig(128, 64, 64, 8, 8, 2), TileConfig(64, 64, 64, 8, 4, 2),
-             TileConfig(64, 128, 64, 8, 8, 3), TileConfig(64, 256, 64, 8, 8, 3)]
-    sweep_configs(out, dout, din, tokens, state_dtype, candidate_configs(dout, din, tokens, 2) + extra)
+    usual = [TileConfig(64, 64, 64, 8, 4, 2), TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 128, 64, 8, 8, 4),
+             TileConfig(128, 128, 64, 8, 8, 4), TileConfig(64, 256, 64, 8, 8, 4), TileConfig(128, 64, 64, 8, 4, 4)]
+    configs = candidate_configs(dout, din, tokens, 2) if full else usual
+    configs = configs + [dataclasses.replace(c, prefetch=True) for c in usual[:4]]
+    sweep_configs(out, dout, din, tokens, state_dtype, configs)
 
 
 def main() -> int:
@@ -253,17 +256,18 @@ def main() -> int:
     parser.add_argument("--time-states", nargs="*", default=["bf16", "int8", "fp32"])
     parser.add_argument("--time-budget", type=float, default=200.0)
     parser.add_argument("--sweep", type=int, default=0,
-                        help="time every candidate config for the first N of: q@512 bf16 (before the "
-                             "correctness checks), gate@8192 bf16, q@512 int8, q@512 fp32")
+                        help="time tile configs for the first N of: q@512 bf16 (all candidates, before the "
+                             "correctness checks), q@512 int8, q@512 fp32, gate@8192 bf16")
+    parser.add_argument("--quick-correctness", action="store_true", help="only the q/o and lm_head shapes")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import triton
     emit(out, dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, autotune=os.environ.get("FORGE_AUTOTUNE", "1")))
-    sweep_cases = [(4096, 4096, 512, "bf16"), (14336, 4096, 8192, "bf16"), (4096, 4096, 512, "int8"),
-                   (4096, 4096, 512, "fp32")][: args.sweep]
-    if sweep_cases:
+    sweep_cases = [(4096, 4096, 512, "bf16", True), (4096, 4096, 512, "int8", False),
+                   (4096, 4096, 512, "fp32", False), (14336, 4096, 8192, "bf16", False)][: args.sweep]
+    if sweep_cases or args.time:
         from forge_bench.floor import measure_copy_bandwidth
         BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
         emit(out, dict(kind="copy_bandwidth", gbps=BANDWIDTH[0] / 1e9))
@@ -274,7 +278,8 @@ def main() -> int:
         for rule_name in ("sgd", "lion"):
             for state_dtype in ("fp32", "bf16", "int8"):
                 guarded(out, check_step, "q/o", 4096, 4096, 512, torch.bfloat16, rule_name, state_dtype)
-        for label, (dout, din) in SHAPES.items():
+        shapes = SHAPES if not args.quick_correctness else {k: SHAPES[k] for k in ("q/o", "lm_head")}
+        for label, (dout, din) in shapes.items():
             for tokens in (512, 4096):
                 guarded(out, check_gemm, label, dout, din, tokens)
                 for dtype in (torch.bfloat16, torch.float32):

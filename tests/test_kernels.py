@@ -106,6 +106,23 @@ def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
         _compare_step(x, dy, pair, rule_name, step)
 
 
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("shape,config", [
+    ((70, 90, 100), TileConfig(32, 64, 32, 8, 4, 1, prefetch=True)),      # ragged, W/states loaded first
+    ((64, 128, 64), TileConfig(32, 64, 32, 8, 4, 1)),                     # every tile full: no masks
+    ((64, 128, 64), TileConfig(32, 64, 32, 8, 4, 1, prefetch=True)),
+])
+def test_kernel_variants_match_reference(shape, config, state_dtype):
+    dout, din, tokens = shape
+    x, dy = _inputs(dout, din, (tokens,), torch.bfloat16, seed=5)
+    (w_fused, s_fused), (w_ref, s_ref) = _pair(torch.randn(dout, din).bfloat16(), "adamw", state_dtype)
+    fused_wgrad_update(x, dy, w_fused, s_fused, HP["adamw"], 2, config=config)
+    reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 2)
+    _assert_storage_close(w_fused, w_ref, "weight")
+    for name in s_ref.values:
+        _assert_storage_close(s_fused.values[name], s_ref.values[name], name)
+
+
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(input_dtype):
     x, dy = _inputs(70, 90, (100,), input_dtype, seed=3)
@@ -286,7 +303,8 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     monkeypatch.setenv("FORGE_AUTOTUNE", "1")
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 1)
     reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 1)
-    assert [c.block_m for c in timed[:2]] == [32, 64] and {c.group for c in timed[2:]} == {16, 32}
+    assert [c.block_m for c in timed[:2]] == [32, 64] and [c.group for c in timed[2:4]] == [16, 32]
+    assert timed[4].prefetch and len(timed) == 5
     real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
     assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1)], "exactly one real launch, with the winner"
     assert list(fused_module.tuned_configs().values()) == real_launches
@@ -295,7 +313,7 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
         _assert_storage_close(s_real.values[name], s_ref.values[name], name)
     # a second call with the same key reuses the choice without timing again
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
-    assert len(timed) == 4
+    assert len(timed) == 5
 
 
 def test_tune_config_skips_configs_that_do_not_fit_the_device():
@@ -314,7 +332,7 @@ def test_tune_config_skips_configs_that_do_not_fit_the_device():
         return {64: 3.0, 128: 1.0}[ran[-1].block_m] - (0.1 if ran[-1].group == 16 else 0.0)
 
     best, timings = tune_config([TileConfig(bm, 64, 32, 8, 4, 2) for bm in (64, 128, 256)], run, time_ms,
-                                groups=(8, 16))
+                                groups=(8, 16), prefetch_options=())
     assert best == TileConfig(128, 64, 32, 16, 4, 2)
     assert all(c.block_m != 256 for c in timings) and len(timings) == 3
 

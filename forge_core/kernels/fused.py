@@ -13,6 +13,7 @@ fixed configuration is used (tuning in the interpreter would take minutes).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -30,7 +31,7 @@ _STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
 NUM_SCALARS = 8
 MAX_STATES = 2
 SHARED_MEMORY_BYTES = 227 * 1024          # H100 / H200 per-block opt-in limit
-MAX_ACCUMULATOR_REGISTERS = 128           # fp32 accumulator registers per thread we allow
+MAX_ACCUMULATOR_REGISTERS = 64            # fp32 accumulator registers per thread we allow (see fits)
 
 
 def interpreting() -> bool:
@@ -47,6 +48,43 @@ def triton_available() -> bool:
 # Device code
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _load_tile(ptr, offsets, mask, EVEN: tl.constexpr):
+    """Raw load of a weight-shaped tile (no mask when the tile lies inside the matrix)."""
+    if EVEN:
+        return tl.load(ptr + offsets)
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def _load_scales(scales_ptr, rows, row_mask, col_block0, n_blocks, stride_scale_row, KIND: tl.constexpr,
+                 BN: tl.constexpr, QB: tl.constexpr):
+    """The (BM, BN // QB) fp32 block scales of an int8 state tile (a dummy for other kinds)."""
+    if KIND == 2:
+        NB: tl.constexpr = BN // QB
+        block_cols = col_block0 + tl.arange(0, NB)
+        scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
+        return tl.load(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], mask=scale_mask,
+                       other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  QB: tl.constexpr):
+    """A raw state tile as fp32: fp32 / bf16 as is, int8 codes times their block scale."""
+    if KIND == 2:
+        NB: tl.constexpr = BN // QB
+        value = tl.reshape(tl.reshape(raw.to(tl.float32), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
+        if SQRT_DOMAIN:
+            value = value * value
+    else:
+        value = raw.to(tl.float32)
+    return value
+
+
+@triton.jit
 def _to_bf16_nearest_even(value):
     """fp32 -> bf16, round to nearest even, done on the bit pattern so that the GPU and the
     interpreter (whose own cast truncates) round alike; inf / NaN pass through unchanged."""
@@ -58,62 +96,47 @@ def _to_bf16_nearest_even(value):
 
 
 @triton.jit
-def _store_rounded(ptr, value, mask):
-    """Store an fp32 tile into fp32 or bf16 memory (bf16: round to nearest even)."""
+def _store_tile(ptr, value, mask, EVEN: tl.constexpr):
+    """Store an fp32 tile into fp32 / bf16 / int8 memory (bf16: round to nearest even)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(ptr, _to_bf16_nearest_even(value), mask=mask)
+        value = _to_bf16_nearest_even(value)
     else:
-        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_state(values_ptr, scales_ptr, offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                QB: tl.constexpr):
-    """A state tile as fp32: load fp32 / bf16 as is, or dequantize int8 codes with block scales."""
-    if KIND == 2:
-        NB: tl.constexpr = BN // QB
-        codes = tl.load(values_ptr + offsets, mask=mask, other=0).to(tl.float32)
-        block_cols = col_block0 + tl.arange(0, NB)
-        scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
-        scales = tl.load(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], mask=scale_mask,
-                         other=0.0)
-        value = tl.reshape(tl.reshape(codes, (BM, NB, QB)) * scales[:, :, None], (BM, BN))
-        if SQRT_DOMAIN:
-            value = value * value
+        value = value.to(ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(ptr, value)
     else:
-        value = tl.load(values_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return value
+        tl.store(ptr, value, mask=mask)
 
 
 @triton.jit
 def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, col_block0, n_blocks,
-                 stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, QB: tl.constexpr):
+                 stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, EVEN: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 (see state.py)."""
     if KIND == 2:
         NB: tl.constexpr = BN // QB
-        value = tl.where(mask, value, 0.0)
+        if not EVEN:
+            value = tl.where(mask, value, 0.0)
         if SQRT_DOMAIN:
-            value = tl.sqrt_rn(tl.maximum(value, 0.0))
+            value = tl.sqrt(tl.maximum(value, 0.0))
         blocks = tl.reshape(value, (BM, NB, QB))
         magnitude_in = tl.abs(blocks)
         scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
         has_scale = scale > 0.0
-        safe_scale = tl.where(has_scale, scale, 1.0)
-        magnitude = tl.floor(tl.math.div_rn(magnitude_in, safe_scale[:, :, None]) + 0.5)
+        inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
+        magnitude = tl.floor(magnitude_in * inverse[:, :, None] + 0.5)
         magnitude = tl.minimum(magnitude, 127.0)
         magnitude = tl.where(has_scale[:, :, None], magnitude, 0.0)
         if SQRT_DOMAIN:
             magnitude = tl.where(has_scale[:, :, None], tl.maximum(magnitude, 1.0), magnitude)
         codes = tl.where(blocks < 0.0, -magnitude, magnitude)
-        codes = tl.reshape(codes, (BM, BN)).to(tl.int8)
-        tl.store(values_ptr + offsets, codes, mask=mask)
+        codes = tl.reshape(codes, (BM, BN))
+        _store_tile(values_ptr + offsets, codes, mask, EVEN)
         block_cols = col_block0 + tl.arange(0, NB)
         scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
         tl.store(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], scale, mask=scale_mask)
     else:
-        _store_rounded(values_ptr + offsets, value, mask)
+        _store_tile(values_ptr + offsets, value, mask, EVEN)
 
 
 @triton.jit
@@ -126,6 +149,7 @@ def _fused_wgrad_update_kernel(
         EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
         S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
         STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+        EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
     # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
     pid = tl.program_id(0)
@@ -144,14 +168,41 @@ def _fused_wgrad_update_kernel(
     row_mask = offs_m < M
     col_mask = offs_n < N
 
+    # Weight-shaped offsets (64-bit only for matrices past 2^31 elements).
+    if WIDE_INDEX:
+        rows = offs_m.to(tl.int64)
+    else:
+        rows = offs_m
+    mask = row_mask[:, None] & col_mask[None, :]
+    w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
+    s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
+    col_block0 = pid_n * (BN // QB)
+    n_blocks = tl.cdiv(N, QB)
+
+    # Optionally issue the W / state loads first, so their latency hides behind the main loop.
+    if PREFETCH:
+        w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
+        if NUM_STATES >= 1:
+            s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
+            s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                                     STATE_KIND, BN, QB)
+        if NUM_STATES >= 2:
+            s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
+            s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                                     STATE_KIND, BN, QB)
+
     # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
     dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
     x_ptrs = X + offs_k[:, None] * stride_xk + offs_n[None, :] * stride_xn           # (BK, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k_chunk in range(0, tl.cdiv(K, BK)):
-        k_left = K - k_chunk * BK
-        dy_tile = tl.load(dy_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        x_tile = tl.load(x_ptrs, mask=(offs_k[:, None] < k_left) & col_mask[None, :], other=0.0)
+        if EVEN_K and EVEN_MN:
+            dy_tile = tl.load(dy_ptrs)
+            x_tile = tl.load(x_ptrs)
+        else:
+            k_left = K - k_chunk * BK
+            dy_tile = tl.load(dy_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            x_tile = tl.load(x_ptrs, mask=(offs_k[:, None] < k_left) & col_mask[None, :], other=0.0)
         if UPCAST_DOT:
             # The Triton 3.9 interpreter multiplies bf16 tiles as raw integers; fp32 is exact here
             # (bf16 x bf16 products are exact in fp32, accumulation is fp32 either way).
@@ -163,25 +214,27 @@ def _fused_wgrad_update_kernel(
         dy_ptrs += BK * stride_dyk
         x_ptrs += BK * stride_xk
 
-    # Epilogue: W and states in, the rule, W and states out. 64-bit row offsets.
-    rows = offs_m.to(tl.int64)
-    mask = row_mask[:, None] & col_mask[None, :]
+    # Epilogue: W and states in, the rule, W and states out.
     grad = acc
     if HAS_GRAD_ACCUM:
         grad += tl.load(GRAD_ACCUM + rows[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
-    w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
-    s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
-    weight = tl.load(W + w_offsets, mask=mask, other=0.0).to(tl.float32)
-    col_block0 = pid_n * (BN // QB)
-    n_blocks = tl.cdiv(N, QB)
+    if not PREFETCH:
+        w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
+        if NUM_STATES >= 1:
+            s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
+            s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                                     STATE_KIND, BN, QB)
+        if NUM_STATES >= 2:
+            s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
+            s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                                     STATE_KIND, BN, QB)
+    weight = w_raw.to(tl.float32)
     if NUM_STATES >= 1:
-        s0 = _load_state(S0, SCALE0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                         STATE_KIND, S0_SQRT, BM, BN, QB)
+        s0 = _decode_state(s0_raw, s0_scales, STATE_KIND, S0_SQRT, BM, BN, QB)
     else:
         s0 = tl.zeros((BM, BN), dtype=tl.float32)
     if NUM_STATES >= 2:
-        s1 = _load_state(S1, SCALE1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                         STATE_KIND, S1_SQRT, BM, BN, QB)
+        s1 = _decode_state(s1_raw, s1_scales, STATE_KIND, S1_SQRT, BM, BN, QB)
     else:
         s1 = tl.zeros((BM, BN), dtype=tl.float32)
 
@@ -189,10 +242,10 @@ def _fused_wgrad_update_kernel(
 
     if NUM_STATES >= 1:
         _store_state(S0, SCALE0, s0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                     STATE_KIND, S0_SQRT, BM, BN, QB)
+                     STATE_KIND, S0_SQRT, EVEN_MN, BM, BN, QB)
     if NUM_STATES >= 2:
         _store_state(S1, SCALE1, s1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                     STATE_KIND, S1_SQRT, BM, BN, QB)
+                     STATE_KIND, S1_SQRT, EVEN_MN, BM, BN, QB)
     if STOCHASTIC_ROUNDING:
         # Add 16 random low bits to the fp32 pattern, then truncate to bf16: unbiased rounding.
         linear = (rows[:, None] * N + offs_n[None, :]).to(tl.uint32)
@@ -202,7 +255,7 @@ def _fused_wgrad_update_kernel(
         rounded = tl.where(finite, (bits + noise) & 0xFFFF0000, bits)
         tl.store(W + w_offsets, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     else:
-        _store_rounded(W + w_offsets, weight, mask)
+        _store_tile(W + w_offsets, weight, mask, EVEN_MN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,6 +270,8 @@ class TileConfig:
     group: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False
+    """Load the W / state tiles before the main loop (hides their latency; costs registers)."""
 
     def shared_memory_bytes(self, input_bytes: int) -> int:
         """Shared memory of the software pipeline: ``stages`` buffers of the dY and X tiles."""
@@ -245,7 +300,10 @@ def config_space() -> list[TileConfig]:
 
 def fits(config: TileConfig, input_bytes: int) -> bool:
     """Prune what cannot run well: pipeline shared memory over the H100 limit, or an fp32
-    accumulator needing more than ``MAX_ACCUMULATOR_REGISTERS`` registers per thread."""
+    accumulator needing more than ``MAX_ACCUMULATOR_REGISTERS`` registers per thread. The epilogue
+    holds the gradient, the weight and two states at once (about 4x the accumulator), so past 64
+    accumulator registers the kernel spills: measured on an H100 (Triton 3.6), every config above
+    64 spilled 400-660 registers and ran 3x slower than its 64-register neighbours."""
     return (config.shared_memory_bytes(input_bytes) <= SHARED_MEMORY_BYTES
             and config.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
 
@@ -255,7 +313,7 @@ def _pow2_at_least(value: int) -> int:
 
 
 # (BM, BN, warps) worth timing: 4 warps up to 128x128 tiles, 8 warps from 128x128 up.
-SHORTLIST_TILES = ((64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8))
+SHORTLIST_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8))
 
 
 def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConfig]:
@@ -263,7 +321,7 @@ def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConf
     other GROUP values on the winner).
 
     From ``config_space()`` minus what does not ``fit``, keep: the (tile, warps) pairs of
-    ``SHORTLIST_TILES`` (64x64 too when the weight is that small) no larger than the weight
+    ``SHORTLIST_TILES`` no larger than the weight
     rounded up to a power of two; BK = 64, plus BK = 128 for 128x128 tiles on 8 warps; per
     (tile, warps, BK) two pipeline depths: the deepest that fits (at most 4 and at most the number
     of K chunks), and 2, the shallow one that leaves shared memory for a second resident program
@@ -272,8 +330,6 @@ def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConf
     chosen: list[TileConfig] = []
     max_m, max_n = max(64, _pow2_at_least(m)), max(64, _pow2_at_least(n))
     shortlist = set(SHORTLIST_TILES)
-    if max_m <= 64 or max_n <= 64:
-        shortlist.add((64, 64, 4))
     for config in config_space():
         bm, bn, bk, warps = config.block_m, config.block_n, config.block_k, config.num_warps
         if config.group != 8 or (bm, bn, warps) not in shortlist or not fits(config, input_bytes):
@@ -302,10 +358,12 @@ _TUNED: dict[tuple, TileConfig] = {}
 
 def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[TileConfig], None],
                 time_ms: Callable[[Callable[[], None]], float],
-                groups: Iterable[int] = GROUPS) -> tuple[TileConfig, dict[TileConfig, float]]:
+                groups: Iterable[int] = GROUPS, prefetch_options: Iterable[bool] = (False, True),
+                ) -> tuple[TileConfig, dict[TileConfig, float]]:
     """Time each candidate with ``run_on_scratch`` (which must only touch scratch copies), then
-    the other GROUP values on the fastest; return the winner and every timing. A candidate that
-    fails to compile or launch (out of resources) is skipped."""
+    the other GROUP values on the fastest, then the fastest with and without prefetch; return the
+    winner and every timing. A candidate that fails to compile or launch (out of resources) is
+    skipped."""
     timings: dict[TileConfig, float] = {}
 
     def measure(config: TileConfig) -> None:
@@ -322,7 +380,12 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
         raise RuntimeError("fused_wgrad_update: no tile configuration could run on this device")
     best = min(timings, key=timings.get)
     for group in groups:
-        variant = TileConfig(best.block_m, best.block_n, best.block_k, group, best.num_warps, best.num_stages)
+        variant = dataclasses.replace(best, group=group)
+        if variant not in timings:
+            measure(variant)
+    best = min(timings, key=timings.get)
+    for prefetch in prefetch_options:
+        variant = dataclasses.replace(best, prefetch=prefetch)
         if variant not in timings:
             measure(variant)
     best = min(timings, key=timings.get)
@@ -354,6 +417,10 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
     scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else placeholder
     accum = grad_accum if grad_accum is not None else placeholder
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
+                      for t in (weight, s0, accum) if t.dim() == 2)
+    layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
+                  WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch)
     return _fused_wgrad_update_kernel[grid](
         x2, dy2, weight, s0, s1, scale0, scale1, accum,
         m, n, k,
@@ -362,7 +429,7 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
         accum.stride(0), accum.stride(1),
         *scalars, seed,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
-        num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+        num_warps=config.num_warps, num_stages=config.num_stages, **layout, **meta)
 
 
 def _bench_ms(fn: Callable[[], None]) -> float:
