@@ -13,7 +13,8 @@ A probe imports the peer's package. Importing some of them (bitsandbytes, torcha
 GPU, and in a process that will not itself train (the sweep's parent) that could leave a CUDA
 context behind and skew the memory of every cell. So where CUDA is present but not yet
 initialised, the probe runs in a short child process (``python -m forge_bench.peers probe
-NAME``); elsewhere (CPU, or a cell process that already uses the GPU) it runs in-process.
+NAME``); elsewhere (CPU, a process that already uses the GPU, or a ``forge_bench.cell``
+process, which is about to) it runs in-process.
 
 Nothing here copies a peer's code: the adapters only call the peers' public APIs.
 """
@@ -172,12 +173,19 @@ def _probe_in_child(name: str) -> str | None:
     return None if lines[-1] == "PROBE-OK" else lines[-1][len("PROBE-FAIL "):]
 
 
+def _in_cell_process() -> bool:
+    """True in a ``python -m forge_bench.cell`` process: it trains on the GPU right after."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "forge_bench.cell"
+
+
 @functools.lru_cache(maxsize=None)
 def peer_problem(name: str) -> str | None:
-    """Cached probe; runs in a child process when this one has CUDA but has not touched it yet."""
+    """Cached probe; runs in a child process when this one has CUDA but has not touched it yet
+    (unless it is a cell process, which will use the GPU anyway)."""
     if name not in PROBES:
         raise KeyError(f"unknown peer probe {name!r}; known: {', '.join(sorted(PROBES))}")
-    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+    if torch.cuda.is_available() and not torch.cuda.is_initialized() and not _in_cell_process():
         return _probe_in_child(name)
     return run_probe(name)
 

@@ -258,3 +258,26 @@ def test_every_peer_trains_on_cuda(name):
     assert not [n for n in before if torch.equal(before[n], after[n])]
     memory = arm.memory_breakdown()
     assert memory["weights"] > 0 and memory["optimizer_states"] >= 0
+
+
+def test_probe_stays_in_process_without_cuda_or_in_a_cell(monkeypatch):
+    """The child-process probe is only for a CUDA parent that has not touched the GPU."""
+    calls = []
+    monkeypatch.setattr(peers, "_probe_in_child", lambda name: calls.append(name) or "child")
+    monkeypatch.setattr(peers, "run_probe", lambda name: "in-process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    peers.peer_problem.cache_clear()
+    try:
+        assert peers.peer_problem("optimi") == "child" and calls == ["optimi"]
+        peers.peer_problem.cache_clear()
+        monkeypatch.setattr(peers, "_in_cell_process", lambda: True)
+        assert peers.peer_problem("optimi") == "in-process"
+        peers.peer_problem.cache_clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(peers, "_in_cell_process", lambda: False)
+        assert peers.peer_problem("optimi") == "in-process"
+        with pytest.raises(KeyError, match="unknown peer probe"):
+            peers.peer_problem("nope")
+    finally:
+        peers.peer_problem.cache_clear()
