@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from forge_bench.report import NoResultsError, build_report, ratios
+from forge_bench.report.data import run_label
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -122,7 +123,7 @@ def test_headline_values_equal_hand_computation(built):
         several_runs = len({r["run_id"] for r in group}) > 1
         for row in group:
             [line] = [t for t in table if t["Method"] == f"`{row['method']}`"
-                      and (not several_runs or t["Run"] == row["run_id"][:8])]
+                      and (not several_runs or t["Run"] == run_label(row["run_id"]))]
             assert line["Status"] == row["status"]
             peak = row["peak_allocated_gib"]
             assert line["Peak GiB"] == ("—" if peak is None else f"{peak:.2f}")
@@ -197,7 +198,7 @@ def test_latex_is_booktabs_and_escaped(built):
         assert text.count(r"\toprule") == text.count(r"\midrule") == text.count(r"\bottomrule")
         body = re.sub(r"\\label\{[^}]*\}", "", text).split("\n", 1)[1].replace(" & ", " ")
         assert not re.search(r"(?<!\\)[_%&#]", body), f"unescaped character in {tex.name}"
-        assert "×" not in text and "~" not in text.replace(r"$\sim$", "")
+        assert "×" not in text and "~" not in text.replace(r"$\sim$", "") and "`" not in text.replace("``", "")
 
 
 def test_not_run_table_lists_every_non_ok_row(built):
@@ -270,7 +271,7 @@ def test_rebuild_removes_stale_outputs(tmp_path):
     (out / "figures").mkdir(parents=True)
     (out / "figures" / "mine.png").write_bytes(b"not the report's")
     build_report(rows, out)
-    run_b = raw_rows(RERUN_PARTIAL)[0]["run_id"][:8].lower()
+    run_b = run_label(raw_rows(RERUN_PARTIAL)[0]["run_id"]).lower()
     assert list((out / "figures").glob(f"memory-*{run_b}*.png"))
     shutil.rmtree(rows / "b")
     build_report(rows, out)
@@ -292,7 +293,7 @@ def test_cross_run_ratios_are_refused(tmp_path):
     out = tmp_path / "out"
     build_report(tmp_path / "rows", out)
     tables = parse_markdown_tables((out / "tables" / "headline.md").read_text())
-    short_b = next(iter(run_b))[:8]
+    short_b = run_label(next(iter(run_b)))
     refused = numbers = 0
     for lines in tables.values():
         for line in lines:

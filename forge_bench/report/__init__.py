@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
 from . import figures, ratios, tables
-from .data import NoResultsError, load_rows, ordered_methods
+from .data import NoResultsError, load_rows, ordered_methods, run_label
 from .ratios import as_number, as_text
 
 __all__ = ["build_report", "NoResultsError"]
@@ -160,7 +159,7 @@ def _header(frame: pd.DataFrame, results_dir: Path) -> list[str]:
         if group["source_dirty"].fillna(False).astype(bool).any():
             commit += " (dirty)"
         devices = ", ".join(sorted({str(d) for d in group["device_name"]}))
-        lines.append(f"| {str(run_id)[:8]} | {as_text(first.get('suite_name')) or '—'} | {devices} | "
+        lines.append(f"| {run_label(run_id)} | {as_text(first.get('suite_name')) or '—'} | {devices} | "
                      f"{as_text(first.get('torch_version')) or '—'} | {as_text(first.get('triton_version')) or '—'} | "
                      f"{as_text(first.get('cuda_version')) or '—'} | {commit} | "
                      f"{len(group)} ({int((group['status'] == 'ok').sum())}) | {clock_text} |")

@@ -41,10 +41,20 @@ def load_rows(results_dir: str | Path) -> pd.DataFrame:
         raise NoResultsError(f"no forge-bench parquet result files under {folder}")
     frame = load_results(folder)
     frame["method_family"] = frame["method_family"].fillna("")
-    frame["run_short"] = frame["run_id"].map(lambda r: (as_text(r) or "?")[:8])
+    frame["run_short"] = frame["run_id"].map(run_label)
     frame["device_label"] = frame["device_name"].map(device_label)
     frame["shape_label"] = [f"b{int(b)}×s{int(s)}" for b, s in zip(frame["batch"], frame["seq"])]
     return frame
+
+
+def run_label(run_id: Any) -> str:
+    """A short label for a run id that stays unique: the harness's ids end in a random hex
+    token (``20261123T093814Z-smoke-72d475``), which is kept; other ids are shown whole."""
+    text = as_text(run_id) or "?"
+    tail = text.rsplit("-", 1)[-1]
+    if tail != text and len(tail) >= 6:
+        return tail
+    return text
 
 
 def device_label(name: Any) -> str:
@@ -133,7 +143,7 @@ def group_title(keys: Mapping[str, Any]) -> str:
     if "batch" in keys and "seq" in keys:
         parts.append(f"batch {int(keys['batch'])} × seq {int(keys['seq'])}")
     if "run_id" in keys:
-        parts.append(f"run {str(keys['run_id'])[:8]}")
+        parts.append(f"run {run_label(keys['run_id'])}")
     return " · ".join(parts)
 
 

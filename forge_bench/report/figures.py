@@ -7,7 +7,6 @@ Each builder returns ``(paths, note)``: the files written, or none plus a one-li
 """
 from __future__ import annotations
 
-import math
 import textwrap
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,7 +20,7 @@ import pandas as pd
 
 from . import ratios
 from .data import (HEADLINE_KEYS, choose_baseline, find_baseline_row, group_title, is_forge,
-                   ordered_methods, records, slug)
+                   ordered_methods, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
 from .tables import (ANALYTIC_PARTS, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
                      memory_groups, memory_parts, models_by_size, params_text, scaling_groups,
@@ -94,10 +93,11 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
         ok = group[group["status"] == "ok"]
         if ok.empty:
             continue
-        rows = _sorted_rows(records(ok))
-        several_runs = ok["run_id"].nunique() > 1
-        labels = [r["method"] + (f"\n{str(r['run_id'])[:8]}" if several_runs else "") for r in rows]
         all_rows = records(group)
+        # the same dict objects as all_rows: "is this row its own baseline" is an identity test
+        rows = _sorted_rows([r for r in all_rows if as_text(r.get("status")) == "ok"])
+        several_runs = ok["run_id"].nunique() > 1
+        labels = [r["method"] + (f" · {run_label(r['run_id'])}" if several_runs else "") for r in rows]
         base_method, base_note = choose_baseline(all_rows)
         fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 3.6))
         ax_mem, ax_time = fig.subplots(1, 2)
@@ -110,7 +110,7 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
                 base = find_baseline_row(row, all_rows, base_method)
                 texts.append("n/a" if peak is None else
                              ("base" if base is row else ratios.peak_change(row, base).text.replace(
-                                 DIFFERENT_RUN, "n/a")))
+                                 DIFFERENT_RUN, "n/a (other run)")))
             _bar_labels(ax_mem, bars, texts)
             ax_mem.set_ylabel("peak allocated memory (GiB)")
             ax_mem.margins(y=0.15)
@@ -128,7 +128,7 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
         for row in rows:
             base = find_baseline_row(row, all_rows, base_method)
             texts.append("base" if base is row else
-                         ratios.speedup(row, base).text.replace(DIFFERENT_RUN, "n/a"))
+                         ratios.speedup(row, base).text.replace(DIFFERENT_RUN, "n/a (other run)"))
         whisker_tops = [m + up for m, up in zip(steps, errors[1])]
         _bar_labels(ax_time, bars, texts, tops=whisker_tops)
         ax_time.set_ylim(0, max(whisker_tops + [1e-9]) * 1.15)
@@ -157,7 +157,7 @@ def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> t
         return [], "no run measured one model at two or more batch × seq shapes"
     paths = []
     for keys, group in groups:
-        stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], str(keys["run_id"])[:8])
+        stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]))
         shapes = shapes_of(group)
         paths += _grid_lines(group, keys, shapes, folder, stem, colors)
         forge_methods = [m for m in ordered_methods(group) if is_forge(m)]
@@ -196,10 +196,13 @@ def _grid_lines(group, keys, shapes, folder, stem, colors) -> list[Path]:
     ax_mem.set_title("Peak memory")
     ax_time.set_ylabel("median step time (ms)")
     ax_time.set_title("Step time (p10–p90 error bars)")
-    for ax in (ax_mem, ax_time):
+    for ax in (ax_mem, ax_time) if any_peak else (ax_time,):
         ax.set_xticks(x, [f"b{b}×s{s}" for b, s in shapes], rotation=30, ha="right")
         ax.set_xlabel("batch × sequence length")
         ax.grid(alpha=0.3)
+    if not any_peak:
+        ax_mem.set_xticks([])
+        ax_mem.set_yticks([])
     handles, labels = ax_time.get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), title="method")
     fig.suptitle(f"Batch × sequence grid: {group_title(keys)}")
@@ -258,7 +261,7 @@ def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem) -> list[Pat
             ax.set_yticks(range(len(batches)), [str(b) for b in batches])
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel("batch (sequences)")
-            ax.set_title(f"{method}: {kind} ({unit})")
+            ax.set_title(f"{method}: {kind}\n({unit})")
     fig.suptitle(f"FORGE vs {base_method or 'no baseline'}: {group_title(keys)}\n"
                  f"({NOISE_MARK} = inside step-time noise; grey = no ratio)")
     fig.tight_layout()
@@ -319,7 +322,7 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -
         fig.suptitle(f"Model scaling: {group_title(keys)}")
         fig.tight_layout()
         paths += save(fig, folder, slug("scaling", keys["device_name"], keys["dtype"], keys["batch"],
-                                        keys["seq"], str(keys["run_id"])[:8]))
+                                        keys["seq"], run_label(keys["run_id"])))
     return paths, None
 
 
@@ -366,7 +369,7 @@ def memory_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str |
         ax.set_title(f"Where memory goes: {group_title(keys)}{note}")
         fig.tight_layout()
         paths += save(fig, folder, slug("memory", keys["device_name"], keys["model"], keys["dtype"],
-                                        keys["batch"], keys["seq"], str(keys["run_id"])[:8]))
+                                        keys["batch"], keys["seq"], run_label(keys["run_id"])))
     return paths, None
 
 
@@ -382,7 +385,7 @@ def hardware_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str
     for keys, group, pairs in groups:
         devices_seen = [d for d, _ in pairs]
         labels = [(group.loc[group["device_name"] == d, "device_label"].iloc[0]
-                   + ("" if devices_seen.count(d) == 1 else f" ({r[:8]})")) for d, r in pairs]
+                   + ("" if devices_seen.count(d) == 1 else f" ({run_label(r)})")) for d, r in pairs]
         cells = {pair: hardware_cells(group, *pair) for pair in pairs}
         methods = [m for m in ordered_methods(group)
                    if any(m in cells[p] and cells[p][m][1].text != "baseline" for p in pairs)]
