@@ -99,7 +99,8 @@ def sweep(
                         f"(labels look like {loaded.cells[0].label!r})")
         out_dir = out or Path("results") / loaded.name
         baseline = results_mod.load_results(check) if check is not None else None
-        run_id, _manifest, done = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed)
+        plan = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed)
+        run_id, _manifest, done = plan
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
 
@@ -129,7 +130,8 @@ def sweep(
 
         try:
             run_id, outcomes = runner.run_sweep(loaded, cells, out_dir, resume=resume, allow_mixed=allow_mixed,
-                                                on_start=on_start, on_done=on_done, tick=progress.refresh)
+                                                on_start=on_start, on_done=on_done, tick=progress.refresh,
+                                                plan=plan)
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")

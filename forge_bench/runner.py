@@ -235,10 +235,15 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               allow_mixed: bool = False,
               on_start: Callable[[Cell, int, int], None] | None = None,
               on_done: Callable[[CellOutcome], None] | None = None,
-              tick: Callable[[], None] | None = None) -> tuple[str, list[CellOutcome]]:
-    """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does."""
+              tick: Callable[[], None] | None = None,
+              plan: tuple[str, dict[str, Any] | None, set[str]] | None = None) -> tuple[str, list[CellOutcome]]:
+    """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
+
+    ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
+    the one used); otherwise it is asked here.
+    """
     out_dir = Path(out_dir)
-    run_id, manifest, done = plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed)
+    run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed)
     out_dir.mkdir(parents=True, exist_ok=True)
     if manifest is not None:
         _write_manifest(out_dir, manifest)

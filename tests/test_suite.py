@@ -1,0 +1,158 @@
+"""Suite files: validation errors name file + field + expectation; grids expand as documented."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from forge_bench import suite as suite_mod
+from forge_bench.methods import METHODS
+from forge_bench.suite import SuiteError, load_suite, select_cells
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((REPO / "suites").glob("*.yaml"))
+
+GOOD = """
+device: cpu
+dtype: float32
+models: [tiny-llama]
+batch: [1, 2]
+seq: [16, 32]
+methods: [no_optimizer, sgd]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(SuiteError) as info:
+        load_suite(path)
+    message = str(info.value)
+    assert "\n" not in message, "errors must be one line"
+    assert message.startswith(f"{path}: "), "errors must name the file"
+    return message
+
+
+def test_one_grid_shorthand_expands_in_documented_order(tmp_path):
+    s = load_suite(write(tmp_path, GOOD))
+    labels = [c.label for c in s.cells]
+    assert labels == [f"main/tiny-llama/b{b}/s{q}/{m}" for b in (1, 2) for q in (16, 32) for m in ("no_optimizer", "sgd")]
+    assert len({c.cell_id for c in s.cells}) == 8
+    assert s.spec.warmup_steps == suite_mod.DEFAULT_WARMUP["cpu"]
+    assert s.spec.timed_steps == 20 and s.spec.repeats == 3 and s.spec.parity.steps == 20
+    # ids are stable across loads and change when the suite file changes
+    assert [c.cell_id for c in load_suite(tmp_path / "s.yaml").cells] == [c.cell_id for c in s.cells]
+    other = load_suite(write(tmp_path, GOOD + "timed_steps: 5\n", "t.yaml"))
+    assert not {c.cell_id for c in other.cells} & {c.cell_id for c in s.cells}
+
+
+def test_grids_dedupe_shared_cells_and_only_selects(tmp_path):
+    text = """
+device: cuda
+grids:
+  - {name: headline, models: [llama-3.1-8b], batch: [1], seq: [512], methods: [adamw_fused, forge_bf16]}
+  - {name: shapes, models: [llama-3.1-8b], batch: [1, 2], seq: [512, 1024], methods: [adamw_fused, forge_bf16]}
+"""
+    s = load_suite(write(tmp_path, text))
+    assert len(s.cells) == 8                        # the headline cell is not run twice
+    assert s.spec.warmup_steps == 30                # GPU default
+    head = select_cells(s.cells, "headline")
+    assert [c.label for c in head] == ["headline/llama-3.1-8b/b1/s512/adamw_fused", "headline/llama-3.1-8b/b1/s512/forge_bf16"]
+    assert len(select_cells(s.cells, "*/b2/*")) == 4
+    assert len(select_cells(s.cells, "*/forge_bf16,*/b1/s512/*")) == 5
+    assert select_cells(s.cells, "nothing-like-this") == []
+    assert select_cells(s.cells, None) == list(s.cells)
+
+
+def test_malformed_yaml(tmp_path):
+    msg = error_of(tmp_path, "device: cpu\nmodels: [tiny-llama\nbatch: [1]\n")
+    assert "not valid YAML" in msg and "line" in msg
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    assert "expected a mapping" in error_of(tmp_path, "- a\n- b\n")
+
+
+def test_unknown_model_lists_known_ones(tmp_path):
+    msg = error_of(tmp_path, GOOD.replace("[tiny-llama]", "[llama-9000]"))
+    assert "models: unknown model" in msg and "'llama-9000'" in msg and "llama-3.1-8b" in msg and "tiny-gpt2" in msg
+
+
+def test_unknown_method_lists_known_ones(tmp_path):
+    msg = error_of(tmp_path, GOOD.replace("no_optimizer, sgd", "no_optimizer, adamw_magic"))
+    assert "methods: unknown method" in msg and "'adamw_magic'" in msg
+    assert all(name in msg for name in ("adamw_fused", "forge_int8", "sgd"))
+
+
+def test_wrong_types(tmp_path):
+    msg = error_of(tmp_path, GOOD.replace("batch: [1, 2]", "batch: [1, two]"))
+    assert "batch[1]: " in msg and "grids" not in msg and "integer" in msg and "'two'" in msg
+    msg = error_of(tmp_path, GOOD + "repeats: many\n")
+    assert "repeats" in msg and "integer" in msg
+    msg = error_of(tmp_path, GOOD + "parity: {enabled: maybe}\n")
+    assert "parity.enabled" in msg and "boolean" in msg
+    msg = error_of(tmp_path, GOOD.replace("dtype: float32", "dtype: float8"))
+    assert "dtype" in msg and "bfloat16" in msg
+    msg = error_of(tmp_path, GOOD.replace("batch: [1, 2]", "batch: [0]"))
+    assert "positive" in msg
+
+
+def test_unknown_field_and_missing_field(tmp_path):
+    assert "timed_stpes: unknown field" in error_of(tmp_path, GOOD + "timed_stpes: 3\n")
+    msg = error_of(tmp_path, "device: cpu\ngrids:\n  - {name: a, models: [tiny-llama], batch: [1], seq: [8]}\n")
+    assert "grids[0].methods" in msg and "missing" in msg
+    assert "grids" in error_of(tmp_path, "device: cpu\n")
+
+
+def test_seq_longer_than_the_model_allows(tmp_path):
+    msg = error_of(tmp_path, GOOD.replace("[tiny-llama]", "[gpt2-xl]").replace("seq: [16, 32]", "seq: [2048]"))
+    assert "gpt2-xl" in msg and "1024" in msg
+
+
+def test_bad_device_and_missing_file(tmp_path):
+    assert "device" in error_of(tmp_path, GOOD.replace("device: cpu", "device: tpu"))
+    with pytest.raises(SuiteError, match="cannot read suite file"):
+        load_suite(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_suites_validate(path):
+    s = load_suite(path)
+    assert s.cells
+    assert all(c.method in METHODS for c in s.cells)
+
+
+def test_shipped_suite_set_and_default():
+    names = {p.name for p in SHIPPED}
+    assert {"smoke.yaml", "h100_llama8b.yaml", "h200_llama8b.yaml", "models.yaml", "gpu_smoke.yaml"} <= names
+    packaged = suite_mod.default_suite_path()
+    assert packaged.read_bytes() == (REPO / "suites" / "smoke.yaml").read_bytes(), \
+        "suites/smoke.yaml and the packaged default must be the same file"
+    smoke = load_suite(None)
+    assert smoke.spec.device == "cpu"
+    methods = {c.method for c in smoke.cells}
+    assert {"forge_fp32", "forge_bf16", "forge_int8", "no_optimizer", "adamw_foreach", "sgd"} <= methods
+    assert all(METHODS[m].unavailable_reason("cpu") is None or METHODS[m].family == "forge" for m in methods)
+
+
+@pytest.mark.parametrize("name", ["h100_llama8b.yaml", "h200_llama8b.yaml"])
+def test_headline_cell_runs_alone_with_every_arm(name):
+    s = load_suite(REPO / "suites" / name)
+    head = select_cells(s.cells, "headline")
+    assert {(c.model, c.batch, c.seq) for c in head} == {("llama-3.1-8b", 1, 512)}
+    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8"}
+    assert core <= {c.method for c in head}
+    shapes = {(c.batch, c.seq) for c in s.cells if c.model == "llama-3.1-8b"}
+    assert {(b, q) for b in (1, 2, 4) for q in (512, 1024, 2048)} <= shapes
+    assert s.spec.device == "cuda" and s.spec.dtype == "bfloat16"
+
+
+def test_models_suite_covers_the_zoo():
+    s = load_suite(REPO / "suites" / "models.yaml")
+    assert {c.model for c in s.cells} == {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b",
+                                          "mistral-7b", "gpt2-xl"}
