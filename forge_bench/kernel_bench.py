@@ -199,9 +199,6 @@ def plot(frame, path: Path) -> None:
 def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None = None,
          state_dtypes: Sequence[str] | None = None):
     """Run the benchmark; write ``kernel_bench.parquet`` and ``kernel_bench.png`` under ``out_dir``."""
-    import pandas as pd
-    import triton
-
     device = require_cuda()
     shapes = list(shapes or LLAMA_8B_SHAPES)
     unknown = [s for s in shapes if s not in LLAMA_8B_SHAPES]
@@ -229,15 +226,23 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
                           f"ratio {row['ratio_to_roofline']:.2f}  vs baseline x{row['speedup_vs_baseline']:.2f}",
                           flush=True)
             rows.extend(dict(row, shape=name) for row in measured[key])
+            frame = _frame(rows, device)
+            frame.to_parquet(out / "kernel_bench.parquet", index=False)   # after every shape: a cut-off run keeps rows
+    frame = _frame(rows, device)
+    frame.to_parquet(out / "kernel_bench.parquet", index=False)
+    plot(frame, out / "kernel_bench.png")
+    return frame
+
+
+def _frame(rows: list[dict], device: torch.device):
+    import pandas as pd
+    import triton
+
     frame = pd.DataFrame(rows)
     frame["device"] = torch.cuda.get_device_name(device)
     frame["torch_version"] = torch.__version__
     frame["triton_version"] = triton.__version__
-    columns = ["shape"] + [c for c in frame.columns if c != "shape"]
-    frame = frame[columns]
-    frame.to_parquet(out / "kernel_bench.parquet", index=False)
-    plot(frame, out / "kernel_bench.png")
-    return frame
+    return frame[["shape"] + [c for c in frame.columns if c != "shape"]]
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:

@@ -158,19 +158,28 @@ def check_properties(out: Path) -> None:
                    extra_peak_bytes_during_fused=int(extra), weight_fp32_bytes=dout * din * 4))
 
 
-def run_timing(out: Path, shapes, bts, state_dtypes, budget_s: float) -> None:
-    from forge_bench import kernel_bench
+def install_tuning_log(out: Path) -> None:
+    """Record every tuning table (all candidate timings per key) in check.jsonl."""
     from forge_core.kernels import fused as fused_module
-
+    if getattr(fused_module.tune_config, "logged", False):
+        return
     original = fused_module.tune_config
 
-    def logged_tune(candidates, run_on_scratch, time_ms, groups=fused_module.GROUPS):
-        best, timings = original(candidates, run_on_scratch, time_ms, groups)
+    def logged_tune(candidates, run_on_scratch, time_ms, *args, **kwargs):
+        best, timings = original(candidates, run_on_scratch, time_ms, *args, **kwargs)
         emit(out, dict(kind="tuning", best=str(best),
                        timings={str(c): round(t, 4) for c, t in sorted(timings.items(), key=lambda kv: kv[1])}))
         return best, timings
 
+    logged_tune.logged = True
     fused_module.tune_config = logged_tune
+
+
+def run_timing(out: Path, shapes, bts, state_dtypes, budget_s: float) -> None:
+    from forge_bench import kernel_bench
+    from forge_core.kernels import fused as fused_module
+
+    install_tuning_log(out)
     started = time.perf_counter()
     device = kernel_bench.require_cuda()
     bandwidth = BANDWIDTH[0]
@@ -259,6 +268,9 @@ def main() -> int:
                         help="time tile configs for the first N of: q@512 bf16 (all candidates, before the "
                              "correctness checks), q@512 int8, q@512 fp32, gate@8192 bf16")
     parser.add_argument("--quick-correctness", action="store_true", help="only the q/o and lm_head shapes")
+    parser.add_argument("--bench", action="store_true", help="forge_bench.kernel_bench.main into --out")
+    parser.add_argument("--bench-shapes", nargs="*")
+    parser.add_argument("--bench-bts", nargs="*", type=int)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -291,6 +303,12 @@ def main() -> int:
         guarded(out, run_sweep, *case)
     if args.time:
         run_timing(out, args.time_shapes, args.time_bts, args.time_states, args.time_budget)
+    if args.bench:
+        install_tuning_log(out)
+        from forge_bench import kernel_bench
+        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None)
+        print(frame.to_string(index=False, columns=["shape", "tokens", "state_dtype", "fused_ms", "roofline_ms",
+                                                    "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline"]))
     return 0
 
 

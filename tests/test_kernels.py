@@ -24,6 +24,7 @@ def _default_device(monkeypatch):
     """Run every test on the GPU when there is one (the interpreter on CPU otherwise), with the
     untuned default tile configuration on the GPU (tuning is tested on its own below)."""
     monkeypatch.setenv("FORGE_AUTOTUNE", "0")
+    torch.manual_seed(0)
     previous = torch.get_default_device()
     torch.set_default_device(DEVICE)
     yield
@@ -70,7 +71,8 @@ def _assert_storage_close(ours, ref, what):
         assert (ours != ref).float().mean().item() < 0.01, what
     elif ours.dtype == torch.bfloat16:
         ours32, ref32 = ours.float(), ref.float()
-        step = ref32.abs() * 2.0 ** -7 + 1e-30
+        # one bf16 step of the larger of the two, plus a floor for values that cancel to ~0
+        step = torch.maximum(ours32.abs(), ref32.abs()) * 2.0 ** -7 + 1e-6 * ref32.abs().max()
         assert torch.all((ours32 - ref32).abs() <= step * 1.01), what
         assert (ours32 != ref32).float().mean().item() < 0.02, what
     else:
@@ -260,7 +262,7 @@ def test_bad_arguments_raise_clear_errors(update, bad, match):
 
 def test_config_space_pruning():
     space = config_space()
-    assert len(space) == 3 * 3 * 3 * 3 * 2 * 5
+    assert len(space) == 3 * 3 * 3 * 3 * 3 * 5
     for m, n, k in [(4096, 4096, 512), (1024, 4096, 8192), (128256, 4096, 2048), (70, 90, 100)]:
         for input_bytes in (2, 4):
             candidates = candidate_configs(m, n, k, input_bytes)

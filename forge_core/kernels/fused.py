@@ -285,14 +285,15 @@ class TileConfig:
 TILE_SIZES = (64, 128, 256)
 K_CHUNKS = (32, 64, 128)
 GROUPS = (8, 16, 32)
-WARPS = (4, 8)
+WARPS = (4, 8, 16)
 STAGES = (2, 3, 4, 5, 6)
 INTERPRETER_CONFIG = TileConfig(32, 64, 32, 8, 4, 1)
 
 
 def config_space() -> list[TileConfig]:
     """Every configuration the issue names: tiles {64,128,256}^2, BK {32,64,128}, GROUP {8,16,32},
-    warps {4,8}, stages 2..6."""
+    warps {4,8}, stages 2..6; plus 16 warps, which lets the large tiles (128x128, 128x256) keep
+    their epilogue in registers (the fused epilogue needs ~4x the accumulator's registers)."""
     return [TileConfig(bm, bn, bk, group, warps, stages)
             for bm in TILE_SIZES for bn in TILE_SIZES for bk in K_CHUNKS for group in GROUPS
             for warps in WARPS for stages in STAGES]
@@ -312,8 +313,11 @@ def _pow2_at_least(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
 
 
-# (BM, BN, warps) worth timing: 4 warps up to 128x128 tiles, 8 warps from 128x128 up.
-SHORTLIST_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8))
+# (BM, BN, warps) worth timing (H100 sweeps, docs/kernel_notes.md): small tiles win when few tokens
+# make the step memory-bound, 128x128 on 8 warps when the GEMM dominates; the 16-warp large tiles
+# cut the L2 re-reads of X / dY that small tiles pay at BT = 512.
+SHORTLIST_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8),
+                   (128, 128, 16), (128, 256, 16), (256, 128, 16))
 
 
 def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConfig]:
@@ -323,9 +327,8 @@ def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConf
     From ``config_space()`` minus what does not ``fit``, keep: the (tile, warps) pairs of
     ``SHORTLIST_TILES`` no larger than the weight
     rounded up to a power of two; BK = 64, plus BK = 128 for 128x128 tiles on 8 warps; per
-    (tile, warps, BK) two pipeline depths: the deepest that fits (at most 4 and at most the number
-    of K chunks), and 2, the shallow one that leaves shared memory for a second resident program
-    when few tokens make the step memory-bound.
+    (tile, warps, BK) one pipeline depth: the deepest that fits, at most 4 and at most the number
+    of K chunks (on the H100, 2 stages never beat 4 at any shape we timed).
     """
     chosen: list[TileConfig] = []
     max_m, max_n = max(64, _pow2_at_least(m)), max(64, _pow2_at_least(n))
@@ -341,7 +344,7 @@ def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConf
         k_chunks = max(1, math.ceil(k / bk))
         deepest = max(s for s in STAGES if fits(TileConfig(bm, bn, bk, 8, warps, s), input_bytes))
         deep = max(2, min(4, deepest, k_chunks))
-        if config.num_stages not in {2, deep}:
+        if config.num_stages != deep:
             continue
         chosen.append(config)
     return chosen
