@@ -159,14 +159,12 @@ def sweep(
 def _print_plan(loaded, cells, done) -> None:
     from forge_bench.methods import METHODS
 
-    table = Table(title=f"{loaded.name}: plan (dry run)")
-    for col in ("cell", "cell id", "plan"):
-        table.add_column(col, overflow="fold")
+    # plain lines, one per cell (greppable, and the ids can be pasted into `forge-bench cell`)
+    out_console.print(f"{loaded.name}: plan (dry run): label  cell_id  plan", highlight=False)
     for c in cells:
         reason = METHODS[c.method].unavailable_reason(loaded.spec.device)
         plan = "done (kept)" if c.cell_id in done else (f"unavailable: {reason}" if reason else "run")
-        table.add_row(c.label, c.cell_id, plan)
-    out_console.print(table)
+        out_console.print(f"{c.label}  {c.cell_id}  {plan}", highlight=False, soft_wrap=True)
     s = loaded.spec
     out_console.print(f"device {s.device}, dtype {s.dtype}, warm-up {s.warmup_steps}, {s.repeats} x {s.timed_steps} "
                       f"timed steps, parity {'on' if s.parity.enabled else 'off'} ({s.parity.steps} steps, tolerance "
@@ -259,15 +257,18 @@ def report(
     if not results_dir.exists():
         raise _fail(f"{results_dir}: no such results folder or file")
     try:
-        from forge_bench.report import build_report
-    except ImportError as exc:
+        from forge_bench import report as report_mod
+        build_report = report_mod.build_report
+    except (ImportError, AttributeError) as exc:
         raise _fail(f"the report builder is not available in this checkout ({exc})") from None
     out_dir = out or Path("reports") / results_dir.resolve().name
+    no_results = getattr(report_mod, "NoResultsError", None)
     try:
         written = build_report(results_dir, out_dir)
-    except _user_errors() as exc:
+    except _user_errors() + ((no_results,) if isinstance(no_results, type) else ()) as exc:
         raise _fail(str(exc)) from None
-    out_console.print(f"report written to {out_dir}" + (f" ({len(written)} files)" if isinstance(written, (list, tuple)) else ""))
+    out_console.print(f"report written to {out_dir}" + (f": {written}" if isinstance(written, (str, Path)) else ""),
+                      highlight=False)
 
 
 @app.command()

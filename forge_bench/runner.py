@@ -8,7 +8,7 @@ A sweep writes into one results folder:
 
 Every cell ends in exactly one row whatever happens to its process: the cell writes ``ok``,
 ``parity_fail``, ``diverged``, ``unavailable``, ``oom_predicted`` or ``oom`` itself; this module
-writes ``timeout`` (killed at the suite's ``timeout_s``) and ``crashed`` (the process died
+writes ``timeout`` (killed at the cell's ``timeout_s``: the grid's, else the suite's) and ``crashed`` (the process died
 without a row; the row keeps its stderr tail). ``--resume`` skips cell ids that already have a
 row, so a ``kill -9`` of the sweep loses no written row and duplicates none. The cell process
 dies with the sweep (Linux parent-death signal), so a killed sweep leaves nothing running.
@@ -211,10 +211,10 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, suite.spec.timeout_s, tick)
+        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick)
         if rc is None:
             row = _runner_row(suite, cell, run_id, attempt, "timeout",
-                              f"killed after the per-cell timeout of {suite.spec.timeout_s:g} s",
+                              f"killed after the per-cell timeout of {cell.timeout_s:g} s",
                               stderr_tail(err_path), time.monotonic() - t0)
             results.write_row(out_dir, row)
             return row

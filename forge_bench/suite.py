@@ -74,6 +74,7 @@ class Grid(_Strict):
     batch: list[int] = Field(min_length=1)
     seq: list[int] = Field(min_length=1)
     methods: list[str] = Field(min_length=1)
+    timeout_s: float | None = Field(None, gt=0, description="per-cell limit for this grid (default: the suite's)")
 
     @field_validator("models")
     @classmethod
@@ -169,6 +170,7 @@ class Cell:
     method: str
     dtype: str
     device: str
+    timeout_s: float
 
     @property
     def label(self) -> str:
@@ -213,7 +215,8 @@ def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
                 for seq in grid.seq:
                     for method in grid.methods:
                         cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device)
-                        cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device))
+                        cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device,
+                                                   grid.timeout_s or spec.timeout_s))
     return tuple(cells.values())
 
 

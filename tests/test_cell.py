@@ -1,0 +1,110 @@
+"""One cell in-process: the row it writes for each outcome, the timing statistics, the gate."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forge_bench import cell as cell_mod
+from forge_bench import methods, results
+from forge_bench.methods import METHODS
+from forge_bench.suite import load_suite
+
+SUITE = """
+device: cpu
+dtype: float32
+warmup_steps: 1
+timed_steps: 3
+repeats: 2
+optimizer: {lr: 1.0e-3}
+parity: {steps: 4, tolerance: 0.02}
+models: [tiny-llama]
+batch: [2]
+seq: [16]
+methods: [adamw_foreach, no_optimizer, test_diverge, test_oom_always, test_unavailable, test_wrong_adamw]
+"""
+
+
+@pytest.fixture()
+def suite(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
+    path = tmp_path / "cell_suite.yaml"
+    path.write_text(SUITE)
+    return load_suite(path)
+
+
+def run(suite, method, out, attempt=1):
+    c = next(c for c in suite.cells if c.method == method)
+    code = cell_mod.run_cell(suite, c, out, "run-x", attempt)
+    path = results.row_path(out, c.cell_id)
+    return code, (results.load_results(path).iloc[0] if path.exists() else None)
+
+
+def test_ok_row_is_complete(suite, tmp_path):
+    code, row = run(suite, "adamw_foreach", tmp_path / "r")
+    assert code == 0 and row.status == "ok"
+    assert row.run_id == "run-x" and row.suite_hash == suite.sha256 and row.schema_version == results.SCHEMA_VERSION
+    assert row.timing_method == "wall_clock" and len(row.step_ms_all) == 6
+    assert len(row.step_ms_run_medians) == 2 and row.step_ms_median > 0
+    assert row.tokens_per_s == pytest.approx(32 / (row.step_ms_median / 1000))
+    assert row.peak_allocated_gib != row.peak_allocated_gib and "CPU" in row.peak_reason  # null (NaN in pandas)
+    assert row.nvml_reason and row.sm_clock_mhz_before != row.sm_clock_mhz_before
+    assert row.parity_steps == 4 and row.parity_rms_rel < 1e-5 and row.parity_model == "tiny-llama"
+    assert row.mem_optimizer_states_gib == pytest.approx(2 * row.mem_weights_gib, rel=1e-3)
+    assert row.n_params == 426624 and row.torch_version and row.source_hash and row.device_name
+    assert json.loads(row.method_settings)["foreach"] is True
+    assert row.warmup_steps == 1 and row.attempts == 1
+
+
+def test_no_gate_for_arms_without_a_reference(suite, tmp_path):
+    _, row = run(suite, "no_optimizer", tmp_path / "r")
+    assert row.status == "ok" and row.parity_steps == 0 and row.parity_rms_rel != row.parity_rms_rel  # NaN
+    assert row.mem_optimizer_states_gib == 0
+
+
+def test_parity_gate_failure_gives_no_timing(suite, tmp_path):
+    _, row = run(suite, "test_wrong_adamw", tmp_path / "r")
+    assert row.status == "parity_fail"
+    assert row.parity_rms_rel > 0.02 and "tolerance" in row.reason
+    assert row.step_ms_median != row.step_ms_median  # NaN: no timing
+
+
+def test_diverged(suite, tmp_path):
+    _, row = run(suite, "test_diverge", tmp_path / "r")
+    assert row.status == "diverged" and "non-finite loss" in row.reason
+
+
+def test_unavailable(suite, tmp_path):
+    _, row = run(suite, "test_unavailable", tmp_path / "r")
+    assert row.status == "unavailable" and "does not exist" in row.reason
+
+
+def test_oom_asks_for_one_retry_then_records(suite, tmp_path):
+    code, row = run(suite, "test_oom_always", tmp_path / "r", attempt=1)
+    assert code == cell_mod.EXIT_OOM_RETRY and row is None
+    code, row = run(suite, "test_oom_always", tmp_path / "r", attempt=2)
+    assert code == 0 and row.status == "oom" and row.attempts == 2 and "simulated" in row.reason
+
+
+def test_timing_statistics():
+    cols = cell_mod.timing_columns([[1.0, 2.0, 3.0, 4.0, 100.0], [2.0, 2.0, 2.0, 2.0, 2.0]], tokens_per_step=1000)
+    assert cols["step_ms_run_medians"] == [3.0, 2.0]
+    assert cols["step_ms_median"] == 2.5
+    assert cols["step_ms_run_spreads"] == [pytest.approx(2.0 / 3.0), 0.0]
+    assert cols["step_ms_spread_max"] == pytest.approx(2.0 / 3.0)
+    assert cols["tokens_per_s"] == pytest.approx(400_000)
+    assert cols["step_ms_p10"] == pytest.approx(1.9) and len(cols["step_ms_all"]) == 10
+
+
+def test_predicted_memory_of_the_headline_cell():
+    s = load_suite("suites/h100_llama8b.yaml")
+    c = next(c for c in s.cells if c.method == "adamw_fused" and c.batch == 1 and c.seq == 512)
+    need = cell_mod.predicted_bytes(c, METHODS["adamw_fused"])
+    n = 8_030_261_248
+    assert need["weights"] == 2 * n and need["optimizer_states"] == 4 * n and need["gradients"] == 2 * n
+    assert 55 * 2**30 < need["total"] < 70 * 2**30            # ~60 GiB measured
+    forge = cell_mod.predicted_bytes(next(x for x in s.cells if x.method == "forge_int8"), METHODS["forge_int8"])
+    assert forge["total"] < need["total"] and forge["gradients"] == 0
+    fp32 = cell_mod.predicted_bytes(next(x for x in s.cells if x.method == "forge_fp32"), METHODS["forge_fp32"])
+    assert fp32["total"] > 75 * 2**30                          # at the edge of one H100 (80 GB)

@@ -1,0 +1,118 @@
+"""The forge-bench CLI: help, one-line errors with exit code 2, dry run, list/env, and the
+smoke suite end to end (the `make demo` path) with --resume and --check."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from forge_bench import results
+from forge_bench.cli import app
+from forge_bench.suite import load_suite
+
+REPO = Path(__file__).resolve().parent.parent
+cli = CliRunner()
+
+
+@pytest.mark.parametrize("command", ["sweep", "cell", "list", "env", "report", "kernel"])
+def test_help_explains_each_command(command):
+    res = cli.invoke(app, [command, "--help"])
+    assert res.exit_code == 0
+    assert len(res.output) > 200
+
+
+def test_top_level_help_lists_commands():
+    res = cli.invoke(app, ["--help"])
+    assert res.exit_code == 0
+    assert all(c in res.output for c in ("sweep", "list", "env", "report", "kernel"))
+
+
+def test_bad_suite_is_one_line_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("device: cpu\nmodels: [nope]\nbatch: [1]\nseq: [8]\nmethods: [sgd]\n")
+    res = cli.invoke(app, ["sweep", str(bad), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    err = res.stderr.strip()
+    assert err.startswith("error:") and "unknown model 'nope'" in err and str(bad) in err.replace("\n", "")
+    assert not (tmp_path / "o").exists()
+
+
+def test_only_that_matches_nothing_is_exit_2(tmp_path):
+    res = cli.invoke(app, ["sweep", "--only", "no-such-cell", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "matches none" in res.stderr
+
+
+def test_dry_run_lists_cells_and_writes_nothing(tmp_path):
+    out = tmp_path / "o"
+    res = cli.invoke(app, ["sweep", str(REPO / "suites" / "h100_llama8b.yaml"), "--only", "headline",
+                           "--dry-run", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "headline/llama-3.1-8b/b1/s512/forge_bf16" in res.output.replace("\n", "")
+    assert "7 of" in res.stderr.replace("\n", " ")
+    assert not out.exists()
+
+
+def test_list_and_env_work_without_a_gpu():
+    res = cli.invoke(app, ["list", "--device", "cpu"])
+    assert res.exit_code == 0
+    text = res.output.replace("\n", " ")
+    assert "llama-3.1-8b" in text and "8.030 B" in text and "adamw_fused" in text and "CUDA" in text
+    res = cli.invoke(app, ["env"])
+    assert res.exit_code == 0 and "torch_version" in res.output and "nvml" in res.output
+
+
+def test_report_of_a_missing_folder_is_exit_2(tmp_path):
+    res = cli.invoke(app, ["report", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "no such" in res.stderr
+
+
+def _run(args, env, timeout=600):
+    return subprocess.run([sys.executable, "-m", "forge_bench.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=timeout)
+
+
+def _baseline(src: Path, dst: Path, factor: float) -> None:
+    """A baseline whose FORGE rows ran ``factor`` times the measured step time."""
+    for row in results.load_table(src).to_pylist():
+        if row["method_family"] == "forge" and row["step_ms_median"] is not None:
+            row["step_ms_median"] *= factor
+        results.write_row(dst, row)
+
+
+def test_smoke_suite_end_to_end_then_resume_check_and_report(tmp_path):
+    """What `make demo` runs: the packaged smoke suite, then the report; plus --resume and --check."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FORGE_BENCH_PLUGINS")}
+    env["PYTHONPATH"] = str(REPO)
+    out = tmp_path / "smoke"
+    res = _run(["sweep", "--out", str(out)], env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    suite = load_suite(None)
+    df = results.load_results(out)
+    assert len(df) == len(suite.cells) == 12 and df.cell_id.is_unique
+    bad = df[df.status != "ok"][["cell_id", "status", "reason"]]
+    assert bad.empty, bad.to_string()
+    forge = df[df.method_family == "forge"]
+    assert (forge.parity_rms_rel <= forge.parity_tolerance).all()
+    assert (forge[forge.model == "tiny-llama"].n_fused_params > 0).all()
+    assert "ok=12" in res.stdout
+
+    # a regression against a baseline that ran FORGE twice as fast: exit 1, naming the arm
+    fast = tmp_path / "baseline_fast"
+    _baseline(out, fast, 0.5)
+    res = _run(["sweep", "--out", str(out), "--resume", "--check", str(fast), "--tolerance", "0.10"], env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "REGRESSION" in res.stderr and "forge_bf16" in res.stderr
+    slow = tmp_path / "baseline_slow"
+    _baseline(out, slow, 2.0)
+    res = _run(["sweep", "--out", str(out), "--resume", "--check", str(slow)], env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "check passed" in res.stdout
+    assert len(results.load_results(out)) == 12
+
+    res = _run(["report", str(out), "-o", str(tmp_path / "report")], env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert any((tmp_path / "report").iterdir())

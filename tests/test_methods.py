@@ -1,0 +1,89 @@
+"""The baseline and FORGE arms: each builds, steps, and reports its memory; plugins register arms."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge_bench import methods, models
+from forge_bench.methods import METHODS, TrainConfig
+
+CORE = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8")
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend(monkeypatch):
+    # the CPU Triton interpreter is far too slow for whole-model steps; kernels have their own tests
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_core_arms_are_registered_with_families():
+    for name in CORE:
+        assert name in METHODS
+    assert {METHODS[n].family for n in CORE} == {"baseline", "forge"}
+    assert METHODS["no_optimizer"].parity_reference is None
+    assert METHODS["sgd"].parity_reference == "sgd"
+    assert all(METHODS[n].parity_reference == "adamw" for n in CORE if "adamw" in n or n.startswith("forge"))
+
+
+def test_adamw_fused_needs_cuda_with_a_reason():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    reason = METHODS["adamw_fused"].unavailable_reason("cpu")
+    assert reason and "CUDA" in reason
+
+
+def _arm(name, dtype="float32"):
+    model = models.build_model("tiny-llama", dtype, "cpu", seed=0)
+    return model, METHODS[name].build(model, TrainConfig(lr=1e-3, device="cpu"))
+
+
+@pytest.mark.parametrize("name", ["no_optimizer", "adamw_foreach", "sgd"])
+def test_torch_arms_step_and_account_memory(name):
+    model, arm = _arm(name)
+    batch = models.make_batch("tiny-llama", 2, 16, "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = [float(arm.step(batch)) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert moved == (name != "no_optimizer")
+    assert all(p.grad is None for p in model.parameters()), "grads must be freed after each step"
+    mem = arm.memory_breakdown()
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert mem["weights"] == weights and mem["gradients"] == weights
+    expected_states = {"no_optimizer": 0, "adamw_foreach": 2 * weights, "sgd": weights}[name]
+    assert abs(mem["optimizer_states"] - expected_states) <= 4 * 64   # + AdamW's per-tensor step counters
+    assert METHODS[name].bytes_per_param(4)[1] == 4.0
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_forge_arms_fuse_and_step(state_dtype):
+    name = f"forge_{state_dtype}"
+    if METHODS[name].unavailable_reason("cpu"):
+        pytest.skip(METHODS[name].unavailable_reason("cpu"))
+    model, arm = _arm(name)
+    assert arm.n_fused_params > 0
+    assert arm.settings["state_dtype"] == state_dtype
+    batch = models.make_batch("tiny-llama", 2, 16, "cpu")
+    w = model.model.layers[0].mlp.down_proj.weight
+    w0 = w.detach().clone()
+    loss = arm.step(batch)
+    assert torch.isfinite(loss)
+    assert not torch.equal(w0, w.detach()), "a fused weight must be updated by the step"
+    mem = arm.memory_breakdown()
+    assert set(mem) >= {"weights", "optimizer_states", "gradients"}
+    assert mem["gradients"] < mem["weights"]          # no gradient pool for fused weights
+
+
+def test_plugins_register_and_bad_plugin_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
+    assert methods.load_plugins() == ["forge_bench_test_arms"]
+    assert "test_crash" in METHODS
+    assert METHODS["test_unavailable"].unavailable_reason("cpu") == "test_unavailable: needs hardware that does not exist"
+    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms, no_such_plugin_module")
+    with pytest.raises(methods.PluginError, match="no_such_plugin_module"):
+        methods.load_plugins()
+
+
+def test_missing_package_is_a_reason():
+    m = methods.Method("x", "peer", "needs a package", lambda m, c: None, requires=("surely_not_installed_pkg",))
+    assert "surely_not_installed_pkg" in m.unavailable_reason("cpu")

@@ -1,0 +1,59 @@
+"""The result schema as the harness writes it: every row matches schema v1, writes are atomic."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from forge_bench import results
+
+
+def test_schema_columns_are_unique_and_documented():
+    assert len(results.COLUMN_NAMES) == len(set(results.COLUMN_NAMES))
+    assert all(doc for _, _, doc in results.COLUMNS)
+    md = results.schema_markdown()
+    assert all(f"`{name}`" in md for name in results.COLUMN_NAMES)
+
+
+def test_row_roundtrip_and_unknown_input_rejected(tmp_path):
+    row = {"cell_id": "c1", "status": "ok", "run_id": "r", "step_ms_run_medians": [1.0, 2.0],
+           "method_settings": {"lr": 1e-4}, "batch": 2}
+    path = results.write_row(tmp_path, row)
+    assert path.name == "c1.parquet"
+    table = pq.read_table(path)
+    assert table.schema.equals(results.SCHEMA)
+    got = results.load_results(tmp_path).iloc[0]
+    assert list(got.step_ms_run_medians) == [1.0, 2.0] and got.method_settings == '{"lr": 0.0001}'
+    assert got.schema_version == results.SCHEMA_VERSION
+    with pytest.raises(results.ResultsError, match="not in schema"):
+        results.write_row(tmp_path, {"cell_id": "c2", "status": "ok", "bogus": 1})
+    with pytest.raises(results.ResultsError, match="status"):
+        results.write_row(tmp_path, {"cell_id": "c2", "status": "fine"})
+    assert results.completed_cell_ids(tmp_path) == {"c1"}
+
+
+def test_partial_writes_are_invisible(tmp_path):
+    results.write_row(tmp_path, {"cell_id": "c1", "status": "ok"})
+    (tmp_path / ".tmp-abc.parquet.part").write_bytes(b"half a parquet file")   # what a kill -9 can leave
+    (tmp_path / ".tmp-def.parquet").write_bytes(b"garbage")
+    assert results.completed_cell_ids(tmp_path) == {"c1"}
+    assert len(results.load_results(tmp_path)) == 1
+
+
+def test_rows_the_cell_writes_match_the_schema(tmp_path, monkeypatch):
+    """A real cell row (CPU) holds exactly the schema's columns with the schema's types."""
+    from forge_bench.cell import run_cell
+    from forge_bench.suite import load_suite
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    suite_path = tmp_path / "s.yaml"
+    suite_path.write_text("device: cpu\ndtype: float32\nwarmup_steps: 0\ntimed_steps: 2\nrepeats: 1\n"
+                          "parity: {steps: 2}\nmodels: [tiny-gpt2]\nbatch: [1]\nseq: [8]\nmethods: [sgd]\n")
+    suite = load_suite(suite_path)
+    run_cell(suite, suite.cells[0], tmp_path / "out", "r1")
+    table = pq.read_table(results.row_path(tmp_path / "out", suite.cells[0].cell_id))
+    assert table.schema.equals(results.SCHEMA) and table.num_rows == 1
+    row = table.to_pylist()[0]
+    filled = {k for k, v in row.items() if v is not None}
+    assert {"run_id", "suite_hash", "cell_id", "status", "step_ms_median", "step_ms_all", "torch_version",
+            "transformers_version", "source_hash", "device_name", "started_at", "finished_at", "wall_s",
+            "mem_weights_gib", "parity_rms_rel", "nvml_reason", "peak_reason"} <= filled

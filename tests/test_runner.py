@@ -1,0 +1,185 @@
+"""One process per cell: crash, hang, OOM retry, kill -9 of the sweep then --resume."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from forge_bench import methods, results, runner
+from forge_bench.suite import load_suite
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+BROKEN = """
+device: cpu
+dtype: float32
+warmup_steps: 1
+timed_steps: 2
+repeats: 1
+timeout_s: 180
+parity: {enabled: false}
+grids:
+  - {name: hang, models: [tiny-llama], batch: [1], seq: [8], methods: [test_hang], timeout_s: 8}
+  - {name: rest, models: [tiny-llama], batch: [1], seq: [8],
+     methods: [test_crash, test_oom_once, test_oom_always, test_unavailable, sgd]}
+"""
+
+FAST = """
+device: cpu
+dtype: float32
+warmup_steps: 1
+timed_steps: 2
+repeats: 1
+timeout_s: 180
+parity: {enabled: false}
+models: [tiny-llama]
+batch: [1]
+seq: [8]
+methods: [no_optimizer, sgd, adamw_foreach, test_forge_like]
+"""
+
+
+@pytest.fixture()
+def plugin_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(TESTS)]))
+    monkeypatch.setenv("FORGE_BENCH_TEST_OOM_FLAG", str(tmp_path / "oom-once.flag"))
+    return tmp_path
+
+
+def test_every_misbehaving_cell_gets_its_row_and_the_sweep_goes_on(plugin_env):
+    path = plugin_env / "broken.yaml"
+    path.write_text(BROKEN)
+    suite = load_suite(path)
+    out = plugin_env / "out"
+    run_id, outcomes = runner.run_sweep(suite, list(suite.cells), out)
+    status = {o.cell.method: o.status for o in outcomes}
+    assert status == {"test_hang": "timeout", "test_crash": "crashed", "test_oom_once": "ok",
+                      "test_oom_always": "oom", "test_unavailable": "unavailable", "sgd": "ok"}
+    df = results.load_results(out).set_index("method")
+    assert len(df) == 6 and set(df.run_id) == {run_id}
+    assert "boom: simulated crash" in df.loc["test_crash", "stderr_tail"]
+    assert "exit code 1" in df.loc["test_crash", "reason"]
+    assert "8 s" in df.loc["test_hang", "reason"]
+    assert df.loc["test_oom_once", "attempts"] == 2
+    assert df.loc["test_oom_always", "attempts"] == 2 and "out of memory" in df.loc["test_oom_always", "reason"]
+    # unavailable cells are decided without a process
+    assert not list((out / runner.LOG_DIR).glob("*test_unavailable*"))
+    assert not [p for p in _cell_processes()], "no cell process may outlive its sweep"
+
+
+def _cell_processes(parent_pid: int | None = None) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"forge_bench.cell" in cmd and (parent_pid is None or str(parent_pid).encode() in cmd):
+            if parent_pid is not None or any(b"broken.yaml" in c for c in cmd):
+                pids.append(int(proc.name))
+    return pids
+
+
+def _sweep_cmd(suite_path: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "forge_bench.cli", "sweep", str(suite_path), "--out", str(out), *extra]
+
+
+def test_kill_9_of_a_running_sweep_then_resume_loses_and_duplicates_nothing(plugin_env):
+    suite_path = plugin_env / "fast.yaml"
+    suite_path.write_text(FAST)
+    out = plugin_env / "out"
+    sweep = subprocess.Popen(_sweep_cmd(suite_path, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    # wait until at least one row exists and the next cell's process is running
+    while time.monotonic() < deadline:
+        rows = results.completed_cell_ids(out)
+        running = _cell_processes(sweep.pid)
+        if rows and running and len(rows) < 4:
+            break
+        assert sweep.poll() is None, "the sweep finished before it could be killed"
+        time.sleep(0.2)
+    else:
+        pytest.fail("the sweep never reached a killable state")
+    os.kill(sweep.pid, signal.SIGKILL)
+    sweep.wait()
+    before = results.load_results(out)
+    # the running cell dies with its sweep (parent-death signal): nothing keeps writing
+    for _ in range(50):
+        if not _cell_processes(sweep.pid):
+            break
+        time.sleep(0.1)
+    assert not _cell_processes(sweep.pid), "a cell process survived kill -9 of its sweep"
+    assert 1 <= len(before) < 4
+
+    refused = subprocess.run(_sweep_cmd(suite_path, out), capture_output=True, text=True)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    done = subprocess.run(_sweep_cmd(suite_path, out, "--resume"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = results.load_results(out)
+    assert len(after) == 4 and after.cell_id.is_unique
+    assert set(after.cell_id) == {c.cell_id for c in load_suite(suite_path).cells}
+    assert after.run_id.nunique() == 1 and set(after.run_id) == set(before.run_id)
+    kept = after.set_index("cell_id").loc[before.cell_id, "finished_at"]
+    assert list(kept) == list(before.finished_at), "rows written before the kill must not be rerun"
+    assert (after.status == "ok").all()
+
+
+def test_plan_refuses_to_mix_suites_or_restart_a_folder(plugin_env):
+    a = plugin_env / "a.yaml"
+    a.write_text(FAST)
+    b = plugin_env / "b.yaml"
+    b.write_text(FAST.replace("timed_steps: 2", "timed_steps: 3"))
+    sa, sb = load_suite(a), load_suite(b)
+    out = plugin_env / "out"
+    run_id, manifest, done = runner.plan_run(out, sa, resume=False, allow_mixed=False)
+    assert done == set() and manifest["runs"][0]["suite_hash"] == sa.sha256
+    out.mkdir()
+    runner._write_manifest(out, manifest)
+    results.write_row(out, {"cell_id": sa.cells[0].cell_id, "status": "ok", "run_id": run_id})
+    with pytest.raises(runner.RunnerError, match="--resume"):
+        runner.plan_run(out, sa, resume=False, allow_mixed=False)
+    again, _, done = runner.plan_run(out, sa, resume=True, allow_mixed=False)
+    assert again == run_id and done == {sa.cells[0].cell_id}
+    with pytest.raises(runner.RunnerError, match="--allow-mixed"):
+        runner.plan_run(out, sb, resume=True, allow_mixed=False)
+    other, manifest2, _ = runner.plan_run(out, sb, resume=False, allow_mixed=True)
+    assert other != run_id and len(manifest2["runs"]) == 2
+    stray = plugin_env / "stray"
+    results.write_row(stray, {"cell_id": "x", "status": "ok"})
+    with pytest.raises(runner.RunnerError, match="no manifest"):
+        runner.plan_run(stray, sa, resume=True, allow_mixed=False)
+
+
+def _rows(**overrides):
+    base = {"device_name": "NVIDIA H100 80GB HBM3", "model": "llama-3.1-8b", "batch": 1, "seq": 512,
+            "dtype": "bfloat16", "method": "forge_bf16", "method_family": "forge", "status": "ok",
+            "step_ms_median": 100.0, "reason": None}
+    return pd.DataFrame([{**base, **overrides}])
+
+
+def test_check_against_baseline():
+    base = pd.concat([_rows(), _rows(method="adamw_fused", method_family="baseline", step_ms_median=130.0)])
+    fails, notes = runner.check_against_baseline(_rows(step_ms_median=109.0), base, 0.10)
+    assert not fails and "+9.0%" in notes[0]
+    fails, _ = runner.check_against_baseline(_rows(step_ms_median=111.0), base, 0.10)
+    assert len(fails) == 1 and "forge_bf16" in fails[0] and "+11.0%" in fails[0]
+    fails, _ = runner.check_against_baseline(_rows(status="crashed", step_ms_median=None, reason="x"), base, 0.10)
+    assert "status crashed" in fails[0]
+    fails, _ = runner.check_against_baseline(_rows(device_name="NVIDIA H200"), base, 0.10)
+    assert "nothing to compare" in fails[0]
+    # baseline arms never fail the check, only FORGE ones
+    fails, _ = runner.check_against_baseline(
+        pd.concat([_rows(), _rows(method="adamw_fused", method_family="baseline", step_ms_median=999.0)]), base, 0.10)
+    assert not fails
