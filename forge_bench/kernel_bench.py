@@ -173,8 +173,8 @@ def plot(frame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    labels = [f"{r.shape}\nBT={r.tokens}" for r in frame[frame.state_dtype == frame.state_dtype.iloc[0]].itertuples()]
+    fig, axes = plt.subplots(2, 1, figsize=(14, 8))
+    labels = [f"{r.shape} {r.tokens}" for r in frame[frame.state_dtype == frame.state_dtype.iloc[0]].itertuples()]
     positions = range(len(labels))
     width = 0.8 / max(1, frame.state_dtype.nunique())
     for offset, (state_dtype, part) in enumerate(frame.groupby("state_dtype", sort=False)):
@@ -187,7 +187,8 @@ def plot(frame, path: Path) -> None:
     axes[1].set_ylabel("(cuBLAS dY^T X + fused AdamW) / fused")
     for ax in axes:
         ax.set_xticks([p + width * (frame.state_dtype.nunique() - 1) / 2 for p in positions])
-        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
+        ax.set_xlabel("shape, tokens (BT)")
         ax.legend(fontsize=8)
     device = frame.device.iloc[0] if "device" in frame else ""
     fig.suptitle(f"FORGE fused wgrad + AdamW, Llama-3.1-8B Linear shapes ({device})")

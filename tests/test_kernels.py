@@ -359,3 +359,13 @@ def test_gpu_changing_lr_does_not_recompile():
         fused_wgrad_update(x, dy, weight, state, dict(HP["adamw"], lr=lr), step, config=config)
     if compiled is not None:
         assert sum(len(c) for c in kernel.device_caches.values()) == compiled
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_kernel_benchmark_fails_clearly_without_cuda(tmp_path, capsys):
+    from forge_bench import kernel_bench
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        kernel_bench.main(tmp_path)
+    assert kernel_bench._cli(["--out", str(tmp_path), "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "CUDA" in err and "\n" not in err
