@@ -21,7 +21,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/forge-bench sweep --out $(OUT)
+	$(BIN)/forge-bench sweep --out $(OUT) --resume
 	$(BIN)/forge-bench report $(OUT) -o $(REPORT)
 
 test: $(STAMP)

@@ -48,7 +48,7 @@ def test_only_that_matches_nothing_is_exit_2(tmp_path):
 
 def test_dry_run_lists_cells_and_writes_nothing(tmp_path):
     out = tmp_path / "o"
-    res = cli.invoke(app, ["sweep", str(REPO / "suites" / "h100_llama8b.yaml"), "--only", "headline",
+    res = cli.invoke(app, ["sweep", str(REPO / "suites" / "h100_llama8b.yaml"), "--only", "headline/*",
                            "--dry-run", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "headline/llama-3.1-8b/b1/s512/forge_bf16" in res.output.replace("\n", "")

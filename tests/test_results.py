@@ -57,3 +57,12 @@ def test_rows_the_cell_writes_match_the_schema(tmp_path, monkeypatch):
     assert {"run_id", "suite_hash", "cell_id", "status", "step_ms_median", "step_ms_all", "torch_version",
             "transformers_version", "source_hash", "device_name", "started_at", "finished_at", "wall_s",
             "mem_weights_gib", "parity_rms_rel", "nvml_reason", "peak_reason"} <= filled
+
+
+def test_schema_doc_is_current():
+    """docs/results_schema.md is generated: regenerate it with
+    python -c "from forge_bench.results import schema_markdown; open('docs/results_schema.md','w').write(schema_markdown())"."""
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "results_schema.md"
+    assert doc.read_text() == results.schema_markdown()
