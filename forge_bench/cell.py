@@ -136,14 +136,17 @@ def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityRe
         got = params_after.get(name, params_before.get(name))
         if got is None:
             raise RuntimeError(f"parity: the arm's model has no parameter {name!r} any more")
-        got = got.detach().float().cpu()
+        ref = ref.to(got.device)              # compare where the weights live (fast on a GPU)
+        got = got.detach().float()
         d = float((got - ref).pow(2).sum())
         r = float(ref.pow(2).sum())
+        ndim = ref.ndim
+        del ref, got
         diff_sq += d
         ref_sq += r
         if r > 0:
             rel = math.sqrt(d / r)
-            per_tensor[name] = (rel if math.isfinite(rel) else float("inf"), ref.ndim)
+            per_tensor[name] = (rel if math.isfinite(rel) else float("inf"), ndim)
     # The gate reads the worst weight MATRIX: the tensors an optimizer kernel can get wrong at
     # scale. Vectors (norms, zero-initialised biases) are tiny, and in bf16 Adam's sign-like first
     # steps on their near-zero gradients make their relative error large for every correct arm;

@@ -274,14 +274,36 @@ def report(
 @app.command()
 def kernel(
     out: Annotated[Path, typer.Option("--out", "-o", help="results folder for the kernel benchmark")] = Path("results/kernel"),
-    quick: Annotated[bool, typer.Option("--quick", help="a few shapes only (CI / CPU interpreter)")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="a few shapes and token counts only (CI)")] = False,
+    shapes: Annotated[Optional[str], typer.Option("--shapes", help="comma-separated Llama-3.1-8B Linear names (q,k,v,o,gate,up,down,lm_head)")] = None,
+    bts: Annotated[Optional[str], typer.Option("--bts", help="comma-separated token counts (batch x seq), e.g. 512,2048,8192")] = None,
+    state_dtypes: Annotated[Optional[str], typer.Option("--state-dtypes", help="comma-separated: fp32,bf16,int8")] = None,
 ) -> None:
-    """Time the fused wgrad+update kernel per Llama-3.1-8B Linear shape against cuBLAS + torch AdamW and its roofline."""
+    """Time the fused wgrad+update kernel per Llama-3.1-8B Linear shape against cuBLAS dY^T X + torch
+    fused AdamW and against its roofline; writes parquet + a figure under --out (needs a GPU)."""
+    import inspect
+
     try:
-        from forge_bench.kernel_bench import main as kernel_main
+        from forge_bench import kernel_bench
     except ImportError as exc:
         raise _fail(f"the kernel benchmark is not available in this checkout ({exc})") from None
-    frame = kernel_main(out, quick=quick)
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None
+    try:
+        bt_list = [int(x) for x in split(bts)] if bts else None
+    except ValueError:
+        raise _fail(f"--bts expects comma-separated integers, got {bts!r}") from None
+    kwargs: dict[str, Any] = {"shapes": split(shapes), "bts": bt_list, "state_dtypes": split(state_dtypes)}
+    if "quick" in inspect.signature(kernel_bench.main).parameters:
+        kwargs["quick"] = quick
+    elif quick:
+        kwargs["shapes"] = kwargs["shapes"] or list(getattr(kernel_bench, "QUICK_SHAPES", ("q", "down")))
+        kwargs["bts"] = kwargs["bts"] or list(getattr(kernel_bench, "QUICK_BTS", (512,)))
+    try:
+        frame = kernel_bench.main(out, **kwargs)
+    except (RuntimeError, ValueError) as exc:
+        if "\n" in str(exc) or not str(exc):
+            raise
+        raise _fail(str(exc)) from None
     if frame is not None and len(frame):
         table = Table(title=f"kernel benchmark -> {out}")
         cols = list(frame.columns)[:10]

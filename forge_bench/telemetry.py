@@ -90,12 +90,31 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _nvml_device_name(index: int) -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+        finally:
+            pynvml.nvmlShutdown()
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return None
+
+
 def device_info(device: str) -> dict[str, Any]:
+    """Name and count of the devices. The name comes from NVML first: the sweep process writes rows
+    too (timeouts, crashes) and must not create a CUDA context, which would hold GPU memory that
+    the cell processes then miss. (Assumes CUDA_VISIBLE_DEVICES is unset or maps index 0 to the
+    first GPU NVML lists, as on a one-GPU machine.)"""
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index or 0
-        return {"device_name": torch.cuda.get_device_name(index), "device_count": torch.cuda.device_count()}
+        name = _nvml_device_name(index) or torch.cuda.get_device_name(index)
+        return {"device_name": name, "device_count": torch.cuda.device_count()}
     return {"device_name": cpu_name(), "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}
 
 

@@ -116,3 +116,14 @@ def test_smoke_suite_end_to_end_then_resume_check_and_report(tmp_path):
     res = _run(["report", str(out), "-o", str(tmp_path / "report")], env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert any((tmp_path / "report").iterdir())
+
+
+def test_kernel_without_a_gpu_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    res = cli.invoke(app, ["kernel", "--quick", "--out", str(tmp_path / "k")])
+    assert res.exit_code == 2 and "CUDA" in res.stderr
+    res = cli.invoke(app, ["kernel", "--bts", "5x", "--out", str(tmp_path / "k")])
+    assert res.exit_code == 2 and "--bts" in res.stderr
