@@ -30,6 +30,7 @@ import torch
 
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
+from forge_bench import floor as floor_mod
 from forge_bench import results, telemetry
 from forge_bench.suite import Cell, Suite, load_suite
 
@@ -162,6 +163,9 @@ def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityRe
 
 # --- timing --------------------------------------------------------------------------------
 
+FLOOR_METHOD = "no_optimizer"  # its cell also measures the floor terms of issue 6
+
+
 @dataclass
 class Timing:
     run_ms: list[list[float]]
@@ -174,6 +178,7 @@ class Timing:
     n_fused_params: int
     settings: dict[str, Any]
     nvml: dict[str, Any] = field(default_factory=dict)
+    floor_terms: dict[str, Any] | None = None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -258,8 +263,14 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         nvml = telemetry.cpu_nvml_columns()
     values = _check_finite(losses, "timed")
     settings = {**dict(method.settings), **dict(getattr(arm, "settings", {}) or {})}
+    terms = None
+    if on_cuda and method.name == FLOOR_METHOD:
+        # The floor of a FORGE step needs the wgrad GEMM time and the copy bandwidth measured in
+        # the same run as the no_optimizer step (forge_bench/floor.py); measured after the timed window.
+        terms = floor_mod.floor_terms(model, cell.batch * cell.seq, models_mod.torch_dtype(cell.dtype),
+                                      torch.device(device))
     return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
-                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml)
+                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -389,6 +400,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         **timing_columns(timing.run_ms, cell.batch * cell.seq), **timing.nvml,
     )
     extra["memory_breakdown_bytes"] = timing.memory_breakdown
+    if timing.floor_terms is not None:
+        extra["floor_terms"] = timing.floor_terms
     results.write_row(out_dir, _finish(row, t_start, extra))
     return 0
 
