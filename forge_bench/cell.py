@@ -179,6 +179,7 @@ class Timing:
     settings: dict[str, Any]
     nvml: dict[str, Any] = field(default_factory=dict)
     floor_terms: dict[str, Any] | None = None
+    host_ms: list[float] = field(default_factory=list)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -231,27 +232,38 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     run_ms: list[list[float]] = []
+    host_ms: list[float] = []
     losses: list[torch.Tensor] = []
     step_index = 0
-    for _ in range(spec.repeats):
-        if on_cuda:
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
-            for i in range(spec.timed_steps):
-                starts[i].record()
-                losses.append(arm.step(batches[step_index % BATCH_POOL]))
-                ends[i].record()
-                step_index += 1
-            torch.cuda.synchronize()
-            run_ms.append([s.elapsed_time(e) for s, e in zip(starts, ends)])
-        else:
-            times = []
-            for _ in range(spec.timed_steps):
-                t0 = time.perf_counter()
-                losses.append(arm.step(batches[step_index % BATCH_POOL]))
-                times.append((time.perf_counter() - t0) * 1000.0)
-                step_index += 1
-            run_ms.append(times)
+    # Python's cyclic GC pauses land inside steps at random: on the H100 they widened the IQR of a
+    # Llama-8B step by ~40% (scripts/noise_probe.py, docs/gpu_notes.md). Collect once, then keep
+    # it off for the timed window only.
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(spec.repeats):
+            if on_cuda:
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
+                for i in range(spec.timed_steps):
+                    t0 = time.perf_counter()
+                    starts[i].record()
+                    losses.append(arm.step(batches[step_index % BATCH_POOL]))
+                    ends[i].record()
+                    host_ms.append((time.perf_counter() - t0) * 1000.0)
+                    step_index += 1
+                torch.cuda.synchronize()
+                run_ms.append([s.elapsed_time(e) for s, e in zip(starts, ends)])
+            else:
+                times = []
+                for _ in range(spec.timed_steps):
+                    t0 = time.perf_counter()
+                    losses.append(arm.step(batches[step_index % BATCH_POOL]))
+                    times.append((time.perf_counter() - t0) * 1000.0)
+                    step_index += 1
+                run_ms.append(times)
+    finally:
+        gc.enable()
     if on_cuda:
         peak_alloc = torch.cuda.max_memory_allocated() / GIB
         peak_reserved = torch.cuda.max_memory_reserved() / GIB
@@ -270,7 +282,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         terms = floor_mod.floor_terms(model, cell.batch * cell.seq, models_mod.torch_dtype(cell.dtype),
                                       torch.device(device))
     return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
-                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms)
+                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -400,6 +412,10 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         **timing_columns(timing.run_ms, cell.batch * cell.seq), **timing.nvml,
     )
     extra["memory_breakdown_bytes"] = timing.memory_breakdown
+    if timing.host_ms:
+        # Host time for the Python call of each step to return. When it is close to the GPU step
+        # time the step is launch-bound and its jitter is the host's, not the GPU's.
+        extra["host_return_ms_median"] = statistics.median(timing.host_ms)
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
     results.write_row(out_dir, _finish(row, t_start, extra))
