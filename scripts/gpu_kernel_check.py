@@ -212,6 +212,7 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
         state.store("exp_avg_sq", torch.rand(dout, din, device="cuda") * 1e-6)
         sets.append((torch.randn(tokens, din, device="cuda").bfloat16(),
                      (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16(), w, state))
+    records = []
     for config in configs:
         record = dict(kind="sweep", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, config=str(config))
         try:
@@ -237,8 +238,10 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
         except Exception as error:  # noqa: BLE001 - report and go on
             record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         emit(out, record)
+        records.append(record)
     del sets
     torch.cuda.empty_cache()
+    return records
 
 
 BANDWIDTH: list[float] = []
@@ -253,6 +256,153 @@ def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str, ful
     configs = candidate_configs(dout, din, tokens, 2) if full else usual
     configs = configs + [dataclasses.replace(c, prefetch=True) for c in usual[:4]]
     sweep_configs(out, dout, din, tokens, state_dtype, configs)
+
+
+def _short(config) -> str:
+    text = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
+    if config.split_n != 1:
+        text += f" /{config.split_n}"
+    if config.prefetch:
+        text += " pf"
+    if config.max_registers:
+        text += f" r{config.max_registers}"
+    if config.group != 8:
+        text += f" g{config.group}"
+    return text
+
+
+def variant_configs(state_dtype: str):
+    """Tile variants timed at BT = 512 (``--variants``): the old winners and the column-split ones."""
+    from forge_core.kernels.fused import TileConfig as T
+    from forge_core.kernels.fused import supports
+    both = [T(64, 64, 64, 8, 4, 4),                       # old bf16 winner (now hardware bf16 rounding)
+            T(64, 128, 64, 8, 8, 4, split_n=2),           # 90 / 124 regs: 2 programs per SM
+            T(128, 128, 64, 8, 8, 4, split_n=2),          # 178 / 219 regs
+            T(128, 128, 64, 8, 16, 4, split_n=2),         # 90 / 124 regs, 16 warps
+            T(128, 128, 64, 8, 16, 3, split_n=2),
+            T(64, 256, 32, 8, 8, 4, split_n=4),           # 128 / 152 regs
+            T(128, 256, 64, 8, 16, 3, split_n=4),         # 128 regs (int8: small spill)
+            T(128, 256, 64, 8, 8, 3, split_n=4),          # 254 regs, 1 program per SM
+            T(128, 256, 32, 8, 16, 4, split_n=4),
+            T(64, 128, 64, 8, 4, 4, split_n=2)]           # 174 / 221 regs, 1 warpgroup
+    bf16_only = [T(128, 128, 64, 8, 8, 3, split_n=4),     # 128 regs: 2 programs per SM
+                 T(128, 128, 32, 8, 8, 4, split_n=4),
+                 T(128, 128, 64, 8, 8, 2, split_n=4),
+                 T(64, 256, 64, 8, 8, 3, split_n=4)]
+    int8_only = [T(64, 64, 64, 8, 4, 4, prefetch=True),
+                 T(64, 128, 64, 8, 4, 4, prefetch=True),   # old int8 winner
+                 T(64, 128, 64, 8, 8, 3, split_n=2),
+                 T(64, 256, 32, 8, 8, 4, split_n=4, max_registers=128)]
+    configs = both + (bf16_only if state_dtype != "int8" else int8_only)
+    return [c for c in configs if supports(c, state_dtype)]
+
+
+def _state_check(ours: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    """(within tolerance, worst measure): bf16 one step of the larger value, int8 codes within 1."""
+    if ours.dtype == torch.int8:
+        diff = (ours.int() - ref.int()).abs()
+        worst = int(diff.max().item())
+        return worst <= 1 and (diff != 0).float().mean().item() < 0.01, float(worst)
+    ours32, ref32 = ours.float(), ref.float()
+    step = torch.maximum(ours32.abs(), ref32.abs()) * 2.0 ** -7 + 1e-6 * ref32.abs().max()
+    worst = ((ours32 - ref32).abs() / step).max().item()
+    return worst <= 1.01 and (ours32 != ref32).float().mean().item() < 0.02, worst
+
+
+def check_config_step(dout: int, din: int, tokens: int, state_dtype: str, config, seed: int) -> dict:
+    """One fused AdamW step with ``config`` against the reference on fresh random data."""
+    from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    torch.manual_seed(seed)
+    x = torch.randn(tokens, din, device="cuda").bfloat16()
+    dy = (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16()
+    w0 = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
+    rule = get_rule("adamw")
+    states = [ParamState(w0, rule, state_dtype) for _ in range(2)]
+    m0 = torch.randn(dout, din, device="cuda") * 1e-4
+    v0 = torch.rand(dout, din, device="cuda") * 1e-6
+    for state in states:
+        state.store("exp_avg", m0)
+        state.store("exp_avg_sq", v0)
+    del m0, v0
+    w_fused, w_ref = w0.clone(), w0.clone()
+    fused_wgrad_update(x, dy, w_fused, states[0], HP["adamw"], 3, config=config)
+    reference_wgrad_update(x, dy, w_ref, states[1], HP["adamw"], 3)
+    torch.cuda.synchronize()
+    record = {}
+    ok = True
+    for name, ours, ref in [("weight", w_fused, w_ref)] + [(n, states[0].values[n], states[1].values[n])
+                                                           for n in rule.state_names]:
+        passed, worst = _state_check(ours, ref)
+        record[f"{name}_worst"] = worst
+        ok = ok and passed
+    for n in rule.state_names:
+        if states[0].scales[n] is not None:
+            a, b = states[0].scales[n], states[1].scales[n]
+            rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            record[f"{n}_scale_rel_l2"] = rel
+            ok = ok and rel < 1e-5
+    record["changed_frac"] = (w_fused != w0).float().mean().item()
+    record["finite"] = bool(torch.isfinite(w_fused.float()).all().item())
+    record["ok"] = ok and record["finite"]
+    del x, dy, w0, w_fused, w_ref, states
+    torch.cuda.empty_cache()
+    return record
+
+
+def run_variants(out: Path, shapes, state_dtypes, tokens: int, budget_s: float) -> list[dict]:
+    """Check and time each variant config at each (shape, state dtype); returns the rows."""
+    from forge_bench.kernel_bench import LLAMA_8B_SHAPES
+    from forge_core.kernels import fused as fused_module
+    rows = []
+    started = time.perf_counter()
+    for name in shapes:
+        dout, din = LLAMA_8B_SHAPES[name]
+        for state_dtype in state_dtypes:
+            configs = variant_configs(state_dtype)
+            if time.perf_counter() - started > budget_s:
+                emit(out, dict(kind="variants_skipped", shape=name, state_dtype=state_dtype))
+                continue
+            for index, config in enumerate(configs):
+                record = dict(kind="variant", shape=name, dout=dout, din=din, tokens=tokens, state_dtype=state_dtype,
+                              config=_short(config))
+                try:
+                    record.update(check_config_step(dout, din, tokens, state_dtype, config, seed=100 + index))
+                except Exception as error:  # noqa: BLE001
+                    record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                emit(out, record)
+                rows.append(record)
+            timed = [r for r in sweep_configs(out, dout, din, tokens, state_dtype, configs)]
+            for record, timing in zip(rows[-len(configs):], timed):
+                record.update({k: timing.get(k) for k in ("ms", "traffic_ms", "n_regs", "n_spills", "shared", "error")
+                               if timing.get(k) is not None})
+    return rows
+
+
+def print_variant_table(rows: list[dict]) -> None:
+    print("\n== variants (BT=512): ms, ratio to traffic roofline, regs/spills, correctness ==")
+    for r in rows:
+        ms, traffic = r.get("ms"), r.get("traffic_ms")
+        ratio = f"{ms / traffic:5.2f}" if ms and traffic else "  -  "
+        ms_text = f"{ms:7.4f}" if ms else "   -   "
+        print(f"{r['shape']:8s} {r['state_dtype']:4s} {r['config']:28s} {ms_text} x{ratio} "
+              f"regs {r.get('n_regs')}/{r.get('n_spills')} ok={r.get('ok')} {r.get('error', '')[:60]}")
+
+
+def check_tuned(out: Path) -> None:
+    """Correctness of every configuration the tuner chose in this process, at its own shape."""
+    from forge_core.kernels.fused import tuned_configs
+    for index, (key, config) in enumerate(tuned_configs().items()):
+        (dout, din), tokens, state_dtype = key[0], key[1], key[5]
+        record = dict(kind="tuned_check", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype,
+                      config=_short(config))
+        try:
+            record.update(check_config_step(dout, din, tokens, state_dtype, config, seed=500 + index))
+        except Exception as error:  # noqa: BLE001
+            record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        emit(out, record)
 
 
 def main() -> int:
@@ -271,6 +421,13 @@ def main() -> int:
     parser.add_argument("--bench", action="store_true", help="forge_bench.kernel_bench.main into --out")
     parser.add_argument("--bench-shapes", nargs="*")
     parser.add_argument("--bench-bts", nargs="*", type=int)
+    parser.add_argument("--bench-states", nargs="*", help="state dtypes for --bench (default all)")
+    parser.add_argument("--variants", action="store_true",
+                        help="check + time the variant tile configs at BT=512 (before everything else)")
+    parser.add_argument("--variant-shapes", nargs="*", default=["q", "gate"])
+    parser.add_argument("--variant-states", nargs="*", default=["bf16", "int8"])
+    parser.add_argument("--variant-budget", type=float, default=240.0)
+    parser.add_argument("--check-tuned", action="store_true", help="after --bench: check every tuned config")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -279,10 +436,14 @@ def main() -> int:
                    triton=triton.__version__, autotune=os.environ.get("FORGE_AUTOTUNE", "1")))
     sweep_cases = [(4096, 4096, 512, "bf16", True), (4096, 4096, 512, "int8", False),
                    (4096, 4096, 512, "fp32", False), (14336, 4096, 8192, "bf16", False)][: args.sweep]
-    if sweep_cases or args.time:
+    variant_rows = []
+    if sweep_cases or args.time or args.variants:
         from forge_bench.floor import measure_copy_bandwidth
         BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
         emit(out, dict(kind="copy_bandwidth", gbps=BANDWIDTH[0] / 1e9))
+    if args.variants:
+        variant_rows = run_variants(out, args.variant_shapes, args.variant_states, 512, args.variant_budget)
+        print_variant_table(variant_rows)
     if sweep_cases:
         guarded(out, run_sweep, *sweep_cases[0])
     if not args.skip_correctness:
@@ -306,9 +467,14 @@ def main() -> int:
     if args.bench:
         install_tuning_log(out)
         from forge_bench import kernel_bench
-        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None)
+        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None, args.bench_states or None)
+        if args.check_tuned:
+            check_tuned(out)
+        if variant_rows:
+            print_variant_table(variant_rows)
         print(frame.to_string(index=False, columns=["shape", "tokens", "state_dtype", "fused_ms", "roofline_ms",
-                                                    "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline"]))
+                                                    "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline",
+                                                    "config"]))
     return 0
 
 
