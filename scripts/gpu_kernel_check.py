@@ -279,18 +279,14 @@ def variant_configs(state_dtype: str):
             T(64, 128, 64, 8, 8, 4, split_n=2),           # 90 / 124 regs: 2 programs per SM
             T(128, 128, 64, 8, 8, 4, split_n=2),          # 178 / 219 regs
             T(128, 128, 64, 8, 16, 4, split_n=2),         # 90 / 124 regs, 16 warps
-            T(128, 128, 64, 8, 16, 3, split_n=2),
             T(64, 256, 32, 8, 8, 4, split_n=4),           # 128 / 152 regs
             T(128, 256, 64, 8, 16, 3, split_n=4),         # 128 regs (int8: small spill)
             T(128, 256, 64, 8, 8, 3, split_n=4),          # 254 regs, 1 program per SM
-            T(128, 256, 32, 8, 16, 4, split_n=4),
             T(64, 128, 64, 8, 4, 4, split_n=2)]           # 174 / 221 regs, 1 warpgroup
     bf16_only = [T(128, 128, 64, 8, 8, 3, split_n=4),     # 128 regs: 2 programs per SM
                  T(128, 128, 32, 8, 8, 4, split_n=4),
-                 T(128, 128, 64, 8, 8, 2, split_n=4),
-                 T(64, 256, 64, 8, 8, 3, split_n=4)]
-    int8_only = [T(64, 64, 64, 8, 4, 4, prefetch=True),
-                 T(64, 128, 64, 8, 4, 4, prefetch=True),   # old int8 winner
+                 T(128, 128, 64, 8, 8, 2, split_n=4)]
+    int8_only = [T(64, 128, 64, 8, 4, 4, prefetch=True),   # old int8 winner
                  T(64, 128, 64, 8, 8, 3, split_n=2),
                  T(64, 256, 32, 8, 8, 4, split_n=4, max_registers=128)]
     configs = both + (bf16_only if state_dtype != "int8" else int8_only)
