@@ -401,6 +401,65 @@ def check_tuned(out: Path) -> None:
         emit(out, record)
 
 
+def offline_registers(state_dtypes) -> None:
+    """No GPU needed: compile each variant for sm_90 with the local Triton + ptxas and print
+    registers per thread, spill stack and shared memory (cuobjdump), so configs that would spill
+    are found before a device call. Strides of 1 are specialized as the runtime does."""
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from forge_core.kernels import fused as fused_module
+    from forge_core.rules import get_rule
+
+    kernel = fused_module._fused_wgrad_update_kernel
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ones = {"stride_xn", "stride_dym", "stride_wn", "stride_sn", "stride_gn"}
+    for state_dtype in state_dtypes:
+        for config in variant_configs(state_dtype):
+            state_type = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*i8"}[state_dtype]
+            pointer_types = dict(X="*bf16", DY="*bf16", W="*bf16", S0=state_type, S1=state_type, SCALE0="*fp32",
+                                 SCALE1="*fp32", GRAD_ACCUM="*fp32")
+            constexprs = dict(EPILOGUE=get_rule("adamw").epilogue, NUM_STATES=2,
+                              STATE_KIND=fused_module._STATE_KIND[state_dtype], S0_SQRT=False, S1_SQRT=True,
+                              HAS_GRAD_ACCUM=False, STOCHASTIC_ROUNDING=False, IEEE_DOT=False, UPCAST_DOT=False,
+                              EVEN_MN=True, EVEN_K=True, WIDE_INDEX=False, PREFETCH=config.prefetch,
+                              HW_BF16=True, SPLIT=config.split_n, BM=config.block_m, BN=config.block_n,
+                              BK=config.block_k, GROUP=config.group, QB=64)
+            signature, attrs = {}, {}
+            for index, name in enumerate(kernel.arg_names):
+                if name in constexprs:
+                    signature[name] = "constexpr"
+                elif name in ones:
+                    signature[name] = "constexpr"
+                    constexprs[name] = 1
+                elif name in pointer_types:
+                    signature[name] = pointer_types[name]
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+                elif re.fullmatch(r"c\d", name):
+                    signature[name] = "fp32"
+                else:
+                    signature[name] = "i32"
+                    if name != "seed":
+                        attrs[(index,)] = [["tt.divisibility", 16]]
+            options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+            if config.max_registers:
+                options["maxnreg"] = config.max_registers
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                      target=GPUTarget("cuda", 90, 32), options=options)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+                handle.write(compiled.asm["cubin"])
+                handle.flush()
+                usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", handle.name],
+                                       capture_output=True, text=True).stdout
+            registers = re.search(r"REG:(\d+)", usage)
+            stack = re.search(r"STACK:(\d+)", usage)
+            print(f"{state_dtype:4s} {_short(config):28s} regs {registers.group(1) if registers else '?':>3s} "
+                  f"stack {stack.group(1) if stack else '?':>4s} shared {compiled.metadata.shared}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -424,7 +483,12 @@ def main() -> int:
     parser.add_argument("--variant-states", nargs="*", default=["bf16", "int8"])
     parser.add_argument("--variant-budget", type=float, default=240.0)
     parser.add_argument("--check-tuned", action="store_true", help="after --bench: check every tuned config")
+    parser.add_argument("--offline-registers", action="store_true",
+                        help="no GPU: compile the variants for sm_90 locally and print registers / spills")
     args = parser.parse_args()
+    if args.offline_registers:
+        offline_registers(args.variant_states)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import triton

@@ -5,6 +5,8 @@ Each program owns one ``BM x BN`` tile of W (Dout x Din). It loops over the toke
 when given, then loads the W tile and the state tiles (fp32 / bf16 / int8 + per-64-block
 scales), calls the rule's ``@triton.jit`` epilogue, and stores W and the states. G never
 reaches memory. The epilogue is a ``tl.constexpr`` argument, so a new rule needs no change here.
+The epilogue may run on ``split_n`` column slabs of the tile one after the other (the accumulator
+is split in registers), so large tiles, which re-read X and dY from L2 less, keep it unspilled.
 
 Tile configurations are chosen per (shape, dtypes, state format) by timing candidates on
 scratch copies of W and the states (``tune_config``), so tuning never applies an update to the
