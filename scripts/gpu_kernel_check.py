@@ -212,7 +212,6 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
         state.store("exp_avg_sq", torch.rand(dout, din, device="cuda") * 1e-6)
         sets.append((torch.randn(tokens, din, device="cuda").bfloat16(),
                      (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16(), w, state))
-    records = []
     for config in configs:
         record = dict(kind="sweep", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, config=str(config))
         try:
@@ -238,10 +237,8 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
         except Exception as error:  # noqa: BLE001 - report and go on
             record["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         emit(out, record)
-        records.append(record)
     del sets
     torch.cuda.empty_cache()
-    return records
 
 
 BANDWIDTH: list[float] = []
@@ -256,208 +253,6 @@ def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str, ful
     configs = candidate_configs(dout, din, tokens, 2) if full else usual
     configs = configs + [dataclasses.replace(c, prefetch=True) for c in usual[:4]]
     sweep_configs(out, dout, din, tokens, state_dtype, configs)
-
-
-def _short(config) -> str:
-    text = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages}"
-    if config.split_n != 1:
-        text += f" /{config.split_n}"
-    if config.prefetch:
-        text += " pf"
-    if config.max_registers:
-        text += f" r{config.max_registers}"
-    if config.group != 8:
-        text += f" g{config.group}"
-    return text
-
-
-def variant_configs(state_dtype: str):
-    """Tile variants timed at BT = 512 (``--variants``): the old winners and the column-split ones."""
-    from forge_core.kernels.fused import TileConfig as T
-    from forge_core.kernels.fused import supports
-    both = [T(64, 64, 64, 8, 4, 4),                       # old bf16 winner (now hardware bf16 rounding)
-            T(64, 128, 64, 8, 8, 4, split_n=2),           # 90 / 124 regs: 2 programs per SM
-            T(128, 128, 64, 8, 8, 4, split_n=2),          # 178 / 219 regs
-            T(128, 128, 64, 8, 16, 4, split_n=2),         # 90 / 124 regs, 16 warps
-            T(64, 256, 32, 8, 8, 4, split_n=4),           # 128 / 152 regs
-            T(128, 256, 64, 8, 16, 3, split_n=4),         # 128 regs (int8: small spill)
-            T(128, 256, 64, 8, 8, 3, split_n=4),          # 254 regs, 1 program per SM
-            T(64, 128, 64, 8, 4, 4, split_n=2)]           # 174 / 221 regs, 1 warpgroup
-    bf16_only = [T(128, 128, 64, 8, 8, 3, split_n=4),     # 128 regs: 2 programs per SM
-                 T(128, 128, 32, 8, 8, 4, split_n=4),
-                 T(128, 128, 64, 8, 8, 2, split_n=4)]
-    int8_only = [T(64, 128, 64, 8, 4, 4, prefetch=True),   # old int8 winner
-                 T(64, 128, 64, 8, 8, 3, split_n=2),
-                 T(64, 256, 32, 8, 8, 4, split_n=4, max_registers=128)]
-    configs = both + (bf16_only if state_dtype != "int8" else int8_only)
-    return [c for c in configs if supports(c, state_dtype)]
-
-
-def _state_check(ours: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
-    """(within tolerance, worst measure): bf16 one step of the larger value, int8 codes within 1."""
-    if ours.dtype == torch.int8:
-        diff = (ours.int() - ref.int()).abs()
-        worst = int(diff.max().item())
-        return worst <= 1 and (diff != 0).float().mean().item() < 0.01, float(worst)
-    ours32, ref32 = ours.float(), ref.float()
-    step = torch.maximum(ours32.abs(), ref32.abs()) * 2.0 ** -7 + 1e-6 * ref32.abs().max()
-    worst = ((ours32 - ref32).abs() / step).max().item()
-    return worst <= 1.01 and (ours32 != ref32).float().mean().item() < 0.02, worst
-
-
-def check_config_step(dout: int, din: int, tokens: int, state_dtype: str, config, seed: int) -> dict:
-    """One fused AdamW step with ``config`` against the reference on fresh random data."""
-    from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
-    from forge_core.rules import get_rule
-    from forge_core.state import ParamState
-
-    torch.manual_seed(seed)
-    x = torch.randn(tokens, din, device="cuda").bfloat16()
-    dy = (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16()
-    w0 = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
-    rule = get_rule("adamw")
-    states = [ParamState(w0, rule, state_dtype) for _ in range(2)]
-    m0 = torch.randn(dout, din, device="cuda") * 1e-4
-    v0 = torch.rand(dout, din, device="cuda") * 1e-6
-    for state in states:
-        state.store("exp_avg", m0)
-        state.store("exp_avg_sq", v0)
-    del m0, v0
-    w_fused, w_ref = w0.clone(), w0.clone()
-    fused_wgrad_update(x, dy, w_fused, states[0], HP["adamw"], 3, config=config)
-    reference_wgrad_update(x, dy, w_ref, states[1], HP["adamw"], 3)
-    torch.cuda.synchronize()
-    record = {}
-    ok = True
-    for name, ours, ref in [("weight", w_fused, w_ref)] + [(n, states[0].values[n], states[1].values[n])
-                                                           for n in rule.state_names]:
-        passed, worst = _state_check(ours, ref)
-        record[f"{name}_worst"] = worst
-        ok = ok and passed
-    for n in rule.state_names:
-        if states[0].scales[n] is not None:
-            a, b = states[0].scales[n], states[1].scales[n]
-            rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-            record[f"{n}_scale_rel_l2"] = rel
-            ok = ok and rel < 1e-5
-    record["changed_frac"] = (w_fused != w0).float().mean().item()
-    record["finite"] = bool(torch.isfinite(w_fused.float()).all().item())
-    record["ok"] = ok and record["finite"]
-    del x, dy, w0, w_fused, w_ref, states
-    torch.cuda.empty_cache()
-    return record
-
-
-def run_variants(out: Path, shapes, state_dtypes, tokens: int, budget_s: float) -> list[dict]:
-    """Check and time each variant config at each (shape, state dtype); returns the rows."""
-    from forge_bench.kernel_bench import LLAMA_8B_SHAPES
-    from forge_core.kernels import fused as fused_module
-    rows = []
-    started = time.perf_counter()
-    for name in shapes:
-        dout, din = LLAMA_8B_SHAPES[name]
-        for state_dtype in state_dtypes:
-            configs = variant_configs(state_dtype)
-            if time.perf_counter() - started > budget_s:
-                emit(out, dict(kind="variants_skipped", shape=name, state_dtype=state_dtype))
-                continue
-            for index, config in enumerate(configs):
-                record = dict(kind="variant", shape=name, dout=dout, din=din, tokens=tokens, state_dtype=state_dtype,
-                              config=_short(config))
-                try:
-                    record.update(check_config_step(dout, din, tokens, state_dtype, config, seed=100 + index))
-                except Exception as error:  # noqa: BLE001
-                    record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                emit(out, record)
-                rows.append(record)
-            timed = [r for r in sweep_configs(out, dout, din, tokens, state_dtype, configs)]
-            for record, timing in zip(rows[-len(configs):], timed):
-                record.update({k: timing.get(k) for k in ("ms", "traffic_ms", "n_regs", "n_spills", "shared", "error")
-                               if timing.get(k) is not None})
-    return rows
-
-
-def print_variant_table(rows: list[dict]) -> None:
-    print("\n== variants (BT=512): ms, ratio to traffic roofline, regs/spills, correctness ==")
-    for r in rows:
-        ms, traffic = r.get("ms"), r.get("traffic_ms")
-        ratio = f"{ms / traffic:5.2f}" if ms and traffic else "  -  "
-        ms_text = f"{ms:7.4f}" if ms else "   -   "
-        print(f"{r['shape']:8s} {r['state_dtype']:4s} {r['config']:28s} {ms_text} x{ratio} "
-              f"regs {r.get('n_regs')}/{r.get('n_spills')} ok={r.get('ok')} {r.get('error', '')[:60]}")
-
-
-def check_tuned(out: Path) -> None:
-    """Correctness of every configuration the tuner chose in this process, at its own shape."""
-    from forge_core.kernels.fused import tuned_configs
-    for index, (key, config) in enumerate(tuned_configs().items()):
-        (dout, din), tokens, state_dtype = key[0], key[1], key[5]
-        record = dict(kind="tuned_check", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype,
-                      config=_short(config))
-        try:
-            record.update(check_config_step(dout, din, tokens, state_dtype, config, seed=500 + index))
-        except Exception as error:  # noqa: BLE001
-            record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-        emit(out, record)
-
-
-def offline_registers(state_dtypes) -> None:
-    """No GPU needed: compile each variant for sm_90 with the local Triton + ptxas and print
-    registers per thread, spill stack and shared memory (cuobjdump), so configs that would spill
-    are found before a device call. Strides of 1 are specialized as the runtime does."""
-    import re
-    import subprocess
-    import tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from forge_core.kernels import fused as fused_module
-    from forge_core.rules import get_rule
-
-    kernel = fused_module._fused_wgrad_update_kernel
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ones = {"stride_xn", "stride_dym", "stride_wn", "stride_sn", "stride_gn"}
-    for state_dtype in state_dtypes:
-        for config in variant_configs(state_dtype):
-            state_type = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*i8"}[state_dtype]
-            pointer_types = dict(X="*bf16", DY="*bf16", W="*bf16", S0=state_type, S1=state_type, SCALE0="*fp32",
-                                 SCALE1="*fp32", GRAD_ACCUM="*fp32")
-            constexprs = dict(EPILOGUE=get_rule("adamw").epilogue, NUM_STATES=2,
-                              STATE_KIND=fused_module._STATE_KIND[state_dtype], S0_SQRT=False, S1_SQRT=True,
-                              HAS_GRAD_ACCUM=False, STOCHASTIC_ROUNDING=False, IEEE_DOT=False, UPCAST_DOT=False,
-                              EVEN_MN=True, EVEN_K=True, WIDE_INDEX=False, PREFETCH=config.prefetch,
-                              HW_BF16=True, SPLIT=config.split_n, BM=config.block_m, BN=config.block_n,
-                              BK=config.block_k, GROUP=config.group, QB=64)
-            signature, attrs = {}, {}
-            for index, name in enumerate(kernel.arg_names):
-                if name in constexprs:
-                    signature[name] = "constexpr"
-                elif name in ones:
-                    signature[name] = "constexpr"
-                    constexprs[name] = 1
-                elif name in pointer_types:
-                    signature[name] = pointer_types[name]
-                    attrs[(index,)] = [["tt.divisibility", 16]]
-                elif re.fullmatch(r"c\d", name):
-                    signature[name] = "fp32"
-                else:
-                    signature[name] = "i32"
-                    if name != "seed":
-                        attrs[(index,)] = [["tt.divisibility", 16]]
-            options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-            if config.max_registers:
-                options["maxnreg"] = config.max_registers
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                      target=GPUTarget("cuda", 90, 32), options=options)
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
-                handle.write(compiled.asm["cubin"])
-                handle.flush()
-                usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", handle.name],
-                                       capture_output=True, text=True).stdout
-            registers = re.search(r"REG:(\d+)", usage)
-            stack = re.search(r"STACK:(\d+)", usage)
-            print(f"{state_dtype:4s} {_short(config):28s} regs {registers.group(1) if registers else '?':>3s} "
-                  f"stack {stack.group(1) if stack else '?':>4s} shared {compiled.metadata.shared}", flush=True)
 
 
 def main() -> int:
@@ -476,19 +271,7 @@ def main() -> int:
     parser.add_argument("--bench", action="store_true", help="forge_bench.kernel_bench.main into --out")
     parser.add_argument("--bench-shapes", nargs="*")
     parser.add_argument("--bench-bts", nargs="*", type=int)
-    parser.add_argument("--bench-states", nargs="*", help="state dtypes for --bench (default all)")
-    parser.add_argument("--variants", action="store_true",
-                        help="check + time the variant tile configs at BT=512 (before everything else)")
-    parser.add_argument("--variant-shapes", nargs="*", default=["q", "gate"])
-    parser.add_argument("--variant-states", nargs="*", default=["bf16", "int8"])
-    parser.add_argument("--variant-budget", type=float, default=240.0)
-    parser.add_argument("--check-tuned", action="store_true", help="after --bench: check every tuned config")
-    parser.add_argument("--offline-registers", action="store_true",
-                        help="no GPU: compile the variants for sm_90 locally and print registers / spills")
     args = parser.parse_args()
-    if args.offline_registers:
-        offline_registers(args.variant_states)
-        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import triton
@@ -496,14 +279,10 @@ def main() -> int:
                    triton=triton.__version__, autotune=os.environ.get("FORGE_AUTOTUNE", "1")))
     sweep_cases = [(4096, 4096, 512, "bf16", True), (4096, 4096, 512, "int8", False),
                    (4096, 4096, 512, "fp32", False), (14336, 4096, 8192, "bf16", False)][: args.sweep]
-    variant_rows = []
-    if sweep_cases or args.time or args.variants:
+    if sweep_cases or args.time:
         from forge_bench.floor import measure_copy_bandwidth
         BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
         emit(out, dict(kind="copy_bandwidth", gbps=BANDWIDTH[0] / 1e9))
-    if args.variants:
-        variant_rows = run_variants(out, args.variant_shapes, args.variant_states, 512, args.variant_budget)
-        print_variant_table(variant_rows)
     if sweep_cases:
         guarded(out, run_sweep, *sweep_cases[0])
     if not args.skip_correctness:
@@ -527,14 +306,9 @@ def main() -> int:
     if args.bench:
         install_tuning_log(out)
         from forge_bench import kernel_bench
-        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None, args.bench_states or None)
-        if args.check_tuned:
-            check_tuned(out)
-        if variant_rows:
-            print_variant_table(variant_rows)
+        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None)
         print(frame.to_string(index=False, columns=["shape", "tokens", "state_dtype", "fused_ms", "roofline_ms",
-                                                    "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline",
-                                                    "config"]))
+                                                    "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline"]))
     return 0
 
 
