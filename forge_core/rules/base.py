@@ -44,3 +44,9 @@ class Rule:
         """This rule's hyper-parameters from ``hp`` (a param_group holds more keys, e.g. ``params``),
         with defaults filled in for any that are missing."""
         return {key: hp.get(key, default) for key, default in self.defaults.items()}
+
+
+def known_hyperparameters(hp: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``hp`` a rule knows: a param_group also carries keys of its own
+    (``params``, a scheduler's ``initial_lr``) that the fallback torch optimizer must not get."""
+    return {key: hp[key] for key in defaults if key in hp}

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Rule
+from .base import Rule, known_hyperparameters
 
 DEFAULTS = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0}
 
@@ -98,7 +98,7 @@ class Lion(torch.optim.Optimizer):
 
 def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
     """``Lion`` with the same hyper-parameters, for the parameters FORGE does not fuse."""
-    return Lion(params, **{key: hp[key] for key in DEFAULTS if key in hp})
+    return Lion(params, **known_hyperparameters(hp, DEFAULTS))
 
 
 RULE = Rule(
