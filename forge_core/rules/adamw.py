@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Rule, known_hyperparameters
+from .base import Rule, known_hyperparameters, torch_fused_flag
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 
@@ -77,7 +77,8 @@ def epilogue(w, g, exp_avg, exp_avg_sq, decay, one_minus_beta1, beta2, one_minus
 
 def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.AdamW with the same hyper-parameters, for the parameters FORGE does not fuse."""
-    return torch.optim.AdamW(params, **known_hyperparameters(hp, DEFAULTS))
+    params = list(params)
+    return torch.optim.AdamW(params, **known_hyperparameters(hp, DEFAULTS), **torch_fused_flag(params))
 
 
 RULE = Rule(

@@ -50,3 +50,16 @@ def known_hyperparameters(hp: Mapping[str, Any], defaults: Mapping[str, Any]) ->
     """The entries of ``hp`` a rule knows: a param_group also carries keys of its own
     (``params``, a scheduler's ``initial_lr``) that the fallback torch optimizer must not get."""
     return {key: hp[key] for key in defaults if key in hp}
+
+
+def torch_fused_flag(params: Any) -> dict[str, bool]:
+    """``{"fused": True}`` when every parameter is a floating CUDA tensor (torch's fused AdamW / SGD
+    take one kernel launch per few tensors instead of foreach's per-op launches: on a host-bound
+    Llama-8B step the fallback embedding update alone cost ~8 ms of foreach kernels), else ``{}``
+    so torch picks its default (CPU tensors, or a mix)."""
+    flat = []
+    for item in params:
+        flat.extend(item["params"] if isinstance(item, dict) else [item])
+    if flat and all(isinstance(p, torch.Tensor) and p.is_cuda and p.is_floating_point() for p in flat):
+        return {"fused": True}
+    return {}

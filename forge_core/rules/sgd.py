@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import Rule, known_hyperparameters
+from .base import Rule, known_hyperparameters, torch_fused_flag
 
 DEFAULTS = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}
 
@@ -80,7 +80,8 @@ def epilogue(w, g, momentum_buffer, unused_state, lr, weight_decay, momentum, on
 
 def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.SGD with the same hyper-parameters, for the parameters FORGE does not fuse."""
-    return torch.optim.SGD(params, **known_hyperparameters(hp, DEFAULTS))
+    params = list(params)
+    return torch.optim.SGD(params, **known_hyperparameters(hp, DEFAULTS), **torch_fused_flag(params))
 
 
 RULE = Rule(
