@@ -85,6 +85,7 @@ def sweep(
     check: Annotated[Optional[Path], typer.Option("--check", help="baseline parquet (file or folder): exit 1 when a FORGE arm's median step time regresses by more than --tolerance vs its rows of the same device, model, shape and method")] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="allowed slow-down for --check, as a fraction", min=0.0)] = 0.10,
     allow_mixed: Annotated[bool, typer.Option("--allow-mixed", help="allow a different suite's rows in the same --out")] = False,
+    stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="seconds: start no new cell after this long (a time-boxed GPU); finish later with --resume", min=0.0)] = None,
 ) -> None:
     """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
     from forge_bench import results as results_mod
@@ -131,12 +132,16 @@ def sweep(
         try:
             run_id, outcomes = runner.run_sweep(loaded, cells, out_dir, resume=resume, allow_mixed=allow_mixed,
                                                 on_start=on_start, on_done=on_done, tick=progress.refresh,
-                                                plan=plan)
+                                                plan=plan, stop_after_s=stop_after)
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")
 
     out_console.print(_summary_table(outcomes, f"{loaded.name}: run {run_id}"))
+    left = len(cells) - len(outcomes)
+    if left:
+        err_console.print(f"stopped after --stop-after {stop_after:g} s: {left} cell(s) not started; "
+                          f"run the same command with --resume to finish run {run_id}", highlight=False)
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o.status] = counts.get(o.status, 0) + 1

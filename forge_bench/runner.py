@@ -236,11 +236,14 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               on_start: Callable[[Cell, int, int], None] | None = None,
               on_done: Callable[[CellOutcome], None] | None = None,
               tick: Callable[[], None] | None = None,
-              plan: tuple[str, dict[str, Any] | None, set[str]] | None = None) -> tuple[str, list[CellOutcome]]:
+              plan: tuple[str, dict[str, Any] | None, set[str]] | None = None,
+              stop_after_s: float | None = None) -> tuple[str, list[CellOutcome]]:
     """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
 
     ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
-    the one used); otherwise it is asked here.
+    the one used); otherwise it is asked here. ``stop_after_s``: start no new cell once this many
+    seconds have passed (a time-boxed machine); the cells left have no row, and ``--resume`` runs
+    them later under the same run id. Outcomes are returned for the cells that ran or were done.
     """
     out_dir = Path(out_dir)
     run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed)
@@ -248,7 +251,11 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
     if manifest is not None:
         _write_manifest(out_dir, manifest)
     outcomes: list[CellOutcome] = []
+    started = time.monotonic()
     for index, cell in enumerate(cells):
+        if (stop_after_s is not None and cell.cell_id not in done
+                and time.monotonic() - started >= stop_after_s):
+            break
         if cell.cell_id in done:
             outcome = CellOutcome(cell, (_load_row(out_dir, cell.cell_id) or {}).get("status", "?"),
                                   _load_row(out_dir, cell.cell_id) or {}, skipped=True)

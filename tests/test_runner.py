@@ -183,3 +183,20 @@ def test_check_against_baseline():
     fails, _ = runner.check_against_baseline(
         pd.concat([_rows(), _rows(method="adamw_fused", method_family="baseline", step_ms_median=999.0)]), base, 0.10)
     assert not fails
+
+
+def test_stop_after_starts_no_new_cell_then_resume_finishes_the_same_run(plugin_env):
+    suite_path = plugin_env / "fast.yaml"
+    suite_path.write_text(FAST)
+    out = plugin_env / "out"
+    # a 1-second budget: the first cell starts (budget not spent yet), the ones after it do not
+    first = subprocess.run(_sweep_cmd(suite_path, out, "--stop-after", "1"), capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "not started" in first.stderr and "--resume" in first.stderr
+    before = results.load_results(out)
+    assert 1 <= len(before) < 4
+    done = subprocess.run(_sweep_cmd(suite_path, out, "--resume"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = results.load_results(out)
+    assert len(after) == 4 and after.cell_id.is_unique and after.run_id.nunique() == 1

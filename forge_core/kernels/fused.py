@@ -5,6 +5,8 @@ Each program owns one ``BM x BN`` tile of W (Dout x Din). It loops over the toke
 when given, then loads the W tile and the state tiles (fp32 / bf16 / int8 + per-64-block
 scales), calls the rule's ``@triton.jit`` epilogue, and stores W and the states. G never
 reaches memory. The epilogue is a ``tl.constexpr`` argument, so a new rule needs no change here.
+The epilogue may run on ``split_n`` column slabs of the tile one after the other (the accumulator
+is split in registers), so large tiles, which re-read X and dY from L2 less, keep it unspilled.
 
 Tile configurations are chosen per (shape, dtypes, state format) by timing candidates on
 scratch copies of W and the states (``tune_config``), so tuning never applies an update to the
@@ -59,13 +61,18 @@ def _load_tile(ptr, offsets, mask, EVEN: tl.constexpr):
 @triton.jit
 def _load_scales(scales_ptr, rows, row_mask, col_block0, n_blocks, stride_scale_row, KIND: tl.constexpr,
                  BN: tl.constexpr, QB: tl.constexpr):
-    """The (BM, BN // QB) fp32 block scales of an int8 state tile (a dummy for other kinds)."""
+    """The fp32 block scales of an int8 state tile: (BM,) when the tile is one block wide, else
+    (BM, BN // QB); a dummy for other kinds."""
     if KIND == 2:
-        NB: tl.constexpr = BN // QB
-        block_cols = col_block0 + tl.arange(0, NB)
-        scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
-        return tl.load(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], mask=scale_mask,
-                       other=0.0)
+        if BN == QB:
+            block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
+            return tl.load(scales_ptr + rows * stride_scale_row + col_block0, mask=row_mask & block_ok, other=0.0)
+        else:
+            NB: tl.constexpr = BN // QB
+            block_cols = col_block0 + tl.arange(0, NB)
+            scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
+            return tl.load(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], mask=scale_mask,
+                           other=0.0)
     else:
         return 0.0
 
@@ -75,8 +82,11 @@ def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM
                   QB: tl.constexpr):
     """A raw state tile as fp32: fp32 / bf16 as is, int8 codes times their block scale."""
     if KIND == 2:
-        NB: tl.constexpr = BN // QB
-        value = tl.reshape(tl.reshape(raw.to(tl.float32), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
+        if BN == QB:        # one block per row: a broadcast, no reshape
+            value = raw.to(tl.float32) * scales[:, None]
+        else:
+            NB: tl.constexpr = BN // QB
+            value = tl.reshape(tl.reshape(raw.to(tl.float32), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
         if SQRT_DOMAIN:
             value = value * value
     else:
@@ -85,21 +95,25 @@ def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM
 
 
 @triton.jit
-def _to_bf16_nearest_even(value):
-    """fp32 -> bf16, round to nearest even, done on the bit pattern so that the GPU and the
-    interpreter (whose own cast truncates) round alike; inf / NaN pass through unchanged."""
-    bits = value.to(tl.uint32, bitcast=True)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    rounded = tl.where(finite, rounded, bits)
-    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+def _to_bf16_nearest_even(value, HW_BF16: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. On the GPU the hardware conversion (cvt.rn) does it;
+    the interpreter's own cast truncates, so there it is done on the bit pattern (inf / NaN pass
+    through unchanged). Both give the same bf16 for every finite value and for inf."""
+    if HW_BF16:
+        return value.to(tl.bfloat16)
+    else:
+        bits = value.to(tl.uint32, bitcast=True)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        rounded = tl.where(finite, rounded, bits)
+        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit
-def _store_tile(ptr, value, mask, EVEN: tl.constexpr):
+def _store_tile(ptr, value, mask, EVEN: tl.constexpr, HW_BF16: tl.constexpr):
     """Store an fp32 tile into fp32 / bf16 / int8 memory (bf16: round to nearest even)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        value = _to_bf16_nearest_even(value)
+        value = _to_bf16_nearest_even(value, HW_BF16)
     else:
         value = value.to(ptr.dtype.element_ty)
     if EVEN:
@@ -109,34 +123,115 @@ def _store_tile(ptr, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _int8_codes(magnitude_in, negative, scale, SQRT_DOMAIN: tl.constexpr):
+    """Codes of one block (or a tile of blocks, ``scale`` broadcast to it): see state.py."""
+    has_scale = scale > 0.0
+    inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
+    magnitude = tl.floor(magnitude_in * inverse + 0.5)
+    magnitude = tl.minimum(magnitude, 127.0)
+    magnitude = tl.where(has_scale, magnitude, 0.0)
+    if SQRT_DOMAIN:
+        magnitude = tl.where(has_scale, tl.maximum(magnitude, 1.0), magnitude)
+    return tl.where(negative, -magnitude, magnitude)
+
+
+@triton.jit
 def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, col_block0, n_blocks,
                  stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, EVEN: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
+                 HW_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 (see state.py)."""
     if KIND == 2:
-        NB: tl.constexpr = BN // QB
         if not EVEN:
             value = tl.where(mask, value, 0.0)
         if SQRT_DOMAIN:
             value = tl.sqrt(tl.maximum(value, 0.0))
-        blocks = tl.reshape(value, (BM, NB, QB))
-        magnitude_in = tl.abs(blocks)
-        scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
-        has_scale = scale > 0.0
-        inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
-        magnitude = tl.floor(magnitude_in * inverse[:, :, None] + 0.5)
-        magnitude = tl.minimum(magnitude, 127.0)
-        magnitude = tl.where(has_scale[:, :, None], magnitude, 0.0)
-        if SQRT_DOMAIN:
-            magnitude = tl.where(has_scale[:, :, None], tl.maximum(magnitude, 1.0), magnitude)
-        codes = tl.where(blocks < 0.0, -magnitude, magnitude)
-        codes = tl.reshape(codes, (BM, BN))
-        _store_tile(values_ptr + offsets, codes, mask, EVEN)
-        block_cols = col_block0 + tl.arange(0, NB)
-        scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
-        tl.store(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], scale, mask=scale_mask)
+        if BN == QB:        # one block per row: a plain row max, no reshape
+            magnitude_in = tl.abs(value)
+            scale = tl.math.div_rn(tl.max(magnitude_in, axis=1), 127.0)
+            codes = _int8_codes(magnitude_in, value < 0.0, scale[:, None], SQRT_DOMAIN)
+            _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_BF16)
+            block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
+            tl.store(scales_ptr + rows * stride_scale_row + col_block0, scale, mask=row_mask & block_ok)
+        else:
+            NB: tl.constexpr = BN // QB
+            blocks = tl.reshape(value, (BM, NB, QB))
+            magnitude_in = tl.abs(blocks)
+            scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
+            codes = _int8_codes(magnitude_in, blocks < 0.0, scale[:, :, None], SQRT_DOMAIN)
+            codes = tl.reshape(codes, (BM, BN))
+            _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_BF16)
+            block_cols = col_block0 + tl.arange(0, NB)
+            scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
+            tl.store(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], scale, mask=scale_mask)
     else:
-        _store_tile(values_ptr + offsets, value, mask, EVEN)
+        _store_tile(values_ptr + offsets, value, mask, EVEN, HW_BF16)
+
+
+@triton.jit
+def _column_halves(tile, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(ROWS, COLS) -> its left and right (ROWS, COLS // 2) halves. In the MMA accumulator layout
+    every thread holds matching elements of both halves, so this is a renaming of registers."""
+    return tl.split(tl.permute(tl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
+                    stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                    c0, c1, c2, c3, c4, c5, c6, c7, seed,
+                    w_raw, s0_raw, s0_scales, s1_raw, s1_scales, LOADED: tl.constexpr,
+                    EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
+                    S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
+                    STOCHASTIC_ROUNDING: tl.constexpr, EVEN_MN: tl.constexpr, HW_BF16: tl.constexpr,
+                    BM: tl.constexpr, CN: tl.constexpr, QB: tl.constexpr):
+    """The optimizer on one (BM, CN) column slab of the tile starting at column ``col0``: W and
+    states in (unless ``LOADED``: the raw tiles were prefetched), the rule, W and states out."""
+    offs_n = col0 + tl.arange(0, CN)
+    col_mask = offs_n < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
+    s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
+    col_block0 = col0 // QB
+    n_blocks = tl.cdiv(N, QB)
+    if HAS_GRAD_ACCUM:
+        grad += tl.load(GRAD_ACCUM + rows[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
+    if not LOADED:
+        w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
+        if NUM_STATES >= 1:
+            s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
+            s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                                     STATE_KIND, CN, QB)
+        if NUM_STATES >= 2:
+            s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
+            s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                                     STATE_KIND, CN, QB)
+    weight = w_raw.to(tl.float32)
+    if NUM_STATES >= 1:
+        s0 = _decode_state(s0_raw, s0_scales, STATE_KIND, S0_SQRT, BM, CN, QB)
+    else:
+        s0 = tl.zeros((BM, CN), dtype=tl.float32)
+    if NUM_STATES >= 2:
+        s1 = _decode_state(s1_raw, s1_scales, STATE_KIND, S1_SQRT, BM, CN, QB)
+    else:
+        s1 = tl.zeros((BM, CN), dtype=tl.float32)
+
+    weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7)
+
+    if NUM_STATES >= 1:
+        _store_state(S0, SCALE0, s0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                     STATE_KIND, S0_SQRT, EVEN_MN, HW_BF16, BM, CN, QB)
+    if NUM_STATES >= 2:
+        _store_state(S1, SCALE1, s1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+                     STATE_KIND, S1_SQRT, EVEN_MN, HW_BF16, BM, CN, QB)
+    if STOCHASTIC_ROUNDING:
+        # Add 16 random low bits to the fp32 pattern, then truncate to bf16: unbiased rounding.
+        linear = (rows[:, None] * N + offs_n[None, :]).to(tl.uint32)
+        noise = tl.randint(seed, linear) & 0xFFFF
+        bits = weight.to(tl.uint32, bitcast=True)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        rounded = tl.where(finite, (bits + noise) & 0xFFFF0000, bits)
+        tl.store(W + w_offsets, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+    else:
+        _store_tile(W + w_offsets, weight, mask, EVEN_MN, HW_BF16)
 
 
 @triton.jit
@@ -150,6 +245,7 @@ def _fused_wgrad_update_kernel(
         S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
         STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
         EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
+        HW_BF16: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
     # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
     pid = tl.program_id(0)
@@ -173,22 +269,27 @@ def _fused_wgrad_update_kernel(
         rows = offs_m.to(tl.int64)
     else:
         rows = offs_m
-    mask = row_mask[:, None] & col_mask[None, :]
-    w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
-    s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
-    col_block0 = pid_n * (BN // QB)
-    n_blocks = tl.cdiv(N, QB)
+    col0 = pid_n * BN
 
-    # Optionally issue the W / state loads first, so their latency hides behind the main loop.
+    # Optionally issue the W / state loads first, so their latency hides behind the main loop
+    # (whole tile: only without a column split).
     if PREFETCH:
+        mask = row_mask[:, None] & col_mask[None, :]
+        w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
+        s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
+        n_blocks = tl.cdiv(N, QB)
         w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
+        s0_raw = 0.0
+        s0_scales = 0.0
+        s1_raw = 0.0
+        s1_scales = 0.0
         if NUM_STATES >= 1:
             s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
-            s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+            s0_scales = _load_scales(SCALE0, rows, row_mask, col0 // QB, n_blocks, stride_scale_row,
                                      STATE_KIND, BN, QB)
         if NUM_STATES >= 2:
             s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
-            s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row,
+            s1_scales = _load_scales(SCALE1, rows, row_mask, col0 // QB, n_blocks, stride_scale_row,
                                      STATE_KIND, BN, QB)
 
     # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
@@ -214,48 +315,51 @@ def _fused_wgrad_update_kernel(
         dy_ptrs += BK * stride_dyk
         x_ptrs += BK * stride_xk
 
-    # Epilogue: W and states in, the rule, W and states out.
-    grad = acc
-    if HAS_GRAD_ACCUM:
-        grad += tl.load(GRAD_ACCUM + rows[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
-    if not PREFETCH:
-        w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
-        if NUM_STATES >= 1:
-            s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
-            s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                                     STATE_KIND, BN, QB)
-        if NUM_STATES >= 2:
-            s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
-            s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                                     STATE_KIND, BN, QB)
-    weight = w_raw.to(tl.float32)
-    if NUM_STATES >= 1:
-        s0 = _decode_state(s0_raw, s0_scales, STATE_KIND, S0_SQRT, BM, BN, QB)
+    # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
+    # states are live in registers at a time, so large tiles need not spill.
+    CN: tl.constexpr = BN // SPLIT
+    if PREFETCH:
+        _update_columns(acc, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
+                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales, True,
+                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                        EVEN_MN, HW_BF16, BM, BN, QB)
+    elif SPLIT == 1:
+        _update_columns(acc, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
+                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                        EVEN_MN, HW_BF16, BM, CN, QB)
+    elif SPLIT == 2:
+        left, right = _column_halves(acc, BM, BN)
+        _update_columns(left, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
+                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                        EVEN_MN, HW_BF16, BM, CN, QB)
+        _update_columns(right, col0 + CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
+                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                        EVEN_MN, HW_BF16, BM, CN, QB)
     else:
-        s0 = tl.zeros((BM, BN), dtype=tl.float32)
-    if NUM_STATES >= 2:
-        s1 = _decode_state(s1_raw, s1_scales, STATE_KIND, S1_SQRT, BM, BN, QB)
-    else:
-        s1 = tl.zeros((BM, BN), dtype=tl.float32)
-
-    weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7)
-
-    if NUM_STATES >= 1:
-        _store_state(S0, SCALE0, s0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                     STATE_KIND, S0_SQRT, EVEN_MN, BM, BN, QB)
-    if NUM_STATES >= 2:
-        _store_state(S1, SCALE1, s1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                     STATE_KIND, S1_SQRT, EVEN_MN, BM, BN, QB)
-    if STOCHASTIC_ROUNDING:
-        # Add 16 random low bits to the fp32 pattern, then truncate to bf16: unbiased rounding.
-        linear = (rows[:, None] * N + offs_n[None, :]).to(tl.uint32)
-        noise = tl.randint(seed, linear) & 0xFFFF
-        bits = weight.to(tl.uint32, bitcast=True)
-        finite = (bits & 0x7F800000) != 0x7F800000
-        rounded = tl.where(finite, (bits + noise) & 0xFFFF0000, bits)
-        tl.store(W + w_offsets, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
-    else:
-        _store_tile(W + w_offsets, weight, mask, EVEN_MN)
+        tl.static_assert(SPLIT == 4, "SPLIT must be 1, 2 or 4")
+        left, right = _column_halves(acc, BM, BN)
+        for half in tl.static_range(2):
+            if half == 0:
+                quarter_a, quarter_b = _column_halves(left, BM, BN // 2)
+            else:
+                quarter_a, quarter_b = _column_halves(right, BM, BN // 2)
+            _update_columns(quarter_a, col0 + (2 * half) * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1,
+                            GRAD_ACCUM, M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row,
+                            stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0,
+                            False, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
+                            STOCHASTIC_ROUNDING, EVEN_MN, HW_BF16, BM, CN, QB)
+            _update_columns(quarter_b, col0 + (2 * half + 1) * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0,
+                            SCALE1, GRAD_ACCUM, M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row,
+                            stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0,
+                            False, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
+                            STOCHASTIC_ROUNDING, EVEN_MN, HW_BF16, BM, CN, QB)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,6 +376,15 @@ class TileConfig:
     num_stages: int
     prefetch: bool = False
     """Load the W / state tiles before the main loop (hides their latency; costs registers)."""
+    split_n: int = 1
+    """Run the epilogue on ``split_n`` column slabs of the tile one after the other (1, 2 or 4), so
+    only one slab's W and states are live at once: large tiles then keep their epilogue in registers."""
+    max_registers: int | None = None
+    """Cap on registers per thread (Triton's ``maxnreg``): a lower cap lets more programs share an SM."""
+
+    def epilogue_columns(self) -> int:
+        """Columns of one epilogue slab."""
+        return self.block_n // self.split_n
 
     def shared_memory_bytes(self, input_bytes: int) -> int:
         """Shared memory of the software pipeline: ``stages`` buffers of the dY and X tiles."""
@@ -285,75 +398,94 @@ class TileConfig:
 TILE_SIZES = (64, 128, 256)
 K_CHUNKS = (32, 64, 128)
 GROUPS = (8, 16, 32)
-WARPS = (4, 8, 16)
+WARPS = (4, 8)
 STAGES = (2, 3, 4, 5, 6)
-INTERPRETER_CONFIG = TileConfig(32, 64, 32, 8, 4, 1)
+SPLITS = (1, 2, 4)
+# The interpreter runs the column-split epilogue (two 64-wide slabs, int8 blocks whole), the
+# path the GPU shortlist uses; the unsplit path is covered by explicit configs in the tests.
+INTERPRETER_CONFIG = TileConfig(32, 128, 32, 8, 4, 1, split_n=2)
+MAX_EPILOGUE_REGISTERS = 224              # estimated epilogue registers per thread we allow (see fits)
 
 
 def config_space() -> list[TileConfig]:
     """Every configuration the issue names: tiles {64,128,256}^2, BK {32,64,128}, GROUP {8,16,32},
-    warps {4,8}, stages 2..6; plus 16 warps, which lets the large tiles (128x128, 128x256) keep
-    their epilogue in registers (the fused epilogue needs ~4x the accumulator's registers)."""
+    warps {4,8}, stages 2..6. (16 warps kept large tiles' epilogue in registers but gave wrong
+    weights with the column split on the H100, triton 3.6.) The epilogue column split is a separate axis (``candidate_configs`` sets it)."""
     return [TileConfig(bm, bn, bk, group, warps, stages)
             for bm in TILE_SIZES for bn in TILE_SIZES for bk in K_CHUNKS for group in GROUPS
             for warps in WARPS for stages in STAGES]
 
 
+def epilogue_registers(config: TileConfig) -> float:
+    """Estimated fp32 registers per thread the epilogue holds at once: the whole accumulator plus
+    W and two states of one column slab."""
+    accumulator = config.accumulator_registers()
+    return accumulator + 3 * accumulator / config.split_n
+
+
 def fits(config: TileConfig, input_bytes: int) -> bool:
-    """Prune what cannot run well: pipeline shared memory over the H100 limit, or an fp32
-    accumulator needing more than ``MAX_ACCUMULATOR_REGISTERS`` registers per thread. The epilogue
-    holds the gradient, the weight and two states at once (about 4x the accumulator), so past 64
-    accumulator registers the kernel spills: measured on an H100 (Triton 3.6), every config above
-    64 spilled 400-660 registers and ran 3x slower than its 64-register neighbours."""
+    """Prune what cannot run well: pipeline shared memory over the H100 limit, or an epilogue
+    that would spill. Measured on an H100 (Triton 3.6): without a column split every config past 64
+    accumulator registers per thread (estimate 256) spilled 400-660 registers and ran 3x slower;
+    offline sm_90 compiles (Triton 3.9) put the split configs up to an estimate of 224 (128x256 on
+    8 warps in 4 slabs: 254 registers) spill-free with bf16 states (docs/kernel_notes.md)."""
     return (config.shared_memory_bytes(input_bytes) <= SHARED_MEMORY_BYTES
-            and config.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
+            and epilogue_registers(config) <= MAX_EPILOGUE_REGISTERS)
 
 
 def _pow2_at_least(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
 
 
-# (BM, BN, warps) worth timing (H100 sweeps, docs/kernel_notes.md): small tiles win when few tokens
-# make the step memory-bound, 128x128 on 8 warps when the GEMM dominates; the 16-warp large tiles
-# cut the L2 re-reads of X / dY that small tiles pay at BT = 512.
-SHORTLIST_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8),
-                   (128, 128, 16), (128, 256, 16), (256, 128, 16))
+# (BM, BN, BK, warps, split_n, deepest pipeline) worth timing. BT = 512 (memory-bound): the
+# X / dY tiles are re-read from L2 K * 2 * (1/BM + 1/BN) bytes per weight element (32 B for 64x64
+# tiles, 12 B for 128x256), on top of 12 B of state traffic, so large tiles pay; the column split
+# keeps their epilogue in registers, and configs at <= 128 registers let two programs share an SM.
+# 16-warp entries are out: on the H100 (triton 3.6) 128x128 /2 and 128x256 /4 on 16 warps gave
+# wrong weights (8.3 and 6.9 bf16 steps off the reference; docs/kernel_notes.md, session 3).
+SHORTLIST = ((64, 64, 64, 4, 1, 4),
+             (64, 128, 64, 8, 2, 4),
+             (128, 128, 64, 8, 4, 3),
+             (128, 128, 64, 8, 2, 4),
+             (64, 256, 32, 8, 4, 4),
+             (128, 256, 64, 8, 4, 3))
+
+
+def supports(config: TileConfig, state_dtype: str) -> bool:
+    """Whether the kernel can run ``config`` with this state format (see ``check_config``)."""
+    try:
+        check_config(config, state_dtype)
+    except ValueError:
+        return False
+    return True
 
 
 def candidate_configs(m: int, n: int, k: int, input_bytes: int) -> list[TileConfig]:
     """The small set worth timing for one shape (GROUP fixed at 8; ``tune_config`` then tries the
-    other GROUP values on the winner).
+    other GROUP values on the winner); the caller drops those its state format cannot run.
 
-    From ``config_space()`` minus what does not ``fit``, keep: the (tile, warps) pairs of
-    ``SHORTLIST_TILES`` no larger than the weight
-    rounded up to a power of two; BK = 64, plus BK = 128 for 128x128 tiles on 8 warps; per
-    (tile, warps, BK) one pipeline depth: the deepest that fits, at most 4 and at most the number
-    of K chunks (on the H100, 2 stages never beat 4 at any shape we timed).
+    From ``SHORTLIST``, keep the tiles no larger than the weight rounded up to a power of two, at
+    one pipeline depth each: the deepest that fits the shared memory, at most the entry's depth
+    and at most the number of K chunks (at least 2).
     """
     chosen: list[TileConfig] = []
     max_m, max_n = max(64, _pow2_at_least(m)), max(64, _pow2_at_least(n))
-    shortlist = set(SHORTLIST_TILES)
-    for config in config_space():
-        bm, bn, bk, warps = config.block_m, config.block_n, config.block_k, config.num_warps
-        if config.group != 8 or (bm, bn, warps) not in shortlist or not fits(config, input_bytes):
-            continue
+    for bm, bn, bk, warps, split_n, deepest in SHORTLIST:
         if bm > max_m or bn > max_n:
             continue
-        if bk != 64 and not (bk == 128 and (bm, bn, warps) == (128, 128, 8)):
-            continue
         k_chunks = max(1, math.ceil(k / bk))
-        deepest = max(s for s in STAGES if fits(TileConfig(bm, bn, bk, 8, warps, s), input_bytes))
-        deep = max(2, min(4, deepest, k_chunks))
-        if config.num_stages != deep:
-            continue
-        chosen.append(config)
+        depths = [s for s in STAGES if s <= max(2, min(deepest, k_chunks))
+                  and fits(TileConfig(bm, bn, bk, 8, warps, s, split_n=split_n), input_bytes)]
+        if depths:
+            chosen.append(TileConfig(bm, bn, bk, 8, warps, max(depths), split_n=split_n))
     return chosen
 
 
 def default_config(m: int, n: int, k: int, input_bytes: int) -> TileConfig:
     """The untuned choice (``FORGE_AUTOTUNE=0`` or tuning impossible): 128x128 tiles on 8 warps,
-    a 3-deep pipeline (fits fp32 inputs too)."""
-    return TileConfig(128, 128, 64, 8, 8, 3)
+    the epilogue in two 64-wide slabs (no spills, int8 blocks whole), a 3-deep pipeline (fits
+    fp32 inputs too)."""
+    return TileConfig(128, 128, 64, 8, 8, 3, split_n=2)
 
 
 _TUNED: dict[tuple, TileConfig] = {}
@@ -389,7 +521,7 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
     best = min(timings, key=timings.get)
     for prefetch in prefetch_options:
         variant = dataclasses.replace(best, prefetch=prefetch)
-        if variant not in timings:
+        if variant not in timings and (not prefetch or best.split_n == 1):
             measure(variant)
     best = min(timings, key=timings.get)
     return best, timings
@@ -423,7 +555,9 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
     last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
                       for t in (weight, s0, accum) if t.dim() == 2)
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
-                  WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch)
+                  WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
+                  HW_BF16=not interpreting())
+    options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
     return _fused_wgrad_update_kernel[grid](
         x2, dy2, weight, s0, s1, scale0, scale1, accum,
         m, n, k,
@@ -432,14 +566,28 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
         accum.stride(0), accum.stride(1),
         *scalars, seed,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
-        num_warps=config.num_warps, num_stages=config.num_stages, **layout, **meta)
+        num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
+
+
+def check_config(config: TileConfig, state_dtype: str) -> None:
+    """A clear error for a tile configuration the kernel cannot run."""
+    if config.block_n % QBLOCK:
+        raise ValueError(f"block_n must be a multiple of {QBLOCK}, got {config.block_n}")
+    if config.split_n not in (1, 2, 4) or config.block_n % config.split_n:
+        raise ValueError(f"split_n must be 1, 2 or 4 and divide block_n, got {config.split_n} for {config.block_n}")
+    if config.prefetch and config.split_n != 1:
+        raise ValueError("prefetch loads the whole tile before the main loop; it needs split_n == 1")
+    if state_dtype == "int8" and config.epilogue_columns() % QBLOCK:
+        raise ValueError(f"int8 states need epilogue slabs of whole {QBLOCK}-wide blocks; block_n / split_n = "
+                         f"{config.epilogue_columns()}")
 
 
 def _bench_ms(fn: Callable[[], None]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def _tuned_config(key: tuple, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta) -> TileConfig:
+def _tuned_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
+                  meta) -> TileConfig:
     m, n = weight.shape
     k = x2.shape[0]
     input_bytes = x2.element_size()
@@ -461,7 +609,8 @@ def _tuned_config(key: tuple, x2, dy2, weight, states, scales, grad_accum, scala
                 _launch(config, x2, dy2, scratch_weight, scratch_states, scratch_scales, grad_accum, scalars, seed,
                         meta)
 
-            config, _ = tune_config(candidate_configs(m, n, k, input_bytes), run_on_scratch, _bench_ms)
+            candidates = [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
+            config, _ = tune_config(candidates, run_on_scratch, _bench_ms)
             del scratch_weight, scratch_states, scratch_scales
     _TUNED[key] = config
     return config
@@ -516,7 +665,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         else:
             key = (tuple(weight.shape), x2.shape[0], x2.dtype, weight.dtype, rule.name, state.state_dtype,
                    grad_accum is not None, stochastic, ieee, str(weight.device))
-            config = _tuned_config(key, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta)
-    elif config.block_n % QBLOCK:
-        raise ValueError(f"block_n must be a multiple of {QBLOCK}, got {config.block_n}")
+            config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
+                                    meta)
+    check_config(config, state.state_dtype)
     _launch(config, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta)
