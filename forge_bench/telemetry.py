@@ -71,10 +71,17 @@ def _git(*args: str) -> str | None:
 
 @lru_cache(maxsize=1)
 def git_info() -> dict[str, Any]:
-    """HEAD and whether the library/harness sources differ from it (nulls outside git)."""
+    """HEAD and whether the library/harness sources differ from it (nulls outside git).
+
+    ``FORGE_BENCH_GIT_COMMIT``, when set, wins: a copied tree can carry a stale ``.git`` (the GPU
+    machine's copy reported the session's first commit while the sources were a later one), and
+    whoever sets the variable knows what they copied; ``source_hash`` on the row stays the check."""
+    explicit = os.environ.get(GIT_COMMIT_ENV)
+    if explicit:
+        return {"git_commit": explicit, "source_dirty": None}
     commit = _git("rev-parse", "HEAD")
     if commit is None:
-        return {"git_commit": os.environ.get(GIT_COMMIT_ENV) or None, "source_dirty": None}
+        return {"git_commit": None, "source_dirty": None}
     status = _git("status", "--porcelain", "--", *SOURCE_PACKAGES)
     return {"git_commit": commit.strip(), "source_dirty": bool(status.strip()) if status is not None else None}
 

@@ -10,7 +10,7 @@ commit=$1 suite=$2 out_dir=$3 only=$4 box=$5; shift 5
 source scripts/device_setup.sh "$commit" >/dev/null || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ $# -gt 0 ]; then
-  timeout $((box / 3)) python3 -m pytest -q -n 8 -p no:cacheprovider "$@" > "$OUT/pytest_gpu.log" 2>&1
+  timeout $((box / 3)) python3 -m pytest -q -rs -n 8 -p no:cacheprovider "$@" > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -n 25 "$OUT/pytest_gpu.log"
 fi
 resume=""; [ -f "$out_dir/manifest.json" ] && resume="--resume"

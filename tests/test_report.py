@@ -392,3 +392,37 @@ def test_folder_without_parquet_is_a_clear_error(tmp_path):
     with pytest.raises(NoResultsError, match=re.escape(str(missing))):
         build_report(missing, tmp_path / "out")
     assert not (tmp_path / "out").exists(), "no output folder for a failed report"
+
+
+def test_floor_table_matches_the_formula_on_the_rows(built):
+    """Every FORGE arm's floor = no_optimizer step - wgrad + max(wgrad, traffic) of its own run,
+    recomputed here from the raw rows; folders without floor terms (CPU) get no floor table."""
+    import json
+
+    folder, rows, out, index = built
+    floor_csv = out / "tables" / "floor.csv"
+    expected = {}
+    for row in rows:
+        if row["method"] != "no_optimizer" or row["status"] != "ok":
+            continue
+        terms = json.loads(row.get("extra") or "{}").get("floor_terms")
+        if not terms:
+            continue
+        for other in rows:
+            same = all(other[k] == row[k] for k in ("run_id", "device_name", "model", "dtype", "batch", "seq"))
+            if same and other["method_family"] == "forge" and other["status"] == "ok":
+                state = json.loads(other["method_settings"])["state_dtype"]
+                wgrad, traffic = terms["wgrad_ms"], terms["traffic_ms"][state]
+                floor = row["step_ms_median"] - wgrad + max(wgrad, traffic)
+                expected[(other["run_id"], other["method"])] = (floor, other["step_ms_median"] / floor)
+    if not expected:
+        assert not floor_csv.exists()
+        assert "## FORGE against its floor" in index.read_text()
+        return
+    with floor_csv.open() as fh:
+        got = {(r["run_id"], r["method"]): (float(r["floor_ms"]), float(r["step_over_floor"]))
+               for r in csv.DictReader(fh)}
+    assert got.keys() == expected.keys()
+    for key, (floor, ratio) in expected.items():
+        assert got[key][0] == pytest.approx(floor, rel=1e-9)
+        assert got[key][1] == pytest.approx(ratio, rel=1e-9)

@@ -74,6 +74,12 @@ def build_report(results_dir: str | Path, out_dir: str | Path) -> Path:
     written += head_figs
     sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
 
+    # the floor
+    sections += table_section("FORGE against its floor", "floor", tables.floor_tables(frame),
+                              "Each FORGE arm's step against the floor measured in the same run.", True,
+                              "no run has a no_optimizer row with floor terms (measured on CUDA only) "
+                              "and a FORGE row")
+
     # grid
     grid_note = "no run measured one model at two or more batch × seq shapes"
     sections += table_section("Batch × sequence grid", "grid", tables.grid_tables(frame),

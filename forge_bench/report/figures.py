@@ -99,8 +99,13 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
         several_runs = ok["run_id"].nunique() > 1
         labels = [r["method"] + (f" · {run_label(r['run_id'])}" if several_runs else "") for r in rows]
         base_method, base_note = choose_baseline(all_rows)
-        fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 3.6))
-        ax_mem, ax_time = fig.subplots(1, 2)
+        # Side by side for a few arms; one above the other once the bars would make it too wide to read.
+        if len(rows) <= 8:
+            fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 3.6))
+            ax_mem, ax_time = fig.subplots(1, 2)
+        else:
+            fig = Figure(figsize=(max(8.0, 0.55 * len(rows) + 2), 7.6))
+            ax_mem, ax_time = fig.subplots(2, 1)
         x = np.arange(len(rows))
         peaks = [as_number(r.get("peak_allocated_gib")) for r in rows]
         if any(p is not None for p in peaks):

@@ -7,6 +7,7 @@ baseline choice from ``data.py``.
 from __future__ import annotations
 
 import csv
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -401,6 +402,76 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
                             "Peak GiB / median step ms per method and model (parameter count "
                             "in brackets).", ["Method"] + columns, body, "l" + "r" * len(models),
                             [], recs))
+    return tables
+
+
+# --- the floor of a FORGE step (issue 6) ----------------------------------------------------------
+
+FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq"]
+FLOOR_METHOD = "no_optimizer"
+FLOOR_BASELINE = "adamw_fused"
+
+
+def _json_field(value: Any) -> dict[str, Any]:
+    text = as_text(value)
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def floor_tables(frame: pd.DataFrame) -> list[Table]:
+    """Each FORGE arm against its floor, from the no_optimizer row of the same run and shape:
+    floor = no_optimizer step - wgrad + max(wgrad, state bytes / copy bandwidth)
+    (``forge_bench/floor.py``; the terms are measured in the no_optimizer cell)."""
+    from forge_bench.floor import floor_ms
+
+    tables = []
+    for keys, group in frame.groupby(FLOOR_KEYS, sort=True, dropna=False):
+        key_map = dict(zip(FLOOR_KEYS, keys))
+        rows = records(group[group["status"] == "ok"])
+        floor_rows = [r for r in rows if r["method"] == FLOOR_METHOD]
+        terms = _json_field(floor_rows[0].get("extra")).get("floor_terms") if floor_rows else None
+        forge_rows = [r for r in _sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
+        if not terms or not forge_rows:
+            continue
+        no_opt_ms = float(floor_rows[0]["step_ms_median"])
+        fused = [r for r in rows if r["method"] == FLOOR_BASELINE]
+        fused_ms = as_number(fused[0].get("step_ms_median")) if fused else None
+        body, recs = [], []
+        for row in forge_rows:
+            state_dtype = _json_field(row.get("method_settings")).get("state_dtype")
+            if state_dtype not in terms.get("traffic_ms", {}):
+                continue
+            floor = floor_ms(no_opt_ms, terms, state_dtype)
+            step = float(row["step_ms_median"])
+            best = fused_ms / floor if fused_ms else None
+            got = fused_ms / step if fused_ms else None
+            got_text = ratios.speedup(row, fused[0]).text if fused else "—"
+            body.append([f"`{row['method']}`", state_dtype, fmt_ms(terms["traffic_ms"][state_dtype]),
+                         fmt_ms(floor), fmt_ms(step), f"{step / floor:.2f}×",
+                         f"{best:.2f}×" if best else "—", got_text])
+            recs.append({**key_map, "method": row["method"], "state_dtype": state_dtype,
+                         "no_optimizer_ms": no_opt_ms, "wgrad_ms": float(terms["wgrad_ms"]),
+                         "traffic_ms": float(terms["traffic_ms"][state_dtype]),
+                         "copy_gbps": float(terms["copy_bytes_per_s"]) / 1e9, "floor_ms": floor,
+                         "step_ms_median": step, "step_over_floor": step / floor,
+                         "adamw_fused_ms": fused_ms, "best_speedup_vs_adamw_fused": best,
+                         "speedup_vs_adamw_fused": got})
+        if not body:
+            continue
+        caption = (f"floor = no_optimizer step ({no_opt_ms:.1f} ms) − cuBLAS wgrad ({float(terms['wgrad_ms']):.2f} ms) "
+                   f"+ max(wgrad, state bytes / copy bandwidth ({float(terms['copy_bytes_per_s']) / 1e9:.0f} GB/s)), "
+                   "all measured in this run. Best speed-up = adamw_fused step / floor; measured = "
+                   "adamw_fused step / this step.")
+        tables.append(Table(slug("floor", key_map["device_name"], key_map["model"], key_map["dtype"],
+                                 key_map["batch"], key_map["seq"], run_label(key_map["run_id"])),
+                            f"FORGE against its floor, {group_title(key_map)}", caption,
+                            ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor",
+                             "Best speed-up", "Measured speed-up"], body, "llrrrrrr", [NOISE_FOOTNOTE], recs))
     return tables
 
 

@@ -1,0 +1,27 @@
+"""Provenance on every row: the commit a copied tree says it is wins over a stale .git."""
+from forge_bench import telemetry
+
+
+def test_explicit_commit_wins_over_git(monkeypatch):
+    telemetry.git_info.cache_clear()
+    monkeypatch.setenv(telemetry.GIT_COMMIT_ENV, "abc1234")
+    try:
+        assert telemetry.git_info() == {"git_commit": "abc1234", "source_dirty": None}
+    finally:
+        telemetry.git_info.cache_clear()
+
+
+def test_without_the_variable_git_head_is_used(monkeypatch):
+    telemetry.git_info.cache_clear()
+    monkeypatch.delenv(telemetry.GIT_COMMIT_ENV, raising=False)
+    try:
+        info = telemetry.git_info()
+        head = telemetry._git("rev-parse", "HEAD")
+        assert info["git_commit"] == (head.strip() if head else None)
+    finally:
+        telemetry.git_info.cache_clear()
+
+
+def test_source_hash_is_stable_hex():
+    value = telemetry.source_hash()
+    assert len(value) == 16 and int(value, 16) >= 0 and value == telemetry.source_hash()
