@@ -370,3 +370,30 @@ def test_kernel_benchmark_fails_clearly_without_cuda(tmp_path, capsys):
     assert kernel_bench._cli(["--out", str(tmp_path), "--quick"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "CUDA" in err and "\n" not in err
+
+
+def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
+    """The per-weight launch plan (host-overhead cache) must never serve stale arguments: a new lr
+    and step, a new token count and a replaced state tensor all reach the kernel."""
+    launches = []
+    real_run = fused_module._run
+    monkeypatch.setattr(fused_module, "_run", lambda plan, *a: (launches.append(plan), real_run(plan, *a))[1])
+    (w_ours, s_ours), (w_ref, s_ref) = _pair(torch.randn(70, 90), "adamw", "fp32")
+    hp = dict(HP["adamw"])
+    cached = []
+    for step, (lr, tokens) in enumerate([(1e-2, (2, 50)), (3e-3, (2, 50)), (3e-3, (37,)), (5e-3, (37,))], 1):
+        hp["lr"] = lr
+        x, dy = _inputs(70, 90, tokens, seed=step)
+        if step == 4:   # a load that replaces a state tensor instead of copying into it
+            for state in (s_ours, s_ref):
+                state.values["exp_avg"] = state.values["exp_avg"].clone()
+        fused_wgrad_update(x, dy, w_ours, s_ours, hp, step)
+        reference_wgrad_update(x, dy, w_ref, s_ref, hp, step)
+        _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
+        for name in s_ref.values:
+            _assert_storage_close(s_ours.values[name], s_ref.values[name], f"{name}, step {step}")
+        (plan,) = fused_module._PLANS[s_ours].values()
+        cached.append(plan)
+    assert launches[1] is cached[0] and cached[1] is cached[0], "the same layout must reuse its plan"
+    assert cached[2] is not cached[1] and launches[2] is not cached[1], "a new token count needs a new plan"
+    assert cached[3] is not cached[2] and launches[3] is not cached[2], "a replaced state tensor needs a new plan"

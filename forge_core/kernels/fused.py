@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 import warnings
-from dataclasses import dataclass
+import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..state import QBLOCK, ParamState
-from .reference import check_arguments
+from .reference import check_arguments, flatten_tokens
 
 _STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
 NUM_SCALARS = 8
@@ -365,7 +365,7 @@ def _fused_wgrad_update_kernel(
 # ----------------------------------------------------------------------------------------------
 # Configurations
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TileConfig:
     """One launch configuration of the fused kernel."""
     block_m: int
@@ -539,10 +539,23 @@ def _autotune_enabled() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
-def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
-            states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
-            scalars: tuple[float, ...], seed: int, meta: Mapping[str, Any]):
-    """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
+@dataclasses.dataclass(frozen=True)
+class _LaunchPlan:
+    """Everything a launch needs but the activations, the step's scalars and the seed: built once per
+    weight and activation layout, then reused every step (the per-step host path is a signature
+    compare and one Triton call; on a host-bound Llama-8B step each fused layer's Python counts)."""
+    grid: tuple[int]
+    fixed_args: tuple            # weight, states, scales, accumulator, sizes and strides after x2, dy2
+    kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
+
+
+# Per ParamState: {signature: plan}. Weak keys: a plan never keeps a dropped optimizer's tensors alive
+# through this table, and copying or pickling a ParamState never drags plans along.
+_PLANS: "weakref.WeakKeyDictionary[ParamState, dict]" = weakref.WeakKeyDictionary()
+
+
+def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
+          scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None, meta: Mapping[str, Any]) -> _LaunchPlan:
     m, n = weight.shape
     k = x2.shape[0]
     placeholder = weight
@@ -558,15 +571,27 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
                   HW_BF16=not interpreting())
     options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
-    return _fused_wgrad_update_kernel[grid](
-        x2, dy2, weight, s0, s1, scale0, scale1, accum,
-        m, n, k,
-        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-        weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
-        accum.stride(0), accum.stride(1),
-        *scalars, seed,
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
-        num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
+    fixed = (weight, s0, s1, scale0, scale1, accum, m, n, k)
+    strides = (weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
+               accum.stride(0), accum.stride(1))
+    kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
+                  num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
+    return _LaunchPlan(grid, fixed + strides, kwargs)
+
+
+def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...], seed: int):
+    weight, s0, s1, scale0, scale1, accum, m, n, k = plan.fixed_args[:9]
+    return _fused_wgrad_update_kernel[plan.grid](
+        x2, dy2, weight, s0, s1, scale0, scale1, accum, m, n, k,
+        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[9:],
+        *scalars, seed, **plan.kwargs)
+
+
+def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
+            states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
+            scalars: tuple[float, ...], seed: int, meta: Mapping[str, Any]):
+    """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
+    return _run(_plan(config, x2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed)
 
 
 def check_config(config: TileConfig, state_dtype: str) -> None:
@@ -631,6 +656,14 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     ``torch.backends.cuda.matmul.allow_tf32`` is set. ``seed`` drives stochastic rounding (vary it
     per step). ``config`` pins a tile configuration (benchmarks); otherwise one is tuned per shape.
     """
+    signature = _plan_signature(x, dy, weight, state, grad_accum, stochastic_rounding, config)
+    cached = _PLANS.get(state, {}).get(signature) if signature is not None else None
+    if cached is not None:
+        # Same weight, states, layouts and dtypes as a call that passed every check below.
+        x2 = x if x.dim() == 2 else flatten_tokens(x, x.shape[-1], "x")
+        dy2 = dy if dy.dim() == 2 else flatten_tokens(dy, dy.shape[-1], "dy")
+        _run(cached, x2, dy2, _kernel_scalars(state.rule, hp, step), int(seed) & 0x7FFFFFFF)
+        return
     if not triton_available():
         raise RuntimeError("fused_wgrad_update needs a CUDA device or TRITON_INTERPRET=1; "
                            "use reference_wgrad_update on this machine")
@@ -642,10 +675,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
     if len(rule.state_names) > MAX_STATES:
         raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
-    scalars = tuple(float(c) for c in rule.kernel_scalars(hp, int(step)))
-    if len(scalars) > NUM_SCALARS:
-        raise ValueError(f"rule {rule.name!r} returned {len(scalars)} kernel scalars; at most {NUM_SCALARS}")
-    scalars = scalars + (0.0,) * (NUM_SCALARS - len(scalars))
+    scalars = _kernel_scalars(rule, hp, step)
     states = [state.values[name] for name in rule.state_names]
     scales = [state.scales[name] for name in rule.state_names]
     if any(s.stride() != states[0].stride() for s in states):
@@ -668,4 +698,48 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
     check_config(config, state.state_dtype)
+    if signature is not None:                    # one layout per weight is the steady state
+        _PLANS[state] = {signature: _plan(config, x2, weight, states, scales, grad_accum, meta)}
     _launch(config, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta)
+
+
+_SCALARS: dict[tuple, tuple[float, ...]] = {}
+
+
+def _kernel_scalars(rule, hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
+    """The rule's kernel scalars, computed (and validated) once per step and hyper-parameters: every
+    fused layer of a model asks for the same ones in one backward."""
+    try:
+        key = (rule.name, int(step), tuple(hp.items()))
+        hash(key)
+    except TypeError:                            # an unhashable hyper-parameter value: no memo
+        key = None
+    if key is not None and key in _SCALARS:
+        return _SCALARS[key]
+    scalars = tuple(float(c) for c in rule.kernel_scalars(hp, int(step)))
+    if len(scalars) > NUM_SCALARS:
+        raise ValueError(f"rule {rule.name!r} returned {len(scalars)} kernel scalars; at most {NUM_SCALARS}")
+    scalars = scalars + (0.0,) * (NUM_SCALARS - len(scalars))
+    if key is not None:
+        if len(_SCALARS) >= 64:
+            _SCALARS.clear()
+        _SCALARS[key] = scalars
+    return scalars
+
+
+def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state: ParamState,
+                    grad_accum: torch.Tensor | None, stochastic_rounding: bool, config: TileConfig | None):
+    """What a cached launch plan depends on; None when no plan may be cached (tuning not settled).
+
+    The weight by storage address (``param.data = ...`` swaps it under the same Parameter), the
+    state tensors by identity (internal tensors: a load replaces or copies into them, never
+    re-points them), the activations by shape, strides, dtype and device."""
+    if config is None and not use_fixed_config() and not _autotune_enabled():
+        return None                              # the untuned default is not cached either (see _tuned_config)
+    try:
+        return (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, weight.data_ptr(),
+                tuple(map(id, state.values.values())), tuple(map(id, state.scales.values())),
+                None if grad_accum is None else grad_accum.data_ptr(),
+                bool(stochastic_rounding), config, torch.backends.cuda.matmul.allow_tf32)
+    except (AttributeError, RuntimeError):       # not a plain tensor (a subclass without storage)
+        return None
