@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,23 +25,47 @@ from forge_bench import models as models_mod
 TOP = 15
 
 
-def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int,
-                dtype: str) -> dict:
-    """Profile ``steps`` steps of one arm in this process; returns the top kernels per step."""
-    from torch.profiler import ProfilerActivity, profile
-
+def warmed_up_arm(tool: str, model_name: str, batch: int, seq: int, method_name: str, warmup: int,
+                  dtype: str) -> tuple[Any, list]:
+    """One arm built on the GPU as a sweep cell builds it, after ``warmup`` steps (autotuners and
+    the allocator settled); returns (arm, its batches). ``tool`` names the caller in errors."""
     if not torch.cuda.is_available():
-        raise SystemExit("profile_step: needs a CUDA device (torch.cuda.is_available() is False)")
+        raise SystemExit(f"{tool}: needs a CUDA device (torch.cuda.is_available() is False)")
     method = methods_mod.get_method(method_name)
     reason = method.unavailable_reason("cuda")
     if reason:
-        raise SystemExit(f"profile_step: {reason}")
+        raise SystemExit(f"{tool}: {method_name}: {reason}")
     model = models_mod.build_model(model_name, dtype, "cuda", seed=0)
     arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda"))
     batches = [models_mod.make_batch(model_name, batch, seq, "cuda", seed=i) for i in range(4)]
     for i in range(warmup):
         arm.step(batches[i % 4])
     torch.cuda.synchronize()
+    return arm, batches
+
+
+def each_method_in_its_own_process(module: str, methods: list[str], child_args: list[str], out: Path) -> list[dict]:
+    """Run ``python -m module --one --methods M ... --out TMP`` per method (a fresh process each,
+    as a sweep cell); returns the JSON each wrote, skipping (and reporting) the ones that failed."""
+    results = []
+    for method in methods:
+        tmp = out.with_suffix(f".{method}.json")
+        cmd = [sys.executable, "-m", module, "--one", "--methods", method, *child_args, "--out", str(tmp)]
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0:
+            print(f"{module}: {method} failed (exit {proc.returncode})", file=sys.stderr)
+            continue
+        results.append(json.loads(tmp.read_text()))
+        tmp.unlink()
+    return results
+
+
+def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int,
+                dtype: str) -> dict:
+    """Profile ``steps`` steps of one arm in this process; returns the top kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    arm, batches = warmed_up_arm("profile_step", model_name, batch, seq, method_name, warmup, dtype)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
@@ -80,39 +105,42 @@ def to_markdown(results: list[dict], model: str, batch: int, seq: int, device: s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_arguments(description: str, methods: list[str], out_help: str) -> argparse.ArgumentParser:
+    """The options every per-arm GPU tool here shares (model, shape, arms, steps, output)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--methods", nargs="+", default=["adamw_fused", "forge_bf16"])
+    ap.add_argument("--methods", nargs="+", default=methods)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--out", type=Path, required=True, help="Markdown file to write")
+    ap.add_argument("--out", type=Path, required=True, help=out_help)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child mode: one method, JSON out
+    return ap
+
+
+def child_arguments(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = step_arguments(__doc__.splitlines()[0], ["adamw_fused", "forge_bf16"], "Markdown file to write")
     args = ap.parse_args(argv)
     if args.one:
         res = profile_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype)
         args.out.write_text(json.dumps(res))
         return 0
-    results = []
-    for method in args.methods:
-        tmp = args.out.with_suffix(f".{method}.json")
-        cmd = [sys.executable, "-m", "forge_bench.profile_step", "--one", "--model", args.model,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--methods", method,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(tmp)]
-        proc = subprocess.run(cmd)
-        if proc.returncode != 0:
-            print(f"profile_step: {method} failed (exit {proc.returncode})", file=sys.stderr)
-            continue
-        results.append(json.loads(tmp.read_text()))
-        tmp.unlink()
+    results = each_method_in_its_own_process("forge_bench.profile_step", args.methods, child_arguments(args), args.out)
+    if not results:
+        print("profile_step: no arm could be profiled; nothing written", file=sys.stderr)
+        return 1
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(to_markdown(results, args.model, args.batch, args.seq, device))
     print(args.out.read_text())
-    return 0 if results else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import bisect
 import gzip
 import json
 import statistics
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -164,21 +163,9 @@ def record_one(model_name: str, batch: int, seq: int, method_name: str, steps: i
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from forge_bench import methods as methods_mod
-    from forge_bench import models as models_mod
+    from forge_bench.profile_step import warmed_up_arm
 
-    if not torch.cuda.is_available():
-        raise SystemExit("step_timeline: needs a CUDA device (torch.cuda.is_available() is False)")
-    method = methods_mod.get_method(method_name)
-    reason = method.unavailable_reason("cuda")
-    if reason:
-        raise SystemExit(f"step_timeline: {method_name}: {reason}")
-    model = models_mod.build_model(model_name, dtype, "cuda", seed=0)
-    arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda"))
-    batches = [models_mod.make_batch(model_name, batch, seq, "cuda", seed=i) for i in range(4)]
-    for i in range(warmup):
-        arm.step(batches[i % 4])
-    torch.cuda.synchronize()
+    arm, batches = warmed_up_arm("step_timeline", model_name, batch, seq, method_name, warmup, dtype)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             with record_function(f"{STEP_PREFIX}{i}"):
@@ -222,17 +209,11 @@ def to_markdown(results: Iterable[dict], title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--methods", nargs="+", default=["no_optimizer", "adamw_fused", "forge_bf16"])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--out", type=Path, required=True, help="Markdown file to write (JSON beside it)")
+    from forge_bench.profile_step import child_arguments, each_method_in_its_own_process, step_arguments
+
+    ap = step_arguments(__doc__.splitlines()[0], ["no_optimizer", "adamw_fused", "forge_bf16"],
+                        "Markdown file to write (JSON beside it)")
     ap.add_argument("--trace-dir", type=Path, default=None, help="also keep each method's gzipped Chrome trace here")
-    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child mode: one method, JSON out
     args = ap.parse_args(argv)
     if args.one:
         trace = args.trace_dir / f"trace_{args.methods[0]}.json.gz" if args.trace_dir else None
@@ -241,24 +222,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.trace_dir:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for method in args.methods:
-        tmp = args.out.with_suffix(f".{method}.json")
-        cmd = [sys.executable, "-m", "forge_bench.step_timeline", "--one", "--model", args.model,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--methods", method,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(tmp)]
-        if args.trace_dir:
-            cmd += ["--trace-dir", str(args.trace_dir)]
-        if subprocess.run(cmd).returncode != 0:
-            print(f"step_timeline: {method} failed", file=sys.stderr)
-            continue
-        results.append(json.loads(tmp.read_text()))
-        tmp.unlink()
+    child_args = child_arguments(args)
+    if args.trace_dir:
+        child_args += ["--trace-dir", str(args.trace_dir)]
+    results = each_method_in_its_own_process("forge_bench.step_timeline", args.methods, child_args, args.out)
+    if not results:
+        print("step_timeline: no arm could be recorded; nothing written", file=sys.stderr)
+        return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     args.out.write_text(to_markdown(results, f"{args.model}, batch {args.batch}, seq {args.seq}"))
     print(args.out.read_text())
-    return 0 if results else 1
+    return 0
 
 
 if __name__ == "__main__":
