@@ -282,11 +282,11 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     candidates = [TileConfig(32, 64, 32, 8, 4, 1), TileConfig(64, 64, 32, 8, 4, 1)]
     launched = []
     timed = []
-    original_launch = fused_module._launch
+    original_run = fused_module._run
 
-    def tracking_launch(config, *args, **kwargs):
-        launched.append((config, args[2].data_ptr()))     # args[2] is the weight the kernel writes
-        return original_launch(config, *args, **kwargs)
+    def tracking_run(plan, *args):                       # every launch, tuning or real, goes through _run
+        launched.append((plan.config, plan.fixed_args[0].data_ptr()))   # fixed_args[0]: the weight written
+        return original_run(plan, *args)
 
     def fake_bench(fn):
         real_before = w_real.clone(), {k: v.clone() for k, v in s_real.state_dict().items()}
@@ -300,7 +300,7 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
 
     monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: candidates)
     monkeypatch.setattr(fused_module, "_bench_ms", fake_bench)
-    monkeypatch.setattr(fused_module, "_launch", tracking_launch)
+    monkeypatch.setattr(fused_module, "_run", tracking_run)
     monkeypatch.setattr(fused_module, "use_fixed_config", lambda: False)
     monkeypatch.setattr(fused_module, "_TUNED", {})
     monkeypatch.setenv("FORGE_AUTOTUNE", "1")

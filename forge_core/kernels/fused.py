@@ -544,6 +544,7 @@ class _LaunchPlan:
     """Everything a launch needs but the activations, the step's scalars and the seed: built once per
     weight and activation layout, then reused every step (the per-step host path is a signature
     compare and one Triton call; on a host-bound Llama-8B step each fused layer's Python counts)."""
+    config: TileConfig
     grid: tuple[int]
     fixed_args: tuple            # weight, states, scales, accumulator, sizes and strides after x2, dy2
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
@@ -576,7 +577,7 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
                accum.stride(0), accum.stride(1))
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
                   num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
-    return _LaunchPlan(grid, fixed + strides, kwargs)
+    return _LaunchPlan(config, grid, fixed + strides, kwargs)
 
 
 def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...], seed: int):
@@ -660,8 +661,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     cached = _PLANS.get(state, {}).get(signature) if signature is not None else None
     if cached is not None:
         # Same weight, states, layouts and dtypes as a call that passed every check below.
-        x2 = x if x.dim() == 2 else flatten_tokens(x, x.shape[-1], "x")
-        dy2 = dy if dy.dim() == 2 else flatten_tokens(dy, dy.shape[-1], "dy")
+        x2, dy2 = flatten_tokens(x, x.shape[-1], "x"), flatten_tokens(dy, dy.shape[-1], "dy")
         _run(cached, x2, dy2, _kernel_scalars(state.rule, hp, step), int(seed) & 0x7FFFFFFF)
         return
     if not triton_available():
@@ -698,9 +698,10 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
     check_config(config, state.state_dtype)
+    plan = _plan(config, x2, weight, states, scales, grad_accum, meta)
     if signature is not None:                    # one layout per weight is the steady state
-        _PLANS[state] = {signature: _plan(config, x2, weight, states, scales, grad_accum, meta)}
-    _launch(config, x2, dy2, weight, states, scales, grad_accum, scalars, seed, meta)
+        _PLANS[state] = {signature: plan}
+    _run(plan, x2, dy2, scalars, seed)
 
 
 _SCALARS: dict[tuple, tuple[float, ...]] = {}
