@@ -102,7 +102,7 @@ def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityRe
     are parked on the host, so the gate never holds both models on the device at once.
     """
     spec, device = suite.spec, suite.spec.device
-    cfg = suite.spec.train_config()
+    cfg = suite.spec.train_config(cuda_graph=cell.cuda_graph)   # the capturable optimizers, run eagerly
     twin_layers = models_mod.reduced_depth(cell.model, spec.parity.max_layers)
     label = cell.model if twin_layers is None else f"{cell.model} (reduced to {twin_layers} layers)"
     arm_model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed, num_layers=twin_layers)
@@ -211,25 +211,77 @@ def timing_columns(run_ms: list[list[float]], tokens_per_step: int) -> dict[str,
     }
 
 
+GRAPH_EAGER_WARMUP = 3   # eager steps before a capture: tile tuning, compilation, optimizer state
+
+
+class GraphedStep:
+    """An arm's whole training step (forward, backward, optimizer) captured once in a CUDA graph.
+
+    Calling it copies the batch into the captured input tensors and replays the graph: every
+    kernel the eager step would launch, with no per-kernel host cost. The arm must have been built
+    capturable and stepped eagerly (on a side stream) first, as torch's CUDA-graph docs require.
+    """
+
+    def __init__(self, arm: methods_mod.Arm, example: Mapping[str, torch.Tensor]) -> None:
+        self.inputs = {name: tensor.clone() for name, tensor in example.items()}
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.loss = arm.step(self.inputs)
+        except Exception as exc:
+            raise RuntimeError(f"CUDA graph capture of the step failed: {type(exc).__name__}: {exc}") from exc
+
+    def __call__(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        for name, tensor in batch.items():
+            self.inputs[name].copy_(tensor, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()
+
+
+def _eager_steps(arm: methods_mod.Arm, batches: list, count: int, side_stream: bool) -> list[torch.Tensor]:
+    if not side_stream:
+        return [arm.step(batches[i % BATCH_POOL]) for i in range(count)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        losses = [arm.step(batches[i % BATCH_POOL]) for i in range(count)]
+    torch.cuda.current_stream().wait_stream(side)
+    return losses
+
+
 def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     spec, device = suite.spec, suite.spec.device
     on_cuda = device.startswith("cuda")
+    graphed = on_cuda and cell.cuda_graph
     model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed)
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(spec.seed)
-    arm = method.build(model, spec.train_config())
+    arm = method.build(model, spec.train_config(cuda_graph=cell.cuda_graph))
     batches = [models_mod.make_batch(cell.model, cell.batch, cell.seq, device, seed=spec.seed + i)
                for i in range(BATCH_POOL)]
 
-    warm = [arm.step(batches[i % BATCH_POOL]) for i in range(spec.warmup_steps)]
+    eager_warmup = GRAPH_EAGER_WARMUP if graphed else spec.warmup_steps
+    warm = _eager_steps(arm, batches, eager_warmup, side_stream=graphed)
     if warm:
         _check_finite(warm, "warm-up")
     del warm
     breakdown = {k: int(v) for k, v in arm.memory_breakdown().items()}
     _sync(device)
 
+    step = arm.step
+    if graphed:
+        # Replays allocate nothing: the step's peak is the allocator's peak while the graph is
+        # captured (its activations, gradients and temporaries are allocated then, in the graph's pool).
+        torch.cuda.reset_peak_memory_stats()
+        step = GraphedStep(arm, batches[0])
+        warm = [step(batches[i % BATCH_POOL]) for i in range(max(0, spec.warmup_steps - eager_warmup))]
+        if warm:
+            _check_finite(warm, "graph warm-up")
+        del warm
+        _sync(device)
+
     nvml_before = telemetry.nvml_snapshot(torch.device(device).index or 0) if on_cuda else None
-    if on_cuda:
+    if on_cuda and not graphed:
         torch.cuda.reset_peak_memory_stats()
     run_ms: list[list[float]] = []
     host_ms: list[float] = []
@@ -248,7 +300,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
                 for i in range(spec.timed_steps):
                     t0 = time.perf_counter()
                     starts[i].record()
-                    losses.append(arm.step(batches[step_index % BATCH_POOL]))
+                    losses.append(step(batches[step_index % BATCH_POOL]))
                     ends[i].record()
                     host_ms.append((time.perf_counter() - t0) * 1000.0)
                     step_index += 1
@@ -327,7 +379,8 @@ def base_row(suite: Suite, cell: Cell, method: methods_mod.Method | None, run_id
         "repeats": spec.repeats,
         "parity_steps": spec.parity.steps if (spec.parity.enabled and method and method.parity_reference) else 0,
         "parity_tolerance": (method.parity_tolerance or spec.parity.tolerance) if method else None,
-        "timing_method": "cuda_events" if spec.device_type == "cuda" else "wall_clock",
+        "timing_method": ("cuda_graph_replay" if cell.cuda_graph else "cuda_events") if spec.device_type == "cuda"
+                         else "wall_clock",
         **telemetry.environment(spec.device),
         "driver_version": telemetry.driver_version() if spec.device_type == "cuda" else None,
     }
@@ -356,7 +409,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     elif device.startswith("cuda") and not torch.cuda.is_available():
         reason = f"suite device is {device} but no CUDA device is visible"
     else:
-        reason = method.unavailable_reason(device)
+        reason = method.unavailable_reason(device, cell.cuda_graph)
     if reason:
         row.update(status="unavailable", reason=reason)
         results.write_row(out_dir, _finish(row, t_start, extra))

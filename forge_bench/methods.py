@@ -29,6 +29,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     momentum: float = 0.9            # SGD arms
     device: str = "cuda"
+    capturable: bool = False         # the step will be captured in a CUDA graph (optimizers keep steps on the GPU)
 
 
 class Arm(Protocol):
@@ -64,9 +65,16 @@ class Method:
     # For ``oom_predicted``: (optimizer-state bytes, gradient bytes alive at the optimizer
     # boundary) per parameter, given the weight dtype's bytes. None: unknown, counted as 0.
     bytes_per_param: Callable[[int], tuple[float, float]] | None = None
+    # Whether a whole training step of this arm can be captured in one CUDA graph (built with
+    # ``TrainConfig.capturable``): no host sync and no host-side state that changes per step.
+    graphable: bool = False
 
-    def unavailable_reason(self, device: str) -> str | None:
-        """None when this arm can run on ``device``; otherwise why not, in one line."""
+    def unavailable_reason(self, device: str, cuda_graph: bool = False) -> str | None:
+        """None when this arm can run on ``device`` (timed as a CUDA graph replay when ``cuda_graph``);
+        otherwise why not, in one line."""
+        if cuda_graph and not self.graphable:
+            return (f"{self.name}: its step cannot be captured in a CUDA graph (host-side state or syncs per "
+                    "step); run it in an eager grid")
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return f"{self.name}: Python package '{module}' is not installed"
@@ -173,6 +181,8 @@ def _build_no_optimizer(model: nn.Module, cfg: TrainConfig) -> TorchArm:
 def _adamw_builder(impl: str) -> Callable[[nn.Module, TrainConfig], TorchArm]:
     def build(model: nn.Module, cfg: TrainConfig) -> TorchArm:
         flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
+        if cfg.capturable:
+            flags["capturable"] = True   # step counts on the GPU: torch's own CUDA-graph mode
         optimizer = torch.optim.AdamW(_unique_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                       weight_decay=cfg.weight_decay, **flags)
         settings = {"optimizer": "torch.optim.AdamW", "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps,
@@ -224,10 +234,12 @@ def _forge_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], Forge
         import forge_core
 
         optimizer = forge_core.fuse(model, "adamw", lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                    weight_decay=cfg.weight_decay, state_dtype=state_dtype)
+                                    weight_decay=cfg.weight_decay, state_dtype=state_dtype, capturable=cfg.capturable)
         settings = {"optimizer": "forge_core.fuse(adamw)", "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps,
                     "weight_decay": cfg.weight_decay, "state_dtype": state_dtype,
                     "backend": getattr(optimizer, "backend", "auto")}
+        if cfg.capturable:
+            settings["capturable"] = True
         return ForgeArm(model, optimizer, settings)
     return build
 
@@ -236,20 +248,21 @@ def _forge_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], Forge
 _FORGE_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64}
 
 register(Method("no_optimizer", "baseline", "forward + backward only, no optimizer step: the floor",
-                _build_no_optimizer, bytes_per_param=lambda b: (0.0, float(b))))
+                _build_no_optimizer, bytes_per_param=lambda b: (0.0, float(b)), graphable=True))
 register(Method("adamw_foreach", "baseline", "torch.optim.AdamW(foreach=True), states in the weight dtype",
-                _adamw_builder("foreach"), parity_reference="adamw", bytes_per_param=lambda b: (2.0 * b, float(b))))
+                _adamw_builder("foreach"), parity_reference="adamw", bytes_per_param=lambda b: (2.0 * b, float(b)),
+                graphable=True))
 register(Method("adamw_fused", "baseline", "torch.optim.AdamW(fused=True), states in the weight dtype",
                 _adamw_builder("fused"), needs_cuda=True, parity_reference="adamw",
-                bytes_per_param=lambda b: (2.0 * b, float(b))))
+                bytes_per_param=lambda b: (2.0 * b, float(b)), graphable=True))
 register(Method("sgd", "baseline", "torch.optim.SGD with momentum (foreach)", _build_sgd,
-                parity_reference="sgd", bytes_per_param=lambda b: (float(b), float(b))))
+                parity_reference="sgd", bytes_per_param=lambda b: (float(b), float(b)), graphable=True))
 for _state_dtype, _tolerance in (("fp32", None), ("bf16", None), ("int8", None)):
     register(Method(f"forge_{_state_dtype}", "forge",
                     f"FORGE fused wgrad + AdamW update, {_state_dtype} moments (forge_core.fuse)",
                     _forge_builder(_state_dtype), requires=("forge_core", "triton"), extra_check=_forge_missing,
                     settings={"state_dtype": _state_dtype}, parity_reference="adamw", parity_tolerance=_tolerance,
-                    bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0)))
+                    bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0), graphable=True))
 
 # --- peer entries below this line (forge_bench/peers.py adapters) ---
 
@@ -282,6 +295,10 @@ _PEER_ENTRIES: tuple[tuple[str, str, Callable[[nn.Module, TrainConfig], Arm], st
     ("galore_adamw", "GaLore AdamW: rank-128 SVD projection of attention/MLP gradients",
      _peers.build_galore_adamw, "galore_torch", "galore_torch", False, _peers.bytes_low_rank,
      {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}),
+    ("galore_adamw_rsvd", "GaLore AdamW as galore_adamw, projections from a randomized SVD (torch.svd_lowrank): "
+     "the full SVDs of an 8B model's first step take minutes; later steps do the same work",
+     _peers.build_galore_adamw_rsvd, "galore_torch", "galore_torch", False, _peers.bytes_low_rank,
+     {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std", "projection_svd": "svd_lowrank"}),
     ("apollo_adamw", "APOLLO AdamW: channel-wise scaling from a rank-256 random projection",
      _peers.build_apollo_adamw, "apollo_torch", "apollo_torch", False, _peers.bytes_low_rank,
      {"rank": 256, "scale": 1.0, "scale_type": "channel", "proj": "random", "update_proj_gap": 200}),

@@ -567,6 +567,56 @@ def build_galore_adamw(model: nn.Module, cfg: TrainConfig, *, rank: int = 128, u
     return PeerArm(model, optimizer, settings)
 
 
+RSVD_OVERSAMPLING = 10   # extra columns of the randomized range finder (Halko et al.'s usual choice)
+RSVD_ITERATIONS = 2      # power iterations (torch.svd_lowrank's default)
+
+
+def _randomized_orthogonal_matrix(projector: Any, weights: torch.Tensor, rank: int, type: str) -> Any:
+    """galore_torch's ``GaLoreProjector.get_orthogonal_matrix`` contract (the rank-``rank`` left or
+    right singular vectors of a gradient, in its dtype) from ``torch.svd_lowrank`` instead of a full
+    ``torch.linalg.svd``."""
+    matrix = weights.data.float()
+    columns = min(rank + RSVD_OVERSAMPLING, *matrix.shape)
+    u, _, v = torch.svd_lowrank(matrix, q=columns, niter=RSVD_ITERATIONS)
+    left, right = u[:, :rank], v[:, :rank].t()
+    if type == "right":
+        return right.to(weights.dtype)
+    if type == "left":
+        return left.to(weights.dtype)
+    if type == "full":
+        return [left.to(weights.dtype), right.to(weights.dtype)]
+    raise ValueError("type should be left, right or full")
+
+
+def build_galore_adamw_rsvd(model: nn.Module, cfg: TrainConfig) -> PeerArm:
+    """GaLore AdamW with its projections from a randomized SVD (``torch.svd_lowrank``).
+
+    galore-torch refreshes each projection with a full SVD of the gradient on step 0 and every
+    ``update_proj_gap`` steps; on Llama-3.1-8B that is 224 SVDs of up to 14336 x 4096, minutes of GPU
+    time in one step (more than a device call allows). The steps in between, the ones a timing window
+    after warm-up measures, do the same work whichever SVD made the projection."""
+    from galore_torch import galore_projector
+
+    arm = build_galore_adamw(model, cfg)
+    projector_class = galore_projector.GaLoreProjector
+    package_step = arm.optimizer.step
+
+    def step_with_randomized_svd(*args: Any, **kwargs: Any) -> Any:
+        # The projector objects are created inside GaLoreAdamW.step: swap the SVD for the call only,
+        # so any other GaLore optimizer in this process keeps the package's own.
+        full_svd = projector_class.get_orthogonal_matrix
+        projector_class.get_orthogonal_matrix = _randomized_orthogonal_matrix
+        try:
+            return package_step(*args, **kwargs)
+        finally:
+            projector_class.get_orthogonal_matrix = full_svd
+
+    arm.optimizer.step = step_with_randomized_svd
+    arm.settings.update(projection_svd="torch.svd_lowrank", svd_oversampling=RSVD_OVERSAMPLING,
+                        svd_power_iterations=RSVD_ITERATIONS)
+    return arm
+
+
 def build_apollo_adamw(model: nn.Module, cfg: TrainConfig, *, rank: int = 256, scale: float = 1.0,
                        scale_type: str = "channel", proj: str = "random", update_proj_gap: int = 200,
                        proj_type: str = "std") -> PeerArm:

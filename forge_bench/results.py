@@ -58,7 +58,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("reason", _S, "why the status is not ok (null when ok)"),
     ("attempts", _I, "process attempts used for this cell (OOM retry counts)"),
     ("stderr_tail", _S, "last lines of the cell process's stderr when it crashed"),
-    ("timing_method", _S, "cuda_events | wall_clock"),
+    ("timing_method", _S, "cuda_events (eager steps) | cuda_graph_replay (the step captured in one CUDA graph, "
+                          "CUDA events around each replay; peak memory from the capture) | wall_clock"),
     ("warmup_steps", _I, "untimed steps before the timed window"),
     ("timed_steps", _I, "steps per timed run"),
     ("repeats", _I, "timed runs"),

@@ -206,7 +206,7 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
     from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, run_cell
 
     method = methods_mod.METHODS.get(cell.method)
-    if method is not None and method.unavailable_reason(suite.spec.device) is not None:
+    if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph) is not None:
         run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
@@ -272,12 +272,12 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
 
 # --- regression check against a committed baseline -------------------------------------------
 
-CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method")
+CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing_method")  # graph vs graph, eager vs eager
 
 
 def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",)) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
-    dtype and method. Returns (failures, notes); any failure means a regression (or a FORGE cell
+    dtype, method and timing method (CUDA-graph replays only against replays). Returns (failures, notes); any failure means a regression (or a FORGE cell
     that no longer measures), and having nothing to compare is a failure too."""
     failures: list[str] = []
     notes: list[str] = []
@@ -285,7 +285,7 @@ def check_against_baseline(current, baseline, tolerance: float, families: tuple[
     base = baseline[(baseline["method_family"].isin(families)) & (baseline["status"] == "ok")]
     compared = 0
     for _, row in cur.iterrows():
-        label = f"{row['model']} b{row['batch']} s{row['seq']} {row['method']} on {row['device_name']}"
+        label = f"{row['model']} b{row['batch']} s{row['seq']} {row['method']} ({row['timing_method']}) on {row['device_name']}"
         match = base
         for key in CHECK_KEYS:
             match = match[match[key] == row[key]]

@@ -75,6 +75,9 @@ class Grid(_Strict):
     seq: list[int] = Field(min_length=1)
     methods: list[str] = Field(min_length=1)
     timeout_s: float | None = Field(None, gt=0, description="per-cell limit for this grid (default: the suite's)")
+    cuda_graph: bool = Field(False, description="time each step as a replay of the whole step captured in one "
+                                                "CUDA graph (no per-kernel launch cost); arms that cannot be "
+                                                "captured get an 'unavailable' row")
 
     @field_validator("models")
     @classmethod
@@ -147,16 +150,19 @@ class SuiteSpec(_Strict):
             raise ValueError(f"grids: names repeat: {names}")
         if self.warmup_steps is None:
             self.warmup_steps = DEFAULT_WARMUP["cpu" if self.device == "cpu" else "cuda"]
+        graphed = [g.name for g in self.grids if g.cuda_graph]
+        if graphed and self.device == "cpu":
+            raise ValueError(f"grids {graphed}: cuda_graph needs device cuda (this suite runs on cpu)")
         return self
 
     @property
     def device_type(self) -> str:
         return "cpu" if self.device == "cpu" else "cuda"
 
-    def train_config(self) -> methods_mod.TrainConfig:
+    def train_config(self, cuda_graph: bool = False) -> methods_mod.TrainConfig:
         o = self.optimizer
         return methods_mod.TrainConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                       momentum=o.momentum, device=self.device)
+                                       momentum=o.momentum, device=self.device, capturable=cuda_graph)
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,7 @@ class Cell:
     dtype: str
     device: str
     timeout_s: float
+    cuda_graph: bool = False
 
     @property
     def label(self) -> str:
@@ -199,11 +206,15 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
 
 
-def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str) -> str:
-    """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it."""
-    key = json.dumps([suite_hash, model, batch, seq, method, dtype, device])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}_{digest}"
+def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str,
+                 cuda_graph: bool = False) -> str:
+    """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it
+    (a graph-timed cell is marked; eager ids are as they always were, so old runs resume)."""
+    fields: list = [suite_hash, model, batch, seq, method, dtype, device]
+    if cuda_graph:
+        fields.append("cuda_graph")
+    digest = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:10]
+    return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}{'_graph' if cuda_graph else ''}_{digest}"
 
 
 def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
@@ -214,9 +225,10 @@ def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
             for batch in grid.batch:
                 for seq in grid.seq:
                     for method in grid.methods:
-                        cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device)
+                        cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device,
+                                           grid.cuda_graph)
                         cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device,
-                                                   grid.timeout_s or spec.timeout_s))
+                                                   grid.timeout_s or spec.timeout_s, grid.cuda_graph))
     return tuple(cells.values())
 
 

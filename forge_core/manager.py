@@ -239,7 +239,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
          weight_decay: Optional[float] = None, momentum: Optional[float] = None,
          state_dtype: str = "fp32", stochastic_rounding: bool = False, accumulate_steps: int = 1,
          max_grad_norm: Optional[float] = None, backend: str = "auto",
-         probe_inputs: Any = None, **other_hyperparameters: Any) -> ForgeOptimizer:
+         probe_inputs: Any = None, capturable: bool = False, **other_hyperparameters: Any) -> ForgeOptimizer:
     """Fuse the optimizer ``optimizer`` into the backward of ``model``'s eligible Linear layers.
 
     Swaps eligible ``nn.Linear`` modules in place (see the module docstring for what is excluded
@@ -268,6 +268,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     ``backend``: "auto" (Triton on CUDA; on CPU Triton when TRITON_INTERPRET=1, else the torch
     reference), "triton" or "reference". ``probe_inputs``: inputs for the bypass probe when the
     model is not a transformers model (False: skip the probe).
+    ``capturable``: keep the step count and the kernel scalars on the GPU (and make the fallback
+    optimizer capturable), so that a whole training step can be captured in a CUDA graph and
+    replayed; needs the Triton backend, ``accumulate_steps=1`` and no stochastic rounding. Warm up
+    a few steps eagerly before capturing (tile tuning and the fallback's state happen on first use).
     """
     if max_grad_norm is not None:
         raise ValueError(_CLIPPING_ERROR)
@@ -348,7 +352,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
             state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
             accumulate_steps=accumulate_steps, backend=chosen_backend,
             excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
-            fused_ids=fused_ids)
+            fused_ids=fused_ids, capturable=capturable)
     except BaseException:
         for binding in bindings.values():
             remove_forge_linear(binding.module)

@@ -12,6 +12,13 @@ that edits ``group["lr"]`` work unchanged) and splits them in two:
 
 Step count: each fused weight counts the optimizer steps in which it was updated (as torch counts
 per parameter); the update during the backward of step t uses t, and ``step()`` advances it.
+
+Capturable mode (``fuse(..., capturable=True)``, as torch's ``capturable``): the step count of each
+param group lives in a float64 tensor on the GPU, ``step()`` advances it with a device op, and the
+first fused update of a step computes the rule's kernel scalars from it into a small device buffer
+that every fused kernel of that group reads. No host value changes from step to step, so forward +
+backward + ``step()`` can be captured in a CUDA graph and replayed. A float ``lr`` read while the
+graph was captured is fixed in it (torch's rule too); outside graphs schedulers work as usual.
 """
 from __future__ import annotations
 
@@ -103,6 +110,24 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
+                      bindings: list[FusedWeight]) -> None:
+    """A clear error for a capturable optimizer that could not be replayed correctly."""
+    if backend != "triton":
+        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
+                         f"this optimizer resolved to backend={backend!r}")
+    if rule.kernel_scalars_on_device is None:
+        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
+    if accumulate_steps != 1:
+        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
+                         "whether to accumulate or update, which a replayed graph cannot)")
+    if stochastic_rounding:
+        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
+    devices = {binding.weight.device for binding in bindings}
+    if len(devices) > 1:
+        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
+
+
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -111,7 +136,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def __init__(self, params: list[nn.Parameter], bindings: list[FusedWeight], *, rule: Rule,
                  hyperparameters: Mapping[str, Any], state_dtype: str, stochastic_rounding: bool,
                  accumulate_steps: int, backend: str, excluded: Mapping[str, str],
-                 model_parameters: list[nn.Parameter], fused_ids: set[int]) -> None:
+                 model_parameters: list[nn.Parameter], fused_ids: set[int], capturable: bool = False) -> None:
+        if capturable:
+            _check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
         self._constructing = True
         super().__init__([{"params": params}], dict(hyperparameters))
         self._constructing = False
@@ -135,8 +162,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
-        self._fallback = rule.fallback_optimizer([{"params": list(self._fallback_params)}], **hyperparameters)
+        self.capturable = bool(capturable)
+        self._fallback = rule.fallback_optimizer([{"params": list(self._fallback_params)}],
+                                                 capturable=self.capturable, **hyperparameters)
         self._steps_taken = 0
+        # Capturable mode: per group, the step count and the kernel scalars on the device, and
+        # whether the scalars must be recomputed at the next fused update (host flag).
+        self._device_steps: list[torch.Tensor] = []
+        self._device_scalars: list[torch.Tensor] = []
+        self._scalars_stale: list[bool] = []
+        if self.capturable and bindings:
+            device = bindings[0].weight.device
+            for _ in self.param_groups:
+                self._device_steps.append(torch.zeros((), dtype=torch.float64, device=device))
+                self._device_scalars.append(torch.zeros(kernels.NUM_SCALARS, dtype=torch.float32, device=device))
+                self._scalars_stale.append(True)
 
     # -- what is fused ----------------------------------------------------------------------
 
@@ -158,8 +198,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        """Number of ``step()`` calls (restored by ``load_state_dict``)."""
+        """Number of ``step()`` calls (restored by ``load_state_dict``; in capturable mode read from the
+        device, so replays of a captured step count)."""
+        self._sync_host_step_counts()
         return self._steps_taken
+
+    def _sync_host_step_counts(self) -> None:
+        """Capturable mode: set the host counters from the device step counts (a sync; replays of a
+        captured step advance only the device counts)."""
+        if not self._device_steps:
+            return
+        counts = [int(t.item()) for t in self._device_steps]
+        for binding in self._bindings:
+            binding.steps_done = counts[binding.group_index]
+        self._steps_taken = counts[0]
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held for training, by kind.
@@ -204,12 +256,28 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         step = binding.steps_done + 1
+        if self.capturable:
+            group = binding.group_index
+            if self._scalars_stale[group]:
+                self._write_device_scalars(group)
+            self._update_function(x, grad_output, binding.weight, binding.state, {}, step,
+                                  device_scalars=self._device_scalars[group])
+            return
         self._update_function(
             x, grad_output, binding.weight, binding.state, self._kernel_hyperparameters(binding.group_index), step,
             grad_accum=binding.grad_accum, stochastic_rounding=self.stochastic_rounding,
             seed=(binding.index * 1_000_003 + step) & 0x7FFFFFFF)
         if binding.grad_accum is not None:
             binding.grad_accum.zero_()
+
+    def _write_device_scalars(self, group: int) -> None:
+        """The group's kernel scalars for step (device count + 1), by device ops only (a fill per
+        float, a copy per tensor): in a CUDA graph they are recomputed at every replay."""
+        values = self.rule.kernel_scalars_on_device(self._kernel_hyperparameters(group), self._device_steps[group] + 1)
+        buffer = self._device_scalars[group]
+        for index, value in enumerate(values):
+            buffer[index] = value
+        self._scalars_stale[group] = False
 
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
@@ -261,6 +329,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 binding.steps_done += 1
             binding.micro_batches = 0
         self._steps_taken += 1
+        for group, count in enumerate(self._device_steps):
+            count.add_(1.0)
+            self._scalars_stale[group] = True
         return loss
 
     def _parameter_order(self) -> list[nn.Parameter]:
@@ -273,6 +344,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         as in torch: deep-copy or ``torch.save`` it before training on. Like torch (which never
         saves ``.grad``), a micro-batch accumulator between ``opt.step()`` calls is not saved:
         checkpoint at step boundaries."""
+        self._sync_host_step_counts()
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for binding in self._bindings:
@@ -341,9 +413,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             fallback_groups.append(packed)
         self._fallback.load_state_dict({"state": fallback_state, "param_groups": fallback_groups})
         self._steps_taken = int(forge.get("steps_taken", 0))
+        for group, count in enumerate(self._device_steps):
+            steps = {b.steps_done for b in self._bindings if b.group_index == group}
+            if len(steps) > 1:
+                raise ValueError(f"capturable mode keeps one step count per param group, but the state dict's "
+                                 f"fused weights of group {group} were updated {sorted(steps)} times")
+            count.fill_(float(steps.pop()) if steps else 0.0)
+            self._scalars_stale[group] = True
 
     def __repr__(self) -> str:
         return (f"ForgeOptimizer(rule={self.rule.name}, state_dtype={self.state_dtype}, backend={self.backend}, "
+                f"capturable={self.capturable}, "
                 f"fused={len(self._bindings)}, fallback={len(self._fallback_params)}, "
                 f"accumulate_steps={self.accumulate_steps}, hyperparameters="
                 f"{ {k: v for k, v in self.param_groups[0].items() if k != 'params'} })")

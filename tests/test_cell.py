@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from forge_bench import cell as cell_mod
 from forge_bench import methods, results
@@ -108,3 +109,41 @@ def test_predicted_memory_of_the_headline_cell():
     assert forge["total"] < need["total"] and forge["gradients"] == 0
     fp32 = cell_mod.predicted_bytes(next(x for x in s.cells if x.method == "forge_fp32"), METHODS["forge_fp32"])
     assert fp32["total"] > 75 * 2**30                          # at the edge of one H100 (80 GB)
+
+
+GRAPH_SUITE = """
+device: cuda
+dtype: bfloat16
+warmup_steps: 5
+timed_steps: 4
+repeats: 2
+optimizer: {lr: 1.0e-3}
+parity: {steps: 4, tolerance: 0.05}
+grids:
+  - {name: graph, models: [tiny-llama], batch: [2], seq: [64], cuda_graph: true,
+     methods: [no_optimizer, adamw_fused, forge_bf16, forge_int8, bnb_adamw8bit]}
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("method", ["no_optimizer", "adamw_fused", "forge_bf16", "forge_int8"])
+def test_graph_cell_replays_the_captured_step(tmp_path, method):
+    path = tmp_path / "graph.yaml"
+    path.write_text(GRAPH_SUITE)
+    suite = load_suite(path)
+    code, row = run(suite, method, tmp_path / "r")
+    assert code == 0 and row.status == "ok", row.reason
+    assert row.timing_method == "cuda_graph_replay" and len(row.step_ms_all) == 8
+    assert row.peak_allocated_gib > row.mem_weights_gib        # the capture's activations are counted
+    assert row.loss_last == row.loss_last and row.loss_last != row.loss_first   # the replays train
+    if method.startswith("forge") or method == "adamw_fused":
+        assert json.loads(row.method_settings)["capturable"] is True
+
+
+def test_graph_cell_of_an_arm_that_cannot_be_captured_is_unavailable(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("a cuda suite's cells need a CUDA device to be planned as unavailable for the graph reason")
+    path = tmp_path / "graph.yaml"
+    path.write_text(GRAPH_SUITE)
+    code, row = run(load_suite(path), "bnb_adamw8bit", tmp_path / "r")
+    assert code == 0 and row.status == "unavailable" and "CUDA graph" in row.reason

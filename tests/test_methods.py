@@ -87,3 +87,21 @@ def test_plugins_register_and_bad_plugin_is_one_clear_error(monkeypatch):
 def test_missing_package_is_a_reason():
     m = methods.Method("x", "peer", "needs a package", lambda m, c: None, requires=("surely_not_installed_pkg",))
     assert "surely_not_installed_pkg" in m.unavailable_reason("cpu")
+
+
+def test_only_capturable_arms_run_in_cuda_graph_grids():
+    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8"}
+    assert {name for name, m in METHODS.items() if m.graphable} == core
+    reason = METHODS["bnb_adamw8bit"].unavailable_reason("cuda", cuda_graph=True)
+    assert reason.startswith("bnb_adamw8bit: its step cannot be captured in a CUDA graph")
+    assert METHODS["sgd"].unavailable_reason("cpu", cuda_graph=True) is None
+
+
+def test_capturable_config_reaches_the_torch_optimizer():
+    from forge_bench.methods import TrainConfig
+
+    model = torch.nn.Linear(4, 4)
+    arm = METHODS["adamw_foreach"].build(model, TrainConfig(device="cpu", capturable=True))
+    assert arm.optimizer.param_groups[0]["capturable"] is True and arm.settings["capturable"] is True
+    arm = METHODS["adamw_foreach"].build(torch.nn.Linear(4, 4), TrainConfig(device="cpu"))
+    assert arm.optimizer.param_groups[0]["capturable"] is False

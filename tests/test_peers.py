@@ -19,8 +19,8 @@ from forge_bench.methods import METHODS, TrainConfig
 
 PEER_NAMES = {
     "bnb_adamw8bit", "bnb_paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8",
-    "optimi_adamw_kahan", "optimi_adamw_kahan_release", "galore_adamw", "apollo_adamw", "lomo", "adalomo",
-    "flashoptim_adamw", "flashoptim_adamw_release",
+    "optimi_adamw_kahan", "optimi_adamw_kahan_release", "galore_adamw", "galore_adamw_rsvd", "apollo_adamw", "lomo",
+    "adalomo", "flashoptim_adamw", "flashoptim_adamw_release",
 }
 # Arms whose package runs on CPU (checked by hand: see docs/peers.md) and the module they import.
 CPU_ARMS = {
@@ -31,13 +31,14 @@ CPU_ARMS = {
     "optimi_adamw_kahan": "optimi",
     "optimi_adamw_kahan_release": "optimi",
     "galore_adamw": "galore_torch",
+    "galore_adamw_rsvd": "galore_torch",
     "apollo_adamw": "apollo_torch",
     "lomo": "lomo_optim",
 }
 # Arms that cannot run without CUDA, whatever is installed.
 CUDA_ONLY_ARMS = {"bnb_paged_adamw8bit", "adalomo", "flashoptim_adamw", "flashoptim_adamw_release"}
 ADAM_ARMS = {"bnb_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8",
-             "optimi_adamw_kahan", "optimi_adamw_kahan_release", "galore_adamw", "apollo_adamw"}
+             "optimi_adamw_kahan", "optimi_adamw_kahan_release", "galore_adamw", "galore_adamw_rsvd", "apollo_adamw"}
 
 CFG = TrainConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, device="cpu")
 
@@ -214,6 +215,36 @@ def test_low_rank_states_shrink_with_rank():
         full_adam_states = 2 * _weights_bytes(model)
         assert arm.memory_breakdown()["optimizer_states"] < full_adam_states / 2
         assert arm.settings["rank"] == 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None, reason="galore-torch not installed")
+@pytest.mark.parametrize("shape, kind", [((40, 24), "right"), ((24, 40), "left")])
+def test_randomized_galore_projection_spans_the_same_subspace(shape, kind):
+    """On a gradient of rank <= the projection rank, the randomized SVD finds the same singular
+    subspace as galore-torch's full SVD: the projectors P^T P (right) / P P^T (left) agree."""
+    from galore_torch.galore_projector import GaLoreProjector
+
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(shape[0], 3, generator=generator) @ torch.randn(3, shape[1], generator=generator)
+    grad = grad.to(torch.bfloat16)
+    projector = GaLoreProjector(rank=3)
+    full = projector.get_orthogonal_matrix(grad, 3, kind)
+    fast = peers._randomized_orthogonal_matrix(projector, grad, 3, kind)
+    assert fast.shape == full.shape and fast.dtype == full.dtype == torch.bfloat16
+    operator = (lambda p: p.float().t() @ p.float()) if kind == "right" else (lambda p: p.float() @ p.float().t())
+    torch.testing.assert_close(operator(fast), operator(full), atol=3e-2, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None, reason="galore-torch not installed")
+def test_galore_rsvd_arm_keeps_the_package_svd_for_everyone_else():
+    from galore_torch.galore_projector import GaLoreProjector
+
+    package_svd = GaLoreProjector.get_orthogonal_matrix
+    arm = peers.build_galore_adamw_rsvd(tiny_llama(), CFG)
+    for _ in range(2):
+        assert math.isfinite(float(arm.step(tiny_batch())))
+    assert GaLoreProjector.get_orthogonal_matrix is package_svd
+    assert arm.settings["projection_svd"] == "torch.svd_lowrank" and arm.settings["rank"] == 128
 
 
 def test_lomo_refuses_clip_grad_norm():

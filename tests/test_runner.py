@@ -165,7 +165,7 @@ def test_plan_refuses_to_mix_suites_or_restart_a_folder(plugin_env):
 def _rows(**overrides):
     base = {"device_name": "NVIDIA H100 80GB HBM3", "model": "llama-3.1-8b", "batch": 1, "seq": 512,
             "dtype": "bfloat16", "method": "forge_bf16", "method_family": "forge", "status": "ok",
-            "step_ms_median": 100.0, "reason": None}
+            "step_ms_median": 100.0, "reason": None, "timing_method": "cuda_events"}
     return pd.DataFrame([{**base, **overrides}])
 
 
@@ -179,6 +179,13 @@ def test_check_against_baseline():
     assert "status crashed" in fails[0]
     fails, _ = runner.check_against_baseline(_rows(device_name="NVIDIA H200"), base, 0.10)
     assert "nothing to compare" in fails[0]
+    # a graph-replay row is compared with graph-replay baseline rows only
+    fails, _ = runner.check_against_baseline(_rows(timing_method="cuda_graph_replay", step_ms_median=50.0), base, 0.10)
+    assert "nothing to compare" in fails[0]
+    fails, notes = runner.check_against_baseline(_rows(timing_method="cuda_graph_replay", step_ms_median=50.0),
+                                                 pd.concat([base, _rows(timing_method="cuda_graph_replay",
+                                                                        step_ms_median=49.0)]), 0.10)
+    assert not fails and "cuda_graph_replay" in notes[0] and "+2.0%" in notes[0]
     # baseline arms never fail the check, only FORGE ones
     fails, _ = runner.check_against_baseline(
         pd.concat([_rows(), _rows(method="adamw_fused", method_family="baseline", step_ms_median=999.0)]), base, 0.10)

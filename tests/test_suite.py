@@ -158,3 +158,29 @@ def test_models_suite_covers_the_zoo():
     s = load_suite(REPO / "suites" / "models.yaml")
     assert {c.model for c in s.cells} == {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b",
                                           "mistral-7b", "gpt2-xl"}
+
+
+def test_cuda_graph_grids_get_their_own_cells_and_eager_ids_do_not_move(tmp_path):
+    text = """
+device: cuda
+grids:
+  - {name: eager, models: [llama-3.1-8b], batch: [1], seq: [512], methods: [adamw_fused, forge_bf16]}
+  - {name: graph, models: [llama-3.1-8b], batch: [1], seq: [512], methods: [adamw_fused, forge_bf16], cuda_graph: true}
+"""
+    s = load_suite(write(tmp_path, text))
+    assert len(s.cells) == 4
+    eager = [c for c in s.cells if not c.cuda_graph]
+    graph = [c for c in s.cells if c.cuda_graph]
+    assert [c.grid for c in graph] == ["graph", "graph"] and all("_graph_" in c.cell_id for c in graph)
+    for c in eager:   # the id an eager cell had before graph grids existed
+        assert c.cell_id == suite_mod.make_cell_id(s.sha256, c.model, c.batch, c.seq, c.method, c.dtype, c.device)
+    assert s.spec.train_config(cuda_graph=True).capturable and not s.spec.train_config().capturable
+
+
+def test_cuda_graph_needs_a_cuda_suite(tmp_path):
+    message = error_of(tmp_path, GOOD.replace("methods: [no_optimizer, sgd]", "methods: [no_optimizer, sgd]\n")
+                       .replace("models: [tiny-llama]", "grids:\n  - {name: g, models: [tiny-llama], batch: [1], "
+                                "seq: [16], methods: [sgd], cuda_graph: true}")
+                       .replace("batch: [1, 2]\n", "").replace("seq: [16, 32]\n", "")
+                       .replace("methods: [no_optimizer, sgd]\n", ""))
+    assert "cuda_graph needs device cuda" in message and "'g'" in message

@@ -10,11 +10,12 @@ from __future__ import annotations
 from .reference import reference_wgrad_update
 
 try:
-    from .fused import fused_wgrad_update, triton_available
+    from .fused import NUM_SCALARS, fused_wgrad_update, triton_available
 except ImportError:  # pragma: no cover - the fused kernel is added in the next step
     fused_wgrad_update = reference_wgrad_update
+    NUM_SCALARS = 8
 
     def triton_available() -> bool:
         return False
 
-__all__ = ["fused_wgrad_update", "reference_wgrad_update", "triton_available"]
+__all__ = ["NUM_SCALARS", "fused_wgrad_update", "reference_wgrad_update", "triton_available"]

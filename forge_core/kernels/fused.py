@@ -240,10 +240,11 @@ def _fused_wgrad_update_kernel(
         M, N, K,
         stride_xk, stride_xn, stride_dyk, stride_dym,
         stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-        c0, c1, c2, c3, c4, c5, c6, c7, seed,
+        c0, c1, c2, c3, c4, c5, c6, c7, seed, SCALARS,
         EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
         S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
         STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+        SCALARS_IN_MEMORY: tl.constexpr,
         EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
         HW_BF16: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
@@ -314,6 +315,18 @@ def _fused_wgrad_update_kernel(
             acc = tl.dot(dy_tile, x_tile, acc)
         dy_ptrs += BK * stride_dyk
         x_ptrs += BK * stride_xk
+
+    if SCALARS_IN_MEMORY:
+        # The rule's scalars from a device buffer (capturable mode): a CUDA graph replays this
+        # launch with whatever the buffer holds, so a new step or lr needs no new launch arguments.
+        c0 = tl.load(SCALARS + 0)
+        c1 = tl.load(SCALARS + 1)
+        c2 = tl.load(SCALARS + 2)
+        c3 = tl.load(SCALARS + 3)
+        c4 = tl.load(SCALARS + 4)
+        c5 = tl.load(SCALARS + 5)
+        c6 = tl.load(SCALARS + 6)
+        c7 = tl.load(SCALARS + 7)
 
     # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
     # states are live in registers at a time, so large tiles need not spill.
@@ -580,17 +593,27 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
     return _LaunchPlan(config, grid, fixed + strides, kwargs)
 
 
-def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...], seed: int):
+_NO_SCALARS = (0.0,) * NUM_SCALARS
+
+
+def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
+         seed: int):
+    """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
+    (the plan was then built with ``SCALARS_IN_MEMORY``)."""
     weight, s0, s1, scale0, scale1, accum, m, n, k = plan.fixed_args[:9]
+    if isinstance(scalars, torch.Tensor):
+        values, buffer = _NO_SCALARS, scalars
+    else:
+        values, buffer = scalars, weight
     return _fused_wgrad_update_kernel[plan.grid](
         x2, dy2, weight, s0, s1, scale0, scale1, accum, m, n, k,
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[9:],
-        *scalars, seed, **plan.kwargs)
+        *values, seed, buffer, **plan.kwargs)
 
 
 def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
             states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
-            scalars: tuple[float, ...], seed: int, meta: Mapping[str, Any]):
+            scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any]):
     """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
     return _run(_plan(config, x2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed)
 
@@ -649,20 +672,26 @@ def tuned_configs() -> dict[tuple, TileConfig]:
 
 def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state: ParamState,
                        hp: Mapping[str, Any], step: int, *, grad_accum: torch.Tensor | None = None,
-                       stochastic_rounding: bool = False, seed: int = 0, config: TileConfig | None = None) -> None:
+                       stochastic_rounding: bool = False, seed: int = 0, config: TileConfig | None = None,
+                       device_scalars: torch.Tensor | None = None) -> None:
     """One optimizer step of ``state.rule`` on ``weight`` with G = dY^T X, G never materialized.
 
     ``x``: (..., Din), ``dy``: (..., Dout), same dtype (bf16 / fp16 / fp32); ``weight`` (Dout, Din)
     bf16 or fp32, updated in place with ``state``. fp32 inputs use IEEE fp32 products unless
     ``torch.backends.cuda.matmul.allow_tf32`` is set. ``seed`` drives stochastic rounding (vary it
     per step). ``config`` pins a tile configuration (benchmarks); otherwise one is tuned per shape.
+    ``device_scalars``: a float32 tensor of ``NUM_SCALARS`` on the weight's device holding the rule's
+    kernel scalars (``rule.kernel_scalars_on_device``); the kernel reads them there and ``hp`` / ``step``
+    are not used, so the launch can be captured in a CUDA graph and replayed at later steps.
     """
-    signature = _plan_signature(x, dy, weight, state, grad_accum, stochastic_rounding, config)
+    in_memory = device_scalars is not None
+    signature = _plan_signature(x, dy, weight, state, grad_accum, stochastic_rounding, config, in_memory)
     cached = _PLANS.get(state, {}).get(signature) if signature is not None else None
     if cached is not None:
         # Same weight, states, layouts and dtypes as a call that passed every check below.
         x2, dy2 = flatten_tokens(x, x.shape[-1], "x"), flatten_tokens(dy, dy.shape[-1], "dy")
-        _run(cached, x2, dy2, _kernel_scalars(state.rule, hp, step), int(seed) & 0x7FFFFFFF)
+        scalars = device_scalars if in_memory else _kernel_scalars(state.rule, hp, step)
+        _run(cached, x2, dy2, scalars, int(seed) & 0x7FFFFFFF)
         return
     if not triton_available():
         raise RuntimeError("fused_wgrad_update needs a CUDA device or TRITON_INTERPRET=1; "
@@ -675,7 +704,14 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
     if len(rule.state_names) > MAX_STATES:
         raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
-    scalars = _kernel_scalars(rule, hp, step)
+    if in_memory:
+        _check_device_scalars(device_scalars, weight)
+        if stochastic_rounding and weight.dtype == torch.bfloat16:
+            raise ValueError("fused_wgrad_update: stochastic rounding draws a new seed every step, which a "
+                             "replayed launch cannot; use device_scalars=None with stochastic_rounding")
+        scalars: tuple[float, ...] | torch.Tensor = device_scalars
+    else:
+        scalars = _kernel_scalars(rule, hp, step)
     states = [state.values[name] for name in rule.state_names]
     scales = [state.scales[name] for name in rule.state_names]
     if any(s.stride() != states[0].stride() for s in states):
@@ -687,14 +723,14 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         S0_SQRT=len(states) > 0 and state.is_sqrt_domain(rule.state_names[0]),
         S1_SQRT=len(states) > 1 and state.is_sqrt_domain(rule.state_names[1]),
         HAS_GRAD_ACCUM=grad_accum is not None, STOCHASTIC_ROUNDING=stochastic, IEEE_DOT=ieee,
-        UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16)
+        UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16, SCALARS_IN_MEMORY=in_memory)
     seed = int(seed) & 0x7FFFFFFF
     if config is None:
         if use_fixed_config():
             config = INTERPRETER_CONFIG
         else:
             key = (tuple(weight.shape), x2.shape[0], x2.dtype, weight.dtype, rule.name, state.state_dtype,
-                   grad_accum is not None, stochastic, ieee, str(weight.device))
+                   grad_accum is not None, stochastic, ieee, str(weight.device), in_memory)
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
     check_config(config, state.state_dtype)
@@ -702,6 +738,16 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     if signature is not None:                    # one layout per weight is the steady state
         _PLANS[state] = {signature: plan}
     _run(plan, x2, dy2, scalars, seed)
+
+
+def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.float32 or buffer.dim() != 1 \
+            or buffer.numel() < NUM_SCALARS or not buffer.is_contiguous():
+        raise ValueError(f"device_scalars must be a contiguous 1-D float32 tensor of at least {NUM_SCALARS} "
+                         f"elements, got {getattr(buffer, 'dtype', type(buffer))} of shape "
+                         f"{tuple(getattr(buffer, 'shape', ()))}")
+    if buffer.device != weight.device:
+        raise ValueError(f"device_scalars is on {buffer.device}, the weight on {weight.device}")
 
 
 _SCALARS: dict[tuple, tuple[float, ...]] = {}
@@ -729,7 +775,8 @@ def _kernel_scalars(rule, hp: Mapping[str, Any], step: int) -> tuple[float, ...]
 
 
 def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state: ParamState,
-                    grad_accum: torch.Tensor | None, stochastic_rounding: bool, config: TileConfig | None):
+                    grad_accum: torch.Tensor | None, stochastic_rounding: bool, config: TileConfig | None,
+                    scalars_in_memory: bool = False):
     """What a cached launch plan depends on; None when no plan may be cached (tuning not settled).
 
     The weight by storage address (``param.data = ...`` swaps it under the same Parameter), the
@@ -741,6 +788,6 @@ def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, sta
         return (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, weight.data_ptr(),
                 tuple(map(id, state.values.values())), tuple(map(id, state.scales.values())),
                 None if grad_accum is None else grad_accum.data_ptr(),
-                bool(stochastic_rounding), config, torch.backends.cuda.matmul.allow_tf32)
+                bool(stochastic_rounding), config, torch.backends.cuda.matmul.allow_tf32, scalars_in_memory)
     except (AttributeError, RuntimeError):       # not a plain tensor (a subclass without storage)
         return None

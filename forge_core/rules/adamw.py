@@ -61,6 +61,13 @@ def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
             lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), eps)
 
 
+def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple[Any, ...]:
+    """``kernel_scalars`` for a float64 step tensor on the device (capturable; float64 like the host)."""
+    lr, beta1, beta2, eps, weight_decay = _checked(hp)
+    return (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
+            lr / (1.0 - torch.pow(beta1, step)), torch.sqrt(1.0 - torch.pow(beta2, step)), eps)
+
+
 @triton.jit
 def epilogue(w, g, exp_avg, exp_avg_sq, decay, one_minus_beta1, beta2, one_minus_beta2,
              step_size, bias_correction2_sqrt, eps, unused):
@@ -75,10 +82,13 @@ def epilogue(w, g, exp_avg, exp_avg_sq, decay, one_minus_beta1, beta2, one_minus
     return w, exp_avg, exp_avg_sq
 
 
-def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
-    """torch.optim.AdamW with the same hyper-parameters, for the parameters FORGE does not fuse."""
+def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
+    """torch.optim.AdamW with the same hyper-parameters, for the parameters FORGE does not fuse
+    (``capturable``: torch's own flag, step counts on the device so a CUDA graph can replay it)."""
     params = list(params)
-    return torch.optim.AdamW(params, **known_hyperparameters(hp, DEFAULTS), **torch_fused_flag(params))
+    fused = torch_fused_flag(params)
+    flags = {"capturable": True} if capturable and fused else {}   # torch allows it on CUDA tensors only
+    return torch.optim.AdamW(params, **known_hyperparameters(hp, DEFAULTS), **fused, **flags)
 
 
 RULE = Rule(
@@ -89,6 +99,7 @@ RULE = Rule(
     fallback_optimizer=fallback_optimizer,
     epilogue=epilogue,
     kernel_scalars=kernel_scalars,
+    kernel_scalars_on_device=kernel_scalars_on_device,
     sqrt_domain_states=frozenset({"exp_avg_sq"}),
     signed_states=frozenset({"exp_avg"}),
 )

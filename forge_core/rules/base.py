@@ -24,8 +24,9 @@ class Rule:
     """``reference(weight32, grad32, states32: dict[str, Tensor], hp: Mapping, step: int) -> None``:
     updates fp32 weight and fp32 states in place. This is the spec the kernel is tested against."""
     fallback_optimizer: Callable[..., torch.optim.Optimizer]
-    """``fallback_optimizer(params_or_groups, **hp)``: the torch optimizer that steps the parameters
-    FORGE does not fuse (biases, norms, embeddings, tied weights) with the same hyper-parameters."""
+    """``fallback_optimizer(params_or_groups, capturable=False, **hp)``: the torch optimizer that steps
+    the parameters FORGE does not fuse (biases, norms, embeddings, tied weights) with the same
+    hyper-parameters; ``capturable=True`` makes it safe to replay in a CUDA graph."""
     epilogue: Any = None
     """The ``@triton.jit`` epilogue function (see forge_core/kernels for its calling convention):
     ``epilogue(w, g, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7) -> (w, s0, s1)`` on fp32 tiles, where
@@ -35,6 +36,11 @@ class Rule:
     """``kernel_scalars(hp, step) -> tuple`` of at most 8 floats the epilogue reads (lr, decay
     factors, bias corrections...), computed on the host in float64 so that a new step or a new
     ``lr`` is a new runtime argument, never a recompilation."""
+    kernel_scalars_on_device: Callable[[Mapping[str, Any], torch.Tensor], tuple[Any, ...]] | None = None
+    """``kernel_scalars_on_device(hp, step) -> tuple`` of the same values as ``kernel_scalars`` for a
+    float64 ``step`` tensor (0-d, on the weights' device), each a Python float or a 0-d tensor computed
+    with torch ops on that device: no host sync, so the step count can live on the GPU and a CUDA
+    graph can replay the computation (``fuse(..., capturable=True)``). None: the rule is not capturable."""
     sqrt_domain_states: frozenset[str] = field(default_factory=frozenset)
     """States stored as sqrt(value) when quantized to int8 (second moments), see forge_core/state.py."""
     signed_states: frozenset[str] = field(default_factory=frozenset)

@@ -49,6 +49,11 @@ def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     return (1.0 - lr * weight_decay, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2)
 
 
+def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple[Any, ...]:
+    """``kernel_scalars`` for the capturable path: Lion's do not depend on the step."""
+    return kernel_scalars(hp, 1)
+
+
 @triton.jit
 def epilogue(w, g, exp_avg, unused_state, decay, lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
              unused_c6, unused_c7):
@@ -96,8 +101,9 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
-    """``Lion`` with the same hyper-parameters, for the parameters FORGE does not fuse."""
+def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
+    """``Lion`` with the same hyper-parameters, for the parameters FORGE does not fuse (``capturable``
+    needs nothing: its math never reads the step, so a graph can replay it once its state exists)."""
     return Lion(params, **known_hyperparameters(hp, DEFAULTS))
 
 
@@ -109,6 +115,7 @@ RULE = Rule(
     fallback_optimizer=fallback_optimizer,
     epilogue=epilogue,
     kernel_scalars=kernel_scalars,
+    kernel_scalars_on_device=kernel_scalars_on_device,
     sqrt_domain_states=frozenset(),
     signed_states=frozenset({"exp_avg"}),
 )

@@ -59,6 +59,12 @@ def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     return (lr, weight_decay, momentum, 1.0 - dampening, 1.0 if step == 1 else 0.0, 1.0 if nesterov else 0.0)
 
 
+def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple[Any, ...]:
+    """``kernel_scalars`` for a float64 step tensor on the device (capturable)."""
+    lr, momentum, dampening, weight_decay, nesterov = _checked(hp)
+    return (lr, weight_decay, momentum, 1.0 - dampening, (step == 1).to(torch.float64), 1.0 if nesterov else 0.0)
+
+
 @triton.jit
 def epilogue(w, g, momentum_buffer, unused_state, lr, weight_decay, momentum, one_minus_dampening,
              is_first_step, nesterov, unused_c6, unused_c7):
@@ -78,8 +84,10 @@ def epilogue(w, g, momentum_buffer, unused_state, lr, weight_decay, momentum, on
     return w, momentum_buffer, unused_state
 
 
-def fallback_optimizer(params, **hp: Any) -> torch.optim.Optimizer:
-    """torch.optim.SGD with the same hyper-parameters, for the parameters FORGE does not fuse."""
+def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
+    """torch.optim.SGD with the same hyper-parameters, for the parameters FORGE does not fuse
+    (``capturable`` needs nothing: SGD keeps no step count, and a graph can replay it once its
+    momentum buffers exist)."""
     params = list(params)
     return torch.optim.SGD(params, **known_hyperparameters(hp, DEFAULTS), **torch_fused_flag(params))
 
@@ -92,6 +100,7 @@ RULE = Rule(
     fallback_optimizer=fallback_optimizer,
     epilogue=epilogue,
     kernel_scalars=kernel_scalars,
+    kernel_scalars_on_device=kernel_scalars_on_device,
     sqrt_domain_states=frozenset(),
     signed_states=frozenset({"momentum_buffer"}),
 )

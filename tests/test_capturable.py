@@ -1,0 +1,163 @@
+"""Capturable mode (``fuse(..., capturable=True)``): the step count and the kernel scalars on the
+device, so a whole training step can be replayed as a CUDA graph. Without a GPU the Triton
+kernel runs in the interpreter and the device is the CPU: the arithmetic is the same code."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import forge_core
+from forge_core.kernels import NUM_SCALARS, fused_wgrad_update
+from forge_core.rules import RULES, get_rule
+from forge_core.state import ParamState
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HYPERPARAMETERS = {
+    "adamw": {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+    "sgd": {"lr": 5e-2, "momentum": 0.9, "weight_decay": 1e-2, "nesterov": True},
+    "lion": {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1},
+}
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(70, 90), nn.GELU(), nn.Linear(90, 33), nn.LayerNorm(33)).to(DEVICE)
+
+
+def _batches(count: int, seed: int = 5) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 25, 70, generator=generator).to(DEVICE) for _ in range(count)]
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return (model(batch) - batch[..., :33]).square().mean()
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+    loss = _loss(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _fuse(model: nn.Module, **kwargs) -> forge_core.ForgeOptimizer:
+    return forge_core.fuse(model, backend="triton", probe_inputs=torch.zeros(2, 70, device=DEVICE), **kwargs)
+
+
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_device_scalars_equal_the_host_scalars_in_fp32(rule_name: str, step: int) -> None:
+    rule = get_rule(rule_name)
+    hp = rule.resolve_hp(HYPERPARAMETERS[rule_name])
+    host = torch.tensor(rule.kernel_scalars(hp, step), dtype=torch.float64).to(torch.float32)
+    values = rule.kernel_scalars_on_device(hp, torch.tensor(float(step), dtype=torch.float64))
+    device = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values]).to(torch.float32)
+    assert torch.equal(device, host), (device, host)
+
+
+@pytest.mark.parametrize("rule_name", sorted(RULES))
+def test_capturable_training_is_bit_identical_to_the_default_path(rule_name: str) -> None:
+    """Same kernels, same fp32 scalars (from the device buffer instead of launch arguments), an LR
+    schedule moving lr every step: every weight and state equal, bit for bit."""
+    plain, captured = _mlp(), _mlp()
+    plain_opt = _fuse(plain, optimizer=rule_name, **HYPERPARAMETERS[rule_name])
+    capt_opt = _fuse(captured, optimizer=rule_name, capturable=True, **HYPERPARAMETERS[rule_name])
+    assert capt_opt.capturable and not plain_opt.capturable
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (plain_opt, capt_opt)]
+    for batch in _batches(4):
+        for model, opt, schedule in ((plain, plain_opt, schedules[0]), (captured, capt_opt, schedules[1])):
+            _train_step(model, opt, batch)
+            schedule.step()
+    for (name, a), b in zip(plain.named_parameters(), captured.parameters()):
+        assert torch.equal(a, b), name
+    assert capt_opt.steps_taken == 4
+    for left, right in zip(plain_opt._bindings, capt_opt._bindings):
+        for key in left.state.values:
+            assert torch.equal(left.state.values[key], right.state.values[key]), key
+
+
+def test_capturable_state_dict_carries_the_device_step_count_and_resumes_exactly() -> None:
+    batches = _batches(5)
+    straight = _mlp()
+    straight_opt = _fuse(straight, capturable=True, **HYPERPARAMETERS["adamw"])
+    for batch in batches:
+        _train_step(straight, straight_opt, batch)
+
+    first = _mlp()
+    first_opt = _fuse(first, capturable=True, **HYPERPARAMETERS["adamw"])
+    for batch in batches[:2]:
+        _train_step(first, first_opt, batch)
+    first_opt._bindings[0].steps_done = 0        # host counters lag behind replays: the device count wins
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    assert all(float(entry["step"]) == 2.0 for entry in checkpoint["optimizer"]["state"].values())
+
+    resumed = _mlp(seed=3)
+    resumed_opt = _fuse(resumed, capturable=True, **HYPERPARAMETERS["adamw"])
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    assert float(resumed_opt._device_steps[0]) == 2.0
+    for batch in batches[2:]:
+        _train_step(resumed, resumed_opt, batch)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_capturable_refuses_what_a_replay_cannot_do() -> None:
+    with pytest.raises(ValueError, match="needs the Triton backend"):
+        forge_core.fuse(_mlp(), backend="reference", capturable=True, probe_inputs=False)
+    with pytest.raises(ValueError, match="accumulate_steps"):
+        _fuse(_mlp(), capturable=True, accumulate_steps=2)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        _fuse(_mlp(), capturable=True, stochastic_rounding=True)
+
+
+def test_device_scalars_argument_is_checked() -> None:
+    weight = torch.randn(64, 64, device=DEVICE)
+    state = ParamState(weight, get_rule("adamw"), "fp32")
+    x, dy = torch.randn(16, 64, device=DEVICE), torch.randn(16, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="float32 tensor of at least 8"):
+        fused_wgrad_update(x, dy, weight, state, {}, 1, device_scalars=torch.zeros(4, device=DEVICE))
+    with pytest.raises(ValueError, match="float32"):
+        fused_wgrad_update(x, dy, weight, state, {}, 1,
+                           device_scalars=torch.zeros(NUM_SCALARS, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_captured_training_step_replays_like_eager_steps() -> None:
+    """forward + backward (fused updates) + opt.step() captured once, replayed 4 times, equals 4
+    eager capturable steps bit for bit (step count and bias corrections advance on the device)."""
+    eager, graphed = _mlp(), _mlp()
+    eager_opt = _fuse(eager, capturable=True, **HYPERPARAMETERS["adamw"])
+    graph_opt = _fuse(graphed, capturable=True, **HYPERPARAMETERS["adamw"])
+    batches = _batches(7)
+    for batch in batches[:3]:                    # warm-up: tuning, compilation, fallback state
+        _train_step(eager, eager_opt, batch)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for batch in batches[:3]:
+            _train_step(graphed, graph_opt, batch)
+    torch.cuda.current_stream().wait_stream(side)
+    static_batch = batches[3].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = _train_step(graphed, graph_opt, static_batch)
+    graph_losses = []
+    for batch in batches[3:]:
+        static_batch.copy_(batch)
+        graph.replay()
+        graph_losses.append(static_loss.clone())
+    eager_losses = [_train_step(eager, eager_opt, batch) for batch in batches[3:]]
+    torch.cuda.synchronize()
+    assert torch.equal(torch.stack(graph_losses), torch.stack(eager_losses))
+    for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(a, b), name
+    assert graph_opt.steps_taken == 7
