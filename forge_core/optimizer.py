@@ -276,7 +276,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         values = self.rule.kernel_scalars_on_device(self._kernel_hyperparameters(group), self._device_steps[group] + 1)
         buffer = self._device_scalars[group]
         for index, value in enumerate(values):
-            buffer[index] = value
+            if isinstance(value, torch.Tensor):
+                buffer[index].copy_(value)
+            else:
+                buffer[index].fill_(float(value))   # a kernel argument: no host-to-device copy to capture
         self._scalars_stale[group] = False
 
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:

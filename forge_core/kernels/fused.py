@@ -730,7 +730,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
             config = INTERPRETER_CONFIG
         else:
             key = (tuple(weight.shape), x2.shape[0], x2.dtype, weight.dtype, rule.name, state.state_dtype,
-                   grad_accum is not None, stochastic, ieee, str(weight.device), in_memory)
+                   grad_accum is not None, stochastic, ieee, str(weight.device))   # one tuning for both scalar sources
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
     check_config(config, state.state_dtype)
