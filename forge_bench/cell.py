@@ -272,6 +272,11 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     if graphed:
         # Replays allocate nothing: the step's peak is the allocator's peak while the graph is
         # captured (its activations, gradients and temporaries are allocated then, in the graph's pool).
+        # The eager steps left their activations' and gradients' blocks cached in the allocator's
+        # general pool; the capture allocates from a pool of its own, so hand them back first (an
+        # 8B model with fp32 moments does not fit twice).
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         step = GraphedStep(arm, batches[0])
         warm = [step(batches[i % BATCH_POOL]) for i in range(max(0, spec.warmup_steps - eager_warmup))]
