@@ -83,12 +83,19 @@ def built(request, tmp_path_factory):
 
 
 def _group_key(row: dict) -> tuple:
-    return (row["device_name"], row["model"], row["dtype"], row["batch"], row["seq"])
+    # eager steps and CUDA-graph replays are separate tables: a ratio never mixes them
+    return (row["device_name"], row["model"], row["dtype"], row["batch"], row["seq"],
+            row.get("timing_method") == "cuda_graph_replay")
+
+
+def _timing(row: dict) -> str:
+    """The report's timing column for a row (its tables never mix the two)."""
+    return "CUDA graph" if row.get("timing_method") == "cuda_graph_replay" else "eager"
 
 
 def _title(key: tuple) -> str:
-    device, model, dtype, batch, seq = key
-    return f"{device} · {model} · {dtype} · batch {batch} × seq {seq}"
+    device, model, dtype, batch, seq, graph = key
+    return f"{device} · {model} · {dtype} · batch {batch} × seq {seq}" + (" · CUDA-graph replay" if graph else "")
 
 
 def _close_to_printed(printed: str, value: float) -> bool:
@@ -158,14 +165,15 @@ def test_headline_csv_holds_exact_ratios(built):
     with (out / "tables" / "headline.csv").open() as fh:
         records = list(csv.DictReader(fh))
     assert len(records) == len(rows)
-    by_run_method = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], r["method"]): r for r in rows}
+    by_run_method = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], _timing(r), r["method"]): r
+                     for r in rows}
     for rec in records:
         if rec["speedup"] in ("", "None"):
             continue
         row = by_run_method[(rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]),
-                             int(rec["seq"]), rec["method"])]
+                             int(rec["seq"]), rec["timing"], rec["method"])]
         base = by_run_method[(rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]),
-                              int(rec["seq"]), rec["baseline_method"])]
+                              int(rec["seq"]), rec["timing"], rec["baseline_method"])]
         assert float(rec["speedup"]) == pytest.approx(base["step_ms_median"] / row["step_ms_median"], rel=1e-12)
 
 
@@ -182,7 +190,8 @@ def test_baseline_choice_and_caption(built):
         ok = {r["method"] for r in group if r["status"] == "ok"}
         expected = next((m for m in ("adamw_fused", "adamw_foreach") if m in ok), "")
         got = {r["baseline_method"] for r in records
-               if (r["device_name"], r["model"], r["dtype"], int(r["batch"]), int(r["seq"])) == key}
+               if (r["device_name"], r["model"], r["dtype"], int(r["batch"]), int(r["seq"]),
+                   r["timing"] == "CUDA graph") == key}
         assert got == {expected}
         if expected == "adamw_fused":
             assert "Ratios are against torch fused AdamW (`adamw_fused`)." in text
@@ -238,11 +247,13 @@ def test_every_figure_written_and_linked(built):
                              and r["parity_rms_rel"] is not None and r["parity_steps"] != 0})
     by_run_model = {}
     for r in rows:
-        by_run_model.setdefault((r["run_id"], r["device_name"], r["model"], r["dtype"]), set()).add((r["batch"], r["seq"]))
+        by_run_model.setdefault((r["run_id"], r["device_name"], r["model"], r["dtype"], _timing(r)),
+                                set()).add((r["batch"], r["seq"]))
     expected_grid = sum(len(s) >= 2 for s in by_run_model.values())
     by_run_shape = {}
     for r in rows:
-        by_run_shape.setdefault((r["run_id"], r["device_name"], r["dtype"], r["batch"], r["seq"]), set()).add(r["model"])
+        by_run_shape.setdefault((r["run_id"], r["device_name"], r["dtype"], r["batch"], r["seq"], _timing(r)),
+                                set()).add(r["model"])
     expected_scaling = sum(len(s) >= 2 for s in by_run_shape.values())
     names = [p.name for p in pngs]
     assert sum(n.startswith("headline-") for n in names) == expected_headline
@@ -362,7 +373,7 @@ def test_noise_flag_on_real_rows(built):
     _, rows, out, _ = built
     with (out / "tables" / "headline.csv").open() as fh:
         records = [r for r in csv.DictReader(fh) if r["speedup"] not in ("", "None")]
-    index = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], r["method"]): r for r in rows}
+    index = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], _timing(r), r["method"]): r for r in rows}
 
     def band(row):
         widths = [0.0]
@@ -373,7 +384,7 @@ def test_noise_flag_on_real_rows(built):
         return max(widths)
 
     for rec in records:
-        key = (rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]), int(rec["seq"]))
+        key = (rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]), int(rec["seq"]), rec["timing"])
         row, base = index[key + (rec["method"],)], index[key + (rec["baseline_method"],)]
         inside = abs(row["step_ms_median"] - base["step_ms_median"]) <= band(row) + band(base)
         assert (rec["speedup_within_noise"] == "True") == inside
@@ -409,18 +420,21 @@ def test_floor_table_matches_the_formula_on_the_rows(built):
         if not terms:
             continue
         for other in rows:
-            same = all(other[k] == row[k] for k in ("run_id", "device_name", "model", "dtype", "batch", "seq"))
+            same = all(other[k] == row[k] for k in ("run_id", "device_name", "model", "dtype", "batch", "seq")) \
+                and _timing(other) == _timing(row)
             if same and other["method_family"] == "forge" and other["status"] == "ok":
                 state = json.loads(other["method_settings"])["state_dtype"]
                 wgrad, traffic = terms["wgrad_ms"], terms["traffic_ms"][state]
                 floor = row["step_ms_median"] - wgrad + max(wgrad, traffic)
-                expected[(other["run_id"], other["method"])] = (floor, other["step_ms_median"] / floor)
+                expected[(other["run_id"], _timing(other), other["batch"], other["seq"], other["method"])] = (
+                    floor, other["step_ms_median"] / floor)
     if not expected:
         assert not floor_csv.exists()
         assert "## FORGE against its floor" in index.read_text()
         return
     with floor_csv.open() as fh:
-        got = {(r["run_id"], r["method"]): (float(r["floor_ms"]), float(r["step_over_floor"]))
+        got = {(r["run_id"], r["timing"], int(r["batch"]), int(r["seq"]), r["method"]):
+               (float(r["floor_ms"]), float(r["step_over_floor"]))
                for r in csv.DictReader(fh)}
     assert got.keys() == expected.keys()
     for key, (floor, ratio) in expected.items():

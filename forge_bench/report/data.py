@@ -25,7 +25,9 @@ KNOWN_METHOD_ORDER = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd",
                       "forge_fp32", "forge_bf16", "forge_int8")
 FAMILY_ORDER = {"baseline": 0, "peer": 1, "forge": 2}
 
-HEADLINE_KEYS = ["device_name", "model", "dtype", "batch", "seq"]
+EAGER_TIMING = "eager"
+GRAPH_TIMING = "CUDA graph"
+HEADLINE_KEYS = ["device_name", "model", "dtype", "batch", "seq", "timing"]
 
 
 class NoResultsError(ResultsError):
@@ -44,6 +46,10 @@ def load_rows(results_dir: str | Path) -> pd.DataFrame:
     frame["run_short"] = frame["run_id"].map(run_label)
     frame["device_label"] = frame["device_name"].map(device_label)
     frame["shape_label"] = [f"b{int(b)}×s{int(s)}" for b, s in zip(frame["batch"], frame["seq"])]
+    # Eager steps and CUDA-graph replays of the same cell are different measurements: every table
+    # and figure groups by this, so a ratio never mixes the two.
+    timing = frame["timing_method"] if "timing_method" in frame else pd.Series([None] * len(frame), index=frame.index)
+    frame["timing"] = [GRAPH_TIMING if t == "cuda_graph_replay" else EAGER_TIMING for t in timing]
     return frame
 
 
@@ -142,9 +148,17 @@ def group_title(keys: Mapping[str, Any]) -> str:
         parts.append(str(keys["dtype"]))
     if "batch" in keys and "seq" in keys:
         parts.append(f"batch {int(keys['batch'])} × seq {int(keys['seq'])}")
+    if keys.get("timing") == GRAPH_TIMING:
+        parts.append("CUDA-graph replay")
     if "run_id" in keys:
         parts.append(f"run {run_label(keys['run_id'])}")
     return " · ".join(parts)
+
+
+def timing_slug(keys: Mapping[str, Any]) -> str | None:
+    """The file-name part that keeps a CUDA-graph group's outputs apart from the eager ones (None
+    for eager groups, whose names stay as they were)."""
+    return "graph" if keys.get("timing") == GRAPH_TIMING else None
 
 
 def slug(*parts: Any) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from . import ratios
-from .data import (HEADLINE_KEYS, choose_baseline, find_baseline_row, group_title, is_forge,
+from .data import (HEADLINE_KEYS, timing_slug, choose_baseline, find_baseline_row, group_title, is_forge,
                    ordered_methods, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
 from .tables import (ANALYTIC_PARTS, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
@@ -162,7 +162,8 @@ def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> t
         return [], "no run measured one model at two or more batch × seq shapes"
     paths = []
     for keys, group in groups:
-        stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]))
+        stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
+                    timing_slug(keys))
         shapes = shapes_of(group)
         paths += _grid_lines(group, keys, shapes, folder, stem, colors)
         forge_methods = [m for m in ordered_methods(group) if is_forge(m)]
@@ -327,7 +328,7 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -
         fig.suptitle(f"Model scaling: {group_title(keys)}")
         fig.tight_layout()
         paths += save(fig, folder, slug("scaling", keys["device_name"], keys["dtype"], keys["batch"],
-                                        keys["seq"], run_label(keys["run_id"])))
+                                        keys["seq"], run_label(keys["run_id"]), timing_slug(keys)))
     return paths, None
 
 
@@ -374,7 +375,7 @@ def memory_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str |
         ax.set_title(f"Where memory goes: {group_title(keys)}{note}")
         fig.tight_layout()
         paths += save(fig, folder, slug("memory", keys["device_name"], keys["model"], keys["dtype"],
-                                        keys["batch"], keys["seq"], run_label(keys["run_id"])))
+                                        keys["batch"], keys["seq"], run_label(keys["run_id"]), timing_slug(keys)))
     return paths, None
 
 

@@ -109,13 +109,15 @@ def _refuse_or_none(candidate: Mapping[str, Any], baseline: Mapping[str, Any] | 
     """The shared refusals of every ratio kind, or None when the pair may be divided."""
     if baseline is None:
         return Ratio(None, "n/a (no baseline)", refusal="no baseline row for this cell")
-    reason = incomparable_reason(candidate, baseline)
-    if reason is not None:
-        return Ratio(None, DIFFERENT_RUN, refusal=reason)
+    # A row that did not measure has nothing to divide (its clocks are unrecorded too, which
+    # would otherwise read as "different run").
     for row, who in ((candidate, "this row"), (baseline, "baseline")):
         if as_text(row.get("status")) != "ok":
             return Ratio(None, f"n/a ({who} {as_text(row.get('status'))})",
                          refusal=f"{who} status {as_text(row.get('status'))}")
+    reason = incomparable_reason(candidate, baseline)
+    if reason is not None:
+        return Ratio(None, DIFFERENT_RUN, refusal=reason)
     return None
 
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from . import ratios
-from .data import (HEADLINE_KEYS, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
+from .data import (HEADLINE_KEYS, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
                    group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
                    slug)
 from .ratios import DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
@@ -230,7 +230,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- batch x sequence grid ----------------------------------------------------------------------
 
-GRID_KEYS = ["run_id", "device_name", "model", "dtype"]
+GRID_KEYS = ["run_id", "device_name", "model", "dtype", "timing"]
 
 
 def grid_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -303,7 +303,8 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
                                   "step_ms_spread_max": spread})
             peak_rows.append(peak_cells)
             step_rows.append(step_cells)
-        name = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]))
+        name = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
+                    timing_slug(keys))
         tables.append(Table(name + "-peak", f"Peak GiB, {title}",
                             "Peak allocated memory per method and batch × seq (GiB = 2^30 bytes); "
                             "a status in place of a number: the cell did not run ok.",
@@ -344,7 +345,7 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- model scaling ------------------------------------------------------------------------------
 
-SCALING_KEYS = ["run_id", "device_name", "dtype", "batch", "seq"]
+SCALING_KEYS = ["run_id", "device_name", "dtype", "batch", "seq", "timing"]
 
 
 def scaling_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -397,7 +398,7 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
                              "step_ms_median": as_number(row.get("step_ms_median"))})
             body.append(line)
         tables.append(Table(slug("scaling", keys["device_name"], keys["dtype"], keys["batch"],
-                                 keys["seq"], run_label(keys["run_id"])),
+                                 keys["seq"], run_label(keys["run_id"]), timing_slug(keys)),
                             f"Model scaling, {group_title(keys)}",
                             "Peak GiB / median step ms per method and model (parameter count "
                             "in brackets).", ["Method"] + columns, body, "l" + "r" * len(models),
@@ -407,7 +408,7 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- the floor of a FORGE step (issue 6) ----------------------------------------------------------
 
-FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq"]
+FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing"]
 FLOOR_METHOD = "no_optimizer"
 FLOOR_BASELINE = "adamw_fused"
 
@@ -468,7 +469,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
                    "all measured in this run. Best speed-up = adamw_fused step / floor; measured = "
                    "adamw_fused step / this step.")
         tables.append(Table(slug("floor", key_map["device_name"], key_map["model"], key_map["dtype"],
-                                 key_map["batch"], key_map["seq"], run_label(key_map["run_id"])),
+                                 key_map["batch"], key_map["seq"], run_label(key_map["run_id"]), timing_slug(key_map)),
                             f"FORGE against its floor, {group_title(key_map)}", caption,
                             ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor",
                              "Best speed-up", "Measured speed-up"], body, "llrrrrrr", [NOISE_FOOTNOTE], recs))
@@ -477,7 +478,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- where memory goes --------------------------------------------------------------------------
 
-MEMORY_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq"]
+MEMORY_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing"]
 ANALYTIC_PARTS = (("mem_weights_gib", "Weights"), ("mem_optimizer_states_gib", "Optimizer states"),
                   ("mem_gradients_gib", "Gradients"))
 
@@ -522,7 +523,7 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
             recs.append({**keys, "method": row["method"], **{k: v for k, v in parts.items()},
                          "peak_gib": as_number(row.get("peak_allocated_gib"))})
         tables.append(Table(slug("memory", keys["device_name"], keys["model"], keys["dtype"],
-                                 keys["batch"], keys["seq"], run_label(keys["run_id"])),
+                                 keys["batch"], keys["seq"], run_label(keys["run_id"]), timing_slug(keys)),
                             f"Where memory goes, {group_title(keys)}",
                             "GiB. Weights, optimizer states and gradients are analytic byte counts "
                             "of what each arm holds; activations + rest = measured peak minus them.",
@@ -533,7 +534,7 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- hardware comparison ------------------------------------------------------------------------
 
-CELL_KEYS = ["model", "dtype", "batch", "seq"]
+CELL_KEYS = ["model", "dtype", "batch", "seq", "timing"]
 
 
 def hardware_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame, list[tuple[str, str]]]]:
