@@ -220,11 +220,11 @@ def list_(
                              spec.source, spec.description)
     out_console.print(models_table)
     methods_table = Table(title=f"methods (on {device})")
-    for col in ("name", "family", "parity ref", "available", "about"):
+    for col in ("name", "family", "parity ref", "cuda graph", "available", "about"):
         methods_table.add_column(col, overflow="fold")
     for m in methods_mod.METHODS.values():
         reason = m.unavailable_reason(device)
-        methods_table.add_row(m.name, m.family, m.parity_reference or "-",
+        methods_table.add_row(m.name, m.family, m.parity_reference or "-", "yes" if m.graphable else "no",
                               "[green]yes[/]" if reason is None else f"[red]no[/]: {reason}", m.description)
     out_console.print(methods_table)
 
