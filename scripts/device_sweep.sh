@@ -4,7 +4,9 @@
 # The result folder comes back as $OUT/<name>.tgz (extract it in the checkout before the next call).
 #   scripts/device_sweep.sh COMMIT SUITE OUT_DIR ONLY BOX_S [TESTS...]
 # BOX_S: seconds this command may take in all; a cell takes up to ~100 s on Llama-8B, so the sweep
-# stops starting cells 110 s before the box ends.
+# stops starting cells 110 s before the box ends. ONLY may hold several --only selections separated
+# by ';': they run one after the other (the cells that matter most first; within one selection the
+# suite's order decides), all into OUT_DIR under one run id.
 set -u
 commit=$1 suite=$2 out_dir=$3 only=$4 box=$5; shift 5
 source scripts/device_setup.sh "$commit" >/dev/null || exit 1
@@ -13,9 +15,13 @@ if [ $# -gt 0 ]; then
   timeout $((box / 3)) python3 -m pytest -q -rs -n 8 -p no:cacheprovider "$@" > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -n 25 "$OUT/pytest_gpu.log"
 fi
-resume=""; [ -f "$out_dir/manifest.json" ] && resume="--resume"
-left=$((box - SECONDS - 110)); [ $left -lt 0 ] && left=0
-timeout $((box - SECONDS - 15)) python3 -m forge_bench.cli sweep "$suite" --out "$out_dir" --only "$only" \
-  $resume --stop-after $left > "$OUT/sweep.log" 2>&1
-echo "sweep rc=$?"; grep -v "━" "$OUT/sweep.log" | tail -n 40
+IFS=';' read -ra selections <<< "$only"
+for selection in "${selections[@]}"; do
+  resume=""; [ -f "$out_dir/manifest.json" ] && resume="--resume"
+  left=$((box - SECONDS - 110)); [ $left -le 0 ] && break
+  timeout $((box - SECONDS - 15)) python3 -m forge_bench.cli sweep "$suite" --out "$out_dir" --only "$selection" \
+    $resume --stop-after $left >> "$OUT/sweep.log" 2>&1
+  echo "sweep '$selection' rc=$?"
+done
+grep -hE "^  [A-Za-z0-9_.-]+/" "$OUT/sweep.log" | tail -n 60
 tar -czf "$OUT/$(basename "$out_dir").tgz" "$out_dir"
