@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .rules.base import Rule
+from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
 BACKENDS = ("auto", "triton", "reference")
@@ -175,7 +175,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             device = bindings[0].weight.device
             for _ in self.param_groups:
                 self._device_steps.append(torch.zeros((), dtype=torch.float64, device=device))
-                self._device_scalars.append(torch.zeros(kernels.NUM_SCALARS, dtype=torch.float32, device=device))
+                self._device_scalars.append(torch.zeros(KERNEL_SCALARS, dtype=torch.float32, device=device))
                 self._scalars_stale.append(True)
 
     # -- what is fused ----------------------------------------------------------------------
@@ -274,6 +274,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The group's kernel scalars for step (device count + 1), by device ops only (a fill per
         float, a copy per tensor): in a CUDA graph they are recomputed at every replay."""
         values = self.rule.kernel_scalars_on_device(self._kernel_hyperparameters(group), self._device_steps[group] + 1)
+        check_scalar_count(self.rule.name, len(values))
         buffer = self._device_scalars[group]
         for index, value in enumerate(values):
             if isinstance(value, torch.Tensor):

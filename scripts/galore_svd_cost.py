@@ -49,11 +49,11 @@ def main() -> None:
                      "svd_lowrank_s": low})
         print(rows[-1], flush=True)
     measured = [r for r in rows if r["full_svd_s"] is not None]
+    measured_part = sum(r["full_svd_s"] * r["per_model"] for r in measured)
     summary = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rank": RANK, "shapes": rows,
-        "full_svd_per_refresh_s": sum(r["full_svd_s"] * r["per_model"] for r in measured)
-        if len(measured) == len(rows) else None,
-        "full_svd_measured_part_s": sum(r["full_svd_s"] * r["per_model"] for r in measured),
+        "full_svd_per_refresh_s": measured_part if len(measured) == len(rows) else None,
+        "full_svd_measured_part_s": measured_part,
         "svd_lowrank_per_refresh_s": sum(r["svd_lowrank_s"] * r["per_model"] for r in rows),
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "shapes"}), flush=True)

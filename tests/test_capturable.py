@@ -161,3 +161,13 @@ def test_a_captured_training_step_replays_like_eager_steps() -> None:
     for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
         assert torch.equal(a, b), name
     assert graph_opt.steps_taken == 7
+
+
+def test_a_rule_with_too_many_device_scalars_is_a_clear_error() -> None:
+    import dataclasses
+
+    model = _mlp()
+    opt = _fuse(model, capturable=True, **HYPERPARAMETERS["adamw"])
+    opt.rule = dataclasses.replace(opt.rule, kernel_scalars_on_device=lambda hp, step: (0.0,) * (NUM_SCALARS + 1))
+    with pytest.raises(ValueError, match=r"rule 'adamw' returned 9 kernel scalars; at most 8"):
+        _loss(model, _batches(1)[0]).backward()

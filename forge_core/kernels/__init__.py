@@ -13,7 +13,7 @@ try:
     from .fused import NUM_SCALARS, fused_wgrad_update, triton_available
 except ImportError:  # pragma: no cover - the fused kernel is added in the next step
     fused_wgrad_update = reference_wgrad_update
-    NUM_SCALARS = 8
+    from ..rules.base import KERNEL_SCALARS as NUM_SCALARS
 
     def triton_available() -> bool:
         return False

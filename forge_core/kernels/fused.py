@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rules.base import KERNEL_SCALARS, check_scalar_count
 from ..state import QBLOCK, ParamState
 from .reference import check_arguments, flatten_tokens
 
 _STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
-NUM_SCALARS = 8
+NUM_SCALARS = KERNEL_SCALARS
 MAX_STATES = 2
 SHARED_MEMORY_BYTES = 227 * 1024          # H100 / H200 per-block opt-in limit
 MAX_ACCUMULATOR_REGISTERS = 64            # fp32 accumulator registers per thread we allow (see fits)
@@ -764,8 +765,7 @@ def _kernel_scalars(rule, hp: Mapping[str, Any], step: int) -> tuple[float, ...]
     if key is not None and key in _SCALARS:
         return _SCALARS[key]
     scalars = tuple(float(c) for c in rule.kernel_scalars(hp, int(step)))
-    if len(scalars) > NUM_SCALARS:
-        raise ValueError(f"rule {rule.name!r} returned {len(scalars)} kernel scalars; at most {NUM_SCALARS}")
+    check_scalar_count(rule.name, len(scalars))
     scalars = scalars + (0.0,) * (NUM_SCALARS - len(scalars))
     if key is not None:
         if len(_SCALARS) >= 64:

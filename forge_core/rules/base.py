@@ -52,6 +52,16 @@ class Rule:
         return {key: hp.get(key, default) for key, default in self.defaults.items()}
 
 
+KERNEL_SCALARS = 8
+"""How many floats a rule may hand the fused kernel (``kernel_scalars`` / ``kernel_scalars_on_device``)."""
+
+
+def check_scalar_count(rule_name: str, count: int) -> None:
+    """A clear error for a rule that returns more kernel scalars than the kernel takes."""
+    if count > KERNEL_SCALARS:
+        raise ValueError(f"rule {rule_name!r} returned {count} kernel scalars; at most {KERNEL_SCALARS}")
+
+
 def known_hyperparameters(hp: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of ``hp`` a rule knows: a param_group also carries keys of its own
     (``params``, a scheduler's ``initial_lr``) that the fallback torch optimizer must not get."""
