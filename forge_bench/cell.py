@@ -19,6 +19,7 @@ import datetime as dt
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -406,6 +407,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     row = base_row(suite, cell, method, run_id, attempt)
     row["started_at"] = started
     extra: dict[str, Any] = {}
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        extra["cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     device = suite.spec.device
 
     reason = None

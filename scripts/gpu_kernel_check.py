@@ -198,7 +198,7 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
     from forge_bench.kernel_bench import _sets_needed, time_graph_ms
     from forge_bench.floor import state_traffic_bytes
     from forge_core.kernels import fused as fused_module
-    from forge_core.kernels import fused_wgrad_update
+    from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
     from forge_core.rules import get_rule
     from forge_core.state import ParamState
 
@@ -212,21 +212,40 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
         state.store("exp_avg_sq", torch.rand(dout, din, device="cuda") * 1e-6)
         sets.append((torch.randn(tokens, din, device="cuda").bfloat16(),
                      (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16(), w, state))
+    x, dy, w, state = sets[0]
+    w = w.clone()                                  # timing updates the sets in place: keep a start point
+    start_state = {k: v.clone() for k, v in state.state_dict().items()}
+    reference_w = w.clone()
+    reference_state = ParamState(reference_w, rule, state_dtype)
+    reference_state.load_state_dict(start_state)
+    reference_wgrad_update(x, dy, reference_w, reference_state, HP["adamw"], 3)
     for config in configs:
         record = dict(kind="sweep", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, config=str(config))
         try:
             handle = None
-            x, dy, w, state = sets[0]
+            # correctness first, on a copy of set 0: one step of this config against the reference
+            trial_w = w.clone()
+            trial_state = ParamState(trial_w, rule, state_dtype)
+            trial_state.load_state_dict(start_state)
             scalars = tuple(rule.kernel_scalars(HP["adamw"], 3)) + (0.0,)
             meta = dict(EPILOGUE=rule.epilogue, NUM_STATES=2, STATE_KIND=fused_module._STATE_KIND[state_dtype],
-                        S0_SQRT=False, S1_SQRT=True, HAS_GRAD_ACCUM=False, STOCHASTIC_ROUNDING=False,
-                        IEEE_DOT=False, UPCAST_DOT=False)
+                        S0_SQRT=False, S1_SQRT=trial_state.is_sqrt_domain("exp_avg_sq"), HAS_GRAD_ACCUM=False,
+                        STOCHASTIC_ROUNDING=False, IEEE_DOT=False, UPCAST_DOT=fused_module.interpreting(),
+                        SCALARS_IN_MEMORY=False)
             started = time.perf_counter()
-            handle = fused_module._launch(config, x, dy, w, [state.values["exp_avg"], state.values["exp_avg_sq"]],
-                                          [state.scales["exp_avg"], state.scales["exp_avg_sq"]], None, scalars, 0,
-                                          meta)
+            handle = fused_module._launch(config, x, dy, trial_w,
+                                          [trial_state.values["exp_avg"], trial_state.values["exp_avg_sq"]],
+                                          [trial_state.scales["exp_avg"], trial_state.scales["exp_avg_sq"]], None,
+                                          scalars, 0, meta)
             torch.cuda.synchronize()
             record["compile_s"] = round(time.perf_counter() - started, 2)
+            record.update(compare("weight", trial_w, reference_w, w))
+            for name in ("exp_avg", "exp_avg_sq"):
+                record.update(compare(name, trial_state.values[name], reference_state.values[name]))
+            # one bf16 step (the fp32 sum order of G differs), one int8 code
+            record["ok"] = bool(record.get("weight_max_diff_over_ulp", 0.0) <= 1.01
+                                and all(record.get(f"{n}_max_code_diff", 0) <= 1 for n in ("exp_avg", "exp_avg_sq")))
+            del trial_w, trial_state
             for attr in ("n_regs", "n_spills"):
                 record[attr] = getattr(handle, attr, None)
             record["shared"] = getattr(getattr(handle, "metadata", None), "shared", None)
@@ -244,15 +263,17 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
 BANDWIDTH: list[float] = []
 
 
-def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str, full: bool = True) -> None:
-    """Every candidate (``full``) or the six usual winners, plus prefetch variants of four."""
+def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str) -> None:
+    """Every tuning candidate of the shape, without and with prefetch (what ``tune_config`` times)."""
     import dataclasses
-    from forge_core.kernels.fused import TileConfig, candidate_configs
-    usual = [TileConfig(64, 64, 64, 8, 4, 2), TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 128, 64, 8, 8, 4),
-             TileConfig(128, 128, 64, 8, 8, 4), TileConfig(64, 256, 64, 8, 8, 4), TileConfig(128, 64, 64, 8, 4, 4)]
-    configs = candidate_configs(dout, din, tokens, 2) if full else usual
-    configs = configs + [dataclasses.replace(c, prefetch=True) for c in usual[:4]]
+    from forge_core.kernels.fused import candidate_configs, supports
+    configs = [c for c in candidate_configs(dout, din, tokens, 2) if supports(c, state_dtype)]
+    configs = configs + [dataclasses.replace(c, prefetch=True) for c in configs]
     sweep_configs(out, dout, din, tokens, state_dtype, configs)
+
+
+SWEEP_SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "gate": (14336, 4096), "down": (4096, 14336),
+                "lm_head": (128256, 4096)}
 
 
 def main() -> int:
@@ -264,9 +285,9 @@ def main() -> int:
     parser.add_argument("--time-bts", nargs="*", type=int, default=[512, 8192])
     parser.add_argument("--time-states", nargs="*", default=["bf16", "int8", "fp32"])
     parser.add_argument("--time-budget", type=float, default=200.0)
-    parser.add_argument("--sweep", type=int, default=0,
-                        help="time tile configs for the first N of: q@512 bf16 (all candidates, before the "
-                             "correctness checks), q@512 int8, q@512 fp32, gate@8192 bf16")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="SHAPE:BT:STATES",
+                        help="check and time every tuning candidate, with and without prefetch, e.g. q:512:bf16 "
+                             f"(shapes {list(SWEEP_SHAPES)})")
     parser.add_argument("--quick-correctness", action="store_true", help="only the q/o and lm_head shapes")
     parser.add_argument("--bench", action="store_true", help="forge_bench.kernel_bench.main into --out")
     parser.add_argument("--bench-shapes", nargs="*")
@@ -277,14 +298,16 @@ def main() -> int:
     import triton
     emit(out, dict(kind="env", device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, autotune=os.environ.get("FORGE_AUTOTUNE", "1")))
-    sweep_cases = [(4096, 4096, 512, "bf16", True), (4096, 4096, 512, "int8", False),
-                   (4096, 4096, 512, "fp32", False), (14336, 4096, 8192, "bf16", False)][: args.sweep]
+    sweep_cases = []
+    for case in args.sweep:
+        name, tokens, state_dtype = case.split(":")
+        sweep_cases.append((*SWEEP_SHAPES[name], int(tokens), state_dtype))
     if sweep_cases or args.time:
         from forge_bench.floor import measure_copy_bandwidth
         BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
         emit(out, dict(kind="copy_bandwidth", gbps=BANDWIDTH[0] / 1e9))
-    if sweep_cases:
-        guarded(out, run_sweep, *sweep_cases[0])
+    for case in sweep_cases:
+        guarded(out, run_sweep, *case)
     if not args.skip_correctness:
         os.environ["FORGE_AUTOTUNE"] = "0"     # correctness with the default tile config: fewer compiles
         for rule_name in ("sgd", "lion"):
@@ -299,8 +322,6 @@ def main() -> int:
                         guarded(out, check_step, label, dout, din, tokens, dtype, "adamw", state_dtype)
         guarded(out, check_properties)
         os.environ["FORGE_AUTOTUNE"] = "1"
-    for case in sweep_cases[1:]:
-        guarded(out, run_sweep, *case)
     if args.time:
         run_timing(out, args.time_shapes, args.time_bts, args.time_states, args.time_budget)
     if args.bench:

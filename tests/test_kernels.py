@@ -108,11 +108,17 @@ def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
         _compare_step(x, dy, pair, rule_name, step)
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("shape,config", [
     ((70, 90, 100), TileConfig(32, 64, 32, 8, 4, 1, prefetch=True)),      # ragged, W/states loaded first
     ((64, 128, 64), TileConfig(32, 64, 32, 8, 4, 1)),                     # every tile full: no masks
     ((64, 128, 64), TileConfig(32, 64, 32, 8, 4, 1, prefetch=True)),
+    # prefetch with a column split: slab 0 before the main loop, each later slab one slab ahead
+    ((70, 200, 100), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2)),   # ragged
+    ((64, 256, 64), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2)),
+    ((70, 300, 100), TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)),   # ragged, four slabs
+    ((64, 256, 64), TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)),
+    ((70, 300, 100), TileConfig(32, 256, 32, 8, 4, 1, split_n=4)),
 ])
 def test_kernel_variants_match_reference(shape, config, state_dtype):
     dout, din, tokens = shape
@@ -123,6 +129,23 @@ def test_kernel_variants_match_reference(shape, config, state_dtype):
     _assert_storage_close(w_fused, w_ref, "weight")
     for name in s_ref.values:
         _assert_storage_close(s_fused.values[name], s_ref.values[name], name)
+
+
+@pytest.mark.parametrize("rule_name", ["sgd", "lion"])
+def test_prefetched_slabs_with_one_state(rule_name):
+    """One-state rules through the prefetching split epilogue (the second state slot stays empty)."""
+    x, dy = _inputs(70, 300, (100,), torch.bfloat16, seed=7)
+    pair = _pair(torch.randn(70, 300).bfloat16(), rule_name, "bf16")
+    (w_fused, s_fused), (w_ref, s_ref) = pair
+    config = TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)
+    for step in (1, 2):
+        fused_wgrad_update(x, dy, w_fused, s_fused, HP[rule_name], step, config=config)
+        reference_wgrad_update(x, dy, w_ref, s_ref, HP[rule_name], step)
+        _assert_storage_close(w_fused, w_ref, f"weight, step {step}")
+        for name in s_ref.values:
+            _assert_storage_close(s_fused.values[name], s_ref.values[name], name)
+        w_ref.copy_(w_fused)
+        _copy_state(s_ref, s_fused)
 
 
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
@@ -296,7 +319,8 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
         assert all(torch.equal(v, real_before[1][k]) for k, v in s_real.state_dict().items())
         config = launched[-1][0]
         timed.append(config)
-        return {32: 2.0, 64: 1.0}[config.block_m] - (0.5 if config.group == 32 else 0.0)
+        return ({32: 2.0, 64: 1.0}[config.block_m] - (0.5 if config.group == 32 else 0.0)
+                - (0.25 if config.prefetch and config.block_m == 64 else 0.0))
 
     monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: candidates)
     monkeypatch.setattr(fused_module, "_bench_ms", fake_bench)
@@ -306,17 +330,18 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     monkeypatch.setenv("FORGE_AUTOTUNE", "1")
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 1)
     reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 1)
-    assert [c.block_m for c in timed[:2]] == [32, 64] and [c.group for c in timed[2:4]] == [16, 32]
-    assert timed[4].prefetch and len(timed) == 5
+    # every candidate without, then with prefetch; then the other groups on the fastest (64, prefetch)
+    assert [(c.block_m, c.prefetch) for c in timed[:4]] == [(32, False), (64, False), (32, True), (64, True)]
+    assert [(c.group, c.prefetch) for c in timed[4:]] == [(16, True), (32, True)]
     real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
-    assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1)], "exactly one real launch, with the winner"
+    assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1, prefetch=True)], "one real launch, with the winner"
     assert list(fused_module.tuned_configs().values()) == real_launches
     _assert_storage_close(w_real, w_ref, "weight after tuned step")
     for name in s_ref.values:
         _assert_storage_close(s_real.values[name], s_ref.values[name], name)
     # a second call with the same key reuses the choice without timing again
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
-    assert len(timed) == 5
+    assert len(timed) == 6
 
 
 def test_tune_config_skips_configs_that_do_not_fit_the_device():

@@ -207,3 +207,17 @@ def test_stop_after_starts_no_new_cell_then_resume_finishes_the_same_run(plugin_
     assert done.returncode == 0, done.stderr[-2000:]
     after = results.load_results(out)
     assert len(after) == 4 and after.cell_id.is_unique and after.run_id.nunique() == 1
+
+
+def test_graph_cells_get_expandable_segments_unless_the_user_chose(monkeypatch):
+    from forge_bench.suite import Cell
+
+    def cell(graph: bool) -> Cell:
+        return Cell(cell_id="c", grid="g", model="llama-tiny", batch=1, seq=8, method="adamw_fused",
+                    dtype="bfloat16", device="cuda", timeout_s=60.0, cuda_graph=graph)
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert runner._child_env(cell(True))["PYTORCH_CUDA_ALLOC_CONF"] == runner.GRAPH_CELL_ALLOC_CONF
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runner._child_env(cell(False))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert runner._child_env(cell(True))["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

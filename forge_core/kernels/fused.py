@@ -176,6 +176,32 @@ def _column_halves(tile, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _load_slab(W, S0, S1, SCALE0, SCALE1, col0, rows, row_mask, N, stride_wm, stride_wn, stride_sm, stride_sn,
+               stride_scale_row, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr, EVEN_MN: tl.constexpr,
+               CN: tl.constexpr, QB: tl.constexpr):
+    """Issue the raw loads of one (BM, CN) column slab: W, the states and their int8 block scales.
+    Nothing waits for them until their first use, so issuing them early hides their latency."""
+    offs_n = col0 + tl.arange(0, CN)
+    mask = row_mask[:, None] & (offs_n < N)[None, :]
+    w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
+    s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
+    col_block0 = col0 // QB
+    n_blocks = tl.cdiv(N, QB)
+    w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
+    s0_raw = 0.0
+    s0_scales = 0.0
+    s1_raw = 0.0
+    s1_scales = 0.0
+    if NUM_STATES >= 1:
+        s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
+        s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row, STATE_KIND, CN, QB)
+    if NUM_STATES >= 2:
+        s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
+        s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row, STATE_KIND, CN, QB)
+    return w_raw, s0_raw, s0_scales, s1_raw, s1_scales
+
+
+@triton.jit
 def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
                     stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
                     c0, c1, c2, c3, c4, c5, c6, c7, seed,
@@ -185,7 +211,8 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
                     STOCHASTIC_ROUNDING: tl.constexpr, EVEN_MN: tl.constexpr, HW_BF16: tl.constexpr,
                     BM: tl.constexpr, CN: tl.constexpr, QB: tl.constexpr):
     """The optimizer on one (BM, CN) column slab of the tile starting at column ``col0``: W and
-    states in (unless ``LOADED``: the raw tiles were prefetched), the rule, W and states out."""
+    states in (unless ``LOADED``: the raw tiles were loaded earlier, see ``_load_slab``), the rule,
+    W and states out."""
     offs_n = col0 + tl.arange(0, CN)
     col_mask = offs_n < N
     mask = row_mask[:, None] & col_mask[None, :]
@@ -196,15 +223,9 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
     if HAS_GRAD_ACCUM:
         grad += tl.load(GRAD_ACCUM + rows[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
     if not LOADED:
-        w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
-        if NUM_STATES >= 1:
-            s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
-            s0_scales = _load_scales(SCALE0, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                                     STATE_KIND, CN, QB)
-        if NUM_STATES >= 2:
-            s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
-            s1_scales = _load_scales(SCALE1, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                                     STATE_KIND, CN, QB)
+        w_raw, s0_raw, s0_scales, s1_raw, s1_scales = _load_slab(
+            W, S0, S1, SCALE0, SCALE1, col0, rows, row_mask, N, stride_wm, stride_wn, stride_sm, stride_sn,
+            stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
     weight = w_raw.to(tl.float32)
     if NUM_STATES >= 1:
         s0 = _decode_state(s0_raw, s0_scales, STATE_KIND, S0_SQRT, BM, CN, QB)
@@ -273,26 +294,19 @@ def _fused_wgrad_update_kernel(
         rows = offs_m
     col0 = pid_n * BN
 
-    # Optionally issue the W / state loads first, so their latency hides behind the main loop
-    # (whole tile: only without a column split).
+    # With PREFETCH, issue the first epilogue slab's W / state loads now: their HBM latency then
+    # hides behind the main loop, which only reads X and dY (mostly from L2). Each later slab's loads
+    # are issued before the previous slab's update runs (one slab of lookahead).
+    CN: tl.constexpr = BN // SPLIT
+    w_raw = 0.0
+    s0_raw = 0.0
+    s0_scales = 0.0
+    s1_raw = 0.0
+    s1_scales = 0.0
     if PREFETCH:
-        mask = row_mask[:, None] & col_mask[None, :]
-        w_offsets = rows[:, None] * stride_wm + offs_n[None, :] * stride_wn
-        s_offsets = rows[:, None] * stride_sm + offs_n[None, :] * stride_sn
-        n_blocks = tl.cdiv(N, QB)
-        w_raw = _load_tile(W, w_offsets, mask, EVEN_MN)
-        s0_raw = 0.0
-        s0_scales = 0.0
-        s1_raw = 0.0
-        s1_scales = 0.0
-        if NUM_STATES >= 1:
-            s0_raw = _load_tile(S0, s_offsets, mask, EVEN_MN)
-            s0_scales = _load_scales(SCALE0, rows, row_mask, col0 // QB, n_blocks, stride_scale_row,
-                                     STATE_KIND, BN, QB)
-        if NUM_STATES >= 2:
-            s1_raw = _load_tile(S1, s_offsets, mask, EVEN_MN)
-            s1_scales = _load_scales(SCALE1, rows, row_mask, col0 // QB, n_blocks, stride_scale_row,
-                                     STATE_KIND, BN, QB)
+        w_raw, s0_raw, s0_scales, s1_raw, s1_scales = _load_slab(
+            W, S0, S1, SCALE0, SCALE1, col0, rows, row_mask, N, stride_wm, stride_wn, stride_sm, stride_sn,
+            stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
 
     # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
     dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
@@ -330,50 +344,53 @@ def _fused_wgrad_update_kernel(
         c7 = tl.load(SCALARS + 7)
 
     # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
-    # states are live in registers at a time, so large tiles need not spill.
-    CN: tl.constexpr = BN // SPLIT
-    if PREFETCH:
+    # states are live in registers at a time (two with PREFETCH), so large tiles need not spill.
+    if SPLIT == 1:
         _update_columns(acc, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
                         stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-                        c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales, True,
-                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
-                        EVEN_MN, HW_BF16, BM, BN, QB)
-    elif SPLIT == 1:
-        _update_columns(acc, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
-                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-                        c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
-                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
-                        EVEN_MN, HW_BF16, BM, CN, QB)
-    elif SPLIT == 2:
-        left, right = _column_halves(acc, BM, BN)
-        _update_columns(left, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
-                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-                        c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
-                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
-                        EVEN_MN, HW_BF16, BM, CN, QB)
-        _update_columns(right, col0 + CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
-                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-                        c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales, PREFETCH,
                         EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
                         EVEN_MN, HW_BF16, BM, CN, QB)
     else:
-        tl.static_assert(SPLIT == 4, "SPLIT must be 1, 2 or 4")
+        tl.static_assert(SPLIT == 2 or SPLIT == 4, "SPLIT must be 1, 2 or 4")
         left, right = _column_halves(acc, BM, BN)
-        for half in tl.static_range(2):
-            if half == 0:
-                quarter_a, quarter_b = _column_halves(left, BM, BN // 2)
+        if SPLIT == 2:
+            slab_0 = left
+            slab_1 = right
+            slab_2 = left             # unused: only SPLIT == 4 has a third and fourth slab
+            slab_3 = right
+        else:
+            slab_0, slab_1 = _column_halves(left, BM, BN // 2)
+            slab_2, slab_3 = _column_halves(right, BM, BN // 2)
+        for i in tl.static_range(SPLIT):
+            # the next slab's loads go out before this slab's update (PREFETCH only)
+            nw_raw = 0.0
+            ns0_raw = 0.0
+            ns0_scales = 0.0
+            ns1_raw = 0.0
+            ns1_scales = 0.0
+            if PREFETCH and i + 1 < SPLIT:
+                nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
+                    W, S0, S1, SCALE0, SCALE1, col0 + (i + 1) * CN, rows, row_mask, N, stride_wm, stride_wn,
+                    stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
+            if i == 0:
+                grad = slab_0
+            elif i == 1:
+                grad = slab_1
+            elif i == 2:
+                grad = slab_2
             else:
-                quarter_a, quarter_b = _column_halves(right, BM, BN // 2)
-            _update_columns(quarter_a, col0 + (2 * half) * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1,
-                            GRAD_ACCUM, M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row,
-                            stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0,
-                            False, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
+                grad = slab_3
+            _update_columns(grad, col0 + i * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
+                            M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                            c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
+                            PREFETCH, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
                             STOCHASTIC_ROUNDING, EVEN_MN, HW_BF16, BM, CN, QB)
-            _update_columns(quarter_b, col0 + (2 * half + 1) * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0,
-                            SCALE1, GRAD_ACCUM, M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row,
-                            stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0,
-                            False, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
-                            STOCHASTIC_ROUNDING, EVEN_MN, HW_BF16, BM, CN, QB)
+            w_raw = nw_raw
+            s0_raw = ns0_raw
+            s0_scales = ns0_scales
+            s1_raw = ns1_raw
+            s1_scales = ns1_scales
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,7 +406,8 @@ class TileConfig:
     num_warps: int
     num_stages: int
     prefetch: bool = False
-    """Load the W / state tiles before the main loop (hides their latency; costs registers)."""
+    """Issue the first epilogue slab's W / state loads before the main loop, and each later slab's
+    before the previous slab's update (hides HBM latency behind the GEMM; costs registers)."""
     split_n: int = 1
     """Run the epilogue on ``split_n`` column slabs of the tile one after the other (1, 2 or 4), so
     only one slab's W and states are live at once: large tiles then keep their epilogue in registers."""
@@ -509,10 +527,9 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
                 time_ms: Callable[[Callable[[], None]], float],
                 groups: Iterable[int] = GROUPS, prefetch_options: Iterable[bool] = (False, True),
                 ) -> tuple[TileConfig, dict[TileConfig, float]]:
-    """Time each candidate with ``run_on_scratch`` (which must only touch scratch copies), then
-    the other GROUP values on the fastest, then the fastest with and without prefetch; return the
-    winner and every timing. A candidate that fails to compile or launch (out of resources) is
-    skipped."""
+    """Time each candidate with ``run_on_scratch`` (which must only touch scratch copies), with and
+    without prefetch, then the other GROUP values on the fastest; return the winner and every timing.
+    A candidate that fails to compile or launch (out of resources) is skipped."""
     timings: dict[TileConfig, float] = {}
 
     def measure(config: TileConfig) -> None:
@@ -523,19 +540,22 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
                     and "CompilationError" not in type(error).__name__:
                 raise
 
+    candidates = list(candidates)
     for config in candidates:
         measure(config)
     if not timings:
         raise RuntimeError("fused_wgrad_update: no tile configuration could run on this device")
+    # Prefetch changes the ranking (it costs registers, so occupancy), so every candidate is timed
+    # both ways, then the other GROUP values on the fastest.
+    for config in candidates:
+        for prefetch in prefetch_options:
+            variant = dataclasses.replace(config, prefetch=prefetch)
+            if variant not in timings:
+                measure(variant)
     best = min(timings, key=timings.get)
     for group in groups:
         variant = dataclasses.replace(best, group=group)
         if variant not in timings:
-            measure(variant)
-    best = min(timings, key=timings.get)
-    for prefetch in prefetch_options:
-        variant = dataclasses.replace(best, prefetch=prefetch)
-        if variant not in timings and (not prefetch or best.split_n == 1):
             measure(variant)
     best = min(timings, key=timings.get)
     return best, timings
@@ -625,8 +645,6 @@ def check_config(config: TileConfig, state_dtype: str) -> None:
         raise ValueError(f"block_n must be a multiple of {QBLOCK}, got {config.block_n}")
     if config.split_n not in (1, 2, 4) or config.block_n % config.split_n:
         raise ValueError(f"split_n must be 1, 2 or 4 and divide block_n, got {config.split_n} for {config.block_n}")
-    if config.prefetch and config.split_n != 1:
-        raise ValueError("prefetch loads the whole tile before the main loop; it needs split_n == 1")
     if state_dtype == "int8" and config.epilogue_columns() % QBLOCK:
         raise ValueError(f"int8 states need epilogue slabs of whole {QBLOCK}-wide blocks; block_n / split_n = "
                          f"{config.epilogue_columns()}")
