@@ -86,7 +86,8 @@ def _baseline(src: Path, dst: Path, factor: float) -> None:
 def test_smoke_suite_end_to_end_then_resume_check_and_report(tmp_path):
     """What `make demo` runs: the packaged smoke suite, then the report; plus --resume and --check."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FORGE_BENCH_PLUGINS")}
-    env["PYTHONPATH"] = str(REPO)
+    # prepend, never replace: where packages live on PYTHONPATH (the GPU machine's carried wheels) they must stay
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     out = tmp_path / "smoke"
     res = _run(["sweep", "--out", str(out)], env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -50,7 +50,9 @@ methods: [no_optimizer, sgd, adamw_foreach, test_forge_like]
 def plugin_env(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(TESTS)]))
+    # prepend, never replace: packages installed on PYTHONPATH (the GPU machine's carried wheels) must stay importable
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(TESTS), *inherited]))
     monkeypatch.setenv("FORGE_BENCH_TEST_OOM_FLAG", str(tmp_path / "oom-once.flag"))
     return tmp_path
 
