@@ -409,6 +409,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     extra: dict[str, Any] = {}
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         extra["cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    machine_boot = telemetry.boot_id()
+    if machine_boot is not None:
+        extra["boot_id"] = machine_boot   # the report's time ratios need one host (ratios.py)
     device = suite.spec.device
 
     reason = None

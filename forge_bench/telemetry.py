@@ -97,6 +97,24 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id(path: Path = BOOT_ID_FILE) -> str | None:
+    """The kernel's id of this machine boot (Linux), or None.
+
+    Rented GPUs come as fresh virtual machines whose host speed differs between leases (the
+    eager Llama-8B step has moved by up to 64% between two leases of one H100 model), while every
+    other identity column (device, versions, hostname) stays the same. Rows with different boot
+    ids therefore do not share a host; the report refuses eager time ratios between them.
+    """
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
 def _nvml_device_name(index: int) -> str | None:
     try:
         import pynvml

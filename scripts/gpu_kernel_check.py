@@ -219,6 +219,7 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
     reference_state = ParamState(reference_w, rule, state_dtype)
     reference_state.load_state_dict(start_state)
     reference_wgrad_update(x, dy, reference_w, reference_state, HP["adamw"], 3)
+    first_result: dict[str, torch.Tensor] | None = None   # every config must give these same bits
     for config in configs:
         record = dict(kind="sweep", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, config=str(config))
         try:
@@ -242,10 +243,20 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
             record.update(compare("weight", trial_w, reference_w, w))
             for name in ("exp_avg", "exp_avg_sq"):
                 record.update(compare(name, trial_state.values[name], reference_state.values[name]))
-            # one bf16 step (the fp32 sum order of G differs), one int8 code
-            record["ok"] = bool(record.get("weight_max_diff_over_ulp", 0.0) <= 1.01
+            # Against the reference, only the fp32 sum order of G differs (cuBLAS vs our tiles): no
+            # weight may move by more than 5% of the largest update, the moments stay within 1e-3
+            # relative L2 and int8 codes within one code. A per-element ulp bound cannot work: a
+            # weight that crosses zero has a bf16 ulp far below the update's own rounding.
+            record["ok"] = bool(record["weight_max_diff_over_max_update"] <= 0.05
+                                and all(record[f"{n}_rel_l2"] <= 1e-3 for n in ("exp_avg", "exp_avg_sq"))
                                 and all(record.get(f"{n}_max_code_diff", 0) <= 1 for n in ("exp_avg", "exp_avg_sq")))
-            del trial_w, trial_state
+            # Split and prefetch change only when loads are issued: with one tile shape the bits must
+            # not move. Recorded for every config against the first (other tile shapes may differ).
+            result = {"weight": trial_w, **{n: trial_state.values[n] for n in ("exp_avg", "exp_avg_sq")}}
+            if first_result is None:
+                first_result = {k: v.clone() for k, v in result.items()}
+            record["bitwise_equal_to_first"] = all(torch.equal(result[k], first_result[k]) for k in result)
+            del trial_w, trial_state, result
             for attr in ("n_regs", "n_spills"):
                 record[attr] = getattr(handle, attr, None)
             record["shared"] = getattr(getattr(handle, "metadata", None), "shared", None)

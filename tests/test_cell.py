@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from forge_bench import cell as cell_mod
+from forge_bench import telemetry, cell as cell_mod
 from forge_bench import methods, results
 from forge_bench.methods import METHODS
 from forge_bench.suite import load_suite
@@ -56,6 +56,8 @@ def test_ok_row_is_complete(suite, tmp_path):
     assert row.n_params == 426624 and row.torch_version and row.source_hash and row.device_name
     assert json.loads(row.method_settings)["foreach"] is True
     assert row.warmup_steps == 1 and row.attempts == 1
+    # the machine boot travels with the row, so the report can refuse time ratios across hosts
+    assert json.loads(row.extra or "{}").get("boot_id") == telemetry.boot_id()
 
 
 def test_no_gate_for_arms_without_a_reference(suite, tmp_path):

@@ -9,6 +9,7 @@ files with pyarrow, independently of the report's own pandas path.
 from __future__ import annotations
 
 import copy
+import json
 import csv
 import math
 import os
@@ -147,9 +148,12 @@ def test_headline_values_equal_hand_computation(built):
             elif bases and bases[0] is row:
                 assert line["Speed-up"] == "baseline" and line["Δ peak"] == "baseline"
             elif bases and row["status"] == "ok":
-                expected = bases[0]["step_ms_median"] / row["step_ms_median"]
-                assert line["Speed-up"].endswith("×") and _close_to_printed(line["Speed-up"], expected)
-                checked_ratios += 1
+                if ratios.time_incomparable_reason(row, bases[0]) is not None:   # clocks or host apart
+                    assert line["Speed-up"] == ratios.DIFFERENT_RUN
+                else:
+                    expected = bases[0]["step_ms_median"] / row["step_ms_median"]
+                    assert line["Speed-up"].endswith("×") and _close_to_printed(line["Speed-up"], expected)
+                    checked_ratios += 1
                 if peak is not None and bases[0]["peak_allocated_gib"] is not None:
                     change = (peak - bases[0]["peak_allocated_gib"]) / bases[0]["peak_allocated_gib"] * 100
                     assert _close_to_printed(line["Δ peak"], change)
@@ -355,6 +359,21 @@ def test_clock_tolerance():
     assert ratios.speedup(cand, base).text == ratios.DIFFERENT_RUN
     cand["sm_clock_mhz_after"] = None
     assert ratios.speedup(cand, base).text == ratios.DIFFERENT_RUN
+
+
+def test_time_ratio_needs_one_machine_boot_but_memory_does_not():
+    cand, base = _real_pair()
+    extra = ratios.json_field(base.get("extra"))
+    base["extra"] = json.dumps({**extra, "boot_id": "1111-lease-a"})
+    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "boot_id": "1111-lease-a"})
+    assert ratios.speedup(cand, base).is_number
+    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "boot_id": "2222-lease-b"})
+    refused = ratios.speedup(cand, base)
+    assert refused.text == ratios.DIFFERENT_RUN and "different machine boots" in refused.refusal
+    cand["peak_allocated_gib"], base["peak_allocated_gib"] = 30.0, 40.0   # CPU smoke rows record no peak
+    assert ratios.peak_change(cand, base).value == pytest.approx(-0.25)   # memory does not depend on the host
+    cand["extra"] = None                                   # unrecorded on one side: no evidence
+    assert ratios.speedup(cand, base).is_number
 
 
 def test_noise_flag():

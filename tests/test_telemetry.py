@@ -25,3 +25,10 @@ def test_without_the_variable_git_head_is_used(monkeypatch):
 def test_source_hash_is_stable_hex():
     value = telemetry.source_hash()
     assert len(value) == 16 and int(value, 16) >= 0 and value == telemetry.source_hash()
+
+
+def test_boot_id_reads_the_kernel_file_and_tolerates_its_absence(tmp_path):
+    boot_file = tmp_path / "boot_id"
+    boot_file.write_text("6f1c0d1e-aaaa-bbbb-cccc-0123456789ab\n")
+    assert telemetry.boot_id(boot_file) == "6f1c0d1e-aaaa-bbbb-cccc-0123456789ab"
+    assert telemetry.boot_id(tmp_path / "missing") is None

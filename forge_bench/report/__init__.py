@@ -171,8 +171,10 @@ def _header(frame: pd.DataFrame, results_dir: Path) -> list[str]:
                      f"{len(group)} ({int((group['status'] == 'ok').sum())}) | {clock_text} |")
     lines += ["", "## The rule for ratios", "",
               "A speed-up or memory change is computed only between rows of the same sweep run "
-              "(`run_id`) on the same device with the same torch, triton and CUDA versions and SM "
-              f"clocks (after the timed window) within {ratios.CLOCK_TOLERANCE:.0%} of each other; "
+              "(`run_id`) on the same device with the same torch, triton and CUDA versions; a "
+              f"speed-up also needs SM clocks (after the timed window) within {ratios.CLOCK_TOLERANCE:.0%} "
+              "of each other and, where both rows recorded one, the same machine boot (a sweep "
+              "resumed on a new lease keeps its run id, but not its host's speed); "
               f"anything else reads “{ratios.DIFFERENT_RUN}”. The baseline is torch fused AdamW "
               "(`adamw_fused`), or `adamw_foreach` where the fused arm did not run (the caption says "
               f"so). {ratios.NOISE_FOOTNOTE}", ""]

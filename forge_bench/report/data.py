@@ -13,7 +13,7 @@ import pandas as pd
 
 from forge_bench.results import ResultsError, iter_result_files, load_results
 
-from .ratios import as_number, as_text, comparable
+from .ratios import as_number, as_text, comparable, incomparable_reason
 
 # Baseline of every ratio: torch's fused AdamW; where it did not run (CPU: it needs CUDA), the
 # foreach AdamW, and the caption says so.
@@ -131,6 +131,10 @@ def find_baseline_row(candidate: Mapping[str, Any], rows: list[Mapping[str, Any]
             return row
     for row in same_method:
         if comparable(candidate, row):
+            return row
+    # Same run but clocks or host apart: its memory ratio still holds, its time ratio is refused.
+    for row in ok:
+        if incomparable_reason(candidate, row) is None:
             return row
     if ok:
         return ok[0]

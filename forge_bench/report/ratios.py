@@ -2,9 +2,13 @@
 
 A speed-up or a memory saving is a number only when both rows were measured in the same sweep
 run on the same machine state: same ``run_id``, same ``device_name``, same torch / triton /
-CUDA versions, and SM clocks (``sm_clock_mhz_after``) within ``CLOCK_TOLERANCE`` of each other.
+CUDA versions; a time ratio also needs SM clocks (``sm_clock_mhz_after``) within
+``CLOCK_TOLERANCE`` of each other.
 Anything else is printed as ``DIFFERENT_RUN`` instead of a number, because a ratio of two times
 taken under different software, silicon or clocks measures those differences, not the method.
+Time ratios (not memory ones) also need one machine boot where both rows recorded one
+(``extra.boot_id``): a sweep resumed on a freshly leased machine keeps its run id, but an
+eager step is bound by the host's launch speed, which changes from one lease to the next.
 
 A time ratio whose difference lies inside the measured noise of the two cells is still printed,
 but flagged (``within_noise``, rendered with a leading ``~``) so that it is not read as a clean
@@ -13,6 +17,7 @@ range, or half of the range of its per-run medians, whichever is larger.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -59,6 +64,10 @@ def incomparable_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> s
         value_a, value_b = as_text(row_a.get(column)), as_text(row_b.get(column))
         if value_a != value_b:
             return f"{column} differs ({value_a} vs {value_b})"
+    return None
+
+
+def _clock_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> str | None:
     clock_a = as_number(row_a.get("sm_clock_mhz_after"))
     clock_b = as_number(row_b.get("sm_clock_mhz_after"))
     if (clock_a is None) != (clock_b is None):
@@ -71,8 +80,37 @@ def incomparable_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> s
     return None
 
 
+def time_incomparable_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> str | None:
+    """Why two step times may not be divided although the rows share a run, or None.
+
+    Clocks and the host only move time: a memory ratio stays valid across them."""
+    return _clock_reason(row_a, row_b) or different_host_reason(row_a, row_b)
+
+
+def json_field(value: Any) -> dict[str, Any]:
+    """A JSON-object column (``extra``, ``method_settings``) as a dict; {} when absent or bad."""
+    text = as_text(value)
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def different_host_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> str | None:
+    """Why two step times come from different machine boots, or None (same boot, or unrecorded)."""
+    boot_a = json_field(row_a.get("extra")).get("boot_id")
+    boot_b = json_field(row_b.get("extra")).get("boot_id")
+    if boot_a and boot_b and boot_a != boot_b:
+        return f"measured on different machine boots ({str(boot_a)[:8]} vs {str(boot_b)[:8]}): host speed differs"
+    return None
+
+
 def comparable(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> bool:
-    return incomparable_reason(row_a, row_b) is None
+    """Whether both a time and a memory ratio between the two rows are allowed."""
+    return incomparable_reason(row_a, row_b) is None and time_incomparable_reason(row_a, row_b) is None
 
 
 def noise_halfwidth_ms(row: Mapping[str, Any]) -> float:
@@ -126,6 +164,9 @@ def speedup(candidate: Mapping[str, Any], baseline: Mapping[str, Any] | None) ->
     refused = _refuse_or_none(candidate, baseline)
     if refused is not None:
         return refused
+    time_reason = time_incomparable_reason(candidate, baseline)
+    if time_reason is not None:
+        return Ratio(None, DIFFERENT_RUN, refusal=time_reason)
     cand_ms = as_number(candidate.get("step_ms_median"))
     base_ms = as_number(baseline.get("step_ms_median"))
     if cand_ms is None or base_ms is None or cand_ms <= 0:

@@ -7,7 +7,6 @@ baseline choice from ``data.py``.
 from __future__ import annotations
 
 import csv
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +159,8 @@ class _Notes:
             self.add(NOISE_FOOTNOTE)
         if ratio.text == DIFFERENT_RUN:
             self.add(f"{DIFFERENT_RUN} for {who}: {ratio.refusal}; a ratio is computed only within "
-                     f"one sweep run on one device (same versions, SM clocks within "
-                     f"{ratios.CLOCK_TOLERANCE:.0%}).")
+                     f"one sweep run on one device (same versions; for times also SM clocks within "
+                     f"{ratios.CLOCK_TOLERANCE:.0%} and one machine boot).")
 
 
 def _sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -413,17 +412,6 @@ FLOOR_METHOD = "no_optimizer"
 FLOOR_BASELINE = "adamw_fused"
 
 
-def _json_field(value: Any) -> dict[str, Any]:
-    text = as_text(value)
-    if not text:
-        return {}
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
-
-
 def floor_tables(frame: pd.DataFrame) -> list[Table]:
     """Each FORGE arm against its floor, from the no_optimizer row of the same run and shape:
     floor = no_optimizer step - wgrad + max(wgrad, state bytes / copy bandwidth)
@@ -435,7 +423,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
         key_map = dict(zip(FLOOR_KEYS, keys))
         rows = records(group[group["status"] == "ok"])
         floor_rows = [r for r in rows if r["method"] == FLOOR_METHOD]
-        terms = _json_field(floor_rows[0].get("extra")).get("floor_terms") if floor_rows else None
+        terms = ratios.json_field(floor_rows[0].get("extra")).get("floor_terms") if floor_rows else None
         forge_rows = [r for r in _sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
         if not terms or not forge_rows:
             continue
@@ -444,7 +432,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
         fused_ms = as_number(fused[0].get("step_ms_median")) if fused else None
         body, recs = [], []
         for row in forge_rows:
-            state_dtype = _json_field(row.get("method_settings")).get("state_dtype")
+            state_dtype = ratios.json_field(row.get("method_settings")).get("state_dtype")
             if state_dtype not in terms.get("traffic_ms", {}):
                 continue
             floor = floor_ms(no_opt_ms, terms, state_dtype)
