@@ -399,6 +399,12 @@ def _finish(row: dict[str, Any], t_start: float, extra: dict[str, Any]) -> dict[
     return row
 
 
+def _tuned_kernel_configs() -> dict[str, str]:
+    """The fused kernel's tile per weight shape in this cell process ({} when no FORGE kernel ran)."""
+    fused = sys.modules.get("forge_core.kernels.fused")   # never import Triton for a torch arm
+    return fused.describe_tuned_configs() if fused is not None else {}
+
+
 def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
     """Measure ``cell`` and write its row; returns the process exit code (0, or EXIT_OOM_RETRY)."""
     t_start = time.time()
@@ -482,6 +488,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         extra["host_return_ms_median"] = statistics.median(timing.host_ms)
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
+    kernel_configs = _tuned_kernel_configs()
+    if kernel_configs:
+        extra["kernel_configs"] = kernel_configs
     results.write_row(out_dir, _finish(row, t_start, extra))
     return 0
 

@@ -110,7 +110,10 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("started_at", _S, "UTC ISO time the cell started"),
     ("finished_at", _S, "UTC ISO time the row was written"),
     ("wall_s", _F, "seconds the cell took, process start to row"),
-    ("extra", _S, "JSON of anything else the arm measured (e.g. the kernel benchmark's fields)"),
+    ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
+                  "kernel_configs (the fused kernel's tile per weight shape), cuda_alloc_conf, memory_breakdown_bytes, "
+                  "host_return_ms_median, floor_terms, parity_rms_rel_global / parity_worst_param, "
+                  "or a kernel benchmark's fields"),
 ]
 
 SCHEMA = pa.schema([pa.field(name, typ) for name, typ, _ in COLUMNS])

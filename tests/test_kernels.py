@@ -424,3 +424,11 @@ def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
     assert launches[1] is cached[0] and cached[1] is cached[0], "the same layout must reuse its plan"
     assert cached[2] is not cached[1] and launches[2] is not cached[1], "a new token count needs a new plan"
     assert cached[3] is not cached[2] and launches[3] is not cached[2], "a replaced state tensor needs a new plan"
+
+
+def test_tuned_configs_are_described_per_weight_shape(monkeypatch):
+    """A benchmark row names the tile that ran each shape, so two timings can be told apart."""
+    key = ((4096, 1024), 512, torch.bfloat16, torch.bfloat16, "adamw", "int8", False, False, False, "cuda:0")
+    config = fused_module.TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
+    monkeypatch.setattr(fused_module, "_TUNED", {key: config})
+    assert fused_module.describe_tuned_configs() == {"4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch"}

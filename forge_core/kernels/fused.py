@@ -689,6 +689,20 @@ def tuned_configs() -> dict[tuple, TileConfig]:
     return dict(_TUNED)
 
 
+def describe_tuned_configs() -> dict[str, str]:
+    """The tuner's choices as short text, for a benchmark row: which tile ran each weight shape.
+
+    Two timings of one model are only comparable when one knows whether the same kernels ran."""
+    described = {}
+    for key, config in _TUNED.items():
+        (m, n), tokens, _, _, rule_name, state_dtype = key[:6]
+        described[f"{m}x{n}/bt{tokens}/{rule_name}/{state_dtype}"] = (
+            f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} "
+            f"g{config.group} split{config.split_n}{' prefetch' if config.prefetch else ''}"
+            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}")
+    return described
+
+
 def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state: ParamState,
                        hp: Mapping[str, Any], step: int, *, grad_accum: torch.Tensor | None = None,
                        stochastic_rounding: bool = False, seed: int = 0, config: TileConfig | None = None,
