@@ -219,7 +219,7 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
     reference_state = ParamState(reference_w, rule, state_dtype)
     reference_state.load_state_dict(start_state)
     reference_wgrad_update(x, dy, reference_w, reference_state, HP["adamw"], 3)
-    first_result: dict[str, torch.Tensor] | None = None   # every config must give these same bits
+    first_result: dict[str, torch.Tensor] | None = None   # the first config's output, for bitwise_equal_to_first
     for config in configs:
         record = dict(kind="sweep", dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, config=str(config))
         try:
