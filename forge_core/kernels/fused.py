@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..rules.base import KERNEL_SCALARS, check_scalar_count
 from ..state import QBLOCK, ParamState
@@ -79,15 +80,27 @@ def _load_scales(scales_ptr, rows, row_mask, col_block0, n_blocks, stride_scale_
 
 
 @triton.jit
-def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  QB: tl.constexpr):
+def _int8_to_float(codes, HW_MATH: tl.constexpr):
+    """int8 codes as exact fp32 integers. On the GPU without a conversion instruction (I2F runs at a
+    quarter of the FP32 rate, and the int8 epilogue needs one per state element): the code plus
+    2^23 + 128 is an fp32 bit pattern whose value is exactly that integer; subtracting it back is exact."""
+    if HW_MATH:
+        biased = (codes.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True)
+        return biased - 8388736.0
+    else:
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """A raw state tile as fp32: fp32 / bf16 as is, int8 codes times their block scale."""
     if KIND == 2:
         if BN == QB:        # one block per row: a broadcast, no reshape
-            value = raw.to(tl.float32) * scales[:, None]
+            value = _int8_to_float(raw, HW_MATH) * scales[:, None]
         else:
             NB: tl.constexpr = BN // QB
-            value = tl.reshape(tl.reshape(raw.to(tl.float32), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
+            value = tl.reshape(tl.reshape(_int8_to_float(raw, HW_MATH), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
         if SQRT_DOMAIN:
             value = value * value
     else:
@@ -96,11 +109,11 @@ def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, BM
 
 
 @triton.jit
-def _to_bf16_nearest_even(value, HW_BF16: tl.constexpr):
+def _to_bf16_nearest_even(value, HW_MATH: tl.constexpr):
     """fp32 -> bf16, round to nearest even. On the GPU the hardware conversion (cvt.rn) does it;
     the interpreter's own cast truncates, so there it is done on the bit pattern (inf / NaN pass
     through unchanged). Both give the same bf16 for every finite value and for inf."""
-    if HW_BF16:
+    if HW_MATH:
         return value.to(tl.bfloat16)
     else:
         bits = value.to(tl.uint32, bitcast=True)
@@ -111,10 +124,10 @@ def _to_bf16_nearest_even(value, HW_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(ptr, value, mask, EVEN: tl.constexpr, HW_BF16: tl.constexpr):
+def _store_tile(ptr, value, mask, EVEN: tl.constexpr, HW_MATH: tl.constexpr):
     """Store an fp32 tile into fp32 / bf16 / int8 memory (bf16: round to nearest even)."""
     if ptr.dtype.element_ty == tl.bfloat16:
-        value = _to_bf16_nearest_even(value, HW_BF16)
+        value = _to_bf16_nearest_even(value, HW_MATH)
     else:
         value = value.to(ptr.dtype.element_ty)
     if EVEN:
@@ -124,33 +137,46 @@ def _store_tile(ptr, value, mask, EVEN: tl.constexpr, HW_BF16: tl.constexpr):
 
 
 @triton.jit
-def _int8_codes(magnitude_in, negative, scale, SQRT_DOMAIN: tl.constexpr):
-    """Codes of one block (or a tile of blocks, ``scale`` broadcast to it): see state.py."""
+def _int8_codes(magnitude_in, negative, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+    """Codes of one block (or a tile of blocks, ``scale`` broadcast to it): see state.py.
+
+    On the GPU the floor and the conversion to an integer are one fp32 add rounded toward zero:
+    for 0 <= t < 2^23, t + 2^23 rounded toward zero is 2^23 + floor(t), whose bit pattern minus
+    that of 2^23 is floor(t). Same codes as floor + convert (FRND and F2I run at a quarter of the
+    FP32 rate; the int8 epilogue needed two per state element)."""
     has_scale = scale > 0.0
     inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
-    magnitude = tl.floor(magnitude_in * inverse + 0.5)
-    magnitude = tl.minimum(magnitude, 127.0)
-    magnitude = tl.where(has_scale, magnitude, 0.0)
-    if SQRT_DOMAIN:
-        magnitude = tl.where(has_scale, tl.maximum(magnitude, 1.0), magnitude)
-    return tl.where(negative, -magnitude, magnitude)
+    if HW_MATH:
+        rounded = libdevice.add_rz(tl.minimum(magnitude_in * inverse + 0.5, 127.0), 8388608.0)
+        magnitude = rounded.to(tl.int32, bitcast=True) - 0x4B000000
+        magnitude = tl.where(has_scale, magnitude, 0)
+        if SQRT_DOMAIN:
+            magnitude = tl.where(has_scale, tl.maximum(magnitude, 1), magnitude)
+        return tl.where(negative, -magnitude, magnitude)
+    else:
+        magnitude = tl.floor(magnitude_in * inverse + 0.5)
+        magnitude = tl.minimum(magnitude, 127.0)
+        magnitude = tl.where(has_scale, magnitude, 0.0)
+        if SQRT_DOMAIN:
+            magnitude = tl.where(has_scale, tl.maximum(magnitude, 1.0), magnitude)
+        return tl.where(negative, -magnitude, magnitude)
 
 
 @triton.jit
 def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, col_block0, n_blocks,
                  stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, EVEN: tl.constexpr,
-                 HW_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
+                 HW_MATH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 (see state.py)."""
     if KIND == 2:
         if not EVEN:
             value = tl.where(mask, value, 0.0)
         if SQRT_DOMAIN:
-            value = tl.sqrt(tl.maximum(value, 0.0))
+            value = tl.sqrt(value)        # sqrt-domain states are nonnegative (the rule's contract)
         if BN == QB:        # one block per row: a plain row max, no reshape
             magnitude_in = tl.abs(value)
             scale = tl.math.div_rn(tl.max(magnitude_in, axis=1), 127.0)
-            codes = _int8_codes(magnitude_in, value < 0.0, scale[:, None], SQRT_DOMAIN)
-            _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_BF16)
+            codes = _int8_codes(magnitude_in, value < 0.0, scale[:, None], SQRT_DOMAIN, HW_MATH)
+            _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
             tl.store(scales_ptr + rows * stride_scale_row + col_block0, scale, mask=row_mask & block_ok)
         else:
@@ -158,14 +184,14 @@ def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, c
             blocks = tl.reshape(value, (BM, NB, QB))
             magnitude_in = tl.abs(blocks)
             scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
-            codes = _int8_codes(magnitude_in, blocks < 0.0, scale[:, :, None], SQRT_DOMAIN)
+            codes = _int8_codes(magnitude_in, blocks < 0.0, scale[:, :, None], SQRT_DOMAIN, HW_MATH)
             codes = tl.reshape(codes, (BM, BN))
-            _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_BF16)
+            _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_cols = col_block0 + tl.arange(0, NB)
             scale_mask = row_mask[:, None] & (block_cols[None, :] < n_blocks)
             tl.store(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], scale, mask=scale_mask)
     else:
-        _store_tile(values_ptr + offsets, value, mask, EVEN, HW_BF16)
+        _store_tile(values_ptr + offsets, value, mask, EVEN, HW_MATH)
 
 
 @triton.jit
@@ -208,7 +234,7 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
                     w_raw, s0_raw, s0_scales, s1_raw, s1_scales, LOADED: tl.constexpr,
                     EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
                     S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
-                    STOCHASTIC_ROUNDING: tl.constexpr, EVEN_MN: tl.constexpr, HW_BF16: tl.constexpr,
+                    STOCHASTIC_ROUNDING: tl.constexpr, EVEN_MN: tl.constexpr, HW_MATH: tl.constexpr,
                     BM: tl.constexpr, CN: tl.constexpr, QB: tl.constexpr):
     """The optimizer on one (BM, CN) column slab of the tile starting at column ``col0``: W and
     states in (unless ``LOADED``: the raw tiles were loaded earlier, see ``_load_slab``), the rule,
@@ -228,11 +254,11 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
             stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
     weight = w_raw.to(tl.float32)
     if NUM_STATES >= 1:
-        s0 = _decode_state(s0_raw, s0_scales, STATE_KIND, S0_SQRT, BM, CN, QB)
+        s0 = _decode_state(s0_raw, s0_scales, STATE_KIND, S0_SQRT, HW_MATH, BM, CN, QB)
     else:
         s0 = tl.zeros((BM, CN), dtype=tl.float32)
     if NUM_STATES >= 2:
-        s1 = _decode_state(s1_raw, s1_scales, STATE_KIND, S1_SQRT, BM, CN, QB)
+        s1 = _decode_state(s1_raw, s1_scales, STATE_KIND, S1_SQRT, HW_MATH, BM, CN, QB)
     else:
         s1 = tl.zeros((BM, CN), dtype=tl.float32)
 
@@ -240,10 +266,10 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
 
     if NUM_STATES >= 1:
         _store_state(S0, SCALE0, s0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                     STATE_KIND, S0_SQRT, EVEN_MN, HW_BF16, BM, CN, QB)
+                     STATE_KIND, S0_SQRT, EVEN_MN, HW_MATH, BM, CN, QB)
     if NUM_STATES >= 2:
         _store_state(S1, SCALE1, s1, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
-                     STATE_KIND, S1_SQRT, EVEN_MN, HW_BF16, BM, CN, QB)
+                     STATE_KIND, S1_SQRT, EVEN_MN, HW_MATH, BM, CN, QB)
     if STOCHASTIC_ROUNDING:
         # Add 16 random low bits to the fp32 pattern, then truncate to bf16: unbiased rounding.
         linear = (rows[:, None] * N + offs_n[None, :]).to(tl.uint32)
@@ -253,7 +279,7 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
         rounded = tl.where(finite, (bits + noise) & 0xFFFF0000, bits)
         tl.store(W + w_offsets, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
     else:
-        _store_tile(W + w_offsets, weight, mask, EVEN_MN, HW_BF16)
+        _store_tile(W + w_offsets, weight, mask, EVEN_MN, HW_MATH)
 
 
 @triton.jit
@@ -268,7 +294,7 @@ def _fused_wgrad_update_kernel(
         STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
         SCALARS_IN_MEMORY: tl.constexpr,
         EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
-        HW_BF16: tl.constexpr, SPLIT: tl.constexpr,
+        HW_MATH: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
     # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
     pid = tl.program_id(0)
@@ -350,7 +376,7 @@ def _fused_wgrad_update_kernel(
                         stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
                         c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales, PREFETCH,
                         EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
-                        EVEN_MN, HW_BF16, BM, CN, QB)
+                        EVEN_MN, HW_MATH, BM, CN, QB)
     else:
         tl.static_assert(SPLIT == 2 or SPLIT == 4, "SPLIT must be 1, 2 or 4")
         left, right = _column_halves(acc, BM, BN)
@@ -385,7 +411,7 @@ def _fused_wgrad_update_kernel(
                             M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
                             c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
                             PREFETCH, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
-                            STOCHASTIC_ROUNDING, EVEN_MN, HW_BF16, BM, CN, QB)
+                            STOCHASTIC_ROUNDING, EVEN_MN, HW_MATH, BM, CN, QB)
             w_raw = nw_raw
             s0_raw = ns0_raw
             s0_scales = ns0_scales
@@ -604,7 +630,7 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
                       for t in (weight, s0, accum) if t.dim() == 2)
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
-                  HW_BF16=not interpreting())
+                  HW_MATH=not interpreting())
     options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
     fixed = (weight, s0, s1, scale0, scale1, accum, m, n, k)
     strides = (weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
