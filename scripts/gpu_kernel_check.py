@@ -262,6 +262,11 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
             record["shared"] = getattr(getattr(handle, "metadata", None), "shared", None)
             record["ms"] = time_graph_ms(
                 lambda s: fused_wgrad_update(s[0], s[1], s[2], s[3], HP["adamw"], 3, config=config), sets)
+            # The same launch with no tokens: the epilogue alone (W / state traffic and the rule's
+            # arithmetic, no main loop). Against ms it says how much of the GEMM the epilogue hides.
+            no_x, no_dy = sets[0][0][:0], sets[0][1][:0]
+            record["epilogue_only_ms"] = time_graph_ms(
+                lambda s: fused_wgrad_update(no_x, no_dy, s[2], s[3], HP["adamw"], 3, config=config), sets)
             traffic_ms = state_bytes / BANDWIDTH[0] * 1e3 if BANDWIDTH else None
             record["traffic_ms"] = traffic_ms
         except Exception as error:  # noqa: BLE001 - report and go on
@@ -303,6 +308,7 @@ def main() -> int:
     parser.add_argument("--bench", action="store_true", help="forge_bench.kernel_bench.main into --out")
     parser.add_argument("--bench-shapes", nargs="*")
     parser.add_argument("--bench-bts", nargs="*", type=int)
+    parser.add_argument("--bench-states", nargs="*", help="state dtypes for --bench (default: all)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -338,7 +344,7 @@ def main() -> int:
     if args.bench:
         install_tuning_log(out)
         from forge_bench import kernel_bench
-        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None)
+        frame = kernel_bench.main(out, args.bench_shapes or None, args.bench_bts or None, args.bench_states or None)
         print(frame.to_string(index=False, columns=["shape", "tokens", "state_dtype", "fused_ms", "roofline_ms",
                                                     "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline"]))
     return 0
