@@ -7,13 +7,20 @@ Public API::
     loss.backward()                               # fused Linear weights are updated here
     opt.step(); opt.zero_grad()                   # the rest (biases, norms, embeddings, tied weights)
     forge_core.unfuse(model)                      # plain nn.Linear again, weights as trained
+
+    # An LM head + causal-LM cross-entropy by vocab chunks: no logits tensor, and a fused head is
+    # updated chunk by chunk inside this loss's backward (no weight gradient either).
+    hidden = model.model(input_ids=ids).last_hidden_state
+    loss = forge_core.chunked_lm_head_cross_entropy(hidden, model.lm_head, labels)
 """
 from __future__ import annotations
 
 from .linear import ForgeLinear
+from .lm_head_loss import chunked_lm_head_cross_entropy, default_chunk_size
 from .manager import fuse, unfuse
 from .optimizer import ForgeOptimizer
 from .rules import RULES, get_rule
 from .state import STATE_DTYPES
 
-__all__ = ["fuse", "unfuse", "ForgeOptimizer", "ForgeLinear", "RULES", "get_rule", "STATE_DTYPES"]
+__all__ = ["fuse", "unfuse", "ForgeOptimizer", "ForgeLinear", "RULES", "get_rule", "STATE_DTYPES",
+           "chunked_lm_head_cross_entropy", "default_chunk_size"]

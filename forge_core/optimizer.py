@@ -13,6 +13,13 @@ that edits ``group["lr"]`` work unchanged) and splits them in two:
 Step count: each fused weight counts the optimizer steps in which it was updated (as torch counts
 per parameter); the update during the backward of step t uses t, and ``step()`` advances it.
 
+Row blocks (``FusedWeight.begin_row_updates``): a backward may hand over ``dY`` in blocks of
+output features (the vocab chunks of ``forge_core.chunked_lm_head_cross_entropy``); each block
+updates rows ``[r0, r1)`` of the weight through views of the weight, its ``ParamState`` (int8
+scales run along rows, so a row slice holds whole blocks) and its accumulator, built once per
+block and reused (the kernel caches its launch plan per ParamState). Such a backward is one use
+of the weight: the step count and the micro-batch count move once, however many blocks it has.
+
 Capturable mode (``fuse(..., capturable=True)``, as torch's ``capturable``): the step count of each
 param group lives in a float64 tensor on the GPU, ``step()`` advances it with a device op, and the
 first fused update of a step computes the rule's kernel scalars from it into a small device buffer
@@ -23,6 +30,7 @@ graph was captured is fixed in it (torch's rule too); outside graphs schedulers 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -77,6 +85,7 @@ class FusedWeight:
         """Backward passes seen since the last ``opt.step()``."""
         self.probing = False
         self.probe_backward_calls = 0
+        self._row_parts: dict[tuple[int, int], _RowPart] = {}
 
     def begin_probe(self) -> None:
         self.probing, self.probe_backward_calls = True, 0
@@ -95,8 +104,83 @@ class FusedWeight:
             raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
         self.optimizer._fused_backward(self, x, grad_output)
 
+    def begin_row_updates(self, x: torch.Tensor) -> "RowSliceUpdate":
+        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head).
+
+        Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
+        returned object once per block with ``(r0, r1, dy_rows, block_index)``."""
+        if self.probing:
+            self.probe_backward_calls += 1
+            return RowSliceUpdate(self, x, mode="skip")
+        if self.optimizer is None:
+            raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
+        return self.optimizer._begin_row_updates(self, x)
+
+    def row_part(self, r0: int, r1: int) -> "_RowPart":
+        """Views of rows ``[r0, r1)`` of the state (and accumulator), built once per block and kept.
+
+        Why kept: the fused kernel caches its launch plan per ParamState object, so a view made
+        afresh every step would re-plan every step; load_state_dict copies in place, so the views
+        stay valid."""
+        part = self._row_parts.get((r0, r1))
+        if part is None or part.parent_state is not self.state or part.parent_accum is not self.grad_accum:
+            if self.state is None:
+                raise RuntimeError(f"fused weight {self.name!r} has no optimizer state yet")
+            accum = self.grad_accum[r0:r1] if self.grad_accum is not None else None
+            part = _RowPart(r0, r1, self.state.rows(r0, r1), accum, self.state, self.grad_accum)
+            self._row_parts[(r0, r1)] = part
+        return part
+
     def __repr__(self) -> str:
         return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
+
+
+@dataclasses.dataclass
+class _RowPart:
+    """Rows ``[r0, r1)`` of one fused weight's state and accumulator (views), and what they view."""
+    r0: int
+    r1: int
+    state: ParamState
+    grad_accum: Optional[torch.Tensor]
+    parent_state: Optional[ParamState]
+    parent_accum: Optional[torch.Tensor]
+
+
+# Mixes the block index into the stochastic-rounding seed: blocks of one step get distinct seeds
+# (each kernel numbers its elements from 0, so equal seeds would repeat the noise block to block).
+_BLOCK_SEED_STRIDE = 0x9E3779B1
+
+
+class RowSliceUpdate:
+    """One backward's update of a fused weight, applied one row block at a time.
+
+    Why: an LM head's ``dY`` (dlogits) is produced vocab chunk by vocab chunk and each chunk is
+    freed before the next exists; the rows it touches can be updated (G_rows = dy_rows^T x, never
+    materialized) as soon as it exists. ``mode``: "update" (the last micro-batch: run the fused
+    step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
+    add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
+
+    def __init__(self, binding: FusedWeight, x: torch.Tensor, mode: str) -> None:
+        self.binding = binding
+        self.x = x
+        self.mode = mode
+        self._x32: Optional[torch.Tensor] = None
+
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
+        if self.mode == "skip":
+            return
+        binding = self.binding
+        part = binding.row_part(int(r0), int(r1))
+        if dy_rows.shape[-1] != part.r1 - part.r0:
+            raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
+        with torch.no_grad():
+            if self.mode == "accumulate":
+                if self._x32 is None:
+                    self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
+                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), self._x32)
+                return
+            binding.optimizer._apply_update(binding, self.x, dy_rows, part=part,
+                                            seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
 def _scalar_hyperparameter(value: Any) -> Any:
@@ -236,8 +320,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         group = self.param_groups[group_index]
         return {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
 
-    def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-        """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
+    def _count_backward(self, binding: FusedWeight) -> bool:
+        """Count one backward of ``binding``; True when it is the k-th (the one that updates)."""
         k = self.accumulate_steps
         if binding.micro_batches >= k:
             raise RuntimeError(
@@ -245,7 +329,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 f"opt.step(), but accumulate_steps={k}: call opt.step() after every {k} backward pass(es) "
                 "(or fuse with accumulate_steps= the number of micro-batches per step)")
         binding.micro_batches += 1
-        if binding.micro_batches < k:
+        return binding.micro_batches == k
+
+    def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
+        if not self._count_backward(binding):
             din = binding.weight.shape[1]
             dout = binding.weight.shape[0]
             x2 = x.reshape(-1, din)
@@ -254,21 +342,33 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         self._apply_update(binding, x, grad_output)
 
-    def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
+        """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
+        return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
+
+    def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
+                      part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
+        """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
+        holds only those rows' columns). The step count is the weight's, whatever the part."""
         step = binding.steps_done + 1
+        if part is None:
+            weight, state, grad_accum = binding.weight, binding.state, binding.grad_accum
+        else:
+            weight = binding.weight.detach()[part.r0:part.r1]
+            state, grad_accum = part.state, part.grad_accum
         if self.capturable:
             group = binding.group_index
             if self._scalars_stale[group]:
                 self._write_device_scalars(group)
-            self._update_function(x, grad_output, binding.weight, binding.state, {}, step,
+            self._update_function(x, grad_output, weight, state, {}, step,
                                   device_scalars=self._device_scalars[group])
             return
         self._update_function(
-            x, grad_output, binding.weight, binding.state, self._kernel_hyperparameters(binding.group_index), step,
-            grad_accum=binding.grad_accum, stochastic_rounding=self.stochastic_rounding,
-            seed=(binding.index * 1_000_003 + step) & 0x7FFFFFFF)
-        if binding.grad_accum is not None:
-            binding.grad_accum.zero_()
+            x, grad_output, weight, state, self._kernel_hyperparameters(binding.group_index), step,
+            grad_accum=grad_accum, stochastic_rounding=self.stochastic_rounding,
+            seed=(binding.index * 1_000_003 + step + seed_offset) & 0x7FFFFFFF)
+        if grad_accum is not None:
+            grad_accum.zero_()
 
     def _write_device_scalars(self, group: int) -> None:
         """The group's kernel scalars for step (device count + 1), by device ops only (a fill per
@@ -433,4 +533,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 f"{ {k: v for k, v in self.param_groups[0].items() if k != 'params'} })")
 
 
-__all__ = ["ForgeOptimizer", "FusedWeight", "resolve_backend", "BACKENDS"]
+__all__ = ["ForgeOptimizer", "FusedWeight", "RowSliceUpdate", "resolve_backend", "BACKENDS"]

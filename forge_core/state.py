@@ -158,6 +158,24 @@ class ParamState:
             raise ValueError(f"state {key!r}: expected {tuple(target.shape)} {target.dtype}, got {got}")
         target.copy_(source)
 
+    def rows(self, start: int, stop: int) -> "ParamState":
+        """A ParamState viewing rows ``[start, stop)`` of this one (no copy).
+
+        Why: an update of a row block of the weight (a vocab chunk of an LM head) needs the block's
+        moments and int8 scales. States are ``(Dout, Din)`` contiguous and int8 blocks run along a
+        row, so a row slice is a contiguous view holding whole blocks; writes through the view land
+        in this state. ``load_state_dict`` copies in place, so a view stays valid across a load."""
+        start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self.shape[0]:
+            raise ValueError(f"rows [{start}, {stop}) are not a non-empty range of the {self.shape[0]} rows")
+        view = ParamState.__new__(ParamState)
+        view.rule = self.rule
+        view.state_dtype = self.state_dtype
+        view.shape = (stop - start, self.shape[1])
+        view.values = {name: value[start:stop] for name, value in self.values.items()}
+        view.scales = {name: (scale[start:stop] if scale is not None else None) for name, scale in self.scales.items()}
+        return view
+
     def nbytes(self) -> int:
         """Bytes held by the states and their scales."""
         total = sum(v.numel() * v.element_size() for v in self.values.values())
