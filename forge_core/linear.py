@@ -22,9 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .overlap import can_overlap, run_beside
+
 
 class WeightUpdater(Protocol):
-    """What the backward calls once per use of the layer: apply (or accumulate) the update."""
+    """What the backward calls once per use of the layer: apply (or accumulate) the update.
+
+    An updater with a true ``overlap_updates`` attribute is run on a side CUDA stream, overlapping
+    the rest of the backward (``forge_core.overlap``)."""
 
     def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         ...
@@ -82,8 +87,14 @@ class FusedLinearFunction(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
 
         x_for_update = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)
+        updater = ctx.updater
         with torch.no_grad():
-            ctx.updater(x_for_update, grad_output)
+            if getattr(updater, "overlap_updates", False) and can_overlap(grad_output):
+                # The update streams W and the moments once; the rest of the backward need not wait.
+                run_beside(lambda: updater(x_for_update, grad_output), grad_output.device,
+                           (x_for_update, grad_output))
+            else:
+                updater(x_for_update, grad_output)
         # None for the weight: autograd then never creates (or accumulates into) W.grad.
         return grad_x, None, grad_bias, None
 

@@ -239,7 +239,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
          weight_decay: Optional[float] = None, momentum: Optional[float] = None,
          state_dtype: str = "fp32", stochastic_rounding: bool = False, accumulate_steps: int = 1,
          max_grad_norm: Optional[float] = None, backend: str = "auto",
-         probe_inputs: Any = None, capturable: bool = False, **other_hyperparameters: Any) -> ForgeOptimizer:
+         probe_inputs: Any = None, capturable: bool = False, overlap: bool = True,
+         **other_hyperparameters: Any) -> ForgeOptimizer:
     """Fuse the optimizer ``optimizer`` into the backward of ``model``'s eligible Linear layers.
 
     Swaps eligible ``nn.Linear`` modules in place (see the module docstring for what is excluded
@@ -272,6 +273,9 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     optimizer capturable), so that a whole training step can be captured in a CUDA graph and
     replayed; needs the Triton backend, ``accumulate_steps=1`` and no stochastic rounding. Warm up
     a few steps eagerly before capturing (tile tuning and the fallback's state happen on first use).
+    ``overlap``: on CUDA, run each layer's fused update on a side stream so it overlaps the rest of
+    the backward (``forge_core.overlap`` says why this is safe); the backward's end waits for it, so
+    weights are updated when ``backward()`` returns, as without it. False: updates run in line.
     """
     if max_grad_norm is not None:
         raise ValueError(_CLIPPING_ERROR)
@@ -342,6 +346,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     for binding in bindings.values():
         # A .grad left on a fused weight from before fuse() could never be applied: drop it.
         binding.weight.grad = None
+        binding.overlap_updates = bool(overlap)     # read by the ForgeLinear backward
     fused_ids = {id(binding.weight) for binding in bindings.values()}
     trainable = [p for p in _unique_parameters(model) if p.requires_grad]
     devices = {binding.weight.device for binding in bindings.values()}
