@@ -20,6 +20,9 @@ rows, products in fp32) into an fp32 ``dH`` that is rounded once at the end, and
 * a plain ``nn.Linear`` (any optimizer; also a tied head such as GPT-2's): rows ``[c0, c1)`` of
   an ordinary weight gradient are written, returned through autograd as ``lm_head.weight.grad``.
 
+With ``fuse(..., overlap=True)`` (the default) each chunk's row update runs on the side CUDA stream of
+``forge_core.overlap``, overlapping the next chunk's GEMMs, as a ForgeLinear's update does.
+
 Cost: the backward recomputes the logits once (four vocab-sized GEMMs per step instead of three).
 The chunk loop has a fixed trip count and no host sync, so a step with this loss can be captured
 in a CUDA graph (with ``forge_core.fuse(..., capturable=True)`` or a capturable torch optimizer).
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import ForgeLinear
+from .overlap import can_overlap, run_beside
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 """Upper bound on one chunk's fp32 logits (tokens x chunk x 4 bytes) when no chunk_size is given."""
@@ -173,6 +177,7 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
             grad_weight = torch.empty_like(weight) if (needs_weight and updater is None) else None
             grad_bias = torch.empty_like(bias) if (bias is not None and needs_bias) else None
             rows = updater.begin_row_updates(hidden) if (updater is not None and needs_weight) else None
+            overlap = rows is not None and bool(getattr(updater, "overlap_updates", False)) and can_overlap(hidden)
             for block, (c0, c1) in enumerate(_chunk_bounds(vocab, ctx.chunk_size)):
                 probs = _chunk_logits(hidden, weight, bias, c0, c1, compute_dtype)
                 probs.sub_(lse.unsqueeze(1)).exp_()
@@ -189,7 +194,13 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
                 if grad_bias is not None:
                     grad_bias[c0:c1] = dlogits.sum(dim=0).to(grad_bias.dtype)
                 if rows is not None:
-                    rows(c0, c1, dlogits, block)
+                    if overlap:
+                        # As a ForgeLinear's update (forge_core.overlap): on the side stream, after this
+                        # chunk's dH product read rows [c0, c1); later chunks read only other rows.
+                        run_beside(lambda c0=c0, c1=c1, dy=dlogits, b=block: rows(c0, c1, dy, b),
+                                   hidden.device, (hidden, dlogits))
+                    else:
+                        rows(c0, c1, dlogits, block)
                 elif grad_weight is not None:
                     if grad_weight.dtype == compute_dtype:
                         torch.mm(dlogits.t(), hidden, out=grad_weight[c0:c1])
