@@ -452,6 +452,11 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
                 return 0
 
         timing = run_timing(suite, cell, method)
+    except methods_mod.ArmUnavailable as exc:
+        # The arm cannot run on this model (a fact only its build can see): a row, not a crash.
+        row.update(status="unavailable", reason=str(exc).strip().splitlines()[0][:1000])
+        results.write_row(out_dir, _finish(row, t_start, extra))
+        return 0
     except Diverged as exc:
         row.update(status="diverged", reason=str(exc))
         results.write_row(out_dir, _finish(row, t_start, extra))

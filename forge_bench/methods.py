@@ -85,6 +85,12 @@ class Method:
         return None
 
 
+class ArmUnavailable(RuntimeError):
+    """Raised by a ``build`` that cannot run on the given model (a fact about the model, which the
+    device-only availability check cannot see): the cell records an ``unavailable`` row with this
+    one-line message instead of crashing."""
+
+
 METHODS: dict[str, Method] = {}
 
 
@@ -244,6 +250,111 @@ def _forge_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], Forge
     return build
 
 
+# --- the chunked LM-head loss (forge_core.chunked_lm_head_cross_entropy) -----------------------
+
+# Config keys by which some causal LMs transform lm_head(hidden) before the loss (Gemma-2 soft-capping,
+# Cohere / Granite scaling): the chunked loss computes lm_head(hidden) only, so such models are refused.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """(base model returning hidden states, LM head) of a transformers causal LM whose logits are
+    exactly ``lm_head(base(...)[0])``; ArmUnavailable (one line) for any other model."""
+    kind = type(model).__name__
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        raise ArmUnavailable(f"chunked loss: {kind} has no nn.Linear LM head (get_output_embeddings() gave "
+                             f"{type(head).__name__})")
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise ArmUnavailable(f"chunked loss: {kind} has no separate base model (model.base_model) that returns "
+                             "hidden states")
+    config = getattr(model, "config", None)
+    for key in _LOGIT_TRANSFORMS:
+        value = getattr(config, key, None)
+        if value is not None and value != 1:
+            raise ArmUnavailable(f"chunked loss: {kind} applies {key}={value} to its logits; the chunked loss "
+                                 "computes lm_head(hidden) only")
+    return base, head
+
+
+class ChunkedCausalLMLoss:
+    """A batch -> the HF causal-LM loss, via the base model's hidden states and the chunked LM-head
+    loss (no logits tensor; a FORGE-fused head is updated inside its backward)."""
+
+    def __init__(self, model: nn.Module, chunk_size: int | None = None) -> None:
+        self.base, self.head = causal_lm_parts(model)
+        self.chunk_size = chunk_size
+        self.settings: dict[str, Any] = {"loss": "chunked_ce",
+                                         "chunk_size": chunk_size if chunk_size is not None else "auto"}
+
+    def __call__(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        import forge_core
+
+        labels = batch["labels"]
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
+        output = self.base(**inputs)
+        hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        chunk = self.chunk_size or forge_core.default_chunk_size(labels.numel(), self.head.weight.shape[0])
+        self.settings["chunk_size"] = chunk     # the resolved width, recorded in the row
+        return forge_core.chunked_lm_head_cross_entropy(hidden, self.head, labels, chunk_size=chunk)
+
+
+class ChunkedLossTorchArm(TorchArm):
+    """TorchArm with the chunked LM-head loss: the head's gradient is still formed (torch optimizers
+    need it), the logits are not."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, settings: Mapping[str, Any],
+                 loss: ChunkedCausalLMLoss):
+        super().__init__(model, optimizer, settings)
+        self.loss = loss
+        self.settings = loss.settings | self.settings   # one dict: the step records the chunk size in it
+        loss.settings = self.settings
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.loss(batch)
+        loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class ChunkedLossForgeArm(ForgeArm):
+    """ForgeArm with the chunked LM-head loss: a fused (untied) head is updated chunk by chunk, so
+    neither its logits nor its weight gradient exists; a tied head gets an ordinary gradient."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, settings: Mapping[str, Any], loss: ChunkedCausalLMLoss):
+        super().__init__(model, optimizer, settings)
+        self.loss = loss
+        self.settings = loss.settings | self.settings
+        loss.settings = self.settings
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.loss(batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _forge_cce_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], ChunkedLossForgeArm]:
+    fuse_build = _forge_builder(state_dtype)
+
+    def build(model: nn.Module, cfg: TrainConfig) -> ChunkedLossForgeArm:
+        loss = ChunkedCausalLMLoss(model)          # refuses an unsuitable model before anything is fused
+        arm = fuse_build(model, cfg)
+        return ChunkedLossForgeArm(arm.model, arm.optimizer, arm.settings, loss)
+    return build
+
+
+def _build_adamw_fused_cce(model: nn.Module, cfg: TrainConfig) -> ChunkedLossTorchArm:
+    loss = ChunkedCausalLMLoss(model)
+    arm = _adamw_builder("fused")(model, cfg)
+    return ChunkedLossTorchArm(arm.model, arm.optimizer, arm.settings, loss)
+
+
 # bytes per parameter for oom_predicted: (optimizer states, gradients at the boundary)
 _FORGE_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64}
 
@@ -263,6 +374,20 @@ for _state_dtype, _tolerance in (("fp32", None), ("bf16", None), ("int8", None))
                     _forge_builder(_state_dtype), requires=("forge_core", "triton"), extra_check=_forge_missing,
                     settings={"state_dtype": _state_dtype}, parity_reference="adamw", parity_tolerance=_tolerance,
                     bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0), graphable=True))
+for _state_dtype in ("bf16", "int8"):
+    register(Method(f"forge_{_state_dtype}_cce", "forge",
+                    f"FORGE fused wgrad + AdamW update, {_state_dtype} moments, with the vocab-chunked LM-head "
+                    "cross-entropy: no logits tensor, an untied LM head updated chunk by chunk (no weight gradient)",
+                    _forge_cce_builder(_state_dtype), requires=("forge_core", "triton"), extra_check=_forge_missing,
+                    settings={"state_dtype": _state_dtype, "loss": "chunked_ce", "chunk_size": "auto"},
+                    parity_reference="adamw",
+                    bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0), graphable=True))
+register(Method("adamw_fused_cce", "baseline",
+                "torch.optim.AdamW(fused=True) with the vocab-chunked LM-head cross-entropy (no logits tensor; "
+                "every gradient still formed): what the loss alone saves",
+                _build_adamw_fused_cce, needs_cuda=True, extra_check=_forge_missing,
+                settings={"loss": "chunked_ce", "chunk_size": "auto"}, parity_reference="adamw",
+                bytes_per_param=lambda b: (2.0 * b, float(b)), graphable=True))
 
 # --- peer entries below this line (forge_bench/peers.py adapters) ---
 

@@ -1,7 +1,8 @@
 """Misbehaving arms for the harness tests, loaded through FORGE_BENCH_PLUGINS.
 
 Each one breaks in one way a real arm can: it crashes, hangs, runs out of memory (always, or
-only on its first attempt), diverges, claims AdamW but computes something else, or cannot run.
+only on its first attempt), diverges, claims AdamW but computes something else, or cannot run
+(on any model, or on the model it is given).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from forge_bench.methods import METHODS, Method, TorchArm, register
+from forge_bench.methods import METHODS, Method, TorchArm, causal_lm_parts, register
 
 OOM_FLAG_ENV = "FORGE_BENCH_TEST_OOM_FLAG"   # a file path: the first OOM-once attempt creates it
 
@@ -70,6 +71,8 @@ _ENTRIES = [
            parity_reference="adamw"),
     Method("test_unavailable", "baseline", "never available", lambda m, c: TorchArm(m, None, {}),
            extra_check=lambda: "test_unavailable: needs hardware that does not exist"),
+    Method("test_no_lm_head", "baseline", "a build that finds no separable LM head (as the chunked-loss arms)",
+           lambda m, c: causal_lm_parts(torch.nn.Sequential())),
     Method("test_forge_like", "forge", "plain SGD registered as a FORGE-family arm (for --check tests)",
            lambda m, c: TorchArm(m, _sgd(m, c), {})),
 ]

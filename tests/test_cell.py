@@ -22,7 +22,8 @@ parity: {steps: 4, tolerance: 0.02}
 models: [tiny-llama]
 batch: [2]
 seq: [16]
-methods: [adamw_foreach, no_optimizer, test_diverge, test_oom_always, test_unavailable, test_wrong_adamw]
+methods: [adamw_foreach, no_optimizer, test_diverge, test_oom_always, test_unavailable, test_wrong_adamw,
+          test_no_lm_head]
 """
 
 
@@ -83,6 +84,12 @@ def test_unavailable(suite, tmp_path):
     assert row.status == "unavailable" and "does not exist" in row.reason
 
 
+def test_unavailable_on_the_model_is_a_row_not_a_crash(suite, tmp_path):
+    """A build that cannot run on the cell's model (ArmUnavailable) writes an unavailable row."""
+    code, row = run(suite, "test_no_lm_head", tmp_path / "r")
+    assert code == 0 and row.status == "unavailable" and "no nn.Linear LM head" in row.reason
+
+
 def test_oom_asks_for_one_retry_then_records(suite, tmp_path):
     code, row = run(suite, "test_oom_always", tmp_path / "r", attempt=1)
     assert code == cell_mod.EXIT_OOM_RETRY and row is None
@@ -123,12 +130,14 @@ optimizer: {lr: 1.0e-3}
 parity: {steps: 4, tolerance: 0.05}
 grids:
   - {name: graph, models: [tiny-llama], batch: [2], seq: [64], cuda_graph: true,
-     methods: [no_optimizer, adamw_fused, forge_bf16, forge_int8, bnb_adamw8bit]}
+     methods: [no_optimizer, adamw_fused, forge_bf16, forge_int8, bnb_adamw8bit, forge_bf16_cce, forge_int8_cce,
+               adamw_fused_cce]}
 """
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("method", ["no_optimizer", "adamw_fused", "forge_bf16", "forge_int8"])
+@pytest.mark.parametrize("method", ["no_optimizer", "adamw_fused", "forge_bf16", "forge_int8", "forge_bf16_cce",
+                                    "forge_int8_cce", "adamw_fused_cce"])
 def test_graph_cell_replays_the_captured_step(tmp_path, method):
     path = tmp_path / "graph.yaml"
     path.write_text(GRAPH_SUITE)
@@ -138,8 +147,10 @@ def test_graph_cell_replays_the_captured_step(tmp_path, method):
     assert row.timing_method == "cuda_graph_replay" and len(row.step_ms_all) == 8
     assert row.peak_allocated_gib > row.mem_weights_gib        # the capture's activations are counted
     assert row.loss_last == row.loss_last and row.loss_last != row.loss_first   # the replays train
-    if method.startswith("forge") or method == "adamw_fused":
+    if method.startswith("forge") or method.startswith("adamw_fused"):
         assert json.loads(row.method_settings)["capturable"] is True
+    if method.endswith("_cce"):
+        assert json.loads(row.method_settings)["chunk_size"] == 512     # tiny-llama's whole vocabulary
 
 
 def test_graph_cell_of_an_arm_that_cannot_be_captured_is_unavailable(tmp_path):

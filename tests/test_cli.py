@@ -93,13 +93,13 @@ def test_smoke_suite_end_to_end_then_resume_check_and_report(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     suite = load_suite(None)
     df = results.load_results(out)
-    assert len(df) == len(suite.cells) == 12 and df.cell_id.is_unique
+    assert len(df) == len(suite.cells) == 14 and df.cell_id.is_unique
     bad = df[df.status != "ok"][["cell_id", "status", "reason"]]
     assert bad.empty, bad.to_string()
     forge = df[df.method_family == "forge"]
     assert (forge.parity_rms_rel <= forge.parity_tolerance).all()
     assert (forge[forge.model == "tiny-llama"].n_fused_params > 0).all()
-    assert "ok=12" in res.stdout
+    assert "ok=14" in res.stdout
 
     # a regression against a baseline that ran FORGE twice as fast: exit 1, naming the arm
     fast = tmp_path / "baseline_fast"
@@ -112,7 +112,7 @@ def test_smoke_suite_end_to_end_then_resume_check_and_report(tmp_path):
     res = _run(["sweep", "--out", str(out), "--resume", "--check", str(slow)], env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "check passed" in res.stdout
-    assert len(results.load_results(out)) == 12
+    assert len(results.load_results(out)) == 14
 
     res = _run(["report", str(out), "-o", str(tmp_path / "report")], env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -8,6 +8,7 @@ from forge_bench import methods, models
 from forge_bench.methods import METHODS, TrainConfig
 
 CORE = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8")
+CHUNKED_LOSS_ARMS = ("forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce")
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +92,7 @@ def test_missing_package_is_a_reason():
 
 def test_only_capturable_arms_run_in_cuda_graph_grids():
     core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8"}
-    assert {name for name, m in METHODS.items() if m.graphable} == core
+    assert {name for name, m in METHODS.items() if m.graphable} == core | set(CHUNKED_LOSS_ARMS)
     reason = METHODS["bnb_adamw8bit"].unavailable_reason("cuda", cuda_graph=True)
     assert reason.startswith("bnb_adamw8bit: its step cannot be captured in a CUDA graph")
     assert METHODS["sgd"].unavailable_reason("cpu", cuda_graph=True) is None
@@ -105,3 +106,50 @@ def test_capturable_config_reaches_the_torch_optimizer():
     assert arm.optimizer.param_groups[0]["capturable"] is True and arm.settings["capturable"] is True
     arm = METHODS["adamw_foreach"].build(torch.nn.Linear(4, 4), TrainConfig(device="cpu"))
     assert arm.optimizer.param_groups[0]["capturable"] is False
+
+
+# --- the chunked LM-head loss arms ---------------------------------------------------------------
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("name", CHUNKED_LOSS_ARMS)
+def test_chunked_loss_arms_train_with_the_hf_loss_value(name, model_name):
+    """The step computes hidden states with the base model and the chunked loss with the LM head:
+    the same loss as ``model(**batch).loss``. Tiny-llama's untied head is fused by the FORGE arms;
+    GPT-2's head is tied to the embedding, so it is not fused and gets an ordinary gradient."""
+    import copy
+
+    method = METHODS[name]
+    assert method.parity_reference == "adamw" and method.graphable
+    assert method.settings["loss"] == "chunked_ce"
+    model = models.build_model(model_name, "float32", "cpu", seed=0)
+    reference = copy.deepcopy(model)
+    batch = models.make_batch(model_name, 2, 16, "cpu")
+    arm = method.build(model, TrainConfig(lr=1e-3, device="cpu"))   # fused AdamW also runs on a CPU
+    head_before = model.get_output_embeddings().weight.detach().clone()
+    loss = arm.step(batch)
+    assert float(loss) == pytest.approx(float(reference(**batch).loss), rel=1e-6)
+    assert arm.settings["loss"] == "chunked_ce" and arm.settings["chunk_size"] == 512    # resolved, recorded
+    assert all(p.grad is None for p in model.parameters()), "grads must be freed after each step"
+    assert not torch.equal(head_before, model.get_output_embeddings().weight.detach())
+    if name.startswith("forge"):
+        fused = arm.optimizer.fused_module_names()
+        assert ("lm_head" in fused) == (model_name == "tiny-llama")
+        if model_name == "tiny-llama":       # GPT-2: Conv1D layers and a tied head, nothing fused
+            assert arm.memory_breakdown()["gradients"] < arm.memory_breakdown()["weights"]
+    second = arm.step(models.make_batch(model_name, 2, 16, "cpu", seed=1))
+    assert torch.isfinite(second)
+
+
+def test_chunked_loss_arms_refuse_a_model_without_an_lm_head_in_one_line():
+    from torch import nn
+
+    for model in (nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4)):
+        with pytest.raises(methods.ArmUnavailable) as info:
+            METHODS["forge_bf16_cce"].build(model, TrainConfig(device="cpu"))
+        assert "\n" not in str(info.value) and "LM head" in str(info.value)
+    config = __import__("transformers").LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, vocab_size=64)
+    model = __import__("transformers").LlamaForCausalLM(config)
+    model.config.logit_scale = 0.5          # e.g. Cohere: the logits are not lm_head(hidden)
+    with pytest.raises(methods.ArmUnavailable, match="logit_scale"):
+        METHODS["adamw_fused_cce"].build(model, TrainConfig(device="cpu"))

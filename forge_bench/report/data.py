@@ -21,8 +21,8 @@ BASELINE_PREFERENCE = ("adamw_fused", "adamw_foreach")
 
 # Known methods in reading order: floor and baselines, then FORGE arms; peers and unknown names
 # are placed by family, then alphabetically.
-KNOWN_METHOD_ORDER = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd",
-                      "forge_fp32", "forge_bf16", "forge_int8")
+KNOWN_METHOD_ORDER = ("no_optimizer", "adamw_foreach", "adamw_fused", "adamw_fused_cce", "sgd",
+                      "forge_fp32", "forge_bf16", "forge_int8", "forge_bf16_cce", "forge_int8_cce")
 FAMILY_ORDER = {"baseline": 0, "peer": 1, "forge": 2}
 
 EAGER_TIMING = "eager"
