@@ -30,10 +30,10 @@ Labels are range-checked only for CPU tensors (a check on the GPU would be a hos
 outside ``[0, vocab)`` that is not ``ignore_index`` is an error there, and undefined here.
 
 Chunk size: ``default_chunk_size`` keeps one chunk's fp32 logits at most ``DEFAULT_CHUNK_BYTES``
-(64 MiB: about 4 x that in transient chunk tensors at the peak), widths a multiple of
-``CHUNK_ALIGN`` (256, so the fused kernel's row tiles divide a chunk) and as equal as possible:
-equal chunks plus at most one narrower last chunk, so the kernel tunes for two shapes at most.
-Llama-3.1-8B: 512 tokens -> 4 chunks (3 x 32256 + 31488 rows); 8192 tokens -> 63 chunks of 2048.
+(64 MiB; with the model-dtype logits and dlogits of the chunk, about twice that is transient), widths
+a multiple of ``CHUNK_ALIGN`` (256, so the fused kernel's row tiles divide a chunk) and as equal as
+possible: equal chunks plus at most one narrower last chunk, so the kernel tunes two shapes at most.
+Llama-3.1-8B: 512 tokens -> 4 chunks (3 x 32256 + 31488 rows); 8192 tokens -> 63 (62 x 2048 + 1280).
 """
 from __future__ import annotations
 
