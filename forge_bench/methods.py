@@ -235,14 +235,15 @@ def _forge_missing() -> str | None:
     return None
 
 
-def _forge_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], ForgeArm]:
+def _forge_builder(state_dtype: str, overlap: bool = True) -> Callable[[nn.Module, TrainConfig], ForgeArm]:
     def build(model: nn.Module, cfg: TrainConfig) -> ForgeArm:
         import forge_core
 
         optimizer = forge_core.fuse(model, "adamw", lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                    weight_decay=cfg.weight_decay, state_dtype=state_dtype, capturable=cfg.capturable)
+                                    weight_decay=cfg.weight_decay, state_dtype=state_dtype, capturable=cfg.capturable,
+                                    overlap=overlap)
         settings = {"optimizer": "forge_core.fuse(adamw)", "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps,
-                    "weight_decay": cfg.weight_decay, "state_dtype": state_dtype,
+                    "weight_decay": cfg.weight_decay, "state_dtype": state_dtype, "overlap": overlap,
                     "backend": getattr(optimizer, "backend", "auto")}
         if cfg.capturable:
             settings["capturable"] = True
@@ -375,6 +376,15 @@ for _state_dtype, _tolerance in (("fp32", None), ("bf16", None), ("int8", None))
                     settings={"state_dtype": _state_dtype}, parity_reference="adamw", parity_tolerance=_tolerance,
                     bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0), graphable=True))
 for _state_dtype in ("bf16", "int8"):
+    # The A/B arm for forge_core.overlap: the same FORGE step with each update in line on the
+    # backward's stream (what every FORGE arm did before overlap became fuse()'s default).
+    register(Method(f"forge_{_state_dtype}_inline", "forge",
+                    f"FORGE as forge_{_state_dtype}, each fused update in line on the backward's stream "
+                    "(fuse(overlap=False)): measures what the side-stream overlap buys",
+                    _forge_builder(_state_dtype, overlap=False), requires=("forge_core", "triton"),
+                    extra_check=_forge_missing, settings={"state_dtype": _state_dtype, "overlap": False},
+                    parity_reference="adamw",
+                    bytes_per_param=lambda b, s=_state_dtype: (_FORGE_STATE_BYTES[s], 0.0), graphable=True))
     register(Method(f"forge_{_state_dtype}_cce", "forge",
                     f"FORGE fused wgrad + AdamW update, {_state_dtype} moments, with the vocab-chunked LM-head "
                     "cross-entropy: no logits tensor, an untied LM head updated chunk by chunk (no weight gradient)",
