@@ -91,7 +91,8 @@ def test_missing_package_is_a_reason():
 
 
 def test_only_capturable_arms_run_in_cuda_graph_grids():
-    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8"}
+    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8",
+            "forge_bf16_inline", "forge_int8_inline"}
     assert {name for name, m in METHODS.items() if m.graphable} == core | set(CHUNKED_LOSS_ARMS)
     reason = METHODS["bnb_adamw8bit"].unavailable_reason("cuda", cuda_graph=True)
     assert reason.startswith("bnb_adamw8bit: its step cannot be captured in a CUDA graph")
@@ -153,3 +154,14 @@ def test_chunked_loss_arms_refuse_a_model_without_an_lm_head_in_one_line():
     model.config.logit_scale = 0.5          # e.g. Cohere: the logits are not lm_head(hidden)
     with pytest.raises(methods.ArmUnavailable, match="logit_scale"):
         METHODS["adamw_fused_cce"].build(model, TrainConfig(device="cpu"))
+
+
+def test_inline_arms_fuse_without_the_side_stream_and_say_so():
+    from forge_bench.methods import TrainConfig
+
+    for name, overlap in (("forge_bf16", True), ("forge_bf16_inline", False)):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        arm = METHODS[name].build(model, TrainConfig(device="cpu"))
+        assert arm.settings["overlap"] is overlap
+        assert all(getattr(m, "forge_updater").overlap_updates is overlap
+                   for m in model.modules() if hasattr(m, "forge_updater"))
