@@ -255,18 +255,22 @@ def env() -> None:
 
 @app.command()
 def report(
-    results_dir: Annotated[Path, typer.Argument(help="results folder (or parquet file) of one or more sweeps")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default reports/<results folder name>)")] = None,
+    results_dirs: Annotated[list[Path], typer.Argument(
+        help="results folders (or parquet files) of one or more sweeps; several folders (e.g. one run per GPU) "
+             "make one report with the hardware comparison", metavar="RESULTS...")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default reports/<first results folder name>)")] = None,
 ) -> None:
     """Build tables (Markdown + LaTeX) and figures from sweep results."""
-    if not results_dir.exists():
-        raise _fail(f"{results_dir}: no such results folder or file")
+    for results_dir in results_dirs:
+        if not results_dir.exists():
+            raise _fail(f"{results_dir}: no such results folder or file")
+    results_dir = results_dirs[0] if len(results_dirs) == 1 else results_dirs
     try:
         from forge_bench import report as report_mod
         build_report = report_mod.build_report
     except (ImportError, AttributeError) as exc:
         raise _fail(f"the report builder is not available in this checkout ({exc})") from None
-    out_dir = out or Path("reports") / results_dir.resolve().name
+    out_dir = out or Path("reports") / results_dirs[0].resolve().name
     no_results = getattr(report_mod, "NoResultsError", None)
     try:
         written = build_report(results_dir, out_dir)

@@ -68,6 +68,17 @@ def test_list_and_env_work_without_a_gpu():
 def test_report_of_a_missing_folder_is_exit_2(tmp_path):
     res = cli.invoke(app, ["report", str(tmp_path / "none")])
     assert res.exit_code == 2 and "no such" in res.stderr
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), str(tmp_path / "none"), "-o", str(tmp_path / "r")])
+    assert res.exit_code == 2 and str(tmp_path / "none") in res.stderr and not (tmp_path / "r").exists()
+
+
+def test_report_takes_several_results_folders(tmp_path):
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), str(fixtures / "smoke_rerun_partial"),
+                           "-o", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    assert "smoke_rerun_partial" in (tmp_path / "r" / "index.md").read_text()
 
 
 def _run(args, env, timeout=600):

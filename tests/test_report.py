@@ -424,6 +424,22 @@ def test_folder_without_parquet_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists(), "no output folder for a failed report"
 
 
+def test_several_folders_make_one_report_and_a_repeated_folder_is_refused(tmp_path):
+    """One run per GPU lives in its own folder: the report takes them together (the hardware
+    comparison needs both), and the same rows twice would double-count, so that is an error."""
+    out = tmp_path / "out"
+    build_report([SMOKE, RERUN_PARTIAL], out)
+    header = (out / "index.md").read_text()
+    rows = len(raw_rows(SMOKE)) + len(raw_rows(RERUN_PARTIAL))
+    assert f"from {rows} rows under `{SMOKE}`, `{RERUN_PARTIAL}`" in header
+    for run in (raw_rows(SMOKE)[0]["run_id"], raw_rows(RERUN_PARTIAL)[0]["run_id"]):
+        assert f"| {run_label(run)} |" in header
+    with pytest.raises(NoResultsError, match="under two of the given folders"):
+        build_report([SMOKE, SMOKE], tmp_path / "twice")
+    with pytest.raises(NoResultsError, match=re.escape(str(tmp_path / "nope"))):
+        build_report([SMOKE, tmp_path / "nope"], tmp_path / "missing")
+
+
 def test_floor_table_matches_the_formula_on_the_rows(built):
     """Every FORGE arm's floor = no_optimizer step - wgrad + max(wgrad, traffic) of its own run,
     recomputed here from the raw rows; folders without floor terms (CPU) get no floor table."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
@@ -34,14 +34,25 @@ class NoResultsError(ResultsError):
     """The results folder is missing or holds no parquet rows (message names the folder)."""
 
 
-def load_rows(results_dir: str | Path) -> pd.DataFrame:
-    """Every row under ``results_dir`` with a few derived display columns."""
-    folder = Path(results_dir)
-    if not folder.exists():
-        raise NoResultsError(f"results folder {folder} does not exist")
-    if not iter_result_files(folder):
-        raise NoResultsError(f"no forge-bench parquet result files under {folder}")
-    frame = load_results(folder)
+def load_rows(results_dirs: str | Path | Sequence[str | Path]) -> pd.DataFrame:
+    """Every row under ``results_dirs`` (one folder or parquet file, or several: e.g. one run per
+    GPU, for the hardware comparison) with a few derived display columns."""
+    folders = [Path(results_dirs)] if isinstance(results_dirs, (str, Path)) else [Path(p) for p in results_dirs]
+    if not folders:
+        raise NoResultsError("no results folder given")
+    frames = []
+    for folder in folders:
+        if not folder.exists():
+            raise NoResultsError(f"results folder {folder} does not exist")
+        if not iter_result_files(folder):
+            raise NoResultsError(f"no forge-bench parquet result files under {folder}")
+        frames.append(load_results(folder))
+    frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+    duplicated = frame["cell_id"].astype(str) + "/" + frame["run_id"].astype(str)
+    if duplicated.duplicated().any():
+        first = duplicated[duplicated.duplicated()].iloc[0]
+        raise NoResultsError(f"the same row (cell/run {first}) is under two of the given folders: "
+                             "pass each run's folder once")
     frame["method_family"] = frame["method_family"].fillna("")
     frame["run_short"] = frame["run_id"].map(run_label)
     frame["device_label"] = frame["device_name"].map(device_label)
