@@ -85,6 +85,8 @@ class FusedWeight:
         """Backward passes seen since the last ``opt.step()``."""
         self.probing = False
         self.probe_backward_calls = 0
+        self.overlap_updates = False
+        """Run this weight's updates on the side stream (``forge_core.overlap``); set by ``fuse``."""
         self._row_parts: dict[tuple[int, int], _RowPart] = {}
 
     def begin_probe(self) -> None:
