@@ -38,6 +38,17 @@ def _backward(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
+def _step_all(*optimizers: torch.optim.Optimizer) -> None:
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), name
+
+
 def test_fuse_records_the_choice_on_every_fused_weight() -> None:
     for overlap in (True, False):
         model = _deep_mlp(depth=2)
@@ -53,12 +64,10 @@ def test_overlap_on_a_cpu_model_runs_in_line_with_the_same_result() -> None:
     overlapped, inline = _deep_mlp(depth=2), _deep_mlp(depth=2)
     opt_a, opt_b = _fuse(overlapped, overlap=True), _fuse(inline, overlap=False)
     for batch in _batches(2):
-        for model, opt in ((overlapped, opt_a), (inline, opt_b)):
-            _backward(model, batch)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for a, b in zip(overlapped.parameters(), inline.parameters()):
-        assert torch.equal(a, b)
+        _backward(overlapped, batch)
+        _backward(inline, batch)
+        _step_all(opt_a, opt_b)
+    _assert_same_parameters(overlapped, inline)
 
 
 @needs_cuda
@@ -76,11 +85,8 @@ def test_overlapped_updates_equal_inline_updates_and_are_done_when_backward_retu
             if isinstance(dict(overlapped.named_modules())[name.rsplit(".", 1)[0]], ForgeLinear) \
                     and name.endswith("weight"):
                 assert torch.equal(a, b), name
-        for opt in (opt_a, opt_b):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for (name, a), b in zip(overlapped.named_parameters(), inline.parameters()):
-        assert torch.equal(a, b), name
+        _step_all(opt_a, opt_b)
+    _assert_same_parameters(overlapped, inline)
 
 
 @needs_cuda
@@ -97,11 +103,8 @@ def test_activations_are_not_reused_while_the_side_stream_reads_them() -> None:
         batch = torch.randn(2, 16, width, generator=generator).to(DEVICE)
         _backward(overlapped, batch)
         _backward(inline, batch)
-        for opt in (opt_a, opt_b):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for (name, a), b in zip(overlapped.named_parameters(), inline.parameters()):
-        assert torch.equal(a, b), name
+        _step_all(opt_a, opt_b)
+    _assert_same_parameters(overlapped, inline)
 
 
 @needs_cuda
@@ -114,8 +117,7 @@ def test_a_captured_overlapped_step_replays_like_inline_eager_steps() -> None:
 
     def step(model, opt, batch):
         loss = _backward(model, batch)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _step_all(opt)
         return loss
 
     for batch in batches[:3]:
@@ -138,5 +140,4 @@ def test_a_captured_overlapped_step_replays_like_inline_eager_steps() -> None:
     eager_losses = [step(eager, eager_opt, batch) for batch in batches[3:]]
     torch.cuda.synchronize()
     assert torch.equal(torch.stack(graph_losses), torch.stack(eager_losses))
-    for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
-        assert torch.equal(a, b), name
+    _assert_same_parameters(eager, graphed)
