@@ -264,7 +264,6 @@ def report(
     for results_dir in results_dirs:
         if not results_dir.exists():
             raise _fail(f"{results_dir}: no such results folder or file")
-    results_dir = results_dirs[0] if len(results_dirs) == 1 else results_dirs
     try:
         from forge_bench import report as report_mod
         build_report = report_mod.build_report
@@ -273,7 +272,7 @@ def report(
     out_dir = out or Path("reports") / results_dirs[0].resolve().name
     no_results = getattr(report_mod, "NoResultsError", None)
     try:
-        written = build_report(results_dir, out_dir)
+        written = build_report(results_dirs, out_dir)
     except _user_errors() + ((no_results,) if isinstance(no_results, type) else ()) as exc:
         raise _fail(str(exc)) from None
     out_console.print(f"report written to {out_dir}" + (f": {written}" if isinstance(written, (str, Path)) else ""),

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .overlap import can_overlap, run_beside
+from .overlap import run_beside, wants_overlap
 
 
 class WeightUpdater(Protocol):
@@ -89,7 +89,7 @@ class FusedLinearFunction(torch.autograd.Function):
         x_for_update = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)
         updater = ctx.updater
         with torch.no_grad():
-            if getattr(updater, "overlap_updates", False) and can_overlap(grad_output):
+            if wants_overlap(updater, grad_output):
                 # The update streams W and the moments once; the rest of the backward need not wait.
                 run_beside(lambda: updater(x_for_update, grad_output), grad_output.device,
                            (x_for_update, grad_output))

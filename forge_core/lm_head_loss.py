@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ForgeLinear
-from .overlap import can_overlap, run_beside
+from .linear import ForgeLinear, _autocast_dtype
+from .overlap import run_beside, wants_overlap
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 """Upper bound on one chunk's fp32 logits (tokens x chunk x 4 bytes) when no chunk_size is given."""
@@ -70,16 +70,6 @@ def default_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int = DEF
 
 def _chunk_bounds(vocab_size: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(c0, min(vocab_size, c0 + chunk_size)) for c0 in range(0, vocab_size, chunk_size)]
-
-
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The dtype autocast would run the LM head's matmul in, or None when autocast is off."""
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (RuntimeError, TypeError, AttributeError):
-        return None
-    return None
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], c0: int, c1: int,
@@ -177,7 +167,7 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
             grad_weight = torch.empty_like(weight) if (needs_weight and updater is None) else None
             grad_bias = torch.empty_like(bias) if (bias is not None and needs_bias) else None
             rows = updater.begin_row_updates(hidden) if (updater is not None and needs_weight) else None
-            overlap = rows is not None and bool(getattr(updater, "overlap_updates", False)) and can_overlap(hidden)
+            overlap = rows is not None and wants_overlap(updater, hidden)
             for block, (c0, c1) in enumerate(_chunk_bounds(vocab, ctx.chunk_size)):
                 probs = _chunk_logits(hidden, weight, bias, c0, c1, compute_dtype)
                 probs.sub_(lse.unsqueeze(1)).exp_()
@@ -265,8 +255,9 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
             raise ValueError(f"labels hold {int(bad.sum())} ids outside [0, {vocab}) that are not "
                              f"ignore_index={ignore_index}")
 
-    compute_dtype = _autocast_dtype(hidden.device.type) or weight.dtype
-    if _autocast_dtype(hidden.device.type) is None and hidden.dtype != weight.dtype:
+    autocast_dtype = _autocast_dtype(hidden.device.type)
+    compute_dtype = autocast_dtype or weight.dtype
+    if autocast_dtype is None and hidden.dtype != weight.dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the LM head's weight is {weight.dtype} (outside autocast)")
     if num_items_in_batch is None:
         denominator = (targets != ignore_index).sum().to(torch.float32)

@@ -36,9 +36,11 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def can_overlap(tensor: torch.Tensor) -> bool:
-    """Overlap needs a CUDA tensor and a running autograd backward (to join at its end)."""
-    return tensor.is_cuda and torch._C._current_graph_task_id() != -1
+def wants_overlap(updater: object, tensor: torch.Tensor) -> bool:
+    """Whether ``updater`` (a FusedWeight) asked for the side stream and can have it here: a CUDA
+    tensor and a running autograd backward (to join at its end)."""
+    return (bool(getattr(updater, "overlap_updates", False)) and tensor.is_cuda
+            and torch._C._current_graph_task_id() != -1)
 
 
 def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[torch.Tensor]) -> None:

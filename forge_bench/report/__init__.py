@@ -19,7 +19,7 @@ from typing import Sequence
 import pandas as pd
 
 from . import figures, ratios, tables
-from .data import NoResultsError, load_rows, ordered_methods, run_label
+from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label
 from .ratios import as_number, as_text
 
 __all__ = ["build_report", "NoResultsError"]
@@ -33,7 +33,7 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
 
     Raises ``NoResultsError`` (one line naming the folder) when there is nothing to report.
     """
-    folders = [Path(results_dir)] if isinstance(results_dir, (str, Path)) else [Path(p) for p in results_dir]
+    folders = as_folders(results_dir)
     out_dir = Path(out_dir)
     frame = load_rows(folders)
     results_dir = ", ".join(f"`{f}`" for f in folders)

@@ -34,10 +34,15 @@ class NoResultsError(ResultsError):
     """The results folder is missing or holds no parquet rows (message names the folder)."""
 
 
+def as_folders(results_dirs: str | Path | Sequence[str | Path]) -> list[Path]:
+    """One results folder (or parquet file), or several, as a list of paths."""
+    return [Path(results_dirs)] if isinstance(results_dirs, (str, Path)) else [Path(p) for p in results_dirs]
+
+
 def load_rows(results_dirs: str | Path | Sequence[str | Path]) -> pd.DataFrame:
     """Every row under ``results_dirs`` (one folder or parquet file, or several: e.g. one run per
     GPU, for the hardware comparison) with a few derived display columns."""
-    folders = [Path(results_dirs)] if isinstance(results_dirs, (str, Path)) else [Path(p) for p in results_dirs]
+    folders = as_folders(results_dirs)
     if not folders:
         raise NoResultsError("no results folder given")
     frames = []

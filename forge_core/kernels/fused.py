@@ -146,20 +146,15 @@ def _int8_codes(magnitude_in, negative, scale, SQRT_DOMAIN: tl.constexpr, HW_MAT
     FP32 rate; the int8 epilogue needed two per state element)."""
     has_scale = scale > 0.0
     inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
-    if HW_MATH:
+    if HW_MATH:        # an int32 magnitude
         rounded = libdevice.add_rz(tl.minimum(magnitude_in * inverse + 0.5, 127.0), 8388608.0)
         magnitude = rounded.to(tl.int32, bitcast=True) - 0x4B000000
-        magnitude = tl.where(has_scale, magnitude, 0)
-        if SQRT_DOMAIN:
-            magnitude = tl.where(has_scale, tl.maximum(magnitude, 1), magnitude)
-        return tl.where(negative, -magnitude, magnitude)
-    else:
-        magnitude = tl.floor(magnitude_in * inverse + 0.5)
-        magnitude = tl.minimum(magnitude, 127.0)
-        magnitude = tl.where(has_scale, magnitude, 0.0)
-        if SQRT_DOMAIN:
-            magnitude = tl.where(has_scale, tl.maximum(magnitude, 1.0), magnitude)
-        return tl.where(negative, -magnitude, magnitude)
+    else:              # an fp32 magnitude (the interpreter has no round-toward-zero add)
+        magnitude = tl.minimum(tl.floor(magnitude_in * inverse + 0.5), 127.0)
+    magnitude = tl.where(has_scale, magnitude, 0)
+    if SQRT_DOMAIN:
+        magnitude = tl.where(has_scale, tl.maximum(magnitude, 1), magnitude)
+    return tl.where(negative, -magnitude, magnitude)
 
 
 @triton.jit
