@@ -110,7 +110,9 @@ def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityRe
     batches = [models_mod.make_batch(cell.model, cell.batch, cell.seq, device, seed=PARITY_BATCH_SEED + i)
                for i in range(spec.parity.steps)]
 
+    # the reference is the plain transformers model in fp32; lean activations go on the arm only
     ref_model = copy.deepcopy(arm_model).float()
+    models_mod.apply_activations(arm_model, cell.activations)
     ref_opt = _reference_optimizer(method.parity_reference, [p for p in ref_model.parameters() if p.requires_grad], cfg)
     ref_losses = []
     for batch in batches:
@@ -255,6 +257,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     on_cuda = device.startswith("cuda")
     graphed = on_cuda and cell.cuda_graph
     model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed)
+    models_mod.apply_activations(model, cell.activations)
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(spec.seed)
     arm = method.build(model, spec.train_config(cuda_graph=cell.cuda_graph))
@@ -387,6 +390,7 @@ def base_row(suite: Suite, cell: Cell, method: methods_mod.Method | None, run_id
         "parity_tolerance": (method.parity_tolerance or spec.parity.tolerance) if method else None,
         "timing_method": ("cuda_graph_replay" if cell.cuda_graph else "cuda_events") if spec.device_type == "cuda"
                          else "wall_clock",
+        "activations": cell.activations,
         **telemetry.environment(spec.device),
         "driver_version": telemetry.driver_version() if spec.device_type == "cuda" else None,
     }

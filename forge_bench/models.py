@@ -163,6 +163,28 @@ def build_model(name: str, dtype: str | torch.dtype = "bfloat16", device: str | 
     return model
 
 
+# transformers model types whose decoder blocks forge_core.lean_activations can make lean
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def has_lean_blocks(name: str) -> bool:
+    """Whether ``activations: lean`` applies: Llama-style RMSNorm + SiLU-gated MLP blocks."""
+    data = dict(_raw_config(name))
+    return data.get("model_type") in LEAN_MODEL_TYPES and data.get("hidden_act", "silu") == "silu"
+
+
+def apply_activations(model: torch.nn.Module, activations: str) -> dict[str, int] | None:
+    """``lean``: forge_core.lean_activations on ``model`` (module counts); ``hf``: nothing (None)."""
+    if activations == "hf":
+        return None
+    if activations != "lean":
+        raise ModelError(f"unknown activations {activations!r}; known: hf, lean")
+    from forge_core.lean import lean_activations
+
+    report = lean_activations(model)
+    return {"norms": report.norms, "mlps": report.mlps, "scopes": report.scopes}
+
+
 def reduced_depth(name: str, max_layers: int) -> int | None:
     """Layer count of the parity twin: None (the model itself) when it is already that shallow."""
     return None if num_layers(name) <= max_layers else max_layers

@@ -60,6 +60,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("stderr_tail", _S, "last lines of the cell process's stderr when it crashed"),
     ("timing_method", _S, "cuda_events (eager steps) | cuda_graph_replay (the step captured in one CUDA graph, "
                           "CUDA events around each replay; peak memory from the capture) | wall_clock"),
+    ("activations", _S, "hf (the transformers model as it is) | lean (forge_core.lean_activations on every "
+                        "arm of the grid: norms and SwiGLU keep less for backward)"),
     ("warmup_steps", _I, "untimed steps before the timed window"),
     ("timed_steps", _I, "steps per timed run"),
     ("repeats", _I, "timed runs"),
@@ -166,6 +168,10 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
     return final
 
 
+# columns added to schema v1 after rows were committed: older files read them as null
+LATER_COLUMNS = ("activations",)
+
+
 def iter_result_files(path: str | os.PathLike) -> list[Path]:
     path = Path(path)
     if path.is_file():
@@ -184,6 +190,9 @@ def load_table(path: str | os.PathLike) -> pa.Table:
     tables = []
     for f in files:
         t = pq.read_table(f)
+        for name in LATER_COLUMNS:
+            if name not in t.column_names:   # a row written before the column existed: null there
+                t = t.append_column(name, pa.nulls(t.num_rows, SCHEMA.field(name).type))
         missing = [c for c in COLUMN_NAMES if c not in t.column_names]
         if missing:
             raise ResultsError(f"{f}: not a forge-bench v{SCHEMA_VERSION} result file (missing {missing[:5]})")

@@ -78,6 +78,9 @@ class Grid(_Strict):
     cuda_graph: bool = Field(False, description="time each step as a replay of the whole step captured in one "
                                                 "CUDA graph (no per-kernel launch cost); arms that cannot be "
                                                 "captured get an 'unavailable' row")
+    activations: Literal["hf", "lean"] = Field(
+        "hf", description="hf: the transformers model as it is; lean: forge_core.lean_activations (the norms "
+                          "and SwiGLU keep less for backward) applied to every arm of the grid, baselines included")
 
     @field_validator("models")
     @classmethod
@@ -96,6 +99,15 @@ class Grid(_Strict):
         if bad:
             raise ValueError(f"expected positive integers, got {bad}")
         return v
+
+    @model_validator(mode="after")
+    def _lean_needs_llama_blocks(self) -> "Grid":
+        if self.activations == "lean":
+            unsupported = [m for m in self.models if not models_mod.has_lean_blocks(m)]
+            if unsupported:
+                raise ValueError(f"activations: lean needs Llama-style blocks (RMSNorm + SiLU-gated MLP); "
+                                 f"{', '.join(map(repr, unsupported))} has none")
+        return self
 
     @model_validator(mode="after")
     def _seq_fits_models(self) -> "Grid":
@@ -178,6 +190,7 @@ class Cell:
     device: str
     timeout_s: float
     cuda_graph: bool = False
+    activations: str = "hf"      # "lean": forge_core.lean_activations applied before the arm is built
 
     @property
     def label(self) -> str:
@@ -207,14 +220,17 @@ def _safe(text: str) -> str:
 
 
 def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str,
-                 cuda_graph: bool = False) -> str:
+                 cuda_graph: bool = False, activations: str = "hf") -> str:
     """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it
     (a graph-timed cell is marked; eager ids are as they always were, so old runs resume)."""
     fields: list = [suite_hash, model, batch, seq, method, dtype, device]
     if cuda_graph:
         fields.append("cuda_graph")
+    if activations != "hf":
+        fields.append(f"activations={activations}")
     digest = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:10]
-    return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}{'_graph' if cuda_graph else ''}_{digest}"
+    marks = ("_graph" if cuda_graph else "") + (f"_{activations}" if activations != "hf" else "")
+    return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}{marks}_{digest}"
 
 
 def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
@@ -226,9 +242,10 @@ def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
                 for seq in grid.seq:
                     for method in grid.methods:
                         cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device,
-                                           grid.cuda_graph)
+                                           grid.cuda_graph, grid.activations)
                         cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device,
-                                                   grid.timeout_s or spec.timeout_s, grid.cuda_graph))
+                                                   grid.timeout_s or spec.timeout_s, grid.cuda_graph,
+                                                   grid.activations))
     return tuple(cells.values())
 
 

@@ -12,9 +12,13 @@ Public API::
     # updated chunk by chunk inside this loss's backward (no weight gradient either).
     hidden = model.model(input_ids=ids).last_hidden_state
     loss = forge_core.chunked_lm_head_cross_entropy(hidden, model.lm_head, labels)
+
+    # Llama-style blocks keep about half the activations for backward (same forward, same grads).
+    forge_core.lean_activations(model)
 """
 from __future__ import annotations
 
+from .lean import LeanActivationsError, lean_activations
 from .linear import ForgeLinear
 from .lm_head_loss import chunked_lm_head_cross_entropy, default_chunk_size
 from .manager import fuse, unfuse
@@ -23,4 +27,4 @@ from .rules import RULES, get_rule
 from .state import STATE_DTYPES
 
 __all__ = ["fuse", "unfuse", "ForgeOptimizer", "ForgeLinear", "RULES", "get_rule", "STATE_DTYPES",
-           "chunked_lm_head_cross_entropy", "default_chunk_size"]
+           "chunked_lm_head_cross_entropy", "default_chunk_size", "lean_activations", "LeanActivationsError"]

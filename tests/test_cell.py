@@ -160,3 +160,20 @@ def test_graph_cell_of_an_arm_that_cannot_be_captured_is_unavailable(tmp_path):
     path.write_text(GRAPH_SUITE)
     code, row = run(load_suite(path), "bnb_adamw8bit", tmp_path / "r")
     assert code == 0 and row.status == "unavailable" and "CUDA graph" in row.reason
+
+
+def test_lean_cell_row_says_so_and_passes_the_parity_gate(tmp_path):
+    """activations: lean goes on the arm (timed and gated); the gate's fp32 reference stays plain."""
+    path = tmp_path / "lean.yaml"
+    path.write_text(SUITE.split("models:")[0] + "grids:\n  - {name: lean, models: [tiny-llama], batch: [2], "
+                    "seq: [16], activations: lean, methods: [adamw_foreach]}\n")
+    suite = load_suite(path)
+    assert [c.activations for c in suite.cells] == ["lean"]
+    code, row = run(suite, "adamw_foreach", tmp_path / "r")
+    assert code == 0 and row.status == "ok", row.reason
+    assert row.activations == "lean" and row.parity_rms_rel < 1e-5
+
+
+def test_hf_cell_row_says_hf(suite, tmp_path):
+    code, row = run(suite, "no_optimizer", tmp_path / "r")
+    assert code == 0 and row.activations == "hf"

@@ -17,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -475,3 +476,28 @@ def test_floor_table_matches_the_formula_on_the_rows(built):
     for key, (floor, ratio) in expected.items():
         assert got[key][0] == pytest.approx(floor, rel=1e-9)
         assert got[key][1] == pytest.approx(ratio, rel=1e-9)
+
+
+def test_lean_rows_are_grouped_apart_from_hf_rows(tmp_path):
+    """The same cells measured with lean activations get their own tables and baseline, never a
+    ratio against an hf row (here a copy of a real smoke run, marked lean)."""
+    rows_dir = tmp_path / "rows"
+    shutil.copytree(SMOKE, rows_dir / "hf")
+    (rows_dir / "lean").mkdir()
+    for path in sorted(SMOKE.rglob("*.parquet")):
+        table = pq.read_table(path)
+        if "activations" in table.column_names:    # the committed fixtures predate the column
+            table = table.drop_columns(["activations"])
+        table = table.append_column("activations", pa.array(["lean"] * table.num_rows, pa.string()))
+        table = table.set_column(table.column_names.index("cell_id"), "cell_id",
+                                 pa.array([c + "_lean" for c in table.column("cell_id").to_pylist()]))
+        pq.write_table(table, rows_dir / "lean" / path.name)
+    out = tmp_path / "out"
+    build_report(rows_dir, out)
+    text = (out / "tables" / "headline.md").read_text()
+    tables = parse_markdown_tables(text)
+    lean_titles = [t for t in tables if "lean activations" in t]
+    assert lean_titles and len(lean_titles) * 2 == len(tables)
+    for title in lean_titles:
+        assert any(line["Speed-up"] == "baseline" for line in tables[title])
+    assert any("lean" in p.name for p in (out / "figures").iterdir())

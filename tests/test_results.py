@@ -1,6 +1,7 @@
 """The result schema as the harness writes it: every row matches schema v1, writes are atomic."""
 from __future__ import annotations
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
@@ -66,3 +67,15 @@ def test_schema_doc_is_current():
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "results_schema.md"
     assert doc.read_text() == results.schema_markdown()
+
+
+def test_rows_written_before_a_later_column_load_with_it_null(tmp_path):
+    import pyarrow as pa
+
+    results.write_row(tmp_path, {"cell_id": "new", "status": "ok", "activations": "lean"})
+    table = pq.read_table(tmp_path / "new.parquet")
+    old = table.drop_columns(list(results.LATER_COLUMNS))
+    old = old.set_column(old.column_names.index("cell_id"), "cell_id", pa.array(["old"]))
+    pq.write_table(old, tmp_path / "old.parquet")
+    frame = results.load_results(tmp_path).set_index("cell_id")
+    assert frame.loc["new", "activations"] == "lean" and pd.isna(frame.loc["old", "activations"])

@@ -187,3 +187,37 @@ def test_cuda_graph_needs_a_cuda_suite(tmp_path):
                        .replace("batch: [1, 2]\n", "").replace("seq: [16, 32]\n", "")
                        .replace("methods: [no_optimizer, sgd]\n", ""))
     assert "cuda_graph needs device cuda" in message and "'g'" in message
+
+
+def test_lean_grids_get_their_own_cells_and_hf_ids_do_not_move(tmp_path):
+    text = """
+device: cuda
+grids:
+  - {name: hf, models: [llama-3.1-8b], batch: [1], seq: [512], methods: [adamw_fused, forge_bf16], cuda_graph: true}
+  - {name: lean, models: [llama-3.1-8b], batch: [1], seq: [512], methods: [adamw_fused, forge_bf16], cuda_graph: true,
+     activations: lean}
+"""
+    s = load_suite(write(tmp_path, text))
+    assert len(s.cells) == 4
+    lean = [c for c in s.cells if c.activations == "lean"]
+    assert [c.grid for c in lean] == ["lean", "lean"] and all("_graph_lean_" in c.cell_id for c in lean)
+    for c in s.cells:
+        if c.activations == "hf":
+            assert c.cell_id == suite_mod.make_cell_id(s.sha256, c.model, c.batch, c.seq, c.method, c.dtype, c.device,
+                                                       True)
+
+
+def test_lean_activations_need_llama_style_blocks(tmp_path):
+    text = """
+device: cuda
+grids:
+  - {name: g, models: [llama-3.1-8b, gpt2-xl], batch: [1], seq: [512], methods: [adamw_fused], activations: lean}
+"""
+    with pytest.raises(suite_mod.SuiteError) as err:
+        load_suite(write(tmp_path, text))
+    message = str(err.value)
+    assert "activations: lean needs Llama-style blocks" in message and "'gpt2-xl'" in message
+    assert "llama-3.1-8b" not in message.split("needs")[1]
+    bad = text.replace("activations: lean", "activations: slim").replace("llama-3.1-8b, gpt2-xl", "llama-3.1-8b")
+    with pytest.raises(suite_mod.SuiteError, match="activations"):
+        load_suite(write(tmp_path, bad))

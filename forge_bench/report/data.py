@@ -27,7 +27,7 @@ FAMILY_ORDER = {"baseline": 0, "peer": 1, "forge": 2}
 
 EAGER_TIMING = "eager"
 GRAPH_TIMING = "CUDA graph"
-HEADLINE_KEYS = ["device_name", "model", "dtype", "batch", "seq", "timing"]
+HEADLINE_KEYS = ["device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 
 
 class NoResultsError(ResultsError):
@@ -66,6 +66,8 @@ def load_rows(results_dirs: str | Path | Sequence[str | Path]) -> pd.DataFrame:
     # and figure groups by this, so a ratio never mixes the two.
     timing = frame["timing_method"] if "timing_method" in frame else pd.Series([None] * len(frame), index=frame.index)
     frame["timing"] = [GRAPH_TIMING if t == "cuda_graph_replay" else EAGER_TIMING for t in timing]
+    # Lean activations change every arm's memory and time: their rows are compared among themselves.
+    frame["activations"] = frame["activations"].fillna("hf") if "activations" in frame else "hf"
     return frame
 
 
@@ -170,15 +172,24 @@ def group_title(keys: Mapping[str, Any]) -> str:
         parts.append(f"batch {int(keys['batch'])} × seq {int(keys['seq'])}")
     if keys.get("timing") == GRAPH_TIMING:
         parts.append("CUDA-graph replay")
+    if keys.get("activations") == "lean":
+        parts.append("lean activations")
     if "run_id" in keys:
         parts.append(f"run {run_label(keys['run_id'])}")
     return " · ".join(parts)
 
 
 def timing_slug(keys: Mapping[str, Any]) -> str | None:
-    """The file-name part that keeps a CUDA-graph group's outputs apart from the eager ones (None
-    for eager groups, whose names stay as they were)."""
-    return "graph" if keys.get("timing") == GRAPH_TIMING else None
+    """The file-name part that keeps a CUDA-graph (or lean-activations) group's outputs apart from
+    the eager ones (None for eager hf groups, whose names stay as they were)."""
+    parts = (["graph"] if keys.get("timing") == GRAPH_TIMING else []) + \
+        (["lean"] if keys.get("activations") == "lean" else [])
+    return "-".join(parts) or None
+
+
+def key_parts(keys: Mapping[str, Any]) -> list[Any]:
+    """A group's key values for a file name: ``activations`` only when lean (hf names stay as they were)."""
+    return [(value if value != "hf" else None) if name == "activations" else value for name, value in keys.items()]
 
 
 def slug(*parts: Any) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from . import ratios
-from .data import (HEADLINE_KEYS, timing_slug, choose_baseline, find_baseline_row, group_title, is_forge,
+from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, group_title, is_forge,
                    ordered_methods, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
 from .tables import (ANALYTIC_PARTS, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
@@ -150,7 +150,7 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
         fig.suptitle(f"{group_title(dict(zip(HEADLINE_KEYS, keys)))} ({baseline_text}; "
                      f"{NOISE_MARK} = inside step-time noise)")
         fig.tight_layout()
-        paths += save(fig, folder, slug("headline", *keys))
+        paths += save(fig, folder, slug("headline", *key_parts(dict(zip(HEADLINE_KEYS, keys)))))
     return paths
 
 
@@ -432,7 +432,7 @@ def hardware_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str
         fig.suptitle(f"Hardware comparison: {group_title(keys)}\n(each device's ratios within its "
                      f"own run; no ratio across devices; {NOISE_MARK} = inside noise)")
         fig.tight_layout()
-        paths += save(fig, folder, slug("hardware", *keys.values()))
+        paths += save(fig, folder, slug("hardware", *key_parts(keys)))
     if not paths:
         return [], "no cell on two or more devices has a non-baseline method"
     return paths, None

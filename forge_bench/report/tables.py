@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from . import ratios
-from .data import (HEADLINE_KEYS, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
+from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
                    group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
                    slug)
 from .ratios import DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
@@ -221,7 +221,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                    f"speed-up: baseline step time / this step time. {SPREAD_NOTE}"
                    + (f" Timing: {', '.join(sorted(timing))}." if timing else ""))
         tables.append(Table(
-            name=slug("headline", *keys), title=group_title(key_map), caption=caption,
+            name=slug("headline", *key_parts(key_map)), title=group_title(key_map), caption=caption,
             header=header, rows=body, align="l" * (2 if several_runs else 1) + "r" * 7 + "l",
             footnotes=notes.items, records=recs))
     return tables
@@ -229,7 +229,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- batch x sequence grid ----------------------------------------------------------------------
 
-GRID_KEYS = ["run_id", "device_name", "model", "dtype", "timing"]
+GRID_KEYS = ["run_id", "device_name", "model", "dtype", "timing", "activations"]
 
 
 def grid_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -344,7 +344,7 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- model scaling ------------------------------------------------------------------------------
 
-SCALING_KEYS = ["run_id", "device_name", "dtype", "batch", "seq", "timing"]
+SCALING_KEYS = ["run_id", "device_name", "dtype", "batch", "seq", "timing", "activations"]
 
 
 def scaling_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -407,7 +407,7 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- the floor of a FORGE step (issue 6) ----------------------------------------------------------
 
-FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing"]
+FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FLOOR_METHOD = "no_optimizer"
 FLOOR_BASELINE = "adamw_fused"
 
@@ -466,7 +466,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- where memory goes --------------------------------------------------------------------------
 
-MEMORY_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing"]
+MEMORY_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 ANALYTIC_PARTS = (("mem_weights_gib", "Weights"), ("mem_optimizer_states_gib", "Optimizer states"),
                   ("mem_gradients_gib", "Gradients"))
 
@@ -522,7 +522,7 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- hardware comparison ------------------------------------------------------------------------
 
-CELL_KEYS = ["model", "dtype", "batch", "seq", "timing"]
+CELL_KEYS = ["model", "dtype", "batch", "seq", "timing", "activations"]
 
 
 def hardware_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame, list[tuple[str, str]]]]:
@@ -592,7 +592,7 @@ def hardware_tables(frame: pd.DataFrame) -> list[Table]:
                 "ever taken across devices. " + " ".join(base_notes))
         mem_header = ["Method"] + [x for label in labels for x in (f"{label} peak GiB", f"{label} Δ peak")]
         time_header = ["Method"] + [x for label in labels for x in (f"{label} step ms", f"{label} speed-up")]
-        name = slug("hardware", *keys.values())
+        name = slug("hardware", *key_parts(keys))
         tables.append(Table(name + "-memory", f"Hardware comparison (memory), {title}", rule,
                             mem_header, mem_rows, "l" + "r" * (2 * len(pairs)), notes.items, recs))
         tables.append(Table(name + "-time", f"Hardware comparison (time), {title}",
