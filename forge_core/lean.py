@@ -44,11 +44,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import rowwise
+
 # transformers classes whose forward is exactly ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``
 # (Gemma's ``1 + w`` norm is not one of them)
 LEAN_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 # classes whose forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
 LEAN_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+# one program holds a whole row in registers: wider norms take the plain-torch path
+MAX_KERNEL_WIDTH = 16384
 
 
 class LeanActivationsError(ValueError):
@@ -148,6 +152,8 @@ def _register(output: torch.Tensor, build: Callable[[], torch.Tensor], inputs: t
 
 
 # --- RMSNorm ------------------------------------------------------------------------------------
+# The plain-torch functions below are the spec (and the CPU path); on CUDA the Triton kernels of
+# ``forge_core.kernels.rowwise`` do the same in one kernel per direction.
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """transformers' RMSNorm output, given its rstd (the same ops, so the same bits)."""
@@ -158,71 +164,99 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, rstd) as transformers computes them."""
+    rstd = _rstd(x, eps)
+    return _normalize(x, weight, rstd), rstd
+
+
+def rms_norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                                grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dw in fp32): autograd's chain for transformers' norm, with its roundings."""
+    normalized = (x.to(torch.float32) * rstd).to(x.dtype)
+    leading = tuple(range(grad_output.dim() - weight.dim()))
+    grad_weight = (grad_output.to(torch.float32) * normalized.to(torch.float32)).sum(dim=leading)
+    grad_normalized = (grad_output * weight).to(x.dtype).to(torch.float32)
+    x_hat = x.to(torch.float32) * rstd
+    mean_dot = (grad_normalized * x_hat).mean(-1, keepdim=True)
+    grad_x = ((grad_normalized - x_hat * mean_dot) * rstd).to(x.dtype)
+    return grad_x, grad_weight
+
+
 class _RMSNormFunction(torch.autograd.Function):
-    """``w * (x * rstd)`` keeping x (its own dtype) and rstd (fp32, one per row) only."""
+    """``w * (x * rstd)`` keeping x (its own dtype) and rstd (fp32, one per row) only; returns
+    (output, rstd), rstd not differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, use_kernels: bool):
+        if use_kernels:
+            output, rstd = rowwise.rms_norm_forward(x, weight, eps)
+        else:
+            output, rstd = rms_norm_reference(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return _normalize(x, weight, rstd)
+        ctx.use_kernels = use_kernels
+        ctx.mark_non_differentiable(rstd)
+        return output, rstd
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor, _grad_rstd: Any):  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
-        normalized = (x.to(torch.float32) * rstd).to(x.dtype)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            # what autograd does for ``weight * normalized``: the product in the promoted dtype, summed
-            # over the broadcast dims
-            leading = tuple(range(grad_output.dim() - weight.dim()))
-            grad_weight = (grad_output * normalized).sum(dim=leading).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_normalized = (grad_output * weight).to(x.dtype).to(torch.float32)
-            x_hat = x.to(torch.float32) * rstd
-            mean_dot = (grad_normalized * x_hat).mean(-1, keepdim=True)
-            grad_x = ((grad_normalized - x_hat * mean_dot) * rstd).to(x.dtype)
-        return grad_x, grad_weight, None
+        backward = rowwise.rms_norm_backward if ctx.use_kernels else rms_norm_backward_reference
+        grad_x, grad_weight = backward(x, weight, rstd, grad_output)
+        return (grad_x if ctx.needs_input_grad[0] else None,
+                grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None)
 
 
 def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm, keeping x and rstd for backward; its output is recomputable."""
+    use_kernels = rowwise.usable_for(x) and x.shape[-1] <= MAX_KERNEL_WIDTH
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
-        return _normalize(x, weight, _rstd(x, eps))
-    with torch.no_grad():
-        rstd = _rstd(x, eps)
-    output = _RMSNormFunction.apply(x, weight, rstd)
-    _register(output, lambda: _normalize(x, weight, rstd), (x, weight, rstd), "RMSNorm")
+        return (rowwise.rms_norm_forward if use_kernels else rms_norm_reference)(x, weight, eps)[0]
+    output, rstd = _RMSNormFunction.apply(x, weight, eps, use_kernels)
+    if use_kernels:
+        def rebuild() -> torch.Tensor:
+            return rowwise.rms_norm_forward(x, weight, eps, rstd)[0]
+    else:
+        def rebuild() -> torch.Tensor:
+            return _normalize(x, weight, rstd)
+    _register(output, rebuild, (x, weight, rstd), "RMSNorm")
     return output
 
 
 # --- SwiGLU -------------------------------------------------------------------------------------
 
+def swiglu_backward_reference(gate: torch.Tensor, up: torch.Tensor,
+                              grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up): autograd's, op for op."""
+    return torch.ops.aten.silu_backward(grad_output * up, gate), grad_output * F.silu(gate)
+
+
 class _SwiGLUFunction(torch.autograd.Function):
-    """``silu(gate) * up`` keeping gate and up only; the backward is autograd's, op for op."""
+    """``silu(gate) * up`` keeping gate and up only."""
 
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, use_kernels: bool) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        ctx.use_kernels = use_kernels
+        return rowwise.swiglu_forward(gate, up) if use_kernels else F.silu(gate) * up
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        grad_gate = grad_up = None
-        if ctx.needs_input_grad[1]:
-            grad_up = grad_output * F.silu(gate)
-        if ctx.needs_input_grad[0]:
-            grad_gate = torch.ops.aten.silu_backward(grad_output * up, gate)
-        return grad_gate, grad_up
+        backward = rowwise.swiglu_backward if ctx.use_kernels else swiglu_backward_reference
+        grad_gate, grad_up = backward(gate, up, grad_output)
+        return (grad_gate if ctx.needs_input_grad[0] else None,
+                grad_up if ctx.needs_input_grad[1] else None, None)
 
 
 def lean_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` keeping gate and up for backward; the product is recomputable."""
+    use_kernels = rowwise.usable_for(gate) and gate.shape == up.shape and gate.dtype == up.dtype
+    forward = rowwise.swiglu_forward if use_kernels else (lambda g, u: F.silu(g) * u)
     if not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
-        return F.silu(gate) * up
-    output = _SwiGLUFunction.apply(gate, up)
-    _register(output, lambda: F.silu(gate) * up, (gate, up), "SwiGLU")
+        return forward(gate, up)
+    output = _SwiGLUFunction.apply(gate, up, use_kernels)
+    _register(output, lambda: forward(gate, up), (gate, up), "SwiGLU")
     return output
 
 
