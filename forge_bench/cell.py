@@ -357,7 +357,8 @@ def predicted_bytes(cell: Cell, method: methods_mod.Method) -> dict[str, int]:
         "weights": n * dtype_bytes,
         "optimizer_states": int(n * states),
         "gradients": int(n * grads),
-        "activations": models_mod.activation_bytes_estimate(cell.model, cell.batch, cell.seq, dtype_bytes),
+        "activations": models_mod.activation_bytes_estimate(cell.model, cell.batch, cell.seq, dtype_bytes,
+                                                            cell.activations),
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -208,11 +208,12 @@ def param_count(name: str, num_layers: int | None = None) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int) -> int:
+def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int, activations: str = "hf") -> int:
     """A deliberately low estimate of the activations a training step keeps for backward.
 
     Per token and layer: the saved inputs of the attention and MLP projections, the attention
-    output and norms (about 10 hidden-wide and 3 intermediate-wide tensors); plus the logits in
+    output and norms (about 10 hidden-wide and 3 intermediate-wide tensors; 4 and 2 with lean
+    activations); plus the logits in
     the model dtype and their fp32 upcast and gradient at the loss. Low on purpose: it only feeds
     ``oom_predicted``, which must skip a cell only when it clearly cannot fit.
     """
@@ -221,6 +222,8 @@ def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int)
     inter = int(data.get("intermediate_size") or data.get("n_inner") or 4 * hidden)
     layers = num_layers(name)
     tokens = batch * seq
-    per_layer = tokens * (10 * hidden + 3 * inter) * dtype_bytes
+    # lean (forge_core.lean): the two norm inputs, q and the attention output, gate and up (k, v left out)
+    widths = 4 * hidden + 2 * inter if activations == "lean" else 10 * hidden + 3 * inter
+    per_layer = tokens * widths * dtype_bytes
     logits = tokens * vocab_size(name) * (dtype_bytes + 4 + 4)
     return layers * per_layer + logits
