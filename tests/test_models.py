@@ -83,7 +83,7 @@ def test_activation_estimate_scales_with_tokens():
 
 
 def test_lean_activation_estimate_stays_below_what_lean_keeps():
-    """lean keeps 92 KiB per token and layer of Llama-3.1-8B at bf16 (2 + 2 norm inputs, q 8, k 2,
+    """lean keeps 92 KiB per token and layer of Llama-3.1-8B at bf16 (norm inputs 8 + 8, q 8, k 2,
     v 2, attention output 8 KiB, gate 28, up 28 KiB): the estimate must stay below it."""
     hf = models.activation_bytes_estimate("llama-3.1-8b", 1, 512, 2)
     lean = models.activation_bytes_estimate("llama-3.1-8b", 1, 512, 2, "lean")
