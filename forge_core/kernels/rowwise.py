@@ -24,9 +24,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# triton.jit reads TRITON_INTERPRET when it decorates: what counts is the value at import
+_DECORATED_FOR_INTERPRETER = interpreting()
+
+
 def usable_for(tensor: torch.Tensor) -> bool:
-    """Whether these kernels can run on ``tensor``'s device (CUDA, or the CPU interpreter)."""
-    return tensor.is_cuda or (tensor.device.type == "cpu" and interpreting())
+    """Whether these kernels can run on ``tensor``'s device (CUDA, or the CPU when the kernels
+    were decorated for the interpreter)."""
+    if _DECORATED_FOR_INTERPRETER:
+        return tensor.device.type == "cpu"
+    return tensor.is_cuda
 
 
 @triton.jit
@@ -80,7 +87,7 @@ def _block(n_cols: int) -> int:
 
 
 def _warps(block: int) -> int:
-    return 1 if interpreting() else min(16, max(4, block // 512))
+    return 1 if _DECORATED_FOR_INTERPRETER else min(16, max(4, block // 512))
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -143,7 +150,7 @@ def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, grad_gate_ptr, grad_up_p
 
 
 def _elementwise_block() -> int:
-    return 256 if interpreting() else 1024
+    return 256 if _DECORATED_FOR_INTERPRETER else 1024
 
 
 def _same_shape_check(*tensors: torch.Tensor) -> None:
