@@ -26,7 +26,7 @@ TOP = 15
 
 
 def warmed_up_arm(tool: str, model_name: str, batch: int, seq: int, method_name: str, warmup: int,
-                  dtype: str) -> tuple[Any, list]:
+                  dtype: str, activations: str = "hf") -> tuple[Any, list]:
     """One arm built on the GPU as a sweep cell builds it, after ``warmup`` steps (autotuners and
     the allocator settled); returns (arm, its batches). ``tool`` names the caller in errors."""
     if not torch.cuda.is_available():
@@ -36,6 +36,7 @@ def warmed_up_arm(tool: str, model_name: str, batch: int, seq: int, method_name:
     if reason:
         raise SystemExit(f"{tool}: {method_name}: {reason}")
     model = models_mod.build_model(model_name, dtype, "cuda", seed=0)
+    models_mod.apply_activations(model, activations)
     arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda"))
     batches = [models_mod.make_batch(model_name, batch, seq, "cuda", seed=i) for i in range(4)]
     for i in range(warmup):
@@ -61,11 +62,11 @@ def each_method_in_its_own_process(module: str, methods: list[str], child_args: 
 
 
 def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int,
-                dtype: str) -> dict:
+                dtype: str, activations: str = "hf") -> dict:
     """Profile ``steps`` steps of one arm in this process; returns the top kernels per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    arm, batches = warmed_up_arm("profile_step", model_name, batch, seq, method_name, warmup, dtype)
+    arm, batches = warmed_up_arm("profile_step", model_name, batch, seq, method_name, warmup, dtype, activations)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start.record()
@@ -87,8 +88,9 @@ def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: 
     return {"method": method_name, "step_ms_profiled": step_ms, "kernel_ms_total": total, "top": rows[:TOP]}
 
 
-def to_markdown(results: list[dict], model: str, batch: int, seq: int, device: str) -> str:
-    lines = [f"# Where the time goes: {model}, batch {batch}, seq {seq} ({device})", "",
+def to_markdown(results: list[dict], model: str, batch: int, seq: int, device: str, activations: str = "hf") -> str:
+    lean = ", lean activations" if activations == "lean" else ""
+    lines = [f"# Where the time goes: {model}, batch {batch}, seq {seq}{lean} ({device})", "",
              "torch.profiler, CUDA kernel time per step (mean of the profiled steps, after warm-up). "
              "`step ms` is wall time between CUDA events around the profiled steps (profiler overhead "
              "included), so it runs above a sweep's median.", ""]
@@ -112,6 +114,8 @@ def step_arguments(description: str, methods: list[str], out_help: str) -> argpa
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--activations", choices=["hf", "lean"], default="hf",
+                    help="lean: forge_core.lean_activations on the model before the arm is built")
     ap.add_argument("--methods", nargs="+", default=methods)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10)
@@ -122,6 +126,7 @@ def step_arguments(description: str, methods: list[str], out_help: str) -> argpa
 
 def child_arguments(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
+            "--activations", args.activations,
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
 
 
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = step_arguments(__doc__.splitlines()[0], ["adamw_fused", "forge_bf16"], "Markdown file to write")
     args = ap.parse_args(argv)
     if args.one:
-        res = profile_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype)
+        res = profile_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype,
+                          args.activations)
         args.out.write_text(json.dumps(res))
         return 0
     results = each_method_in_its_own_process("forge_bench.profile_step", args.methods, child_arguments(args), args.out)
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(to_markdown(results, args.model, args.batch, args.seq, device))
+    args.out.write_text(to_markdown(results, args.model, args.batch, args.seq, device, args.activations))
     print(args.out.read_text())
     return 0
 

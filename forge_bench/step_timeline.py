@@ -159,13 +159,13 @@ def analyse_trace(trace: dict) -> dict[str, Any]:
 
 
 def record_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int, dtype: str,
-               trace_path: Path | None) -> dict[str, Any]:
+               trace_path: Path | None, activations: str = "hf") -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from forge_bench.profile_step import warmed_up_arm
 
-    arm, batches = warmed_up_arm("step_timeline", model_name, batch, seq, method_name, warmup, dtype)
+    arm, batches = warmed_up_arm("step_timeline", model_name, batch, seq, method_name, warmup, dtype, activations)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             with record_function(f"{STEP_PREFIX}{i}"):
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.one:
         trace = args.trace_dir / f"trace_{args.methods[0]}.json.gz" if args.trace_dir else None
-        res = record_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype, trace)
+        res = record_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype, trace,
+                         args.activations)
         args.out.write_text(json.dumps(res))
         return 0
     if args.trace_dir:
