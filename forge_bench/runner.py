@@ -283,15 +283,23 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
 
 # --- regression check against a committed baseline -------------------------------------------
 
-CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing_method")  # graph vs graph, eager vs eager
+# graph vs graph, eager vs eager; lean activations vs lean
+CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing_method", "activations")
+
+
+def _with_activations(frame):
+    """``activations`` as the report reads it: rows from before the column are hf."""
+    values = frame["activations"].fillna("hf") if "activations" in frame else "hf"
+    return frame.assign(activations=values)
 
 
 def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",)) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
-    dtype, method and timing method (CUDA-graph replays only against replays). Returns (failures, notes); any failure means a regression (or a FORGE cell
+    dtype, method, timing method (CUDA-graph replays only against replays) and activations. Returns (failures, notes); any failure means a regression (or a FORGE cell
     that no longer measures), and having nothing to compare is a failure too."""
     failures: list[str] = []
     notes: list[str] = []
+    current, baseline = _with_activations(current), _with_activations(baseline)
     cur = current[current["method_family"].isin(families)]
     base = baseline[(baseline["method_family"].isin(families)) & (baseline["status"] == "ok")]
     compared = 0

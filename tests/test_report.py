@@ -84,10 +84,16 @@ def built(request, tmp_path_factory):
     return folder, raw_rows(folder), out, index
 
 
+def _activations(row: dict) -> str:
+    """hf or lean (rows written before the column existed are hf)."""
+    return row.get("activations") or "hf"
+
+
 def _group_key(row: dict) -> tuple:
-    # eager steps and CUDA-graph replays are separate tables: a ratio never mixes them
+    # eager steps and CUDA-graph replays are separate tables, and so are lean activations: a ratio
+    # never mixes them
     return (row["device_name"], row["model"], row["dtype"], row["batch"], row["seq"],
-            row.get("timing_method") == "cuda_graph_replay")
+            row.get("timing_method") == "cuda_graph_replay", _activations(row))
 
 
 def _timing(row: dict) -> str:
@@ -96,8 +102,9 @@ def _timing(row: dict) -> str:
 
 
 def _title(key: tuple) -> str:
-    device, model, dtype, batch, seq, graph = key
-    return f"{device} · {model} · {dtype} · batch {batch} × seq {seq}" + (" · CUDA-graph replay" if graph else "")
+    device, model, dtype, batch, seq, graph, activations = key
+    return (f"{device} · {model} · {dtype} · batch {batch} × seq {seq}" + (" · CUDA-graph replay" if graph else "")
+            + (" · lean activations" if activations == "lean" else ""))
 
 
 def _close_to_printed(printed: str, value: float) -> bool:
@@ -170,15 +177,15 @@ def test_headline_csv_holds_exact_ratios(built):
     with (out / "tables" / "headline.csv").open() as fh:
         records = list(csv.DictReader(fh))
     assert len(records) == len(rows)
-    by_run_method = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], _timing(r), r["method"]): r
-                     for r in rows}
+    by_run_method = {(r["run_id"], r["device_name"], r["model"], r["batch"], r["seq"], _timing(r), _activations(r),
+                      r["method"]): r for r in rows}
     for rec in records:
         if rec["speedup"] in ("", "None"):
             continue
         row = by_run_method[(rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]),
-                             int(rec["seq"]), rec["timing"], rec["method"])]
+                             int(rec["seq"]), rec["timing"], rec["activations"], rec["method"])]
         base = by_run_method[(rec["run_id"], rec["device_name"], rec["model"], int(rec["batch"]),
-                              int(rec["seq"]), rec["timing"], rec["baseline_method"])]
+                              int(rec["seq"]), rec["timing"], rec["activations"], rec["baseline_method"])]
         assert float(rec["speedup"]) == pytest.approx(base["step_ms_median"] / row["step_ms_median"], rel=1e-12)
 
 
@@ -196,7 +203,7 @@ def test_baseline_choice_and_caption(built):
         expected = next((m for m in ("adamw_fused", "adamw_foreach") if m in ok), "")
         got = {r["baseline_method"] for r in records
                if (r["device_name"], r["model"], r["dtype"], int(r["batch"]), int(r["seq"]),
-                   r["timing"] == "CUDA graph") == key}
+                   r["timing"] == "CUDA graph", r["activations"]) == key}
         assert got == {expected}
         if expected == "adamw_fused":
             assert "Ratios are against torch fused AdamW (`adamw_fused`)." in text
@@ -252,12 +259,13 @@ def test_every_figure_written_and_linked(built):
                              and r["parity_rms_rel"] is not None and r["parity_steps"] != 0})
     by_run_model = {}
     for r in rows:
-        by_run_model.setdefault((r["run_id"], r["device_name"], r["model"], r["dtype"], _timing(r)),
+        by_run_model.setdefault((r["run_id"], r["device_name"], r["model"], r["dtype"], _timing(r), _activations(r)),
                                 set()).add((r["batch"], r["seq"]))
     expected_grid = sum(len(s) >= 2 for s in by_run_model.values())
     by_run_shape = {}
     for r in rows:
-        by_run_shape.setdefault((r["run_id"], r["device_name"], r["dtype"], r["batch"], r["seq"], _timing(r)),
+        by_run_shape.setdefault((r["run_id"], r["device_name"], r["dtype"], r["batch"], r["seq"], _timing(r),
+                                 _activations(r)),
                                 set()).add(r["model"])
     expected_scaling = sum(len(s) >= 2 for s in by_run_shape.values())
     names = [p.name for p in pngs]

@@ -188,6 +188,14 @@ def test_check_against_baseline():
                                                  pd.concat([base, _rows(timing_method="cuda_graph_replay",
                                                                         step_ms_median=49.0)]), 0.10)
     assert not fails and "cuda_graph_replay" in notes[0] and "+2.0%" in notes[0]
+    # a lean-activations row only against lean baseline rows; rows without the column are hf
+    fails, _ = runner.check_against_baseline(_rows(activations="lean", step_ms_median=90.0), base, 0.10)
+    assert "nothing to compare" in fails[0]
+    fails, notes = runner.check_against_baseline(_rows(activations="lean", step_ms_median=90.0),
+                                                 pd.concat([base, _rows(activations="lean", step_ms_median=88.0)]), 0.10)
+    assert not fails and "+2.3%" in notes[0]
+    fails, _ = runner.check_against_baseline(_rows(activations="hf", step_ms_median=105.0), base, 0.10)
+    assert not fails
     # baseline arms never fail the check, only FORGE ones
     fails, _ = runner.check_against_baseline(
         pd.concat([_rows(), _rows(method="adamw_fused", method_family="baseline", step_ms_median=999.0)]), base, 0.10)
