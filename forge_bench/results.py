@@ -200,6 +200,12 @@ def load_table(path: str | os.PathLike) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+def with_activations(frame):
+    """``frame`` with its ``activations`` filled: rows from before the column existed are hf."""
+    values = frame["activations"].fillna("hf") if "activations" in frame else "hf"
+    return frame.assign(activations=values)
+
+
 def load_results(path: str | os.PathLike):
     """The rows under ``path`` as a pandas DataFrame."""
     return load_table(path).to_pandas()

@@ -287,11 +287,6 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
 CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing_method", "activations")
 
 
-def _with_activations(frame):
-    """``activations`` as the report reads it: rows from before the column are hf."""
-    values = frame["activations"].fillna("hf") if "activations" in frame else "hf"
-    return frame.assign(activations=values)
-
 
 def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",)) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
@@ -299,7 +294,7 @@ def check_against_baseline(current, baseline, tolerance: float, families: tuple[
     that no longer measures), and having nothing to compare is a failure too."""
     failures: list[str] = []
     notes: list[str] = []
-    current, baseline = _with_activations(current), _with_activations(baseline)
+    current, baseline = results.with_activations(current), results.with_activations(baseline)
     cur = current[current["method_family"].isin(families)]
     base = baseline[(baseline["method_family"].isin(families)) & (baseline["status"] == "ok")]
     compared = 0

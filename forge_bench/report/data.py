@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from forge_bench.results import ResultsError, iter_result_files, load_results
+from forge_bench.results import ResultsError, iter_result_files, load_results, with_activations
 
 from .ratios import as_number, as_text, comparable, incomparable_reason
 
@@ -67,8 +67,7 @@ def load_rows(results_dirs: str | Path | Sequence[str | Path]) -> pd.DataFrame:
     timing = frame["timing_method"] if "timing_method" in frame else pd.Series([None] * len(frame), index=frame.index)
     frame["timing"] = [GRAPH_TIMING if t == "cuda_graph_replay" else EAGER_TIMING for t in timing]
     # Lean activations change every arm's memory and time: their rows are compared among themselves.
-    frame["activations"] = frame["activations"].fillna("hf") if "activations" in frame else "hf"
-    return frame
+    return with_activations(frame)
 
 
 def run_label(run_id: Any) -> str:

@@ -12,16 +12,13 @@ same kernel on the same inputs, so it is bit-identical to the forward it replace
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .fused import interpreting
 
 
 # triton.jit reads TRITON_INTERPRET when it decorates: what counts is the value at import
