@@ -4,6 +4,7 @@ Shapes are deliberately odd (Dout=70, Din=90, BT=100 as 2x50) so every mask is e
 A step of each side starts from identical weights and states; for bf16 / int8 storage the
 two sides may differ by one rounding step where fp32 summation order differs.
 """
+import dataclasses
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -342,6 +343,34 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     # a second call with the same key reuses the choice without timing again
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
     assert len(timed) == 6
+
+
+def test_two_programs_per_sm_caps_eight_warp_configs_at_128_registers():
+    config = TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
+    assert fused_module.two_programs_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,
+                                                                  max_registers=128)
+    assert fused_module.two_programs_per_sm(TileConfig(64, 64, 64, 8, 4, 4)) is None      # 4 warps: 255 already
+    assert fused_module.two_programs_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
+
+
+def test_tune_config_times_prefetch_under_the_register_cap():
+    """Each 8-warp candidate is timed plain, prefetching, and prefetching at 128 registers; the capped
+    variant can win and is what the tuner returns."""
+    timed = []
+
+    def run(config):
+        timed.append(config)
+
+    def time_ms(fn):
+        fn()
+        config = timed[-1]
+        return 1.0 - 0.2 * config.prefetch - 0.3 * (config.max_registers == 128)
+
+    candidate = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
+    best, timings = tune_config([candidate], run, time_ms, groups=(8,))
+    assert set(timings) == {candidate, dataclasses.replace(candidate, prefetch=True),
+                            dataclasses.replace(candidate, prefetch=True, max_registers=128)}
+    assert best == dataclasses.replace(candidate, prefetch=True, max_registers=128)
 
 
 def test_tune_config_skips_configs_that_do_not_fit_the_device():

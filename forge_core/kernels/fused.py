@@ -137,24 +137,33 @@ def _store_tile(ptr, value, mask, EVEN: tl.constexpr, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def _int8_codes(magnitude_in, negative, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+def _int8_codes(signed, magnitude_in, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
     """Codes of one block (or a tile of blocks, ``scale`` broadcast to it): see state.py.
 
-    On the GPU the floor and the conversion to an integer are one fp32 add rounded toward zero:
-    for 0 <= t < 2^23, t + 2^23 rounded toward zero is 2^23 + floor(t), whose bit pattern minus
-    that of 2^23 is floor(t). Same codes as floor + convert (FRND and F2I run at a quarter of the
-    FP32 rate; the int8 epilogue needed two per state element)."""
+    On the GPU the result is an int32 whose low byte is the code (the store keeps that byte), in
+    few full-rate instructions: the floor and the conversion to an integer are one fp32 add rounded
+    toward zero (for 0 <= t < 2^23, t + 2^23 rounded toward zero is 2^23 + floor(t), so the bit
+    pattern's low byte is floor(t): no FRND / F2I, which run at a quarter of the FP32 rate); the
+    sign is applied to that pattern as ``(p ^ s) - s`` with ``s`` the value's sign mask, which
+    changes the low byte exactly as negating the code would. A block with ``scale == 0`` holds
+    only zeros, so its codes come out 0 with no test; sqrt-domain values are never negative."""
     has_scale = scale > 0.0
     inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
-    if HW_MATH:        # an int32 magnitude
+    if HW_MATH:
         rounded = libdevice.add_rz(tl.minimum(magnitude_in * inverse + 0.5, 127.0), 8388608.0)
-        magnitude = rounded.to(tl.int32, bitcast=True) - 0x4B000000
+        pattern = rounded.to(tl.int32, bitcast=True)                 # 0x4B000000 + magnitude
+        if SQRT_DOMAIN:
+            # codes floored at 1 where the block's scale is not 0
+            return tl.maximum(pattern, 0x4B000000 + has_scale.to(tl.int32))
+        else:
+            sign = signed.to(tl.int32, bitcast=True) >> 31              # 0 or -1
+            return (pattern ^ sign) - sign
     else:              # an fp32 magnitude (the interpreter has no round-toward-zero add)
         magnitude = tl.minimum(tl.floor(magnitude_in * inverse + 0.5), 127.0)
-    magnitude = tl.where(has_scale, magnitude, 0)
-    if SQRT_DOMAIN:
-        magnitude = tl.where(has_scale, tl.maximum(magnitude, 1), magnitude)
-    return tl.where(negative, -magnitude, magnitude)
+        magnitude = tl.where(has_scale, magnitude, 0)
+        if SQRT_DOMAIN:
+            magnitude = tl.where(has_scale, tl.maximum(magnitude, 1), magnitude)
+        return tl.where(signed < 0.0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -170,7 +179,7 @@ def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, c
         if BN == QB:        # one block per row: a plain row max, no reshape
             magnitude_in = tl.abs(value)
             scale = tl.math.div_rn(tl.max(magnitude_in, axis=1), 127.0)
-            codes = _int8_codes(magnitude_in, value < 0.0, scale[:, None], SQRT_DOMAIN, HW_MATH)
+            codes = _int8_codes(value, magnitude_in, scale[:, None], SQRT_DOMAIN, HW_MATH)
             _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
             tl.store(scales_ptr + rows * stride_scale_row + col_block0, scale, mask=row_mask & block_ok)
@@ -179,7 +188,7 @@ def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, c
             blocks = tl.reshape(value, (BM, NB, QB))
             magnitude_in = tl.abs(blocks)
             scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
-            codes = _int8_codes(magnitude_in, blocks < 0.0, scale[:, :, None], SQRT_DOMAIN, HW_MATH)
+            codes = _int8_codes(blocks, magnitude_in, scale[:, :, None], SQRT_DOMAIN, HW_MATH)
             codes = tl.reshape(codes, (BM, BN))
             _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_cols = col_block0 + tl.arange(0, NB)
@@ -257,7 +266,7 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
     else:
         s1 = tl.zeros((BM, CN), dtype=tl.float32)
 
-    weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7)
+    weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, HW_MATH)
 
     if NUM_STATES >= 1:
         _store_state(S0, SCALE0, s0, s_offsets, mask, rows, row_mask, col_block0, n_blocks, stride_scale_row,
@@ -567,12 +576,16 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
     if not timings:
         raise RuntimeError("fused_wgrad_update: no tile configuration could run on this device")
     # Prefetch changes the ranking (it costs registers, so occupancy), so every candidate is timed
-    # both ways, then the other GROUP values on the fastest.
+    # both ways, and prefetching again under a register cap that keeps two programs per SM; then
+    # the other GROUP values on the fastest.
     for config in candidates:
         for prefetch in prefetch_options:
-            variant = dataclasses.replace(config, prefetch=prefetch)
-            if variant not in timings:
-                measure(variant)
+            variants = [dataclasses.replace(config, prefetch=prefetch)]
+            if prefetch:
+                variants += [v for v in [two_programs_per_sm(variants[0])] if v is not None]
+            for variant in variants:
+                if variant not in timings:
+                    measure(variant)
     best = min(timings, key=timings.get)
     for group in groups:
         variant = dataclasses.replace(best, group=group)
@@ -580,6 +593,21 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
             measure(variant)
     best = min(timings, key=timings.get)
     return best, timings
+
+
+REGISTERS_PER_SM = 65536
+
+
+def two_programs_per_sm(config: TileConfig) -> TileConfig | None:
+    """``config`` capped at the registers per thread that let two programs share an SM (128 on 8
+    warps), or None when it already carries a cap. Why: prefetching the epilogue's loads took the
+    best BT-512 tiles from 128 to 136-152 registers (one program per SM, nothing to overlap a
+    program's epilogue with another's main loop); offline sm_90 compiles spill only 8-32 bytes per
+    thread at the cap."""
+    cap = REGISTERS_PER_SM // (2 * 32 * config.num_warps)
+    if config.max_registers is not None or cap >= 255:      # 255: the most a thread can have anyway
+        return None
+    return dataclasses.replace(config, max_registers=cap)
 
 
 def use_fixed_config() -> bool:

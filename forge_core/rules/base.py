@@ -29,9 +29,11 @@ class Rule:
     hyper-parameters; ``capturable=True`` makes it safe to replay in a CUDA graph."""
     epilogue: Any = None
     """The ``@triton.jit`` epilogue function (see forge_core/kernels for its calling convention):
-    ``epilogue(w, g, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7) -> (w, s0, s1)`` on fp32 tiles, where
+    ``epilogue(w, g, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, FAST) -> (w, s0, s1)`` on fp32 tiles, where
     ``s0``/``s1`` are the states in ``state_names`` order (``s1`` is a zero dummy for a one-state
-    rule and is not stored) and ``c0..c7`` are the floats returned by ``kernel_scalars``."""
+    rule and is not stored), ``c0..c7`` are the floats returned by ``kernel_scalars`` and ``FAST``
+    (a ``tl.constexpr``) is true on the GPU, where hardware approximations (``libdevice``) may
+    replace IEEE operations; the CPU interpreter has no ``libdevice`` and passes false."""
     kernel_scalars: Callable[[Mapping[str, Any], int], tuple[float, ...]] | None = None
     """``kernel_scalars(hp, step) -> tuple`` of at most 8 floats the epilogue reads (lr, decay
     factors, bias corrections...), computed on the host in float64 so that a new step or a new

@@ -56,7 +56,7 @@ def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple
 
 @triton.jit
 def epilogue(w, g, exp_avg, unused_state, decay, lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
-             unused_c6, unused_c7):
+             unused_c6, unused_c7, FAST: tl.constexpr):
     """Lion on fp32 tiles; sign(0) = 0 as torch.sign."""
     w = w * decay
     blend = exp_avg * beta1 + one_minus_beta1 * g

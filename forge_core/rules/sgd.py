@@ -67,7 +67,7 @@ def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple
 
 @triton.jit
 def epilogue(w, g, momentum_buffer, unused_state, lr, weight_decay, momentum, one_minus_dampening,
-             is_first_step, nesterov, unused_c6, unused_c7):
+             is_first_step, nesterov, unused_c6, unused_c7, FAST: tl.constexpr):
     """SGD on fp32 tiles; the flags are runtime floats so a new step never recompiles."""
     if weight_decay != 0.0:
         g = g + weight_decay * w
