@@ -377,11 +377,16 @@ def test_tune_config_skips_configs_that_do_not_fit_the_device():
     class OutOfResources(Exception):
         pass
 
+    class PTXASError(Exception):
+        pass
+
     ran = []
 
     def run(config):
         if config.block_m == 256:
             raise OutOfResources("shared memory")
+        if config.max_registers is not None:
+            raise PTXASError("ptxas fatal: (C7602) Insufficient registers (128) to compile instruction")
         ran.append(config)
 
     def time_ms(fn):
@@ -392,6 +397,10 @@ def test_tune_config_skips_configs_that_do_not_fit_the_device():
                                 groups=(8, 16), prefetch_options=())
     assert best == TileConfig(128, 64, 32, 16, 4, 2)
     assert all(c.block_m != 256 for c in timings) and len(timings) == 3
+    # an 8-warp candidate whose register-capped prefetch variant ptxas refuses is still tuned
+    ran.clear()
+    best, timings = tune_config([TileConfig(64, 64, 32, 8, 8, 2)], run, time_ms, groups=(8,))
+    assert all(c.max_registers is None for c in timings) and len(timings) == 2
 
     def broken(config):
         raise ValueError("a real bug must not be swallowed")

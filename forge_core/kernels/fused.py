@@ -566,8 +566,9 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
         try:
             timings[config] = float(time_ms(lambda: run_on_scratch(config)))
         except Exception as error:  # noqa: BLE001 - resource errors differ between Triton versions
-            if "OutOfResources" not in type(error).__name__ and "out of resource" not in str(error).lower() \
-                    and "CompilationError" not in type(error).__name__:
+            # ptxas refusing a register cap (PTXASError: "Insufficient registers") is a resource limit too
+            if not any(name in type(error).__name__ for name in ("OutOfResources", "CompilationError", "PTXASError")) \
+                    and "out of resource" not in str(error).lower():
                 raise
 
     candidates = list(candidates)
