@@ -1,0 +1,55 @@
+"""Check and time hand-picked tile configurations of the fused kernel on the GPU (the sweep of
+``gpu_kernel_check.py --sweep`` on an explicit list): for trying occupancy / register-cap ideas
+before they enter ``SHORTLIST``. Records go to OUT/check.jsonl like the sweep's.
+
+    python3 scripts/kernel_variants.py --out $OUT q:512:int8 gate:512:int8 q:512:bf16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import gpu_kernel_check as check  # noqa: E402
+from forge_core.kernels.fused import TileConfig  # noqa: E402
+
+
+def variants() -> list[TileConfig]:
+    """The current BT-512 winner and occupancy variants around it (programs per SM in comments)."""
+    return [
+        TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2 (the winner)
+        TileConfig(64, 128, 64, 8, 8, 3, prefetch=True, split_n=2, max_registers=128),   # 2, less shared
+        TileConfig(64, 128, 64, 16, 8, 4, prefetch=True, split_n=2, max_registers=128),  # 2, group 16
+        TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2, BK 32
+        TileConfig(64, 64, 64, 8, 4, 3, prefetch=True, max_registers=128),               # 4 (48 KB shared)
+        TileConfig(64, 64, 64, 8, 4, 2, prefetch=True, max_registers=128),               # 4 (32 KB)
+        TileConfig(64, 64, 64, 8, 4, 4, prefetch=True, max_registers=168),               # 3 (64 KB)
+        TileConfig(128, 64, 64, 8, 8, 3, prefetch=True, max_registers=128),              # 2, tall tile
+        TileConfig(64, 128, 64, 8, 4, 3, prefetch=True, split_n=2),                      # 4 warps, wide
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="+", metavar="SHAPE:BT:STATES")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from forge_bench.floor import measure_copy_bandwidth
+    check.BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
+    check.emit(out, dict(kind="copy_bandwidth", gbps=check.BANDWIDTH[0] / 1e9))
+    for case in args.cases:
+        name, tokens, state_dtype = case.split(":")
+        dout, din = check.SWEEP_SHAPES[name]
+        check.guarded(out, check.sweep_configs, dout, din, int(tokens), state_dtype, variants())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
