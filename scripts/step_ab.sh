@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU machine (repo root; `.whl` and an old tree at tmp/ab_old carried): the same suite cells
+# run by the old tree and by this one, alternating old / new per selection, each into its own
+# results folder (results/<name>_old, results/<name>_new), returned as $OUT/<name>.tgz.
+#   scripts/step_ab.sh SUITE NAME OLD_COMMIT NEW_COMMIT "sel1;sel2"
+set -u
+suite=$1 name=$2 old_commit=$3 new_commit=$4 only=$5
+source scripts/device_setup.sh "$new_commit" >/dev/null || exit 1
+arm() {   # arm TAG TREE COMMIT SELECTION
+  local dir="results/h100/${name}_$1" resume=""
+  [ -f "$dir/manifest.json" ] && resume="--resume"
+  PYTHONPATH="$PWD/$2:/tmp/site" FORGE_BENCH_GIT_COMMIT=$3 python3 -m forge_bench.cli sweep "$suite" \
+    --out "$dir" --only "$4" $resume >> "$OUT/step_ab.log" 2>&1
+  echo "$1 $4 rc=$? $(nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader)"
+}
+IFS=';' read -ra selections <<< "$only"
+for selection in "${selections[@]}"; do
+  arm old tmp/ab_old "$old_commit" "$selection"
+  arm new . "$new_commit" "$selection"
+done
+grep -hE "^  [A-Za-z0-9_.-]+/" "$OUT/step_ab.log" | tail -n 20
+tar -czf "$OUT/$name.tgz" results/h100/${name}_old results/h100/${name}_new
