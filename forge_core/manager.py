@@ -239,7 +239,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
          weight_decay: Optional[float] = None, momentum: Optional[float] = None,
          state_dtype: str = "fp32", stochastic_rounding: bool = False, accumulate_steps: int = 1,
          max_grad_norm: Optional[float] = None, backend: str = "auto",
-         probe_inputs: Any = None, capturable: bool = False, overlap: bool = True,
+         probe_inputs: Any = None, capturable: bool = False, overlap: bool = True, dense_2d: bool = True,
          **other_hyperparameters: Any) -> ForgeOptimizer:
     """Fuse the optimizer ``optimizer`` into the backward of ``model``'s eligible Linear layers.
 
@@ -276,6 +276,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     ``overlap``: on CUDA, run each layer's fused update on a side stream so it overlaps the rest of
     the backward (``forge_core.overlap`` says why this is safe); the backward's end waits for it, so
     weights are updated when ``backward()`` returns, as without it. False: updates run in line.
+    ``dense_2d``: step the 2-D fallback parameters (a vocabulary embedding, tied or excluded weights)
+    in ``step()`` with the fused kernel from their ``.grad``, in the same ``state_dtype`` as the fused
+    weights (``forge_core.optimizer.DenseWeight``); False leaves them to the torch optimizer (moments
+    in the weight's dtype). A state dict loads only into an optimizer with the same setting.
     """
     if max_grad_norm is not None:
         raise ValueError(_CLIPPING_ERROR)
@@ -357,7 +361,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
             state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
             accumulate_steps=accumulate_steps, backend=chosen_backend,
             excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
-            fused_ids=fused_ids, capturable=capturable)
+            fused_ids=fused_ids, capturable=capturable, dense_2d=dense_2d,
+            parameter_names={id(p): name for name, p in model.named_parameters()})
     except BaseException:
         for binding in bindings.values():
             remove_forge_linear(binding.module)

@@ -631,7 +631,8 @@ class _LaunchPlan:
     compare and one Triton call; on a host-bound Llama-8B step each fused layer's Python counts)."""
     config: TileConfig
     grid: tuple[int]
-    fixed_args: tuple            # weight, states, scales, accumulator, sizes and strides after x2, dy2
+    fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (the accumulator
+                                 # slot is None: it is passed per launch, see _run)
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
 
 
@@ -657,7 +658,9 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
                   HW_MATH=not interpreting())
     options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
-    fixed = (weight, s0, s1, scale0, scale1, accum, m, n, k)
+    # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
+    # and a cached plan holding the old one would keep a weight-sized tensor alive.
+    fixed = (weight, s0, s1, scale0, scale1, None, m, n, k)
     strides = (weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
                accum.stride(0), accum.stride(1))
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
@@ -669,10 +672,12 @@ _NO_SCALARS = (0.0,) * NUM_SCALARS
 
 
 def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
-         seed: int):
+         seed: int, grad_accum: torch.Tensor | None = None):
     """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
-    (the plan was then built with ``SCALARS_IN_MEMORY``)."""
-    weight, s0, s1, scale0, scale1, accum, m, n, k = plan.fixed_args[:9]
+    (the plan was then built with ``SCALARS_IN_MEMORY``). ``grad_accum``: the accumulator, of the
+    layout the plan was built with (or None, as the plan was)."""
+    weight, s0, s1, scale0, scale1, _, m, n, k = plan.fixed_args[:9]
+    accum = grad_accum if grad_accum is not None else weight
     if isinstance(scalars, torch.Tensor):
         values, buffer = _NO_SCALARS, scalars
     else:
@@ -687,7 +692,7 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
             states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
             scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any]):
     """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
-    return _run(_plan(config, x2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed)
+    return _run(_plan(config, x2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed, grad_accum)
 
 
 def check_config(config: TileConfig, state_dtype: str) -> None:
@@ -775,7 +780,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         # Same weight, states, layouts and dtypes as a call that passed every check below.
         x2, dy2 = flatten_tokens(x, x.shape[-1], "x"), flatten_tokens(dy, dy.shape[-1], "dy")
         scalars = device_scalars if in_memory else _kernel_scalars(state.rule, hp, step)
-        _run(cached, x2, dy2, scalars, int(seed) & 0x7FFFFFFF)
+        _run(cached, x2, dy2, scalars, int(seed) & 0x7FFFFFFF, grad_accum)
         return
     if not triton_available():
         raise RuntimeError("fused_wgrad_update needs a CUDA device or TRITON_INTERPRET=1; "
@@ -821,7 +826,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     plan = _plan(config, x2, weight, states, scales, grad_accum, meta)
     if signature is not None:                    # one layout per weight is the steady state
         _PLANS[state] = {signature: plan}
-    _run(plan, x2, dy2, scalars, seed)
+    _run(plan, x2, dy2, scalars, seed, grad_accum)
 
 
 def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:
@@ -870,7 +875,8 @@ def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, sta
     try:
         return (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, weight.data_ptr(),
                 tuple(map(id, state.values.values())), tuple(map(id, state.scales.values())),
-                None if grad_accum is None else grad_accum.data_ptr(),
+                None if grad_accum is None else (grad_accum.shape, grad_accum.stride(), grad_accum.dtype,
+                                                 grad_accum.device),
                 bool(stochastic_rounding), config, torch.backends.cuda.matmul.allow_tf32, scalars_in_memory)
     except (AttributeError, RuntimeError):       # not a plain tensor (a subclass without storage)
         return None

@@ -50,8 +50,9 @@ def check_arguments(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, sta
     if len(devices) != 1:
         raise ValueError(f"x, dy and weight must be on one device, got {sorted(map(str, devices))}")
     if grad_accum is not None:
-        if tuple(grad_accum.shape) != (dout, din) or grad_accum.dtype != torch.float32:
-            raise ValueError(f"grad_accum must be fp32 of shape {(dout, din)}, got {grad_accum.dtype} "
+        # fp32 (a micro-batch accumulator) or bf16 (a dense .grad of a bf16 weight, see DenseWeight)
+        if tuple(grad_accum.shape) != (dout, din) or grad_accum.dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"grad_accum must be fp32 or bf16 of shape {(dout, din)}, got {grad_accum.dtype} "
                              f"{tuple(grad_accum.shape)}")
     return x2, dy2
 
