@@ -109,7 +109,7 @@ def _title(key: tuple) -> str:
 
 def _close_to_printed(printed: str, value: float) -> bool:
     """``printed`` is ``value`` rounded to the digits it shows."""
-    number = float(printed.lstrip("~").rstrip("×%"))
+    number = float(printed.lstrip("~≥≤").rstrip("×%"))
     decimals = len(printed.split(".")[1].rstrip("×%")) if "." in printed else 0
     return abs(number - value) <= 0.5 * 10 ** -decimals + 1e-12
 
@@ -156,7 +156,8 @@ def test_headline_values_equal_hand_computation(built):
             elif bases and bases[0] is row:
                 assert line["Speed-up"] == "baseline" and line["Δ peak"] == "baseline"
             elif bases and row["status"] == "ok":
-                if ratios.time_incomparable_reason(row, bases[0]) is not None:   # clocks or host apart
+                refused = ratios.time_incomparable_reason(row, bases[0]) is not None   # clocks or host apart
+                if refused and not ratios.speedup(row, bases[0]).bound:
                     assert line["Speed-up"] == ratios.DIFFERENT_RUN
                 else:
                     expected = bases[0]["step_ms_median"] / row["step_ms_median"]
@@ -359,15 +360,38 @@ def test_ratio_refused_when_context_differs(column, value):
         assert column in ratio.refusal
 
 
+def _set_time(row: dict, ms: float) -> None:
+    row["step_ms_median"], row["step_ms_run_medians"], row["step_ms_spread_max"] = ms, [ms, ms, ms], 0.01
+
+
 def test_clock_tolerance():
     cand, base = _real_pair()
+    _set_time(base, 100.0)
+    _set_time(cand, 80.0)                                  # the candidate is faster
     base["sm_clock_mhz_after"] = 1980.0
     cand["sm_clock_mhz_after"] = 1980.0 * (1 - ratios.CLOCK_TOLERANCE * 0.9)
-    assert ratios.speedup(cand, base).value == pytest.approx(base["step_ms_median"] / cand["step_ms_median"])
-    cand["sm_clock_mhz_after"] = 1980.0 * (1 - ratios.CLOCK_TOLERANCE * 1.1)
-    assert ratios.speedup(cand, base).text == ratios.DIFFERENT_RUN
+    within = ratios.speedup(cand, base)
+    assert within.value == pytest.approx(1.25) and within.bound is None and within.text == "1.25×"
     cand["sm_clock_mhz_after"] = None
     assert ratios.speedup(cand, base).text == ratios.DIFFERENT_RUN
+
+
+@pytest.mark.parametrize("cand_ms, cand_clock, expected", [
+    (80.0, 1700.0, "≥1.25×"),     # faster at a lower clock: the clock only narrowed the win
+    (80.0, 2300.0, None),         # faster at a higher clock: the clock may be the win
+    (125.0, 2300.0, "≤0.80×"),    # slower at a higher clock: the clock only narrowed the loss
+    (125.0, 1700.0, None),        # slower at a lower clock: the clock may be the loss
+])
+def test_clocks_apart_give_a_bound_only_in_the_direction_that_narrows_the_gap(cand_ms, cand_clock, expected):
+    cand, base = _real_pair()
+    _set_time(base, 100.0)
+    _set_time(cand, cand_ms)
+    base["sm_clock_mhz_after"], cand["sm_clock_mhz_after"] = 1980.0, cand_clock
+    ratio = ratios.speedup(cand, base)
+    if expected is None:
+        assert ratio.value is None and ratio.text == ratios.DIFFERENT_RUN and "SM clocks differ" in ratio.refusal
+    else:
+        assert ratio.text == expected and ratio.bound == expected[0] and ratio.value == pytest.approx(100.0 / cand_ms)
 
 
 def test_time_ratio_needs_one_machine_boot_but_memory_does_not():

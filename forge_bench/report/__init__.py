@@ -179,7 +179,9 @@ def _header(frame: pd.DataFrame, results_dir: str) -> list[str]:
               f"speed-up also needs SM clocks (after the timed window) within {ratios.CLOCK_TOLERANCE:.0%} "
               "of each other and, where both rows recorded one, the same machine boot (a sweep "
               "resumed on a new lease keeps its run id, but not its host's speed); "
-              f"anything else reads “{ratios.DIFFERENT_RUN}”. The baseline is torch fused AdamW "
+              f"anything else reads “{ratios.DIFFERENT_RUN}”, except clocks that differ in the direction "
+              "that can only narrow the gap (the faster cell at the lower clock), printed as a bound "
+              "(≥ / ≤). The baseline is torch fused AdamW "
               "(`adamw_fused`), or `adamw_foreach` where the fused arm did not run (the caption says "
               f"so). {ratios.NOISE_FOOTNOTE}", ""]
     return lines

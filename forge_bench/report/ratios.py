@@ -9,6 +9,13 @@ step is bound by the host's launch speed, which changes from one lease to the ne
 Anything else is printed as ``DIFFERENT_RUN`` instead of a number, because a ratio of two times
 taken under different software, silicon or clocks measures those differences, not the method.
 
+One exception for clocks: when the faster of the two cells ran at the LOWER clock, the difference
+could only have slowed the winner, so the measured speed-up is a bound on the equal-clock one and is
+printed as such (``≥1.22×`` for a faster candidate, ``≤0.95×`` for a slower one; ``Ratio.bound``).
+Why: a memory-bound optimizer step draws less power than a GEMM-heavy one, so the GPU boosts it
+higher (fused AdamW at 1950 MHz, FORGE at 1740-1830 on an H100 in every run): refusing those pairs
+hid a property of the workload, not noise.
+
 A time ratio whose difference lies inside the measured noise of the two cells is still printed,
 but flagged (``within_noise``, rendered with a leading ``~``) so that it is not read as a clean
 win. The noise of one cell is ``noise_halfwidth_ms``: half of its widest per-run interquartile
@@ -34,6 +41,11 @@ NOISE_FOOTNOTE = (
     f"{NOISE_MARK} the difference lies inside the measured step-time spread of the two cells "
     "(half the widest per-run IQR, or half the range of the per-run medians, of each): "
     "not a clean win or loss."
+)
+BOUND_FOOTNOTE = (
+    f"≥ / ≤ the two cells ran at SM clocks more than {CLOCK_TOLERANCE:.0%} apart and the faster one at the "
+    "lower clock, so the clock difference can only have narrowed the gap: the ratio at equal clocks is at "
+    "least (≥) / at most (≤) the number shown."
 )
 
 
@@ -63,6 +75,20 @@ def incomparable_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> s
         value_a, value_b = as_text(row_a.get(column)), as_text(row_b.get(column))
         if value_a != value_b:
             return f"{column} differs ({value_a} vs {value_b})"
+    return None
+
+
+def clock_bound(candidate: Mapping[str, Any], baseline: Mapping[str, Any], speed_up: float) -> str | None:
+    """"≥" when the candidate is faster at a lower SM clock than the baseline, "≤" when it is slower
+    at a higher one (the clock difference then narrowed the gap), else None."""
+    clock_c = as_number(candidate.get("sm_clock_mhz_after"))
+    clock_b = as_number(baseline.get("sm_clock_mhz_after"))
+    if clock_c is None or clock_b is None:
+        return None
+    if speed_up >= 1.0 and clock_c < clock_b:
+        return "≥"
+    if speed_up <= 1.0 and clock_c > clock_b:
+        return "≤"
     return None
 
 
@@ -136,6 +162,7 @@ class Ratio:
     text: str
     within_noise: bool = False
     refusal: str | None = None  # the one-line reason behind a non-number (for footnotes)
+    bound: str | None = None    # "≥" / "≤": clocks apart, the value bounds the equal-clock ratio
 
     @property
     def is_number(self) -> bool:
@@ -163,17 +190,22 @@ def speedup(candidate: Mapping[str, Any], baseline: Mapping[str, Any] | None) ->
     refused = _refuse_or_none(candidate, baseline)
     if refused is not None:
         return refused
-    time_reason = time_incomparable_reason(candidate, baseline)
-    if time_reason is not None:
-        return Ratio(None, DIFFERENT_RUN, refusal=time_reason)
+    host_reason = different_host_reason(candidate, baseline)
+    if host_reason is not None:
+        return Ratio(None, DIFFERENT_RUN, refusal=host_reason)
+    clock_reason = _clock_reason(candidate, baseline)
     cand_ms = as_number(candidate.get("step_ms_median"))
     base_ms = as_number(baseline.get("step_ms_median"))
     if cand_ms is None or base_ms is None or cand_ms <= 0:
-        return Ratio(None, "n/a (no time)", refusal="step time missing")
+        return Ratio(None, DIFFERENT_RUN if clock_reason else "n/a (no time)",
+                     refusal=clock_reason or "step time missing")
     value = base_ms / cand_ms
+    bound = clock_bound(candidate, baseline, value) if clock_reason is not None else None
+    if clock_reason is not None and bound is None:
+        return Ratio(None, DIFFERENT_RUN, refusal=clock_reason)
     noisy = abs(base_ms - cand_ms) <= noise_halfwidth_ms(candidate) + noise_halfwidth_ms(baseline)
-    text = f"{NOISE_MARK if noisy else ''}{value:.2f}×"
-    return Ratio(value, text, within_noise=noisy)
+    text = f"{NOISE_MARK if noisy else ''}{bound or ''}{value:.2f}×"
+    return Ratio(value, text, within_noise=noisy, bound=bound)
 
 
 def peak_change(candidate: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> Ratio:

@@ -18,7 +18,7 @@ from . import ratios
 from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
                    group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
                    slug)
-from .ratios import DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
+from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
 
 SPREAD_NOTE = ("Step ms is the median over runs of each run's median step; p10–p90 spans all "
                "timed steps; spread is the largest per-run IQR / median.")
@@ -157,6 +157,8 @@ class _Notes:
     def ratio(self, ratio: Ratio, who: str) -> None:
         if ratio.within_noise:
             self.add(NOISE_FOOTNOTE)
+        if ratio.bound:
+            self.add(BOUND_FOOTNOTE)
         if ratio.text == DIFFERENT_RUN:
             self.add(f"{DIFFERENT_RUN} for {who}: {ratio.refusal}; a ratio is computed only within "
                      f"one sweep run on one device (same versions; for times also SM clocks within "
@@ -212,6 +214,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                          "step_ms_spread_max": as_number(row.get("step_ms_spread_max")),
                          "speedup": None if is_base else speed.value,
                          "speedup_within_noise": speed.within_noise,
+                         "speedup_bound": None if is_base else speed.bound,
                          "speedup_text": "baseline" if is_base else speed.text,
                          "peak_change_text": "baseline" if is_base else change.text,
                          "parity_rms_rel": as_number(row.get("parity_rms_rel")),
@@ -330,7 +333,7 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
                 line.append(f"{saving.text} / {speed.text}")
                 ratio_recs.append({**keys, "method": method, "batch": shape[0], "seq": shape[1],
                                    "memory_saving": saving.value, "speedup": speed.value,
-                                   "speedup_within_noise": speed.within_noise})
+                                   "speedup_within_noise": speed.within_noise, "speedup_bound": speed.bound})
             ratio_rows.append(line)
         if ratio_rows:
             _, base_note = choose_baseline(records(group))
@@ -460,7 +463,8 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
                                  key_map["batch"], key_map["seq"], run_label(key_map["run_id"]), timing_slug(key_map)),
                             f"FORGE against its floor, {group_title(key_map)}", caption,
                             ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor",
-                             "Best speed-up", "Measured speed-up"], body, "llrrrrrr", [NOISE_FOOTNOTE], recs))
+                             "Best speed-up", "Measured speed-up"], body, "llrrrrrr", [NOISE_FOOTNOTE, BOUND_FOOTNOTE],
+                            recs))
     return tables
 
 
