@@ -128,7 +128,7 @@ def test_resume_with_dense_weights_is_bit_identical(state_dtype: str) -> None:
     buffer = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, buffer)
     buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
+    saved = torch.load(buffer, weights_only=True)
     resumed = _model("cpu", seed=1)
     resumed_opt = _fuse(resumed, state_dtype=state_dtype)
     resumed.load_state_dict(saved["model"])
