@@ -417,25 +417,32 @@ class ForgeOptimizer(torch.optim.Optimizer):
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
-        step = binding.steps_done + 1
         if part is None:
             weight, state, grad_accum = binding.weight, binding.state, binding.grad_accum
         else:
             weight = binding.weight.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
+        self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
+        if grad_accum is not None:
+            grad_accum.zero_()
+
+    def _launch_update(self, owner: "FusedWeight | DenseWeight", x: torch.Tensor, grad_output: torch.Tensor,
+                       weight: torch.Tensor, state: ParamState, grad_accum: Optional[torch.Tensor],
+                       seed_offset: int = 0) -> None:
+        """One fused-kernel (or reference) update at ``owner``'s next step: with the device scalars
+        of its group in capturable mode, else with the group's hyper-parameters and a seed."""
+        step = owner.steps_done + 1
         if self.capturable:
-            group = binding.group_index
+            group = owner.group_index
             if self._scalars_stale[group]:
                 self._write_device_scalars(group)
-            self._update_function(x, grad_output, weight, state, {}, step,
+            self._update_function(x, grad_output, weight, state, {}, step, grad_accum=grad_accum,
                                   device_scalars=self._device_scalars[group])
             return
         self._update_function(
-            x, grad_output, weight, state, self._kernel_hyperparameters(binding.group_index), step,
+            x, grad_output, weight, state, self._kernel_hyperparameters(owner.group_index), step,
             grad_accum=grad_accum, stochastic_rounding=self.stochastic_rounding,
-            seed=(binding.index * 1_000_003 + step + seed_offset) & 0x7FFFFFFF)
-        if grad_accum is not None:
-            grad_accum.zero_()
+            seed=(owner.index * 1_000_003 + step + seed_offset) & 0x7FFFFFFF)
 
     def _step_dense(self, dense: DenseWeight) -> None:
         """``step()``'s update of one 2-D fallback parameter from its ``.grad`` (skipped without one,
@@ -450,20 +457,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             grad = grad.float()
         if not grad.is_contiguous():
             grad = grad.contiguous()
-        step = dense.steps_done + 1
         with torch.no_grad():
-            if self.capturable:
-                group = dense.group_index
-                if self._scalars_stale[group]:
-                    self._write_device_scalars(group)
-                self._update_function(dense.no_x, dense.no_dy, dense.weight, dense.state, {}, step,
-                                      grad_accum=grad, device_scalars=self._device_scalars[group])
-            else:
-                self._update_function(
-                    dense.no_x, dense.no_dy, dense.weight, dense.state,
-                    self._kernel_hyperparameters(dense.group_index), step, grad_accum=grad,
-                    stochastic_rounding=self.stochastic_rounding,
-                    seed=(dense.index * 1_000_003 + step) & 0x7FFFFFFF)
+            self._launch_update(dense, dense.no_x, dense.no_dy, dense.weight, dense.state, grad)
         dense.steps_done += 1
 
     def _write_device_scalars(self, group: int) -> None:

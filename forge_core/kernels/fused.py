@@ -582,12 +582,11 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
     # the other GROUP values on the fastest.
     for config in candidates:
         for prefetch in prefetch_options:
-            variants = [dataclasses.replace(config, prefetch=prefetch)]
-            if prefetch:
-                variants += [v for v in [two_programs_per_sm(variants[0])] if v is not None]
-            for variant in variants:
-                if variant not in timings:
-                    measure(variant)
+            variant = dataclasses.replace(config, prefetch=prefetch)
+            capped = two_programs_per_sm(variant) if prefetch else None
+            for candidate in (variant, capped):
+                if candidate is not None and candidate not in timings:
+                    measure(candidate)
     best = min(timings, key=timings.get)
     for group in groups:
         variant = dataclasses.replace(best, group=group)
@@ -631,8 +630,8 @@ class _LaunchPlan:
     compare and one Triton call; on a host-bound Llama-8B step each fused layer's Python counts)."""
     config: TileConfig
     grid: tuple[int]
-    fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (the accumulator
-                                 # slot is None: it is passed per launch, see _run)
+    fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (not the
+                                 # accumulator: it is passed per launch, see _run)
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
 
 
@@ -660,7 +659,7 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
     options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
     # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
     # and a cached plan holding the old one would keep a weight-sized tensor alive.
-    fixed = (weight, s0, s1, scale0, scale1, None, m, n, k)
+    fixed = (weight, s0, s1, scale0, scale1, m, n, k)
     strides = (weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
                accum.stride(0), accum.stride(1))
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
@@ -676,7 +675,7 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
     """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
     (the plan was then built with ``SCALARS_IN_MEMORY``). ``grad_accum``: the accumulator, of the
     layout the plan was built with (or None, as the plan was)."""
-    weight, s0, s1, scale0, scale1, _, m, n, k = plan.fixed_args[:9]
+    weight, s0, s1, scale0, scale1, m, n, k = plan.fixed_args[:8]
     accum = grad_accum if grad_accum is not None else weight
     if isinstance(scalars, torch.Tensor):
         values, buffer = _NO_SCALARS, scalars
@@ -684,7 +683,7 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
         values, buffer = scalars, weight
     return _fused_wgrad_update_kernel[plan.grid](
         x2, dy2, weight, s0, s1, scale0, scale1, accum, m, n, k,
-        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[9:],
+        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:],
         *values, seed, buffer, **plan.kwargs)
 
 
