@@ -1,0 +1,256 @@
+"""Where the time of a CUDA-graph step goes, with both streams: what the sweep's graph cells time.
+
+    python -m forge_bench.graph_profile --activations lean --methods adamw_fused forge_bf16 forge_int8 \
+        --out reports/h100/graph_profile_llama8b_b1_s512_lean.md
+
+``profile_step`` profiles eager steps, whose host launch cost hides what the GPU does; a graph
+replay has none, and with ``fuse(overlap=True)`` the fused updates run on a side stream beside the
+backward. Each method runs in its own process, is built capturable, warmed up and captured as a
+sweep's graph cell is (``cell.GraphedStep``); its step is timed without the profiler (CUDA events,
+median of ``--timed`` replays), then ``--steps`` replays are recorded with CUDA activity, each after
+a synchronize and a pause so that replays can be told apart on the timeline.
+
+Per replay it reports the GPU span, the time any kernel ran (union over streams), the idle rest,
+each kernel class's summed time and how much of it ran beside another class's kernels, and for the
+fused update (one row per launch grid, i.e. per weight shape) the in-graph duration per launch, to
+hold against ``forge_bench.kernel_bench``'s time for the kernel alone.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+REPLAY_PAUSE_S = 0.02          # idle between recorded replays; the split below looks for it
+REPLAY_SPLIT_US = 10_000.0     # a kernel gap this long starts a new replay
+KERNEL_CLASSES = (             # first match wins; the name is lower-cased
+    ("fused update", ("_fused_wgrad_update",)),
+    ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("norm", ("rms_norm",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(key in low for key in keys):
+            return label
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    from forge_bench.step_timeline import _union as union
+    return union(intervals)
+
+
+def _overlap_us(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
+    """How long ``interval`` shares with a sorted, disjoint ``union``."""
+    import bisect
+    start, end = interval
+    i = max(0, bisect.bisect_right([a for a, _ in union], start) - 1)
+    total = 0.0
+    while i < len(union) and union[i][0] < end:
+        a, b = union[i]
+        total += max(0.0, min(b, end) - max(a, start))
+        i += 1
+    return total
+
+
+def split_replays(kernels: list[dict]) -> list[list[dict]]:
+    """Kernel events (sorted by start) grouped into replays at the long pauses between them."""
+    replays: list[list[dict]] = []
+    last_end = None
+    for k in kernels:
+        if last_end is None or k["ts"] - last_end > REPLAY_SPLIT_US:
+            replays.append([])
+        replays[-1].append(k)
+        last_end = k["ts"] + k["dur"] if last_end is None else max(last_end, k["ts"] + k["dur"])
+    return replays
+
+
+def analyse_replay(kernels: list[dict]) -> dict[str, Any]:
+    """Span, busy union, idle, per-class time and overlap, per-stream busy, fused launches by grid."""
+    span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1000.0
+    busy = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    busy_ms = sum(b - a for a, b in busy) / 1000.0
+    by_class: dict[str, list[dict]] = defaultdict(list)
+    for k in kernels:
+        by_class[kernel_class(k["name"])].append(k)
+    classes = {}
+    for label, members in by_class.items():
+        others = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if kernel_class(k["name"]) != label])
+        total = sum(k["dur"] for k in members)
+        beside = sum(_overlap_us((k["ts"], k["ts"] + k["dur"]), others) for k in members)
+        classes[label] = {"ms": total / 1000.0, "launches": len(members), "beside_other_ms": beside / 1000.0}
+    streams: dict[str, float] = defaultdict(float)
+    for stream, members in _group(kernels, lambda k: str(k.get("args", {}).get("stream", k.get("tid")))).items():
+        streams[stream] = sum(b - a for a, b in _union([(k["ts"], k["ts"] + k["dur"]) for k in members])) / 1000.0
+    fused = by_class.get("fused update", [])
+    others = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if kernel_class(k["name"]) != "fused update"])
+    grids = []
+    for grid, members in _group(fused, lambda k: str(k.get("args", {}).get("grid"))).items():
+        durs = [k["dur"] for k in members]
+        alone = [k["dur"] for k in members if _overlap_us((k["ts"], k["ts"] + k["dur"]), others) < 0.05 * k["dur"]]
+        grids.append({"grid": grid, "launches": len(members), "ms_total": sum(durs) / 1000.0,
+                      "us_median": statistics.median(durs),
+                      "us_median_alone": statistics.median(alone) if alone else None, "alone": len(alone),
+                      "registers": members[0].get("args", {}).get("registers per thread"),
+                      "blocks_per_sm": members[0].get("args", {}).get("blocks per SM")})
+    grids.sort(key=lambda g: -g["ms_total"])
+    return {"span_ms": span, "busy_ms": busy_ms, "idle_ms": span - busy_ms,
+            "kernel_ms": sum(k["dur"] for k in kernels) / 1000.0, "launches": len(kernels),
+            "classes": dict(sorted(classes.items(), key=lambda kv: -kv[1]["ms"])),
+            "stream_busy_ms": dict(sorted(streams.items(), key=lambda kv: -kv[1])), "fused_by_grid": grids}
+
+
+def _group(items: list[dict], key) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for item in items:
+        groups[key(item)].append(item)
+    return groups
+
+
+def analyse_trace(trace: dict) -> list[dict[str, Any]]:
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        raise ValueError("the trace holds no kernel events: CUPTI recorded nothing inside the graph replays")
+    for k in kernels:
+        k["ts"], k["dur"] = float(k["ts"]), float(k.get("dur", 0.0))
+    kernels.sort(key=lambda k: k["ts"])
+    return [analyse_replay(replay) for replay in split_replays(kernels)]
+
+
+def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int, dtype: str,
+                activations: str, timed: int, trace_path: Path | None) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from forge_bench import cell as cell_mod
+    from forge_bench import methods as methods_mod
+    from forge_bench import models as models_mod
+
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_profile: needs a CUDA device (torch.cuda.is_available() is False)")
+    method = methods_mod.get_method(method_name)
+    reason = method.unavailable_reason("cuda", True)
+    if reason:
+        raise SystemExit(f"graph_profile: {method_name}: {reason}")
+    model = models_mod.build_model(model_name, dtype, "cuda", seed=0)
+    models_mod.apply_activations(model, activations)
+    torch.manual_seed(0)
+    arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda",
+                                                      capturable=True))
+    batches = [models_mod.make_batch(model_name, batch, seq, "cuda", seed=i) for i in range(4)]
+    warm = cell_mod._eager_steps(arm, batches, cell_mod.GRAPH_EAGER_WARMUP, side_stream=True)
+    del warm
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    step = cell_mod.GraphedStep(arm, batches[0])
+    for i in range(warmup):
+        step(batches[i % 4])
+    torch.cuda.synchronize()
+
+    gc.collect()
+    gc.disable()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(timed)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(timed)]
+    for i in range(timed):
+        starts[i].record()
+        step(batches[i % 4])
+        ends[i].record()
+    torch.cuda.synchronize()
+    gc.enable()
+    step_ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(batches[i % 4])
+            torch.cuda.synchronize()
+            time.sleep(REPLAY_PAUSE_S)
+    raw = Path(f"/tmp/graph_profile_{method_name}.json")
+    prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    raw.unlink()
+    if trace_path is not None:
+        import gzip
+        with gzip.open(trace_path, "wt") as fh:
+            json.dump(trace, fh)
+    replays = analyse_trace(trace)
+    return {"method": method_name, "step_ms_median": step_ms, "timed": timed, "replays": replays}
+
+
+def to_markdown(results: list[dict], title: str) -> str:
+    lines = [f"# Graph-replay profile: {title}", "",
+             "Each arm captured in a CUDA graph as a sweep's graph cell is, timed without the profiler "
+             "(`step ms`: CUDA events, median of the timed replays), then replays recorded with CUDA activity. "
+             "Per replay (the table shows the median replay by span): `busy` = time at least one kernel ran "
+             "(union over streams), `idle` = span minus busy, `beside` = a class's kernel time that ran "
+             "concurrently with another class's kernels.", "",
+             "| method | step ms | span ms | busy ms | idle ms | kernel ms (sum) | launches |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    picked = []
+    for res in results:
+        reps = sorted(res["replays"], key=lambda r: r["span_ms"])
+        rep = reps[len(reps) // 2]
+        picked.append((res, rep))
+        lines.append(f"| {res['method']} | {res['step_ms_median']:.2f} | {rep['span_ms']:.2f} | {rep['busy_ms']:.2f} | "
+                     f"{rep['idle_ms']:.2f} | {rep['kernel_ms']:.2f} | {rep['launches']} |")
+    for res, rep in picked:
+        lines += ["", f"## {res['method']}", "", "| kernel class | ms | launches | ms beside another class |",
+                  "|---|---:|---:|---:|"]
+        for label, c in rep["classes"].items():
+            lines.append(f"| {label} | {c['ms']:.2f} | {c['launches']} | {c['beside_other_ms']:.2f} |")
+        lines += ["", "Busy time per stream: " + ", ".join(f"stream {s} {ms:.2f} ms"
+                                                           for s, ms in rep["stream_busy_ms"].items())]
+        if rep["fused_by_grid"]:
+            lines += ["", "Fused update per launch grid (one grid per weight shape): median µs per launch, and "
+                      "over the launches that ran (almost) alone", "",
+                      "| grid | launches | ms total | µs / launch | µs alone (n) | regs | blocks / SM |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for g in rep["fused_by_grid"]:
+                alone = f"{g['us_median_alone']:.1f} ({g['alone']})" if g["us_median_alone"] is not None else "- (0)"
+                lines.append(f"| {g['grid']} | {g['launches']} | {g['ms_total']:.2f} | {g['us_median']:.1f} | "
+                             f"{alone} | {g['registers']} | {g['blocks_per_sm']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from forge_bench.profile_step import child_arguments, each_method_in_its_own_process, step_arguments
+
+    ap = step_arguments(__doc__.splitlines()[0], ["adamw_fused", "forge_bf16", "forge_int8"], "Markdown file to write")
+    ap.add_argument("--timed", type=int, default=20, help="replays timed without the profiler")
+    ap.add_argument("--trace-dir", type=Path, default=None, help="also keep each arm's Chrome trace (gzip) here")
+    args = ap.parse_args(argv)
+    if args.one:
+        trace = args.trace_dir / f"{args.methods[0]}.json.gz" if args.trace_dir else None
+        res = profile_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype,
+                          args.activations, args.timed, trace)
+        args.out.write_text(json.dumps(res))
+        return 0
+    if args.trace_dir:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+    extra = ["--timed", str(args.timed)] + (["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])
+    results = each_method_in_its_own_process("forge_bench.graph_profile", args.methods,
+                                             child_arguments(args) + extra, args.out)
+    if not results:
+        print("graph_profile: no arm could be profiled; nothing written", file=sys.stderr)
+        return 1
+    import torch
+    device = torch.cuda.get_device_name(0)
+    lean = ", lean activations" if args.activations == "lean" else ""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(to_markdown(results, f"{args.model}, batch {args.batch}, seq {args.seq}{lean} ({device})"))
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
