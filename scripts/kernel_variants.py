@@ -26,11 +26,7 @@ def variants() -> list[TileConfig]:
         TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2, BK 32 (int8)
         TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128, persistent=2),
         TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=2, max_registers=128, persistent=2),
-        TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=4, max_registers=128, persistent=2),
-        TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, persistent=1),       # 1, uncapped
-        TileConfig(64, 128, 32, 8, 8, 3, prefetch=True, split_n=2, max_registers=128, persistent=2),
-        TileConfig(64, 64, 64, 8, 4, 3, prefetch=True, max_registers=128, persistent=4),
-        TileConfig(128, 128, 64, 8, 8, 3, prefetch=True, split_n=4, persistent=1),       # 1, big tile
+        TileConfig(64, 128, 64, 8, 8, 3, prefetch=True, split_n=2, max_registers=128, persistent=2),
     ]
 
 

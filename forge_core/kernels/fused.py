@@ -307,13 +307,8 @@ def _fused_wgrad_update_kernel(
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     num_tiles = tiles_m * tiles_n
-    if PERSISTENT:
-        stride_tiles = tl.num_programs(0)
-    else:
-        stride_tiles = num_tiles
     first_tile = tl.program_id(0)
     CN: tl.constexpr = BN // SPLIT
-    offs_k = tl.arange(0, BK)
 
     # With PREFETCH, issue the first epilogue slab's W / state loads now: their HBM latency then
     # hides behind the main loop, which only reads X and dY (mostly from L2). Each later slab's loads
@@ -329,103 +324,138 @@ def _fused_wgrad_update_kernel(
             W, S0, S1, SCALE0, SCALE1, col0, rows, row_mask, N, stride_wm, stride_wn, stride_sm, stride_sn,
             stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
 
-    for tile in range(first_tile, num_tiles, stride_tiles):
-        offs_m, rows, row_mask, col0 = _tile_origin(tile, M, N, tiles_m, tiles_n, WIDE_INDEX, BM, BN, GROUP)
-        offs_n = col0 + tl.arange(0, BN)
-        col_mask = offs_n < N
+    if PERSISTENT:
+        programs = tl.num_programs(0)
+        for tile in range(first_tile, num_tiles, programs):
+            # the program's last tile "prefetches" itself again: a wasted read, no out-of-range address
+            next_tile = tl.minimum(tile + programs, num_tiles - 1)
+            w_raw, s0_raw, s0_scales, s1_raw, s1_scales = _one_tile(
+                tile, next_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCALARS, M, N, K, tiles_m, tiles_n,
+                stride_xk, stride_xn, stride_dyk, stride_dym, stride_wm, stride_wn, stride_sm, stride_sn,
+                stride_scale_row, stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed,
+                w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
+                EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING, IEEE_DOT,
+                UPCAST_DOT, SCALARS_IN_MEMORY, EVEN_MN, EVEN_K, WIDE_INDEX, PREFETCH, HW_MATH, SPLIT, True, BM, BN, BK, GROUP, QB)
+    else:
+        _one_tile(first_tile, first_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCALARS, M, N, K, tiles_m,
+                  tiles_n, stride_xk, stride_xn, stride_dyk, stride_dym, stride_wm, stride_wn, stride_sm, stride_sn,
+                stride_scale_row, stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed,
+                w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
+                EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING, IEEE_DOT,
+                UPCAST_DOT, SCALARS_IN_MEMORY, EVEN_MN, EVEN_K, WIDE_INDEX, PREFETCH, HW_MATH, SPLIT, False, BM, BN, BK, GROUP, QB)
 
-        # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
-        dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
-        x_ptrs = X + offs_k[:, None] * stride_xk + offs_n[None, :] * stride_xn           # (BK, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k_chunk in range(0, tl.cdiv(K, BK)):
-            if EVEN_K and EVEN_MN:
-                dy_tile = tl.load(dy_ptrs)
-                x_tile = tl.load(x_ptrs)
-            else:
-                k_left = K - k_chunk * BK
-                dy_tile = tl.load(dy_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                x_tile = tl.load(x_ptrs, mask=(offs_k[:, None] < k_left) & col_mask[None, :], other=0.0)
-            if UPCAST_DOT:
-                # The Triton 3.9 interpreter multiplies bf16 tiles as raw integers; fp32 is exact here
-                # (bf16 x bf16 products are exact in fp32, accumulation is fp32 either way).
-                acc = tl.dot(dy_tile.to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
-            elif IEEE_DOT:
-                acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(dy_tile, x_tile, acc)
-            dy_ptrs += BK * stride_dyk
-            x_ptrs += BK * stride_xk
 
-        if SCALARS_IN_MEMORY:
-            # The rule's scalars from a device buffer (capturable mode): a CUDA graph replays this
-            # launch with whatever the buffer holds, so a new step or lr needs no new launch arguments.
-            c0 = tl.load(SCALARS + 0)
-            c1 = tl.load(SCALARS + 1)
-            c2 = tl.load(SCALARS + 2)
-            c3 = tl.load(SCALARS + 3)
-            c4 = tl.load(SCALARS + 4)
-            c5 = tl.load(SCALARS + 5)
-            c6 = tl.load(SCALARS + 6)
-            c7 = tl.load(SCALARS + 7)
+@triton.jit
+def _one_tile(tile, next_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCALARS, M, N, K, tiles_m, tiles_n,
+              stride_xk, stride_xn, stride_dyk, stride_dym, stride_wm, stride_wn, stride_sm, stride_sn,
+              stride_scale_row, stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed,
+              w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
+              EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
+              S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
+              STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+              SCALARS_IN_MEMORY: tl.constexpr, EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr,
+              WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr, HW_MATH: tl.constexpr, SPLIT: tl.constexpr,
+              NEXT_TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+              QB: tl.constexpr):
+    """Main loop and epilogue of one tile, its first slab's raw W / states given when PREFETCH; returns
+    the raw first slab of ``next_tile`` (NEXT_TILE) loaded during the last slab's update."""
+    CN: tl.constexpr = BN // SPLIT
+    offs_k = tl.arange(0, BK)
+    offs_m, rows, row_mask, col0 = _tile_origin(tile, M, N, tiles_m, tiles_n, WIDE_INDEX, BM, BN, GROUP)
+    offs_n = col0 + tl.arange(0, BN)
+    col_mask = offs_n < N
 
-        # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
-        # states are live in registers at a time (two with PREFETCH), so large tiles need not spill.
-        tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4, "SPLIT must be 1, 2 or 4")
-        if SPLIT == 1:
-            slab_0 = acc
-            slab_1 = acc              # unused below: one slab only
-            slab_2 = acc
-            slab_3 = acc
+    # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
+    dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
+    x_ptrs = X + offs_k[:, None] * stride_xk + offs_n[None, :] * stride_xn           # (BK, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k_chunk in range(0, tl.cdiv(K, BK)):
+        if EVEN_K and EVEN_MN:
+            dy_tile = tl.load(dy_ptrs)
+            x_tile = tl.load(x_ptrs)
         else:
-            left, right = _column_halves(acc, BM, BN)
-            if SPLIT == 2:
-                slab_0 = left
-                slab_1 = right
-                slab_2 = left         # unused: only SPLIT == 4 has a third and fourth slab
-                slab_3 = right
-            else:
-                slab_0, slab_1 = _column_halves(left, BM, BN // 2)
-                slab_2, slab_3 = _column_halves(right, BM, BN // 2)
-        for i in tl.static_range(SPLIT):
-            # the next slab's loads go out before this slab's update (PREFETCH only); after the last
-            # slab of a tile, a persistent program's next tile's first slab (its own last tile reloads
-            # itself: a wasted read, no out-of-range address)
-            nw_raw = 0.0
-            ns0_raw = 0.0
-            ns0_scales = 0.0
-            ns1_raw = 0.0
-            ns1_scales = 0.0
-            if PREFETCH and i + 1 < SPLIT:
-                nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
-                    W, S0, S1, SCALE0, SCALE1, col0 + (i + 1) * CN, rows, row_mask, N, stride_wm, stride_wn,
-                    stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
-            if PREFETCH and PERSISTENT and i + 1 == SPLIT:
-                next_tile = tl.minimum(tile + stride_tiles, num_tiles - 1)
-                _, next_rows, next_row_mask, next_col0 = _tile_origin(next_tile, M, N, tiles_m, tiles_n, WIDE_INDEX,
-                                                                   BM, BN, GROUP)
-                nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
-                    W, S0, S1, SCALE0, SCALE1, next_col0, next_rows, next_row_mask, N, stride_wm, stride_wn,
-                    stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
-            if i == 0:
-                grad = slab_0
-            elif i == 1:
-                grad = slab_1
-            elif i == 2:
-                grad = slab_2
-            else:
-                grad = slab_3
-            _update_columns(grad, col0 + i * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
-                            M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-                            c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
-                            PREFETCH, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
-                            STOCHASTIC_ROUNDING, EVEN_MN, HW_MATH, BM, CN, QB)
-            if PREFETCH and (PERSISTENT or i + 1 < SPLIT):
-                w_raw = nw_raw
-                s0_raw = ns0_raw
-                s0_scales = ns0_scales
-                s1_raw = ns1_raw
-                s1_scales = ns1_scales
+            k_left = K - k_chunk * BK
+            dy_tile = tl.load(dy_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            x_tile = tl.load(x_ptrs, mask=(offs_k[:, None] < k_left) & col_mask[None, :], other=0.0)
+        if UPCAST_DOT:
+            # The Triton 3.9 interpreter multiplies bf16 tiles as raw integers; fp32 is exact here
+            # (bf16 x bf16 products are exact in fp32, accumulation is fp32 either way).
+            acc = tl.dot(dy_tile.to(tl.float32), x_tile.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE_DOT:
+            acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(dy_tile, x_tile, acc)
+        dy_ptrs += BK * stride_dyk
+        x_ptrs += BK * stride_xk
+
+    if SCALARS_IN_MEMORY:
+        # The rule's scalars from a device buffer (capturable mode): a CUDA graph replays this
+        # launch with whatever the buffer holds, so a new step or lr needs no new launch arguments.
+        c0 = tl.load(SCALARS + 0)
+        c1 = tl.load(SCALARS + 1)
+        c2 = tl.load(SCALARS + 2)
+        c3 = tl.load(SCALARS + 3)
+        c4 = tl.load(SCALARS + 4)
+        c5 = tl.load(SCALARS + 5)
+        c6 = tl.load(SCALARS + 6)
+        c7 = tl.load(SCALARS + 7)
+
+    # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
+    # states are live in registers at a time (two with PREFETCH), so large tiles need not spill.
+    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4, "SPLIT must be 1, 2 or 4")
+    if SPLIT == 1:
+        slab_0 = acc
+        slab_1 = acc              # unused below: one slab only
+        slab_2 = acc
+        slab_3 = acc
+    else:
+        left, right = _column_halves(acc, BM, BN)
+        if SPLIT == 2:
+            slab_0 = left
+            slab_1 = right
+            slab_2 = left         # unused: only SPLIT == 4 has a third and fourth slab
+            slab_3 = right
+        else:
+            slab_0, slab_1 = _column_halves(left, BM, BN // 2)
+            slab_2, slab_3 = _column_halves(right, BM, BN // 2)
+    for i in tl.static_range(SPLIT):
+        # the next slab's loads go out before this slab's update (PREFETCH only); during the last
+        # slab, with NEXT_TILE, the first slab of ``next_tile``
+        nw_raw = 0.0
+        ns0_raw = 0.0
+        ns0_scales = 0.0
+        ns1_raw = 0.0
+        ns1_scales = 0.0
+        if PREFETCH and i + 1 < SPLIT:
+            nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
+                W, S0, S1, SCALE0, SCALE1, col0 + (i + 1) * CN, rows, row_mask, N, stride_wm, stride_wn,
+                stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
+        if PREFETCH and NEXT_TILE and i + 1 == SPLIT:
+            _, next_rows, next_row_mask, next_col0 = _tile_origin(next_tile, M, N, tiles_m, tiles_n, WIDE_INDEX,
+                                                               BM, BN, GROUP)
+            nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
+                W, S0, S1, SCALE0, SCALE1, next_col0, next_rows, next_row_mask, N, stride_wm, stride_wn,
+                stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
+        if i == 0:
+            grad = slab_0
+        elif i == 1:
+            grad = slab_1
+        elif i == 2:
+            grad = slab_2
+        else:
+            grad = slab_3
+        _update_columns(grad, col0 + i * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
+                        M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
+                        PREFETCH, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
+                        STOCHASTIC_ROUNDING, EVEN_MN, HW_MATH, BM, CN, QB)
+        if PREFETCH and (NEXT_TILE or i + 1 < SPLIT):
+            w_raw = nw_raw
+            s0_raw = ns0_raw
+            s0_scales = ns0_scales
+            s1_raw = ns1_raw
+            s1_scales = ns1_scales
+    return w_raw, s0_raw, s0_scales, s1_raw, s1_scales
 
 
 @triton.jit
