@@ -20,13 +20,17 @@ from forge_core.kernels.fused import TileConfig  # noqa: E402
 
 
 def variants() -> list[TileConfig]:
-    """The current BT-512 winners and persistent variants of them (programs per SM in comments)."""
+    """The current BT-512 winner and occupancy variants around it (programs per SM in comments)."""
     return [
-        TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2 (the bf16 winner)
-        TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2, BK 32 (int8)
-        TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128, persistent=2),
-        TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=2, max_registers=128, persistent=2),
-        TileConfig(64, 128, 64, 8, 8, 3, prefetch=True, split_n=2, max_registers=128, persistent=2),
+        TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2 (the winner)
+        TileConfig(64, 128, 64, 8, 8, 3, prefetch=True, split_n=2, max_registers=128),   # 2, less shared
+        TileConfig(64, 128, 64, 16, 8, 4, prefetch=True, split_n=2, max_registers=128),  # 2, group 16
+        TileConfig(64, 128, 32, 8, 8, 4, prefetch=True, split_n=2, max_registers=128),   # 2, BK 32
+        TileConfig(64, 64, 64, 8, 4, 3, prefetch=True, max_registers=128),               # 4 (48 KB shared)
+        TileConfig(64, 64, 64, 8, 4, 2, prefetch=True, max_registers=128),               # 4 (32 KB)
+        TileConfig(64, 64, 64, 8, 4, 4, prefetch=True, max_registers=168),               # 3 (64 KB)
+        TileConfig(128, 64, 64, 8, 8, 3, prefetch=True, max_registers=128),              # 2, tall tile
+        TileConfig(64, 128, 64, 8, 4, 3, prefetch=True, split_n=2),                      # 4 warps, wide
     ]
 
 

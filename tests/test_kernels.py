@@ -120,12 +120,6 @@ def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
     ((70, 300, 100), TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)),   # ragged, four slabs
     ((64, 256, 64), TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)),
     ((70, 300, 100), TileConfig(32, 256, 32, 8, 4, 1, split_n=4)),
-    # persistent: 2 programs per (interpreter) SM loop over 3x2 / 3x3 tiles, each loading its next
-    # tile's first slab during its last slab; the last tile reloads itself
-    ((70, 200, 100), TileConfig(32, 64, 32, 8, 4, 1, prefetch=True, split_n=1, persistent=1)),
-    ((70, 300, 100), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2, persistent=1)),
-    ((64, 256, 64), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2, persistent=1)),
-    ((70, 300, 100), TileConfig(32, 128, 32, 8, 4, 1, split_n=2, persistent=1)),     # persistent, no prefetch
 ])
 def test_kernel_variants_match_reference(shape, config, state_dtype):
     dout, din, tokens = shape
@@ -359,10 +353,9 @@ def test_two_programs_per_sm_caps_eight_warp_configs_at_128_registers():
     assert fused_module.two_programs_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
 
 
-@pytest.mark.parametrize("persistent_wins", [False, True])
-def test_tune_config_times_prefetch_under_the_register_cap(persistent_wins):
-    """Each 8-warp candidate is timed plain, prefetching, prefetching at 128 registers, and that as a
-    persistent grid of two programs per SM; whichever is fastest is what the tuner returns."""
+def test_tune_config_times_prefetch_under_the_register_cap():
+    """Each 8-warp candidate is timed plain, prefetching, and prefetching at 128 registers; the capped
+    variant can win and is what the tuner returns."""
     timed = []
 
     def run(config):
@@ -371,26 +364,13 @@ def test_tune_config_times_prefetch_under_the_register_cap(persistent_wins):
     def time_ms(fn):
         fn()
         config = timed[-1]
-        looping = 0.1 if persistent_wins else -0.1
-        return 1.0 - 0.2 * config.prefetch - 0.3 * (config.max_registers == 128) - looping * (config.persistent == 2)
+        return 1.0 - 0.2 * config.prefetch - 0.3 * (config.max_registers == 128)
 
     candidate = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
     best, timings = tune_config([candidate], run, time_ms, groups=(8,))
-    capped = dataclasses.replace(candidate, prefetch=True, max_registers=128)
-    assert set(timings) == {candidate, dataclasses.replace(candidate, prefetch=True), capped,
-                            dataclasses.replace(capped, persistent=2)}
-    assert best == (dataclasses.replace(capped, persistent=2) if persistent_wins else capped)
-
-
-def test_persistent_variant_runs_as_many_programs_per_sm_as_the_cap_allows():
-    assert fused_module.persistent_variant(TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, max_registers=128)) \
-        == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, max_registers=128, persistent=2)
-    assert fused_module.persistent_variant(TileConfig(64, 64, 64, 8, 4, 4, prefetch=True, max_registers=128)) \
-        == TileConfig(64, 64, 64, 8, 4, 4, prefetch=True, max_registers=128, persistent=4)
-    assert fused_module.persistent_variant(TileConfig(64, 128, 64, 8, 8, 4, prefetch=True)) is None   # no cap
-    assert fused_module.persistent_variant(TileConfig(64, 128, 64, 8, 8, 4, max_registers=128)) is None
-    with pytest.raises(ValueError, match="persistent must be 0"):
-        fused_module.check_config(TileConfig(64, 128, 64, 8, 8, 4, persistent=-1), "bf16")
+    assert set(timings) == {candidate, dataclasses.replace(candidate, prefetch=True),
+                            dataclasses.replace(candidate, prefetch=True, max_registers=128)}
+    assert best == dataclasses.replace(candidate, prefetch=True, max_registers=128)
 
 
 def test_tune_config_skips_configs_that_do_not_fit_the_device():

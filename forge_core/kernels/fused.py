@@ -298,72 +298,45 @@ def _fused_wgrad_update_kernel(
         STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
         SCALARS_IN_MEMORY: tl.constexpr,
         EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
-        HW_MATH: tl.constexpr, SPLIT: tl.constexpr, PERSISTENT: tl.constexpr,
+        HW_MATH: tl.constexpr, SPLIT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
-    # One program per tile, or (PERSISTENT) a grid of a few programs per SM, each looping over the
-    # tiles pid, pid + programs, ...: with PREFETCH its next tile's first slab is loaded while the
-    # current tile's last slab is updated, so HBM keeps streaming across tile boundaries instead of
-    # idling while both programs of an SM (which start together) run their main loops.
+    # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
+    pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
-    num_tiles = tiles_m * tiles_n
-    first_tile = tl.program_id(0)
-    CN: tl.constexpr = BN // SPLIT
+    programs_per_group = GROUP * tiles_n
+    group_id = pid // programs_per_group
+    first_m = group_id * GROUP
+    group_rows = tl.minimum(tiles_m - first_m, GROUP)
+    pid_m = first_m + (pid % programs_per_group) % group_rows
+    pid_n = (pid % programs_per_group) // group_rows
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    row_mask = offs_m < M
+    col_mask = offs_n < N
+
+    # Weight-shaped offsets (64-bit only for matrices past 2^31 elements).
+    if WIDE_INDEX:
+        rows = offs_m.to(tl.int64)
+    else:
+        rows = offs_m
+    col0 = pid_n * BN
 
     # With PREFETCH, issue the first epilogue slab's W / state loads now: their HBM latency then
     # hides behind the main loop, which only reads X and dY (mostly from L2). Each later slab's loads
     # are issued before the previous slab's update runs (one slab of lookahead).
+    CN: tl.constexpr = BN // SPLIT
     w_raw = 0.0
     s0_raw = 0.0
     s0_scales = 0.0
     s1_raw = 0.0
     s1_scales = 0.0
     if PREFETCH:
-        _, rows, row_mask, col0 = _tile_origin(first_tile, M, N, tiles_m, tiles_n, WIDE_INDEX, BM, BN, GROUP)
         w_raw, s0_raw, s0_scales, s1_raw, s1_scales = _load_slab(
             W, S0, S1, SCALE0, SCALE1, col0, rows, row_mask, N, stride_wm, stride_wn, stride_sm, stride_sn,
             stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
-
-    if PERSISTENT:
-        programs = tl.num_programs(0)
-        for tile in range(first_tile, num_tiles, programs):
-            # the program's last tile "prefetches" itself again: a wasted read, no out-of-range address
-            next_tile = tl.minimum(tile + programs, num_tiles - 1)
-            w_raw, s0_raw, s0_scales, s1_raw, s1_scales = _one_tile(
-                tile, next_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCALARS, M, N, K, tiles_m, tiles_n,
-                stride_xk, stride_xn, stride_dyk, stride_dym, stride_wm, stride_wn, stride_sm, stride_sn,
-                stride_scale_row, stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed,
-                w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
-                EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING, IEEE_DOT,
-                UPCAST_DOT, SCALARS_IN_MEMORY, EVEN_MN, EVEN_K, WIDE_INDEX, PREFETCH, HW_MATH, SPLIT, True, BM, BN, BK, GROUP, QB)
-    else:
-        _one_tile(first_tile, first_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCALARS, M, N, K, tiles_m,
-                  tiles_n, stride_xk, stride_xn, stride_dyk, stride_dym, stride_wm, stride_wn, stride_sm, stride_sn,
-                stride_scale_row, stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed,
-                w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
-                EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING, IEEE_DOT,
-                UPCAST_DOT, SCALARS_IN_MEMORY, EVEN_MN, EVEN_K, WIDE_INDEX, PREFETCH, HW_MATH, SPLIT, False, BM, BN, BK, GROUP, QB)
-
-
-@triton.jit
-def _one_tile(tile, next_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCALARS, M, N, K, tiles_m, tiles_n,
-              stride_xk, stride_xn, stride_dyk, stride_dym, stride_wm, stride_wn, stride_sm, stride_sn,
-              stride_scale_row, stride_gm, stride_gn, c0, c1, c2, c3, c4, c5, c6, c7, seed,
-              w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
-              EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
-              S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
-              STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              SCALARS_IN_MEMORY: tl.constexpr, EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr,
-              WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr, HW_MATH: tl.constexpr, SPLIT: tl.constexpr,
-              NEXT_TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-              QB: tl.constexpr):
-    """Main loop and epilogue of one tile, its first slab's raw W / states given when PREFETCH; returns
-    the raw first slab of ``next_tile`` (NEXT_TILE) loaded during the last slab's update."""
-    CN: tl.constexpr = BN // SPLIT
-    offs_k = tl.arange(0, BK)
-    offs_m, rows, row_mask, col0 = _tile_origin(tile, M, N, tiles_m, tiles_n, WIDE_INDEX, BM, BN, GROUP)
-    offs_n = col0 + tl.arange(0, BN)
-    col_mask = offs_n < N
 
     # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
     dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
@@ -402,79 +375,52 @@ def _one_tile(tile, next_tile, X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, SCA
 
     # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
     # states are live in registers at a time (two with PREFETCH), so large tiles need not spill.
-    tl.static_assert(SPLIT == 1 or SPLIT == 2 or SPLIT == 4, "SPLIT must be 1, 2 or 4")
     if SPLIT == 1:
-        slab_0 = acc
-        slab_1 = acc              # unused below: one slab only
-        slab_2 = acc
-        slab_3 = acc
+        _update_columns(acc, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM, M, N,
+                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                        c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales, PREFETCH,
+                        EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                        EVEN_MN, HW_MATH, BM, CN, QB)
     else:
+        tl.static_assert(SPLIT == 2 or SPLIT == 4, "SPLIT must be 1, 2 or 4")
         left, right = _column_halves(acc, BM, BN)
         if SPLIT == 2:
             slab_0 = left
             slab_1 = right
-            slab_2 = left         # unused: only SPLIT == 4 has a third and fourth slab
+            slab_2 = left             # unused: only SPLIT == 4 has a third and fourth slab
             slab_3 = right
         else:
             slab_0, slab_1 = _column_halves(left, BM, BN // 2)
             slab_2, slab_3 = _column_halves(right, BM, BN // 2)
-    for i in tl.static_range(SPLIT):
-        # the next slab's loads go out before this slab's update (PREFETCH only); during the last
-        # slab, with NEXT_TILE, the first slab of ``next_tile``
-        nw_raw = 0.0
-        ns0_raw = 0.0
-        ns0_scales = 0.0
-        ns1_raw = 0.0
-        ns1_scales = 0.0
-        if PREFETCH and i + 1 < SPLIT:
-            nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
-                W, S0, S1, SCALE0, SCALE1, col0 + (i + 1) * CN, rows, row_mask, N, stride_wm, stride_wn,
-                stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
-        if PREFETCH and NEXT_TILE and i + 1 == SPLIT:
-            _, next_rows, next_row_mask, next_col0 = _tile_origin(next_tile, M, N, tiles_m, tiles_n, WIDE_INDEX,
-                                                               BM, BN, GROUP)
-            nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
-                W, S0, S1, SCALE0, SCALE1, next_col0, next_rows, next_row_mask, N, stride_wm, stride_wn,
-                stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
-        if i == 0:
-            grad = slab_0
-        elif i == 1:
-            grad = slab_1
-        elif i == 2:
-            grad = slab_2
-        else:
-            grad = slab_3
-        _update_columns(grad, col0 + i * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
-                        M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
-                        c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
-                        PREFETCH, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
-                        STOCHASTIC_ROUNDING, EVEN_MN, HW_MATH, BM, CN, QB)
-        if PREFETCH and (NEXT_TILE or i + 1 < SPLIT):
+        for i in tl.static_range(SPLIT):
+            # the next slab's loads go out before this slab's update (PREFETCH only)
+            nw_raw = 0.0
+            ns0_raw = 0.0
+            ns0_scales = 0.0
+            ns1_raw = 0.0
+            ns1_scales = 0.0
+            if PREFETCH and i + 1 < SPLIT:
+                nw_raw, ns0_raw, ns0_scales, ns1_raw, ns1_scales = _load_slab(
+                    W, S0, S1, SCALE0, SCALE1, col0 + (i + 1) * CN, rows, row_mask, N, stride_wm, stride_wn,
+                    stride_sm, stride_sn, stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
+            if i == 0:
+                grad = slab_0
+            elif i == 1:
+                grad = slab_1
+            elif i == 2:
+                grad = slab_2
+            else:
+                grad = slab_3
+            _update_columns(grad, col0 + i * CN, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
+                            M, N, stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
+                            c0, c1, c2, c3, c4, c5, c6, c7, seed, w_raw, s0_raw, s0_scales, s1_raw, s1_scales,
+                            PREFETCH, EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM,
+                            STOCHASTIC_ROUNDING, EVEN_MN, HW_MATH, BM, CN, QB)
             w_raw = nw_raw
             s0_raw = ns0_raw
             s0_scales = ns0_scales
             s1_raw = ns1_raw
             s1_scales = ns1_scales
-    return w_raw, s0_raw, s0_scales, s1_raw, s1_scales
-
-
-@triton.jit
-def _tile_origin(tile, M, N, tiles_m, tiles_n, WIDE_INDEX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 GROUP: tl.constexpr):
-    """A tile's rows, as int32 and as weight-row indices (64-bit only for matrices past 2^31
-    elements), their mask and its first column. Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2."""
-    programs_per_group = GROUP * tiles_n
-    group_id = tile // programs_per_group
-    first_m = group_id * GROUP
-    group_rows = tl.minimum(tiles_m - first_m, GROUP)
-    pid_m = first_m + (tile % programs_per_group) % group_rows
-    pid_n = (tile % programs_per_group) // group_rows
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    if WIDE_INDEX:
-        rows = offs_m.to(tl.int64)
-    else:
-        rows = offs_m
-    return offs_m, rows, offs_m < M, pid_n * BN
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,9 +443,6 @@ class TileConfig:
     only one slab's W and states are live at once: large tiles then keep their epilogue in registers."""
     max_registers: int | None = None
     """Cap on registers per thread (Triton's ``maxnreg``): a lower cap lets more programs share an SM."""
-    persistent: int = 0
-    """0: one program per tile. N > 0: N programs per SM, each looping over tiles; with ``prefetch``
-    a program loads its next tile's first slab while it updates the current tile's last one."""
 
     def epilogue_columns(self) -> int:
         """Columns of one epilogue slab."""
@@ -641,8 +584,7 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
         for prefetch in prefetch_options:
             variant = dataclasses.replace(config, prefetch=prefetch)
             capped = two_programs_per_sm(variant) if prefetch else None
-            looping = persistent_variant(capped) if capped is not None else None
-            for candidate in (variant, capped, looping):
+            for candidate in (variant, capped):
                 if candidate is not None and candidate not in timings:
                     measure(candidate)
     best = min(timings, key=timings.get)
@@ -667,18 +609,6 @@ def two_programs_per_sm(config: TileConfig) -> TileConfig | None:
     if config.max_registers is not None or cap >= 255:      # 255: the most a thread can have anyway
         return None
     return dataclasses.replace(config, max_registers=cap)
-
-
-def persistent_variant(config: TileConfig) -> TileConfig | None:
-    """``config`` as a persistent grid of as many programs per SM as its register cap allows, or
-    None (no cap, so no known occupancy; or not prefetching, where looping buys nothing but the
-    launch of a program). Why: two programs of an SM start together and stay in step, so both run
-    their main loops while HBM idles; a looping program loads its next tile's first slab during
-    its last slab's update."""
-    if config.max_registers is None or not config.prefetch or config.persistent:
-        return None
-    return dataclasses.replace(config, persistent=max(1, REGISTERS_PER_SM // (32 * config.num_warps
-                                                                             * config.max_registers)))
 
 
 def use_fixed_config() -> bool:
@@ -720,13 +650,11 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
     scale0 = scales[0] if len(scales) > 0 and scales[0] is not None else placeholder
     scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else placeholder
     accum = grad_accum if grad_accum is not None else placeholder
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    grid = (min(tiles, config.persistent * _multiprocessors(weight.device)) if config.persistent else tiles,)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
                       for t in (weight, s0, accum) if t.dim() == 2)
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
-                  PERSISTENT=config.persistent > 0,
                   HW_MATH=not interpreting())
     options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
     # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
@@ -737,15 +665,6 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
                   num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
     return _LaunchPlan(config, grid, fixed + strides, kwargs)
-
-
-INTERPRETER_MULTIPROCESSORS = 2     # a persistent grid in the interpreter: few programs, many tiles each
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_MULTIPROCESSORS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _NO_SCALARS = (0.0,) * NUM_SCALARS
@@ -781,8 +700,6 @@ def check_config(config: TileConfig, state_dtype: str) -> None:
         raise ValueError(f"block_n must be a multiple of {QBLOCK}, got {config.block_n}")
     if config.split_n not in (1, 2, 4) or config.block_n % config.split_n:
         raise ValueError(f"split_n must be 1, 2 or 4 and divide block_n, got {config.split_n} for {config.block_n}")
-    if config.persistent < 0:
-        raise ValueError(f"persistent must be 0 (one program per tile) or programs per SM, got {config.persistent}")
     if state_dtype == "int8" and config.epilogue_columns() % QBLOCK:
         raise ValueError(f"int8 states need epilogue slabs of whole {QBLOCK}-wide blocks; block_n / split_n = "
                          f"{config.epilogue_columns()}")
@@ -837,8 +754,7 @@ def describe_tuned_configs() -> dict[str, str]:
         described[f"{m}x{n}/bt{tokens}/{rule_name}/{state_dtype}"] = (
             f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} "
             f"g{config.group} split{config.split_n}{' prefetch' if config.prefetch else ''}"
-            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}"
-            f"{f' persistent{config.persistent}' if config.persistent else ''}")
+            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}")
     return described
 
 
