@@ -15,7 +15,9 @@ fixed configuration is used (tuning in the interpreter would take minutes).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import warnings
@@ -565,7 +567,10 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
 
     def measure(config: TileConfig) -> None:
         try:
-            timings[config] = float(time_ms(lambda: run_on_scratch(config)))
+            # Triton prints the whole PTX (~100 KB) to stdout when ptxas refuses a register cap; a
+            # tuned model refuses a few, and every sweep cell's log grew by megabytes of it.
+            with contextlib.redirect_stdout(io.StringIO()):
+                timings[config] = float(time_ms(lambda: run_on_scratch(config)))
         except Exception as error:  # noqa: BLE001 - resource errors differ between Triton versions
             # ptxas refusing a register cap (PTXASError: "Insufficient registers") is a resource limit too
             if not any(name in type(error).__name__ for name in ("OutOfResources", "CompilationError", "PTXASError")) \
