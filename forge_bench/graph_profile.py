@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+TOP = 15                       # kernels listed by name per arm
 REPLAY_PAUSE_S = 0.02          # idle between recorded replays; the split below looks for it
 REPLAY_SPLIT_US = 10_000.0     # a kernel gap this long starts a new replay
 KERNEL_CLASSES = (             # first match wins; the name is lower-cased
@@ -103,10 +104,14 @@ def analyse_replay(kernels: list[dict]) -> dict[str, Any]:
                       "registers": members[0].get("args", {}).get("registers per thread"),
                       "blocks_per_sm": members[0].get("args", {}).get("blocks per SM")})
     grids.sort(key=lambda g: -g["ms_total"])
+    by_name = _group(kernels, lambda k: k["name"])
+    top = sorted(({"kernel": name, "ms": sum(k["dur"] for k in members) / 1000.0, "launches": len(members),
+                   "class": kernel_class(name)} for name, members in by_name.items()), key=lambda r: -r["ms"])[:TOP]
     return {"span_ms": span, "busy_ms": busy_ms, "idle_ms": span - busy_ms,
             "kernel_ms": sum(k["dur"] for k in kernels) / 1000.0, "launches": len(kernels),
             "classes": dict(sorted(classes.items(), key=lambda kv: -kv[1]["ms"])),
-            "stream_busy_ms": dict(sorted(streams.items(), key=lambda kv: -kv[1])), "fused_by_grid": grids}
+            "stream_busy_ms": dict(sorted(streams.items(), key=lambda kv: -kv[1])), "fused_by_grid": grids,
+            "top_kernels": top}
 
 
 def _group(items: list[dict], key) -> dict[str, list[dict]]:
@@ -207,6 +212,12 @@ def to_markdown(results: list[dict], title: str) -> str:
                   "|---|---:|---:|---:|"]
         for label, c in rep["classes"].items():
             lines.append(f"| {label} | {c['ms']:.2f} | {c['launches']} | {c['beside_other_ms']:.2f} |")
+        lines += ["", f"Top {len(rep['top_kernels'])} kernels by time in the replay:", "",
+                  "| kernel | class | ms | launches |", "|---|---|---:|---:|"]
+        for k in rep["top_kernels"]:
+            name = k["kernel"].replace("|", "/")
+            name = name if len(name) <= 90 else name[:87] + "..."
+            lines.append(f"| `{name}` | {k['class']} | {k['ms']:.2f} | {k['launches']} |")
         lines += ["", "Busy time per stream: " + ", ".join(f"stream {s} {ms:.2f} ms"
                                                            for s, ms in rep["stream_busy_ms"].items())]
         if rep["fused_by_grid"]:

@@ -39,6 +39,9 @@ def test_replays_are_split_at_pauses_and_measured():
     by_grid = {g["grid"]: g for g in rep["fused_by_grid"]}
     assert by_grid["[8, 2, 1]"]["us_median"] == 80 and by_grid["[8, 2, 1]"]["alone"] == 0
     assert by_grid["[4, 2, 1]"]["us_median_alone"] == 40 and by_grid["[4, 2, 1]"]["alone"] == 1
+    assert [(k["kernel"], k["launches"]) for k in rep["top_kernels"]] == [
+        ("nvjet_tst_128x256_h", 2), ("_fused_wgrad_update_kernel", 2), ("_rms_norm_backward_kernel", 1)]
+    assert rep["top_kernels"][0]["ms"] == pytest.approx(0.200)
 
 
 def test_a_trace_without_kernels_is_refused():
@@ -59,3 +62,4 @@ def test_markdown_names_every_arm():
     text = gp.to_markdown([res], "toy")
     assert "| forge_bf16 | 1.00 | 0.34 | 0.27 | 0.07 |" in text
     assert "| [8, 2, 1] | 1 | 0.08 | 80.0 | - (0) | 128 | 2.0 |" in text
+    assert "| `nvjet_tst_128x256_h` | GEMM | 0.20 | 2 |" in text
