@@ -3,6 +3,9 @@
 before they enter ``SHORTLIST``. Records go to OUT/check.jsonl like the sweep's.
 
     python3 scripts/kernel_variants.py --out $OUT q:512:int8 gate:512:int8 q:512:bf16
+
+``--winners``: only the tuner's BT-512 winners (BK 32 for int8 states, 64 for bf16), the short
+old-vs-new kernel A/B: run it from the old tree and from the new, alternating, in one boot.
 """
 from __future__ import annotations
 
@@ -34,9 +37,16 @@ def variants() -> list[TileConfig]:
     ]
 
 
+def winner(state_dtype: str) -> TileConfig:
+    """The tuner's choice at BT 512 (results/kernels/h100/variants_aacade5)."""
+    return TileConfig(64, 128, 32 if state_dtype == "int8" else 64, 8, 8, 4, prefetch=True, split_n=2,
+                      max_registers=128)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--winners", action="store_true", help="only the tuner's BT-512 winner per state dtype")
     parser.add_argument("cases", nargs="+", metavar="SHAPE:BT:STATES")
     args = parser.parse_args()
     out = Path(args.out)
@@ -47,7 +57,8 @@ def main() -> int:
     for case in args.cases:
         name, tokens, state_dtype = case.split(":")
         dout, din = check.SWEEP_SHAPES[name]
-        check.guarded(out, check.sweep_configs, dout, din, int(tokens), state_dtype, variants())
+        configs = [winner(state_dtype)] if args.winners else variants()
+        check.guarded(out, check.sweep_configs, dout, din, int(tokens), state_dtype, configs)
     return 0
 
 
