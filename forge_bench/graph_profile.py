@@ -17,6 +17,7 @@ hold against ``forge_bench.kernel_bench``'s time for the kernel alone.
 """
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import statistics
@@ -25,6 +26,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from forge_bench.step_timeline import _union
 
 TOP = 15                       # kernels listed by name per arm
 REPLAY_PAUSE_S = 0.02          # idle between recorded replays; the split below looks for it
@@ -45,22 +48,20 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    from forge_bench.step_timeline import _union as union
-    return union(intervals)
-
-
-def _overlap_us(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
-    """How long ``interval`` shares with a sorted, disjoint ``union``."""
-    import bisect
+def _overlap_us(interval: tuple[float, float], union: list[tuple[float, float]], starts: list[float]) -> float:
+    """How long ``interval`` shares with a sorted, disjoint ``union`` (``starts``: its starts)."""
     start, end = interval
-    i = max(0, bisect.bisect_right([a for a, _ in union], start) - 1)
+    i = max(0, bisect.bisect_right(starts, start) - 1)
     total = 0.0
     while i < len(union) and union[i][0] < end:
         a, b = union[i]
         total += max(0.0, min(b, end) - max(a, start))
         i += 1
     return total
+
+
+def _span(kernel: dict) -> tuple[float, float]:
+    return kernel["ts"], kernel["ts"] + kernel["dur"]
 
 
 def split_replays(kernels: list[dict]) -> list[list[dict]]:
@@ -78,26 +79,25 @@ def split_replays(kernels: list[dict]) -> list[list[dict]]:
 def analyse_replay(kernels: list[dict]) -> dict[str, Any]:
     """Span, busy union, idle, per-class time and overlap, per-stream busy, fused launches by grid."""
     span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1000.0
-    busy = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+    busy = _union([_span(k) for k in kernels])
     busy_ms = sum(b - a for a, b in busy) / 1000.0
-    by_class: dict[str, list[dict]] = defaultdict(list)
-    for k in kernels:
-        by_class[kernel_class(k["name"])].append(k)
+    by_class = _group(kernels, lambda k: kernel_class(k["name"]))
     classes = {}
+    beside: dict[int, float] = {}            # id(kernel) -> us it ran beside another class's kernels
     for label, members in by_class.items():
-        others = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if kernel_class(k["name"]) != label])
-        total = sum(k["dur"] for k in members)
-        beside = sum(_overlap_us((k["ts"], k["ts"] + k["dur"]), others) for k in members)
-        classes[label] = {"ms": total / 1000.0, "launches": len(members), "beside_other_ms": beside / 1000.0}
-    streams: dict[str, float] = defaultdict(float)
-    for stream, members in _group(kernels, lambda k: str(k.get("args", {}).get("stream", k.get("tid")))).items():
-        streams[stream] = sum(b - a for a, b in _union([(k["ts"], k["ts"] + k["dur"]) for k in members])) / 1000.0
-    fused = by_class.get("fused update", [])
-    others = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if kernel_class(k["name"]) != "fused update"])
+        others = _union([_span(k) for k in kernels if kernel_class(k["name"]) != label])
+        starts = [a for a, _ in others]
+        for k in members:
+            beside[id(k)] = _overlap_us(_span(k), others, starts)
+        classes[label] = {"ms": sum(k["dur"] for k in members) / 1000.0, "launches": len(members),
+                          "beside_other_ms": sum(beside[id(k)] for k in members) / 1000.0}
+    streams = {stream: sum(b - a for a, b in _union([_span(k) for k in members])) / 1000.0
+               for stream, members in _group(kernels, lambda k: str(k.get("args", {}).get("stream",
+                                                                                        k.get("tid")))).items()}
     grids = []
-    for grid, members in _group(fused, lambda k: str(k.get("args", {}).get("grid"))).items():
+    for grid, members in _group(by_class.get("fused update", []), lambda k: str(k.get("args", {}).get("grid"))).items():
         durs = [k["dur"] for k in members]
-        alone = [k["dur"] for k in members if _overlap_us((k["ts"], k["ts"] + k["dur"]), others) < 0.05 * k["dur"]]
+        alone = [k["dur"] for k in members if beside[id(k)] < 0.05 * k["dur"]]
         grids.append({"grid": grid, "launches": len(members), "ms_total": sum(durs) / 1000.0,
                       "us_median": statistics.median(durs),
                       "us_median_alone": statistics.median(alone) if alone else None, "alone": len(alone),
@@ -137,26 +137,12 @@ def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: 
     from torch.profiler import ProfilerActivity, profile
 
     from forge_bench import cell as cell_mod
-    from forge_bench import methods as methods_mod
-    from forge_bench import models as models_mod
+    from forge_bench.profile_step import warmed_up_arm
 
-    if not torch.cuda.is_available():
-        raise SystemExit("graph_profile: needs a CUDA device (torch.cuda.is_available() is False)")
-    method = methods_mod.get_method(method_name)
-    reason = method.unavailable_reason("cuda", True)
-    if reason:
-        raise SystemExit(f"graph_profile: {method_name}: {reason}")
-    model = models_mod.build_model(model_name, dtype, "cuda", seed=0)
-    models_mod.apply_activations(model, activations)
-    torch.manual_seed(0)
-    arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda",
-                                                      capturable=True))
-    batches = [models_mod.make_batch(model_name, batch, seq, "cuda", seed=i) for i in range(4)]
-    warm = cell_mod._eager_steps(arm, batches, cell_mod.GRAPH_EAGER_WARMUP, side_stream=True)
-    del warm
-    torch.cuda.synchronize()
+    arm, batches = warmed_up_arm("graph_profile", model_name, batch, seq, method_name, cell_mod.GRAPH_EAGER_WARMUP,
+                                 dtype, activations, capturable=True)
     gc.collect()
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()      # the eager steps' blocks back before the capture's own pool (cell.run_timing)
     step = cell_mod.GraphedStep(arm, batches[0])
     for i in range(warmup):
         step(batches[i % 4])

@@ -26,21 +26,27 @@ TOP = 15
 
 
 def warmed_up_arm(tool: str, model_name: str, batch: int, seq: int, method_name: str, warmup: int,
-                  dtype: str, activations: str = "hf") -> tuple[Any, list]:
+                  dtype: str, activations: str = "hf", capturable: bool = False) -> tuple[Any, list]:
     """One arm built on the GPU as a sweep cell builds it, after ``warmup`` steps (autotuners and
-    the allocator settled); returns (arm, its batches). ``tool`` names the caller in errors."""
+    the allocator settled); returns (arm, its batches). ``tool`` names the caller in errors.
+    ``capturable``: built for a CUDA graph capture and warmed up on a side stream, as a graph cell is
+    before its capture (``cell.GraphedStep``)."""
+    from forge_bench import cell as cell_mod
+
     if not torch.cuda.is_available():
         raise SystemExit(f"{tool}: needs a CUDA device (torch.cuda.is_available() is False)")
     method = methods_mod.get_method(method_name)
-    reason = method.unavailable_reason("cuda")
+    reason = method.unavailable_reason("cuda", capturable)
     if reason:
         raise SystemExit(f"{tool}: {method_name}: {reason}")
     model = models_mod.build_model(model_name, dtype, "cuda", seed=0)
     models_mod.apply_activations(model, activations)
-    arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda"))
+    torch.manual_seed(0)
+    arm = method.build(model, methods_mod.TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda",
+                                                      capturable=capturable))
     batches = [models_mod.make_batch(model_name, batch, seq, "cuda", seed=i) for i in range(4)]
-    for i in range(warmup):
-        arm.step(batches[i % 4])
+    warm = cell_mod._eager_steps(arm, batches, warmup, side_stream=capturable)
+    del warm
     torch.cuda.synchronize()
     return arm, batches
 
