@@ -49,13 +49,18 @@ from .state import ParamState
 BACKENDS = ("auto", "triton", "reference")
 
 
+def _interpreter_on() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (read at call time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
     """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     devices = set(devices)
     needs_interpreter = any(device.type != "cuda" for device in devices)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreting = _interpreter_on()
     if backend == "reference":
         return "reference"
     if backend == "auto":
@@ -176,9 +181,21 @@ def steppable_by_kernel(parameter: nn.Parameter, rule: Rule, backend: str) -> bo
         return False
     if parameter.dtype not in (torch.float32, torch.bfloat16) or rule.epilogue is None:
         return False
-    if backend == "triton" and parameter.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and parameter.device.type != "cuda" and not _interpreter_on():
         return False
     return True
+
+
+def _saved_entry(owner: "FusedWeight | DenseWeight") -> dict[str, Any]:
+    """A kernel-stepped weight's entry in ``state_dict()["state"]``: torch's per-parameter ``step``
+    plus its ``ParamState`` tensors."""
+    return {"step": torch.tensor(float(owner.steps_done)), **owner.state.state_dict()}
+
+
+def _restore_entry(owner: "FusedWeight | DenseWeight", entry: Mapping[str, Any]) -> None:
+    """Load what ``_saved_entry`` saved (ParamState errors pass through)."""
+    owner.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
+    owner.steps_done = int(entry["step"])
 
 
 @dataclasses.dataclass
@@ -545,14 +562,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for binding in self._bindings:
-            entry: dict[str, Any] = {"step": torch.tensor(float(binding.steps_done))}
-            entry.update(binding.state.state_dict())
-            state[index_of[id(binding.weight)]] = entry
+            state[index_of[id(binding.weight)]] = _saved_entry(binding)
         for dense in self._dense:
             if dense.steps_done:          # torch keeps no state for a parameter never stepped
-                entry = {"step": torch.tensor(float(dense.steps_done))}
-                entry.update(dense.state.state_dict())
-                state[index_of[id(dense.weight)]] = entry
+                state[index_of[id(dense.weight)]] = _saved_entry(dense)
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
         groups = []
@@ -602,19 +615,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 dense.steps_done = 0
                 continue
             try:
-                dense.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
+                _restore_entry(dense, entry)
             except (KeyError, ValueError) as error:
                 raise ValueError(f"state of {dense.name!r} does not fit its {self.state_dtype} kernel state "
                                  f"({error}); a state dict saved with dense_2d=False loads only into "
                                  "fuse(..., dense_2d=False)") from error
-            dense.steps_done = int(entry["step"])
         for binding in self._bindings:
             index = index_of[id(binding.weight)]
             if index not in saved_state:
                 raise ValueError(f"state dict has no state for fused weight {binding.name!r} (index {index})")
-            entry = saved_state[index]
-            binding.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
-            binding.steps_done = int(entry["step"])
+            _restore_entry(binding, saved_state[index])
             binding.micro_batches = 0
             if binding.grad_accum is not None:
                 binding.grad_accum.zero_()
