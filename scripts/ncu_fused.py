@@ -3,8 +3,7 @@
     ncu --set full -k regex:_fused_wgrad --launch-skip 3 --launch-count 1 \
         python3 scripts/ncu_fused.py q 512 int8
 
-The winners of the tuner at BT 512 (results/kernels/h100/variants_aacade5): 64x128, 8 warps, two slabs,
-prefetch, 128 registers; BK 32 for int8 states, 64 for bf16.
+The tile is the tuner's BT-512 winner (``kernel_variants.winner``).
 """
 from __future__ import annotations
 
@@ -12,13 +11,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 from forge_core.kernels import fused_wgrad_update  # noqa: E402
-from forge_core.kernels.fused import TileConfig  # noqa: E402
 from forge_core.rules import get_rule  # noqa: E402
 from forge_core.state import ParamState  # noqa: E402
+from kernel_variants import winner  # noqa: E402
 
 SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
 HP = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -27,8 +27,7 @@ HP = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 def main() -> int:
     name, tokens, state_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dout, din = SHAPES[name]
-    config = TileConfig(64, 128, 32 if state_dtype == "int8" else 64, 8, 8, 4, prefetch=True, split_n=2,
-                        max_registers=128)
+    config = winner(state_dtype)
     w = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
     state = ParamState(w, get_rule("adamw"), state_dtype)
     state.store("exp_avg", torch.randn(dout, din, device="cuda") * 1e-4)
