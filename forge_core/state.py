@@ -6,10 +6,14 @@ int8 format (the spec the fused kernel reproduces exactly):
   ``(Dout, Din)`` state; the last block of a row is ragged when ``Din % 64 != 0`` (its missing
   elements count as 0). ``scale = absmax / 127`` per block, stored in fp32 with shape
   ``(Dout, ceil(Din / 64))``.
-* Code ``q = ±min(127, floor(|y| * (1 / scale) + 0.5))`` (sign of y; ``+`` for 0) in fp32: round
-  half away from zero, with one IEEE reciprocal per block. The kernel computes the same; where
-  its fp32 rounding differs (a fused multiply-add, the fast sqrt of a second moment) a code can
-  differ by one, never more. A block with ``absmax == 0`` has ``scale = 0`` and all codes 0.
+* Code ``q = round(y * (1 / scale))`` in fp32, to the nearest integer with ties to even (unbiased;
+  ``|q| <= 127`` since ``|y| <= absmax``), with one IEEE reciprocal per block. A block whose
+  scale is 0 or subnormal (absmax < 1.5e-36, e.g. a first moment decayed by hundreds of zero
+  gradients: ``1 / scale`` would overflow) keeps its scale and has all codes 0. The kernel
+  computes the same in the CPU interpreter. On the GPU it takes cheaper steps: the scale is
+  absmax times fp32(1 / 127) (within one ulp), the reciprocal is the hardware one (<= 2 ulp), the
+  product and the rounding are one FMA, a second moment's sqrt is the fast one; so a code can
+  differ by one next to a tie, never more.
   Re-quantized from fp32 on every step.
 * Second moments (the rule's ``sqrt_domain_states``, e.g. AdamW's ``exp_avg_sq``) are stored in
   the sqrt domain: ``y = sqrt(max(v, 0))`` is quantized and ``v = (q * scale)**2`` on load. This
@@ -58,12 +62,12 @@ def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool) -> tuple[torch.Tens
         values = values.clamp_min(0.0).sqrt()
     blocks = _blocked(values)
     scale = blocks.abs().amax(dim=-1) / 127.0
-    inverse = 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale))
-    magnitude = torch.floor(blocks.abs() * inverse.unsqueeze(-1) + 0.5).clamp_(max=127.0)
-    magnitude = torch.where(scale.unsqueeze(-1) > 0, magnitude, torch.zeros_like(magnitude))
+    has_scale = scale >= torch.finfo(torch.float32).tiny          # normal: 1 / scale is finite
+    inverse = 1.0 / torch.where(has_scale, scale, torch.ones_like(scale))
+    codes = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-127.0, 127.0)     # ties to even
     if sqrt_domain:
-        magnitude = torch.where(scale.unsqueeze(-1) > 0, magnitude.clamp_min(1.0), magnitude)
-    codes = torch.where(blocks < 0, -magnitude, magnitude).to(torch.int8)
+        codes = torch.where(has_scale.unsqueeze(-1), codes.clamp_min(1.0), codes)
+    codes = codes.to(torch.int8)
     codes = codes.reshape(*values.shape[:-1], -1)[..., : values.shape[-1]]
     return codes.contiguous(), scale
 

@@ -167,6 +167,26 @@ def test_int8_ragged_blocks(din):
         _compare_step(x, dy, pair, "adamw", step)
 
 
+def test_int8_subnormal_block_scale_stores_zero_codes():
+    """A first moment decaying with zero gradients reaches blocks whose scale is subnormal, where
+    1 / scale overflows (and the GPU's hardware reciprocal flushes the divisor to 0): without a
+    guard a zero element becomes a NaN pattern (code -1 on the GPU) and the others inf patterns.
+    Such blocks store zero codes (state.py), which decode to finite values."""
+    weight = torch.randn(4, 128)
+    state = ParamState(weight, get_rule("adamw"), "int8")
+    moment = torch.rand(4, 128) * 1e-37
+    moment[:, ::3] = 0.0
+    state.store("exp_avg", moment)
+    state.store("exp_avg_sq", torch.full((4, 128), 1e-4))
+    assert state.scales["exp_avg"].max().item() < 1.1754943508222875e-38      # subnormal scales
+    x = torch.randn(8, 128)
+    dy = torch.zeros(8, 4)
+    hp = dict(HP["adamw"], weight_decay=0.0)
+    fused_wgrad_update(x, dy, weight, state, hp, 1)
+    assert torch.all(state.values["exp_avg"] == 0)
+    assert torch.all(torch.isfinite(state.dequantize("exp_avg")))
+
+
 @pytest.mark.parametrize("rule_name,optimizer", [
     ("adamw", lambda p, hp: torch.optim.AdamW(p, **hp, foreach=False)),
     ("sgd", lambda p, hp: torch.optim.SGD(p, **hp, foreach=False)),

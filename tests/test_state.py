@@ -33,11 +33,11 @@ def test_ragged_last_block_uses_only_its_own_elements():
     assert q[0, 64].item() == -127 and q[0, 69].item() == 127
 
 
-def test_round_half_away_from_zero():
-    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5, 0.49]])
+def test_round_half_to_even():
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5, 0.49, -0.51, 126.5]])
     q, scale = quantize_blockwise(x, sqrt_domain=False)
     assert scale.item() == 1.0
-    assert q.tolist() == [[127, 1, -1, 2, -3, 0]]
+    assert q.tolist() == [[127, 0, 0, 2, -2, 0, -1, 126]]
 
 
 def test_sqrt_domain_keeps_second_moment_positive_and_finite():
@@ -123,3 +123,14 @@ def test_param_state_rejects_bad_arguments():
         state.dequantize("exp_avg")
     with pytest.raises(ValueError, match="shape"):
         state.store("momentum_buffer", torch.zeros(3, 2))
+
+
+def test_subnormal_block_scale_keeps_its_scale_and_stores_zero_codes():
+    x = torch.zeros(2, 64)
+    x[0, :5] = torch.tensor([1e-37, -5e-38, 0.0, 3e-38, 1e-45])
+    x[1, :2] = torch.tensor([1.0, -0.25])
+    q, scale = quantize_blockwise(x, sqrt_domain=False)
+    assert 0.0 < scale[0, 0].item() < torch.finfo(torch.float32).tiny
+    assert torch.all(q[0] == 0)
+    assert q[1, :2].tolist() == [127, -32]
+    assert torch.all(torch.isfinite(dequantize_blockwise(q, scale, sqrt_domain=False)))

@@ -139,33 +139,46 @@ def _store_tile(ptr, value, mask, EVEN: tl.constexpr, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def _int8_codes(signed, magnitude_in, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+def _block_scale(absmax, HW_MATH: tl.constexpr):
+    """``absmax / 127``: on the GPU as absmax times fp32(1 / 127) (within one ulp of the quotient;
+    no IEEE division per row and state), in the interpreter exactly as the torch reference."""
+    if HW_MATH:
+        return absmax * (1.0 / 127.0)
+    else:
+        return tl.math.div_rn(absmax, 127.0)
+
+
+@triton.jit
+def _int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
     """Codes of one block (or a tile of blocks, ``scale`` broadcast to it): see state.py.
 
-    On the GPU the result is an int32 whose low byte is the code (the store keeps that byte), in
-    few full-rate instructions: the floor and the conversion to an integer are one fp32 add rounded
-    toward zero (for 0 <= t < 2^23, t + 2^23 rounded toward zero is 2^23 + floor(t), so the bit
-    pattern's low byte is floor(t): no FRND / F2I, which run at a quarter of the FP32 rate); the
-    sign is applied to that pattern as ``(p ^ s) - s`` with ``s`` the value's sign mask, which
-    changes the low byte exactly as negating the code would. A block with ``scale == 0`` holds
-    only zeros, so its codes come out 0 with no test; sqrt-domain values are never negative."""
-    has_scale = scale > 0.0
-    inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
+    The rounding to the nearest integer (ties to even) and the conversion to an integer are one
+    fp32 add of 1.5 * 2^23: in [2^23, 2^24) the fp32 spacing is 1, so ``y + 1.5 * 2^23`` rounded to
+    nearest is ``1.5 * 2^23 + round(y)`` for |y| < 2^22, and its bit pattern is ``0x4B400000 + round(y)``
+    in two's complement, whose low byte is the signed code. On the GPU the multiply and the add fuse
+    into one FFMA (one rounding of the exact ``y * inverse``), and the result is that int32 pattern
+    (the store keeps its low byte): no FRND / F2I (quarter rate), no sign handling, no clamp
+    (``|y| * inverse <= 127 * (1 + 2^-22)`` rounds to at most 127). In the interpreter the multiply
+    rounds first, as the torch reference does. A block with ``scale == 0`` holds only zeros, so
+    its codes come out 0 with no test; sqrt-domain values are never negative."""
+    has_scale = scale >= 1.1754943508222875e-38          # normal; subnormal blocks store zeros
     if HW_MATH:
-        rounded = libdevice.add_rz(tl.minimum(magnitude_in * inverse + 0.5, 127.0), 8388608.0)
-        pattern = rounded.to(tl.int32, bitcast=True)                 # 0x4B000000 + magnitude
+        # the hardware reciprocal (<= 2 ulp; a code can then differ by one next to a tie): the IEEE
+        # division's Newton steps and slow-path branch, per row and state, cost as much as the
+        # rounding of 16 elements and pushed the int8 tile into spilling
+        inverse = libdevice.fast_dividef(1.0, tl.where(has_scale, scale, 1.0))
+        pattern = (signed * inverse + 12582912.0).to(tl.int32, bitcast=True)     # 0x4B400000 + code
         if SQRT_DOMAIN:
             # codes floored at 1 where the block's scale is not 0
-            return tl.maximum(pattern, 0x4B000000 + has_scale.to(tl.int32))
+            return tl.maximum(pattern, 0x4B400000 + has_scale.to(tl.int32))
         else:
-            sign = signed.to(tl.int32, bitcast=True) >> 31              # 0 or -1
-            return (pattern ^ sign) - sign
-    else:              # an fp32 magnitude (the interpreter has no round-toward-zero add)
-        magnitude = tl.minimum(tl.floor(magnitude_in * inverse + 0.5), 127.0)
-        magnitude = tl.where(has_scale, magnitude, 0)
+            return pattern
+    else:              # an fp32 integer value
+        inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
+        code = (signed * inverse + 12582912.0) - 12582912.0
         if SQRT_DOMAIN:
-            magnitude = tl.where(has_scale, tl.maximum(magnitude, 1), magnitude)
-        return tl.where(signed < 0.0, -magnitude, magnitude)
+            code = tl.where(has_scale, tl.maximum(code, 1.0), code)
+        return code
 
 
 @triton.jit
@@ -180,8 +193,8 @@ def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, c
             value = tl.sqrt(value)        # sqrt-domain states are nonnegative (the rule's contract)
         if BN == QB:        # one block per row: a plain row max, no reshape
             magnitude_in = tl.abs(value)
-            scale = tl.math.div_rn(tl.max(magnitude_in, axis=1), 127.0)
-            codes = _int8_codes(value, magnitude_in, scale[:, None], SQRT_DOMAIN, HW_MATH)
+            scale = _block_scale(tl.max(magnitude_in, axis=1), HW_MATH)
+            codes = _int8_codes(value, scale[:, None], SQRT_DOMAIN, HW_MATH)
             _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
             tl.store(scales_ptr + rows * stride_scale_row + col_block0, scale, mask=row_mask & block_ok)
@@ -189,8 +202,8 @@ def _store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, c
             NB: tl.constexpr = BN // QB
             blocks = tl.reshape(value, (BM, NB, QB))
             magnitude_in = tl.abs(blocks)
-            scale = tl.math.div_rn(tl.max(magnitude_in, axis=2), 127.0)
-            codes = _int8_codes(blocks, magnitude_in, scale[:, :, None], SQRT_DOMAIN, HW_MATH)
+            scale = _block_scale(tl.max(magnitude_in, axis=2), HW_MATH)
+            codes = _int8_codes(blocks, scale[:, :, None], SQRT_DOMAIN, HW_MATH)
             codes = tl.reshape(codes, (BM, BN))
             _store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_cols = col_block0 + tl.arange(0, NB)
