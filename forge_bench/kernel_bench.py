@@ -174,11 +174,15 @@ def plot(frame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(14, 8))
-    labels = [f"{r.shape} {r.tokens}" for r in frame[frame.state_dtype == frame.state_dtype.iloc[0]].itertuples()]
+    # one slot per (shape, BT) that any state dtype has (a frame merged from runs of different
+    # --state-dtypes / --bts need not have every pair for every dtype), in first-seen order
+    keys = list(dict.fromkeys(zip(frame["shape"], frame["tokens"])))
+    labels = [f"{shape} {tokens}" for shape, tokens in keys]
+    slot = {key: index for index, key in enumerate(keys)}
     positions = range(len(labels))
     width = 0.8 / max(1, frame.state_dtype.nunique())
     for offset, (state_dtype, part) in enumerate(frame.groupby("state_dtype", sort=False)):
-        xs = [p + offset * width for p in positions]
+        xs = [slot[key] + offset * width for key in zip(part["shape"], part["tokens"])]
         axes[0].bar(xs, part.ratio_to_roofline, width, label=f"{state_dtype} states")
         axes[1].bar(xs, part.speedup_vs_baseline, width, label=f"{state_dtype} states")
     axes[0].axhline(1.15, color="k", ls="--", lw=1, label="target 1.15x")
