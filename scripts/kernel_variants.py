@@ -4,6 +4,8 @@ before they enter ``SHORTLIST``. Records go to OUT/check.jsonl like the sweep's.
 
     python3 scripts/kernel_variants.py --out $OUT q:512:int8 gate:512:int8 q:512:bf16
 
+``--config SPEC`` (repeatable): explicit tile configs instead of the built-in variants (``parse_config``).
+
 ``--winners``: only the tuner's BT-512 winners (BK 32 for int8 states, 64 for bf16), the short
 old-vs-new kernel A/B: run it from the old tree and from the new, alternating, in one boot.
 """
@@ -43,10 +45,35 @@ def winner(state_dtype: str) -> TileConfig:
                       max_registers=128)
 
 
+def parse_config(spec: str) -> TileConfig:
+    """``BMxBNxBK/wWARPS/sSTAGES[/spSPLIT][/gGROUP][/rMAXREG][/nopf]``, e.g. ``64x128x32/w8/s5/sp2/r128``
+    (group 8, prefetch on, no register cap unless given): one tile configuration from the command line."""
+    head, *options = spec.split("/")
+    try:
+        block_m, block_n, block_k = (int(x) for x in head.split("x"))
+        fields = dict(group=8, num_warps=None, num_stages=None, prefetch=True, split_n=1, max_registers=None)
+        for option in options:
+            if option == "nopf":
+                fields["prefetch"] = False
+            elif option.startswith("sp"):
+                fields["split_n"] = int(option[2:])
+            else:
+                key = {"w": "num_warps", "s": "num_stages", "g": "group", "r": "max_registers"}[option[0]]
+                fields[key] = int(option[1:])
+    except (ValueError, KeyError):
+        raise SystemExit(f"kernel_variants: cannot read tile config {spec!r} (e.g. 64x128x32/w8/s5/sp2/r128)") from None
+    if fields["num_warps"] is None or fields["num_stages"] is None:
+        raise SystemExit(f"kernel_variants: tile config {spec!r} needs /wWARPS and /sSTAGES")
+    return TileConfig(block_m, block_n, block_k, fields["group"], fields["num_warps"], fields["num_stages"],
+                      prefetch=fields["prefetch"], split_n=fields["split_n"], max_registers=fields["max_registers"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--winners", action="store_true", help="only the tuner's BT-512 winner per state dtype")
+    parser.add_argument("--config", action="append", type=parse_config, metavar="SPEC", dest="configs",
+                        help="an explicit tile config instead of the built-in variants (repeat it), e.g. 64x128x32/w8/s5/sp2/r128")
     parser.add_argument("cases", nargs="+", metavar="SHAPE:BT:STATES")
     args = parser.parse_args()
     out = Path(args.out)
@@ -57,7 +84,7 @@ def main() -> int:
     for case in args.cases:
         name, tokens, state_dtype = case.split(":")
         dout, din = check.SWEEP_SHAPES[name]
-        configs = [winner(state_dtype)] if args.winners else variants()
+        configs = [winner(state_dtype)] if args.winners else (args.configs or variants())
         check.guarded(out, check.sweep_configs, dout, din, int(tokens), state_dtype, configs)
     return 0
 
