@@ -281,12 +281,12 @@ BANDWIDTH: list[float] = []
 
 def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str) -> None:
     """Every tuning candidate of the shape, without and with prefetch, and prefetching under the
-    two-programs-per-SM register cap (what ``tune_config`` times)."""
+    16-warps-per-SM register cap (what ``tune_config`` times)."""
     import dataclasses
-    from forge_core.kernels.fused import candidate_configs, supports, two_programs_per_sm
+    from forge_core.kernels.fused import candidate_configs, supports, sixteen_warps_per_sm
     configs = [c for c in candidate_configs(dout, din, tokens, 2) if supports(c, state_dtype)]
     prefetching = [dataclasses.replace(c, prefetch=True) for c in configs]
-    capped = [v for v in map(two_programs_per_sm, prefetching) if v is not None]
+    capped = [v for v in map(sixteen_warps_per_sm, prefetching) if v is not None]
     configs = configs + prefetching + capped
     sweep_configs(out, dout, din, tokens, state_dtype, configs)
 

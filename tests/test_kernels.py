@@ -353,9 +353,11 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     monkeypatch.setenv("FORGE_AUTOTUNE", "1")
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 1)
     reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 1)
-    # every candidate without, then with prefetch; then the other groups on the fastest (64, prefetch)
-    assert [(c.block_m, c.prefetch) for c in timed[:4]] == [(32, False), (64, False), (32, True), (64, True)]
-    assert [(c.group, c.prefetch) for c in timed[4:]] == [(16, True), (32, True)]
+    # every candidate without, then with prefetch, plain and under the 16-warps-per-SM register cap;
+    # then the other groups on the fastest (64, prefetch; the capped twin ties and was timed later)
+    assert [(c.block_m, c.prefetch, c.max_registers) for c in timed[:6]] == [
+        (32, False, None), (64, False, None), (32, True, None), (32, True, 128), (64, True, None), (64, True, 128)]
+    assert [(c.group, c.prefetch, c.max_registers) for c in timed[6:]] == [(16, True, None), (32, True, None)]
     real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
     assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1, prefetch=True)], "one real launch, with the winner"
     assert list(fused_module.tuned_configs().values()) == real_launches
@@ -364,15 +366,16 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
         _assert_storage_close(s_real.values[name], s_ref.values[name], name)
     # a second call with the same key reuses the choice without timing again
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
-    assert len(timed) == 6
+    assert len(timed) == 8
 
 
-def test_two_programs_per_sm_caps_eight_warp_configs_at_128_registers():
+def test_register_cap_keeps_sixteen_warps_per_sm():
     config = TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
-    assert fused_module.two_programs_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,
-                                                                  max_registers=128)
-    assert fused_module.two_programs_per_sm(TileConfig(64, 64, 64, 8, 4, 4)) is None      # 4 warps: 255 already
-    assert fused_module.two_programs_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
+    assert fused_module.sixteen_warps_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,
+                                                                   max_registers=128)     # two programs
+    assert fused_module.sixteen_warps_per_sm(TileConfig(64, 64, 32, 8, 4, 6)) == TileConfig(
+        64, 64, 32, 8, 4, 6, max_registers=128)                                           # four programs
+    assert fused_module.sixteen_warps_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
 
 
 def test_tune_config_times_prefetch_under_the_register_cap():

@@ -521,6 +521,7 @@ def _pow2_at_least(value: int) -> int:
 # 16-warp entries are out: on the H100 (triton 3.6) 128x128 /2 and 128x256 /4 on 16 warps gave
 # wrong weights (8.3 and 6.9 bf16 steps off the reference; docs/kernel_notes.md, session 3).
 SHORTLIST = ((64, 64, 64, 4, 1, 4),
+             (64, 64, 32, 4, 1, 6),       # int8 at BT 512: four programs per SM under the register cap
              (64, 128, 64, 8, 2, 4),
              (64, 128, 32, 8, 2, 4),      # int8 at BT 512: 2-3% faster than BK 64 (prefetching, capped)
              (128, 128, 64, 8, 4, 3),
@@ -596,12 +597,12 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
     if not timings:
         raise RuntimeError("fused_wgrad_update: no tile configuration could run on this device")
     # Prefetch changes the ranking (it costs registers, so occupancy), so every candidate is timed
-    # both ways, and prefetching again under a register cap that keeps two programs per SM; then
+    # both ways, and prefetching again under a register cap that keeps 16 warps per SM; then
     # the other GROUP values on the fastest.
     for config in candidates:
         for prefetch in prefetch_options:
             variant = dataclasses.replace(config, prefetch=prefetch)
-            capped = two_programs_per_sm(variant) if prefetch else None
+            capped = sixteen_warps_per_sm(variant) if prefetch else None
             for candidate in (variant, capped):
                 if candidate is not None and candidate not in timings:
                     measure(candidate)
@@ -615,16 +616,19 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
 
 
 REGISTERS_PER_SM = 65536
+RESIDENT_WARPS_TARGET = 16              # warps per SM the register cap aims at (of 64)
 
 
-def two_programs_per_sm(config: TileConfig) -> TileConfig | None:
-    """``config`` capped at the registers per thread that let two programs share an SM (128 on 8
-    warps), or None when it already carries a cap. Why: prefetching the epilogue's loads took the
-    best BT-512 tiles from 128 to 136-152 registers (one program per SM, nothing to overlap a
-    program's epilogue with another's main loop); offline sm_90 compiles spill only 8-32 bytes per
-    thread at the cap."""
-    cap = REGISTERS_PER_SM // (2 * 32 * config.num_warps)
-    if config.max_registers is not None or cap >= 255:      # 255: the most a thread can have anyway
+def sixteen_warps_per_sm(config: TileConfig) -> TileConfig | None:
+    """``config`` capped at the registers per thread that keep 16 warps resident per SM (128: two
+    8-warp programs or four 4-warp ones), or None when it already carries a cap. Why: prefetching
+    the epilogue's loads took the best BT-512 tiles from 128 to 136-152 registers (one program per
+    SM, nothing to overlap a program's epilogue with another's main loop); offline sm_90 compiles
+    spill only 8-32 bytes per thread at the cap. Since the int8 epilogue fits in 128 registers
+    (2196a6c), four 64x64 programs of 4 warps with a 6-deep BK-32 pipeline beat two 64x128 ones
+    by 4-7% at 512 tokens (results/kernels/h100/variants_int8_55b11f9)."""
+    cap = REGISTERS_PER_SM // (RESIDENT_WARPS_TARGET * 32)
+    if config.max_registers is not None or config.num_warps > RESIDENT_WARPS_TARGET:
         return None
     return dataclasses.replace(config, max_registers=cap)
 
