@@ -159,8 +159,9 @@ def _int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr)
     into one FFMA (one rounding of the exact ``y * inverse``), and the result is that int32 pattern
     (the store keeps its low byte): no FRND / F2I (quarter rate), no sign handling, no clamp
     (``|y| * inverse <= 127 * (1 + 2^-22)`` rounds to at most 127). In the interpreter the multiply
-    rounds first, as the torch reference does. A block with ``scale == 0`` holds only zeros, so
-    its codes come out 0 with no test; sqrt-domain values are never negative."""
+    rounds first, as the torch reference does (so does the GPU if Triton stops fusing the two: the
+    codes stay within one of the fused ones). A block whose scale is 0 or subnormal divides by 1, and
+    its values (|y| < 1.5e-36) round to code 0 with no test; sqrt-domain values are never negative."""
     has_scale = scale >= 1.1754943508222875e-38          # normal; subnormal blocks store zeros
     if HW_MATH:
         # the hardware reciprocal (<= 2 ulp; a code can then differ by one next to a tie): the IEEE
@@ -169,7 +170,7 @@ def _int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr)
         inverse = libdevice.fast_dividef(1.0, tl.where(has_scale, scale, 1.0))
         pattern = (signed * inverse + 12582912.0).to(tl.int32, bitcast=True)     # 0x4B400000 + code
         if SQRT_DOMAIN:
-            # codes floored at 1 where the block's scale is not 0
+            # codes floored at 1 where the block's scale is normal
             return tl.maximum(pattern, 0x4B400000 + has_scale.to(tl.int32))
         else:
             return pattern
