@@ -40,7 +40,9 @@ def variants() -> list[TileConfig]:
 
 
 def winner(state_dtype: str) -> TileConfig:
-    """The tuner's choice at BT 512 (results/kernels/h100/variants_aacade5)."""
+    """The tile the A/B of ``--winners`` pins: the tuner's BT-512 choice up to 6e2de5c
+    (results/kernels/h100/variants_aacade5). Since 6e2de5c the tuner may pick 64x64x32 on 4 warps,
+    6 stages, instead (time it with ``--config 64x64x32/w4/s6/r128``)."""
     return TileConfig(64, 128, 32 if state_dtype == "int8" else 64, 8, 8, 4, prefetch=True, split_n=2,
                       max_registers=128)
 
@@ -60,7 +62,7 @@ def parse_config(spec: str) -> TileConfig:
             else:
                 key = {"w": "num_warps", "s": "num_stages", "g": "group", "r": "max_registers"}[option[0]]
                 fields[key] = int(option[1:])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, IndexError):      # IndexError: an empty field, as in '64x64x32//w4'
         raise SystemExit(f"kernel_variants: cannot read tile config {spec!r} (e.g. 64x128x32/w8/s5/sp2/r128)") from None
     if fields["num_warps"] is None or fields["num_stages"] is None:
         raise SystemExit(f"kernel_variants: tile config {spec!r} needs /wWARPS and /sSTAGES")
@@ -71,7 +73,7 @@ def parse_config(spec: str) -> TileConfig:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--winners", action="store_true", help="only the tuner's BT-512 winner per state dtype")
+    parser.add_argument("--winners", action="store_true", help="only the pinned BT-512 tile per state dtype (winner())")
     parser.add_argument("--config", action="append", type=parse_config, metavar="SPEC", dest="configs",
                         help="an explicit tile config instead of the built-in variants (repeat it), e.g. 64x128x32/w8/s5/sp2/r128")
     parser.add_argument("cases", nargs="+", metavar="SHAPE:BT:STATES")
