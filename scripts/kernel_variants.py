@@ -48,15 +48,19 @@ def winner(state_dtype: str) -> TileConfig:
 
 
 def parse_config(spec: str) -> TileConfig:
-    """``BMxBNxBK/wWARPS/sSTAGES[/spSPLIT][/gGROUP][/rMAXREG][/nopf]``, e.g. ``64x128x32/w8/s5/sp2/r128``
-    (group 8, prefetch on, no register cap unless given): one tile configuration from the command line."""
+    """``BMxBNxBK/wWARPS/sSTAGES[/spSPLIT][/gGROUP][/rMAXREG][/nopf][/ptr]``, e.g. ``64x128x32/w8/s5/sp2/r128``
+    (group 8, prefetch on, TMA main loop, no register cap unless given; ``ptr``: pointer loads in
+    the main loop): one tile configuration from the command line."""
     head, *options = spec.split("/")
     try:
         block_m, block_n, block_k = (int(x) for x in head.split("x"))
-        fields = dict(group=8, num_warps=None, num_stages=None, prefetch=True, split_n=1, max_registers=None)
+        fields = dict(group=8, num_warps=None, num_stages=None, prefetch=True, split_n=1, max_registers=None,
+                      tma=True)
         for option in options:
             if option == "nopf":
                 fields["prefetch"] = False
+            elif option == "ptr":
+                fields["tma"] = False
             elif option.startswith("sp"):
                 fields["split_n"] = int(option[2:])
             else:
@@ -67,7 +71,8 @@ def parse_config(spec: str) -> TileConfig:
     if fields["num_warps"] is None or fields["num_stages"] is None:
         raise SystemExit(f"kernel_variants: tile config {spec!r} needs /wWARPS and /sSTAGES")
     return TileConfig(block_m, block_n, block_k, fields["group"], fields["num_warps"], fields["num_stages"],
-                      prefetch=fields["prefetch"], split_n=fields["split_n"], max_registers=fields["max_registers"])
+                      prefetch=fields["prefetch"], split_n=fields["split_n"], max_registers=fields["max_registers"],
+                      tma=fields["tma"])
 
 
 def main() -> int:

@@ -15,6 +15,8 @@ def test_parse_config_reads_every_field():
                                                                max_registers=128)
     assert parse_config("128x256x64/w8/s3/sp4/g16/nopf") == TileConfig(128, 256, 64, 16, 8, 3, prefetch=False,
                                                                        split_n=4, max_registers=None)
+    assert parse_config("64x64x32/w4/s6/r128/ptr") == TileConfig(64, 64, 32, 8, 4, 6, prefetch=True,
+                                                                   max_registers=128, tma=False)
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -118,6 +118,8 @@ def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
     ((64, 128, 64), TileConfig(32, 64, 32, 8, 4, 1, prefetch=True)),
     # prefetch with a column split: slab 0 before the main loop, each later slab one slab ahead
     ((70, 200, 100), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2)),   # ragged
+    # ragged in M, N and K with 16-byte rows: the TMA main loop, zero-filled past the edges
+    ((72, 200, 100), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2)),
     ((64, 256, 64), TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2)),
     ((70, 300, 100), TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)),   # ragged, four slabs
     ((64, 256, 64), TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)),
@@ -357,7 +359,11 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     # then the other groups on the fastest (64, prefetch; the capped twin ties and was timed later)
     assert [(c.block_m, c.prefetch, c.max_registers) for c in timed[:6]] == [
         (32, False, None), (64, False, None), (32, True, None), (32, True, 128), (64, True, None), (64, True, 128)]
-    assert [(c.group, c.prefetch, c.max_registers) for c in timed[6:]] == [(16, True, None), (32, True, None)]
+    # the three fastest again with pointer loads in the main loop (the fake timing ignores the loader)
+    assert [(c.block_m, c.prefetch, c.max_registers, c.tma) for c in timed[6:9]] == [
+        (64, True, None, False), (64, True, 128, False), (64, False, None, False)]
+    assert [(c.group, c.prefetch, c.max_registers, c.tma) for c in timed[9:]] == [
+        (16, True, None, True), (32, True, None, True)]
     real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
     assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1, prefetch=True)], "one real launch, with the winner"
     assert list(fused_module.tuned_configs().values()) == real_launches
@@ -366,7 +372,7 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
         _assert_storage_close(s_real.values[name], s_ref.values[name], name)
     # a second call with the same key reuses the choice without timing again
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
-    assert len(timed) == 8
+    assert len(timed) == 11
 
 
 def test_register_cap_keeps_sixteen_warps_per_sm():
@@ -392,10 +398,30 @@ def test_tune_config_times_prefetch_under_the_register_cap():
         return 1.0 - 0.2 * config.prefetch - 0.3 * (config.max_registers == 128)
 
     candidate = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
-    best, timings = tune_config([candidate], run, time_ms, groups=(8,))
+    best, timings = tune_config([candidate], run, time_ms, groups=(8,), tma_flips=0)
     assert set(timings) == {candidate, dataclasses.replace(candidate, prefetch=True),
                             dataclasses.replace(candidate, prefetch=True, max_registers=128)}
     assert best == dataclasses.replace(candidate, prefetch=True, max_registers=128)
+
+
+def test_tune_config_tries_the_other_main_loop_loader_on_the_fastest():
+    """TMA helps some tiles and slows others (the 8-warp 64x128 one): the fastest few are also timed
+    with the other loader, and a pointer-loading winner is returned as such."""
+    timed = []
+
+    def run(config):
+        timed.append(config)
+
+    def time_ms(fn):
+        fn()
+        config = timed[-1]
+        return {64: 1.0, 128: 2.0}[config.block_n] - (0.5 if config.block_n == 64 and not config.tma else 0.0)
+
+    candidates = [TileConfig(64, 64, 32, 8, 4, 2), TileConfig(64, 128, 32, 8, 4, 2)]
+    best, timings = tune_config(candidates, run, time_ms, groups=(8,), prefetch_options=(), tma_flips=1)
+    assert best == TileConfig(64, 64, 32, 8, 4, 2, tma=False)
+    assert TileConfig(64, 128, 32, 8, 4, 2, tma=False) not in timings, "only the fastest is flipped"
+    assert len(timings) == 3
 
 
 def test_tune_config_skips_configs_that_do_not_fit_the_device():
@@ -419,12 +445,12 @@ def test_tune_config_skips_configs_that_do_not_fit_the_device():
         return {64: 3.0, 128: 1.0}[ran[-1].block_m] - (0.1 if ran[-1].group == 16 else 0.0)
 
     best, timings = tune_config([TileConfig(bm, 64, 32, 8, 4, 2) for bm in (64, 128, 256)], run, time_ms,
-                                groups=(8, 16), prefetch_options=())
+                                groups=(8, 16), prefetch_options=(), tma_flips=0)
     assert best == TileConfig(128, 64, 32, 16, 4, 2)
     assert all(c.block_m != 256 for c in timings) and len(timings) == 3
     # an 8-warp candidate whose register-capped prefetch variant ptxas refuses is still tuned
     ran.clear()
-    best, timings = tune_config([TileConfig(64, 64, 32, 8, 8, 2)], run, time_ms, groups=(8,))
+    best, timings = tune_config([TileConfig(64, 64, 32, 8, 8, 2)], run, time_ms, groups=(8,), tma_flips=0)
     assert all(c.max_registers is None for c in timings) and len(timings) == 2
 
     def broken(config):
@@ -507,3 +533,60 @@ def test_tuned_configs_are_described_per_weight_shape(monkeypatch):
     config = fused_module.TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
     monkeypatch.setattr(fused_module, "_TUNED", {key: config})
     assert fused_module.describe_tuned_configs() == {"4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch"}
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("shape", [(72, 200, 100), (64, 128, 64)], ids=["ragged", "even"])
+def test_tma_and_pointer_main_loops_give_the_same_bits(shape, state_dtype):
+    """The TMA main loop (descriptors, zero past the edges) and the pointer one (masks) compute the
+    same G, so the same update to the bit; the plan says which one ran. (Odd feature counts such as
+    70 have rows of 140 bytes, which TMA cannot take: the ragged case here is 72 x 200.)"""
+    dout, din, tokens = shape
+    x, dy = _inputs(dout, din, (tokens,), torch.bfloat16, seed=11)
+    results = []
+    for tma in (True, False):
+        config = TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2, tma=tma)
+        (weight, state), _ = _pair(torch.randn(dout, din, generator=torch.Generator().manual_seed(3),
+                                               device="cpu").to(DEVICE, torch.bfloat16), "adamw", state_dtype)
+        fused_wgrad_update(x, dy, weight, state, HP["adamw"], 2, config=config)
+        (plan,) = fused_module._PLANS[state].values()
+        if DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9:
+            assert (plan.x_block is not None) == tma, "the plan must take the TMA path exactly when asked"
+            assert plan.kwargs["TMA"] == tma
+        results.append((weight, state))
+    (w_tma, s_tma), (w_ptr, s_ptr) = results
+    assert torch.equal(w_tma, w_ptr)
+    for name in s_tma.values:
+        assert torch.equal(s_tma.values[name], s_ptr.values[name]), name
+
+
+def test_tma_needs_sixteen_bit_unit_stride_aligned_inputs():
+    """Inputs the TMA hardware cannot take fall back to pointer loads instead of failing."""
+    x = torch.randn(64, 96).bfloat16()
+    dy = torch.randn(64, 40).bfloat16()
+    assert fused_module.tma_inputs(x, dy) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not fused_module.tma_inputs(x.float(), dy.float()), "fp32 inputs keep the pointer path"
+    assert not fused_module.tma_inputs(x[:0], dy[:0]), "no tokens: nothing to describe"
+    assert not fused_module.tma_inputs(x[:, 1:], dy[:, 1:]), "a base off the 16-byte grid"
+    assert not fused_module.tma_inputs(x[:, ::2], dy[:, ::2]), "a feature stride other than 1"
+    wide = torch.randn(64, 97).bfloat16()
+    assert not fused_module.tma_inputs(wide[:, :96], dy), "a row stride of 194 bytes"
+
+
+def test_misaligned_activations_take_the_pointer_path_and_stay_right():
+    """A plan made for aligned activations is not reused for a view whose base is off the 16-byte grid
+    (the alignment is part of the plan's signature): the first step runs TMA, the second pointers."""
+    config = TileConfig(32, 64, 32, 8, 4, 1, tma=True)
+    (w_ours, s_ours), (w_ref, s_ref) = _pair(torch.randn(70, 90).bfloat16(), "adamw", "fp32")
+    base_x, base_dy = _inputs(96, 96, (40,), torch.bfloat16, seed=2)       # rows of 192 bytes
+    tma_expected = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    for step, offset in ((1, 0), (2, 1)):
+        x = base_x[:, offset:offset + 90]
+        dy = base_dy[:, offset:offset + 70]
+        fused_wgrad_update(x, dy, w_ours, s_ours, HP["adamw"], step, config=config)
+        reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], step)
+        (plan,) = fused_module._PLANS[s_ours].values()
+        assert (plan.x_block is not None) == (tma_expected and offset == 0), f"offset {offset}"
+        _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
+        w_ref.copy_(w_ours)
+        _copy_state(s_ref, s_ours)

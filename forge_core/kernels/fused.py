@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..rules.base import KERNEL_SCALARS, check_scalar_count
 from ..state import QBLOCK, ParamState
@@ -304,7 +305,7 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
 
 @triton.jit
 def _fused_wgrad_update_kernel(
-        X, DY, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
+        X, DY, X_DESC, DY_DESC, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
         M, N, K,
         stride_xk, stride_xn, stride_dyk, stride_dym,
         stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, stride_gn,
@@ -314,7 +315,7 @@ def _fused_wgrad_update_kernel(
         STOCHASTIC_ROUNDING: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
         SCALARS_IN_MEMORY: tl.constexpr,
         EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
-        HW_MATH: tl.constexpr, SPLIT: tl.constexpr,
+        HW_MATH: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
     # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
     pid = tl.program_id(0)
@@ -354,12 +355,18 @@ def _fused_wgrad_update_kernel(
             W, S0, S1, SCALE0, SCALE1, col0, rows, row_mask, N, stride_wm, stride_wn, stride_sm, stride_sn,
             stride_scale_row, NUM_STATES, STATE_KIND, EVEN_MN, CN, QB)
 
-    # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]; pointers advance (64-bit).
+    # Main loop: G tile = sum over tokens of dY[k, m] * X[k, n]. With TMA the tiles come through
+    # tensor descriptors (X_DESC / DY_DESC: (K, N) / (K, M), blocks (BK, BN) / (BK, BM), zero past
+    # the edges): no per-thread addresses or masks, and fewer load instructions competing with the
+    # epilogue's. Otherwise pointers advance (64-bit).
     dy_ptrs = DY + offs_k[None, :] * stride_dyk + offs_m[:, None] * stride_dym       # (BM, BK)
     x_ptrs = X + offs_k[:, None] * stride_xk + offs_n[None, :] * stride_xn           # (BK, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k_chunk in range(0, tl.cdiv(K, BK)):
-        if EVEN_K and EVEN_MN:
+        if TMA:
+            dy_tile = DY_DESC.load([k_chunk * BK, pid_m * BM]).T
+            x_tile = X_DESC.load([k_chunk * BK, pid_n * BN])
+        elif EVEN_K and EVEN_MN:
             dy_tile = tl.load(dy_ptrs)
             x_tile = tl.load(x_ptrs)
         else:
@@ -374,8 +381,9 @@ def _fused_wgrad_update_kernel(
             acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
         else:
             acc = tl.dot(dy_tile, x_tile, acc)
-        dy_ptrs += BK * stride_dyk
-        x_ptrs += BK * stride_xk
+        if not TMA:
+            dy_ptrs += BK * stride_dyk
+            x_ptrs += BK * stride_xk
 
     if SCALARS_IN_MEMORY:
         # The rule's scalars from a device buffer (capturable mode): a CUDA graph replays this
@@ -459,6 +467,10 @@ class TileConfig:
     only one slab's W and states are live at once: large tiles then keep their epilogue in registers."""
     max_registers: int | None = None
     """Cap on registers per thread (Triton's ``maxnreg``): a lower cap lets more programs share an SM."""
+    tma: bool = True
+    """Load the X and dY tiles of the main loop with TMA where the inputs allow it (``tma_inputs``),
+    else with pointers. Measured on an H100 (scripts/mainloop_bench.py): the main loop alone is
+    3-11% faster with TMA at the same tile, and it needs no address registers."""
 
     def epilogue_columns(self) -> int:
         """Columns of one epilogue slab."""
@@ -509,6 +521,21 @@ def fits(config: TileConfig, input_bytes: int) -> bool:
     8 warps in 4 slabs: 254 registers) spill-free with bf16 states (docs/kernel_notes.md)."""
     return (config.shared_memory_bytes(input_bytes) <= SHARED_MEMORY_BYTES
             and epilogue_registers(config) <= MAX_EPILOGUE_REGISTERS)
+
+
+def tma_inputs(x2: torch.Tensor, dy2: torch.Tensor) -> bool:
+    """Whether the main loop can load these (tokens, features) inputs through TMA descriptors:
+    16-bit floats (fp32 inputs keep the pointer path and its IEEE products), unit feature stride,
+    16-byte-aligned base and row stride (the hardware's rules), at least one token, and a Hopper or
+    newer GPU (or the interpreter, so the CPU tests run this path)."""
+    if x2.dtype not in (torch.bfloat16, torch.float16) or x2.shape[0] == 0:
+        return False
+    for t in (x2, dy2):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    if interpreting():
+        return True
+    return x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
 
 
 def _pow2_at_least(value: int) -> int:
@@ -568,15 +595,20 @@ def default_config(m: int, n: int, k: int, input_bytes: int) -> TileConfig:
     return TileConfig(128, 128, 64, 8, 8, 3, split_n=2)
 
 
+# TMA in the main loop made the 4-warp BT-512 tiles 3-6% faster and 128x256 at 4096 tokens 5-15%,
+# but the 8-warp 64x128 tile 7-23% slower with int8 states (H100, results/kernels/h100/tma_ab):
+# which loader wins depends on the tile, so the fastest few are also timed with the other one.
+TMA_FLIPS = 3
 _TUNED: dict[tuple, TileConfig] = {}
 
 
 def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[TileConfig], None],
                 time_ms: Callable[[Callable[[], None]], float],
                 groups: Iterable[int] = GROUPS, prefetch_options: Iterable[bool] = (False, True),
-                ) -> tuple[TileConfig, dict[TileConfig, float]]:
+                tma_flips: int = TMA_FLIPS) -> tuple[TileConfig, dict[TileConfig, float]]:
     """Time each candidate with ``run_on_scratch`` (which must only touch scratch copies), with and
-    without prefetch, then the other GROUP values on the fastest; return the winner and every timing.
+    without prefetch, then the ``tma_flips`` fastest with the other main-loop loader (TMA or
+    pointers), then the other GROUP values on the fastest; return the winner and every timing.
     A candidate that fails to compile or launch (out of resources) is skipped."""
     timings: dict[TileConfig, float] = {}
 
@@ -607,6 +639,10 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
             for candidate in (variant, capped):
                 if candidate is not None and candidate not in timings:
                     measure(candidate)
+    for config in sorted(timings, key=timings.get)[:tma_flips]:
+        flipped = dataclasses.replace(config, tma=not config.tma)
+        if flipped not in timings:
+            measure(flipped)
     best = min(timings, key=timings.get)
     for group in groups:
         variant = dataclasses.replace(best, group=group)
@@ -656,6 +692,8 @@ class _LaunchPlan:
     fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (not the
                                  # accumulator: it is passed per launch, see _run)
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
+    x_block: tuple[int, int] | None = None     # TMA block shapes of X and dY (None: pointer loads)
+    dy_block: tuple[int, int] | None = None
 
 
 # Per ParamState: {signature: plan}. Weak keys: a plan never keeps a dropped optimizer's tensors alive
@@ -663,7 +701,7 @@ class _LaunchPlan:
 _PLANS: "weakref.WeakKeyDictionary[ParamState, dict]" = weakref.WeakKeyDictionary()
 
 
-def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
+def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
           scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None, meta: Mapping[str, Any]) -> _LaunchPlan:
     m, n = weight.shape
     k = x2.shape[0]
@@ -676,9 +714,10 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
                       for t in (weight, s0, accum) if t.dim() == 2)
+    tma = config.tma and tma_inputs(x2, dy2)
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
-                  HW_MATH=not interpreting())
+                  HW_MATH=not interpreting(), TMA=tma)
     options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
     # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
     # and a cached plan holding the old one would keep a weight-sized tensor alive.
@@ -687,7 +726,10 @@ def _plan(config: TileConfig, x2: torch.Tensor, weight: torch.Tensor, states: li
                accum.stride(0), accum.stride(1))
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
                   num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
-    return _LaunchPlan(config, grid, fixed + strides, kwargs)
+    if not tma:
+        return _LaunchPlan(config, grid, fixed + strides, kwargs)
+    return _LaunchPlan(config, grid, fixed + strides, kwargs, x_block=(config.block_k, config.block_n),
+                       dy_block=(config.block_k, config.block_m))
 
 
 _NO_SCALARS = (0.0,) * NUM_SCALARS
@@ -704,8 +746,13 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
         values, buffer = _NO_SCALARS, scalars
     else:
         values, buffer = scalars, weight
+    if plan.x_block is None:
+        x_desc = dy_desc = None
+    else:       # a descriptor holds the base address: a new one per launch (a graph captures it)
+        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), list(plan.x_block))
+        dy_desc = TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), list(plan.dy_block))
     return _fused_wgrad_update_kernel[plan.grid](
-        x2, dy2, weight, s0, s1, scale0, scale1, accum, m, n, k,
+        x2, dy2, x_desc, dy_desc, weight, s0, s1, scale0, scale1, accum, m, n, k,
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:],
         *values, seed, buffer, **plan.kwargs)
 
@@ -714,7 +761,7 @@ def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
             states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
             scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any]):
     """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
-    return _run(_plan(config, x2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed, grad_accum)
+    return _run(_plan(config, x2, dy2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed, grad_accum)
 
 
 def check_config(config: TileConfig, state_dtype: str) -> None:
@@ -777,7 +824,7 @@ def describe_tuned_configs() -> dict[str, str]:
         described[f"{m}x{n}/bt{tokens}/{rule_name}/{state_dtype}"] = (
             f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} "
             f"g{config.group} split{config.split_n}{' prefetch' if config.prefetch else ''}"
-            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}")
+            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}{'' if config.tma else ' pointers'}")
     return described
 
 
@@ -845,7 +892,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
     check_config(config, state.state_dtype)
-    plan = _plan(config, x2, weight, states, scales, grad_accum, meta)
+    plan = _plan(config, x2, dy2, weight, states, scales, grad_accum, meta)
     if signature is not None:                    # one layout per weight is the steady state
         _PLANS[state] = {signature: plan}
     _run(plan, x2, dy2, scalars, seed, grad_accum)
@@ -895,7 +942,9 @@ def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, sta
     if config is None and not use_fixed_config() and not _autotune_enabled():
         return None                              # the untuned default is not cached either (see _tuned_config)
     try:
+        # the activations' 16-byte alignment too: it decides the TMA path (tma_inputs)
         return (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, weight.data_ptr(),
+                x.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0,
                 tuple(map(id, state.values.values())), tuple(map(id, state.scales.values())),
                 None if grad_accum is None else (grad_accum.shape, grad_accum.stride(), grad_accum.dtype,
                                                  grad_accum.device),
