@@ -384,9 +384,8 @@ def test_register_cap_keeps_sixteen_warps_per_sm():
     assert fused_module.sixteen_warps_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
 
 
-def test_tune_config_times_prefetch_under_the_register_cap():
-    """Each 8-warp candidate is timed plain, prefetching, and prefetching at 128 registers; the capped
-    variant can win and is what the tuner returns."""
+def _fake_timing(cost):
+    """A ``run_on_scratch`` that records each config and a ``time_ms`` that charges it ``cost(config)``."""
     timed = []
 
     def run(config):
@@ -394,9 +393,15 @@ def test_tune_config_times_prefetch_under_the_register_cap():
 
     def time_ms(fn):
         fn()
-        config = timed[-1]
-        return 1.0 - 0.2 * config.prefetch - 0.3 * (config.max_registers == 128)
+        return cost(timed[-1])
 
+    return run, time_ms
+
+
+def test_tune_config_times_prefetch_under_the_register_cap():
+    """Each 8-warp candidate is timed plain, prefetching, and prefetching at 128 registers; the capped
+    variant can win and is what the tuner returns."""
+    run, time_ms = _fake_timing(lambda c: 1.0 - 0.2 * c.prefetch - 0.3 * (c.max_registers == 128))
     candidate = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
     best, timings = tune_config([candidate], run, time_ms, groups=(8,), tma_flips=0)
     assert set(timings) == {candidate, dataclasses.replace(candidate, prefetch=True),
@@ -407,16 +412,8 @@ def test_tune_config_times_prefetch_under_the_register_cap():
 def test_tune_config_tries_the_other_main_loop_loader_on_the_fastest():
     """TMA helps some tiles and slows others (the 8-warp 64x128 one): the fastest few are also timed
     with the other loader, and a pointer-loading winner is returned as such."""
-    timed = []
-
-    def run(config):
-        timed.append(config)
-
-    def time_ms(fn):
-        fn()
-        config = timed[-1]
-        return {64: 1.0, 128: 2.0}[config.block_n] - (0.5 if config.block_n == 64 and not config.tma else 0.0)
-
+    run, time_ms = _fake_timing(
+        lambda c: {64: 1.0, 128: 2.0}[c.block_n] - (0.5 if c.block_n == 64 and not c.tma else 0.0))
     candidates = [TileConfig(64, 64, 32, 8, 4, 2), TileConfig(64, 128, 32, 8, 4, 2)]
     best, timings = tune_config(candidates, run, time_ms, groups=(8,), prefetch_options=(), tma_flips=1)
     assert best == TileConfig(64, 64, 32, 8, 4, 2, tma=False)
