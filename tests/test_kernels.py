@@ -530,6 +530,10 @@ def test_tuned_configs_are_described_per_weight_shape(monkeypatch):
     config = fused_module.TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
     monkeypatch.setattr(fused_module, "_TUNED", {key: config})
     assert fused_module.describe_tuned_configs() == {"4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch"}
+    # a winner that loads its main loop through pointers instead of TMA says so
+    monkeypatch.setattr(fused_module, "_TUNED", {key: dataclasses.replace(config, tma=False, max_registers=128)})
+    assert fused_module.describe_tuned_configs() == {
+        "4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch maxnreg128 pointers"}
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
