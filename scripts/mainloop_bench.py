@@ -91,8 +91,6 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # TMA descriptors made on the host need no device allocator; in-kernel ones would
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     with open(out / "mainloop.jsonl", "a") as handle:
         for case in args.cases:
             name, tokens = case.split(":")
