@@ -21,8 +21,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "gate": (14336, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from forge_core.kernels.fused import grouped_tile  # noqa: E402
+from gpu_kernel_check import SWEEP_SHAPES  # noqa: E402
+
 # (BM, BN, BK, warps, stages): the tuner's BT-512 tiles and the large ones of BT >= 2048
 TILES = ((64, 64, 32, 4, 6), (64, 128, 32, 8, 4), (64, 128, 64, 8, 4), (128, 128, 32, 8, 6),
          (128, 128, 64, 8, 4), (128, 256, 64, 8, 3))
@@ -32,13 +36,7 @@ TILES = ((64, 64, 32, 4, 6), (64, 128, 32, 8, 4), (64, 128, 64, 8, 4), (128, 128
 def _mainloop_kernel(X, DY, x_desc, dy_desc, OUT, M, N, K, TMA: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    programs_per_group = GROUP * tiles_n
-    first_m = (pid // programs_per_group) * GROUP
-    group_rows = tl.minimum(tiles_m - first_m, GROUP)
-    pid_m = first_m + (pid % programs_per_group) % group_rows
-    pid_n = (pid % programs_per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, M, N, BM, BN, GROUP)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if TMA:
         for k in range(0, K, BK):
@@ -94,7 +92,7 @@ def main() -> int:
     with open(out / "mainloop.jsonl", "a") as handle:
         for case in args.cases:
             name, tokens = case.split(":")
-            dout, din = SHAPES[name]
+            dout, din = SWEEP_SHAPES[name]
             for tile in TILES:
                 for tma in (False, True):
                     try:

@@ -19,15 +19,15 @@ import torch  # noqa: E402
 from forge_core.kernels import fused_wgrad_update  # noqa: E402
 from forge_core.rules import get_rule  # noqa: E402
 from forge_core.state import ParamState  # noqa: E402
+from gpu_kernel_check import SWEEP_SHAPES  # noqa: E402
 from kernel_variants import parse_config, winner  # noqa: E402
 
-SHAPES = {"q": (4096, 4096), "k": (1024, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
 HP = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
 def main() -> int:
     name, tokens, state_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dout, din = SHAPES[name]
+    dout, din = SWEEP_SHAPES[name]
     config = parse_config(sys.argv[4]) if len(sys.argv) > 4 else winner(state_dtype)
     w = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
     state = ParamState(w, get_rule("adamw"), state_dtype)

@@ -304,6 +304,18 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """Program ``pid``'s (row, column) tile in grouped order: GROUP consecutive row-tiles share the
+    same column tiles of X in L2. (Also used by scripts/mainloop_bench.py, to time the same order.)"""
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    programs_per_group = GROUP * tiles_n
+    first_m = (pid // programs_per_group) * GROUP
+    group_rows = tl.minimum(tiles_m - first_m, GROUP)
+    return first_m + (pid % programs_per_group) % group_rows, (pid % programs_per_group) // group_rows
+
+
+@triton.jit
 def _fused_wgrad_update_kernel(
         X, DY, X_DESC, DY_DESC, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
         M, N, K,
@@ -317,16 +329,7 @@ def _fused_wgrad_update_kernel(
         EVEN_MN: tl.constexpr, EVEN_K: tl.constexpr, WIDE_INDEX: tl.constexpr, PREFETCH: tl.constexpr,
         HW_MATH: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, QB: tl.constexpr):
-    # Grouped ordering: GROUP consecutive row-tiles share the same column tiles of X in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
-    programs_per_group = GROUP * tiles_n
-    group_id = pid // programs_per_group
-    first_m = group_id * GROUP
-    group_rows = tl.minimum(tiles_m - first_m, GROUP)
-    pid_m = first_m + (pid % programs_per_group) % group_rows
-    pid_n = (pid % programs_per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP)
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -692,8 +695,11 @@ class _LaunchPlan:
     fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (not the
                                  # accumulator: it is passed per launch, see _run)
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
-    x_block: tuple[int, int] | None = None     # TMA block shapes of X and dY (None: pointer loads)
-    dy_block: tuple[int, int] | None = None
+
+    @property
+    def tma(self) -> bool:
+        """Whether the main loop loads through TMA descriptors (built per launch by ``_run``)."""
+        return self.kwargs["TMA"]
 
 
 # Per ParamState: {signature: plan}. Weak keys: a plan never keeps a dropped optimizer's tensors alive
@@ -726,10 +732,7 @@ def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch
                accum.stride(0), accum.stride(1))
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
                   num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
-    if not tma:
-        return _LaunchPlan(config, grid, fixed + strides, kwargs)
-    return _LaunchPlan(config, grid, fixed + strides, kwargs, x_block=(config.block_k, config.block_n),
-                       dy_block=(config.block_k, config.block_m))
+    return _LaunchPlan(config, grid, fixed + strides, kwargs)
 
 
 _NO_SCALARS = (0.0,) * NUM_SCALARS
@@ -746,11 +749,12 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
         values, buffer = _NO_SCALARS, scalars
     else:
         values, buffer = scalars, weight
-    if plan.x_block is None:
+    if plan.tma:    # a descriptor holds the base address: a new one per launch (a graph captures it)
+        config = plan.config
+        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [config.block_k, config.block_n])
+        dy_desc = TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [config.block_k, config.block_m])
+    else:
         x_desc = dy_desc = None
-    else:       # a descriptor holds the base address: a new one per launch (a graph captures it)
-        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), list(plan.x_block))
-        dy_desc = TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), list(plan.dy_block))
     return _fused_wgrad_update_kernel[plan.grid](
         x2, dy2, x_desc, dy_desc, weight, s0, s1, scale0, scale1, accum, m, n, k,
         x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:],
