@@ -193,9 +193,29 @@ def run_timing(out: Path, shapes, bts, state_dtypes, budget_s: float) -> None:
                 emit(out, dict(kind="timing", shape=name, **row))
 
 
+def rotating_sets(dout: int, din: int, tokens: int, state_dtype: str) -> list[tuple]:
+    """(x, dy, weight, AdamW state) sets, enough that rotating through them keeps W and the states
+    out of L2 (``time_graph_ms``), as in a model's step."""
+    from forge_bench.kernel_bench import _sets_needed
+    from forge_bench.floor import state_traffic_bytes
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    rule = get_rule("adamw")
+    sets = []
+    for _ in range(_sets_needed(state_traffic_bytes([(dout, din)], 2.0, state_dtype) / 2)):
+        w = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
+        state = ParamState(w, rule, state_dtype)
+        state.store("exp_avg", torch.randn(dout, din, device="cuda") * 1e-4)
+        state.store("exp_avg_sq", torch.rand(dout, din, device="cuda") * 1e-6)
+        sets.append((torch.randn(tokens, din, device="cuda").bfloat16(),
+                     (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16(), w, state))
+    return sets
+
+
 def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str, configs) -> None:
     """Time each tile configuration on rotating input sets; report registers, spills, shared memory."""
-    from forge_bench.kernel_bench import _sets_needed, time_graph_ms
+    from forge_bench.kernel_bench import time_graph_ms
     from forge_bench.floor import state_traffic_bytes
     from forge_core.kernels import fused as fused_module
     from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
@@ -204,14 +224,7 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
 
     rule = get_rule("adamw")
     state_bytes = state_traffic_bytes([(dout, din)], 2.0, state_dtype)
-    sets = []
-    for _ in range(_sets_needed(state_bytes / 2)):
-        w = (torch.randn(dout, din, device="cuda") * 0.02).bfloat16()
-        state = ParamState(w, rule, state_dtype)
-        state.store("exp_avg", torch.randn(dout, din, device="cuda") * 1e-4)
-        state.store("exp_avg_sq", torch.rand(dout, din, device="cuda") * 1e-6)
-        sets.append((torch.randn(tokens, din, device="cuda").bfloat16(),
-                     (torch.randn(tokens, dout, device="cuda") * 0.01).bfloat16(), w, state))
+    sets = rotating_sets(dout, din, tokens, state_dtype)
     x, dy, w, state = sets[0]
     w = w.clone()                                  # timing updates the sets in place: keep a start point
     start_state = {k: v.clone() for k, v in state.state_dict().items()}

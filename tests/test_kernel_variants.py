@@ -30,3 +30,42 @@ def test_parse_config_refuses_bad_specs_in_one_line(spec, message):
     with pytest.raises(SystemExit) as raised:
         parse_config(spec)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_tuner_stability_refuses_a_bad_case_in_one_line(monkeypatch):
+    import tuner_stability
+    monkeypatch.setattr(tuner_stability.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["tuner_stability.py", "--out", "/tmp/unused", "gate:512"])
+    with pytest.raises(SystemExit) as raised:
+        tuner_stability.main()
+    assert "cannot read case 'gate:512'" in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="tuning times kernels on a CUDA GPU")
+def test_tuner_stability_tunes_again_on_every_call():
+    """Each repeat must really re-tune (no cached pick or launch plan), in both arms."""
+    import torch
+    import tuner_stability
+    from forge_core.kernels import fused as fused_module
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    weight = (torch.randn(192, 256, device="cuda") * 0.02).bfloat16()
+    sample = (torch.randn(96, 256, device="cuda").bfloat16(), torch.randn(96, 192, device="cuda").bfloat16() * 0.01,
+              weight, ParamState(weight, get_rule("adamw"), "int8"))
+    calls = []
+    original = fused_module.tune_config
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("finalists"))
+        return original(*args, **kwargs)
+
+    fused_module.tune_config = counting
+    try:
+        for finalists in (1, fused_module.FINALISTS, 1):
+            config, seconds = tuner_stability.tune_once(sample, finalists)
+            assert isinstance(config, TileConfig) and seconds > 0
+    finally:
+        fused_module.tune_config = original
+        fused_module.FINALISTS = tuner_stability.ARMS["finals"]
+    assert calls == [1, fused_module.FINALISTS, 1]

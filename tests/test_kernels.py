@@ -421,6 +421,36 @@ def test_tune_config_tries_the_other_main_loop_loader_on_the_fastest():
     assert len(timings) == 3
 
 
+def test_tune_config_retimes_the_finalists_round_robin():
+    """One lucky first timing must not pick the tile: the fastest few within the margin are timed again,
+    interleaved, and ranked by their median; a config far behind is not re-timed."""
+    fast, lucky, slow = TileConfig(64, 64, 32, 8, 4, 2), TileConfig(64, 128, 32, 8, 4, 2), TileConfig(128, 128, 32, 8, 4, 2)
+    seen: dict[TileConfig, int] = {}
+    order: list[TileConfig] = []
+
+    def cost(config):
+        seen[config] = seen.get(config, 0) + 1
+        order.append(config)
+        if config == lucky:
+            return 0.95 if seen[config] == 1 else 1.02       # a clock peak on its first timing
+        return {fast: 1.0, slow: 2.0}[config]
+
+    run, time_ms = _fake_timing(cost)
+    best, timings = tune_config([fast, lucky, slow], run, time_ms, groups=(8,), prefetch_options=(), tma_flips=0,
+                                finalists=4, final_rounds=5)
+    assert best == fast
+    assert timings[lucky] == pytest.approx(1.02) and timings[fast] == pytest.approx(1.0)
+    assert seen == {fast: 6, lucky: 6, slow: 1}, "only configs within the margin are re-timed"
+    finals = order[3:]
+    assert all(set(finals[i:i + 2]) == {fast, lucky} for i in range(0, 10, 2)), "each round times every finalist"
+    assert finals[0] != finals[2], "the rounds rotate their order"
+    # finalists=1 keeps the single-pass ranking (the lucky timing wins)
+    seen.clear()
+    best, _ = tune_config([fast, lucky, slow], run, time_ms, groups=(8,), prefetch_options=(), tma_flips=0,
+                          finalists=1)
+    assert best == lucky and seen == {fast: 1, lucky: 1, slow: 1}
+
+
 def test_tune_config_skips_configs_that_do_not_fit_the_device():
     class OutOfResources(Exception):
         pass
