@@ -225,11 +225,12 @@ class GraphedStep:
     capturable and stepped eagerly (on a side stream) first, as torch's CUDA-graph docs require.
     """
 
-    def __init__(self, arm: methods_mod.Arm, example: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, arm: methods_mod.Arm, example: Mapping[str, torch.Tensor],
+                 capture_stream: torch.cuda.Stream | None = None) -> None:
         self.inputs = {name: tensor.clone() for name, tensor in example.items()}
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, stream=capture_stream):
                 self.loss = arm.step(self.inputs)
         except Exception as exc:
             raise RuntimeError(f"CUDA graph capture of the step failed: {type(exc).__name__}: {exc}") from exc
