@@ -183,6 +183,7 @@ class Timing:
     nvml: dict[str, Any] = field(default_factory=dict)
     floor_terms: dict[str, Any] | None = None
     host_ms: list[float] = field(default_factory=list)
+    energy: dict[str, float] = field(default_factory=dict)    # telemetry.window_energy of the timed window
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -302,6 +303,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     # it off for the timed window only.
     gc.collect()
     gc.disable()
+    window_start = time.perf_counter()
     try:
         for _ in range(spec.repeats):
             if on_cuda:
@@ -330,8 +332,12 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         peak_alloc = torch.cuda.max_memory_allocated() / GIB
         peak_reserved = torch.cuda.max_memory_reserved() / GIB
         peak_reason = None
-        nvml = telemetry.nvml_columns(nvml_before, telemetry.nvml_snapshot(torch.device(device).index or 0))
+        nvml_after = telemetry.nvml_snapshot(torch.device(device).index or 0)
+        energy = telemetry.window_energy(nvml_before, nvml_after, time.perf_counter() - window_start,
+                                         spec.repeats * spec.timed_steps)
+        nvml = telemetry.nvml_columns(nvml_before, nvml_after)
     else:
+        energy = {}
         peak_alloc = peak_reserved = None
         peak_reason = "CPU run: torch keeps no peak-memory counter for CPU tensors"
         nvml = telemetry.cpu_nvml_columns()
@@ -344,7 +350,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         terms = floor_mod.floor_terms(model, cell.batch * cell.seq, models_mod.torch_dtype(cell.dtype),
                                       torch.device(device))
     return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
-                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms)
+                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms, energy)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -497,6 +503,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         # Host time for the Python call of each step to return. When it is close to the GPU step
         # time the step is launch-bound and its jitter is the host's, not the GPU's.
         extra["host_return_ms_median"] = statistics.median(timing.host_ms)
+    extra.update(timing.energy)
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
     kernel_configs = _tuned_kernel_configs()

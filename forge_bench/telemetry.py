@@ -196,6 +196,9 @@ def nvml_snapshot(device_index: int = 0) -> dict[str, Any]:
             "sm_clock_max_mhz": lambda: float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)),
             "temperature_c": lambda: float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
             "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            # the board's energy counter since the driver loaded (mJ; Volta and later): two
+            # snapshots give the energy of what ran between them (``window_energy``)
+            "energy_j": lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0,
             "throttle_reasons": lambda: _throttle_names(pynvml, int(_clock_event_reasons(pynvml)(handle))),
         }
         for key, probe in probes.items():
@@ -242,6 +245,16 @@ def nvml_columns(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     reasons = {r for r in (before.get("reason"), after.get("reason")) if r}
     cols["nvml_reason"] = "; ".join(sorted(reasons)) or None
     return cols
+
+
+def window_energy(before: dict[str, Any], after: dict[str, Any], seconds: float, steps: int) -> dict[str, float]:
+    """Energy per step and mean board power over a timed window, from two ``nvml_snapshot``s taken
+    around it; {} when the counter is missing. Why: on the H100 every Llama-8B arm but fused AdamW
+    runs at the power cap (~690 W, SwPowerCap), so a kernel's energy sets the whole step's SM clock."""
+    start, end = before.get("energy_j"), after.get("energy_j")
+    if start is None or end is None or end < start or seconds <= 0 or steps <= 0:
+        return {}
+    return {"energy_j_per_step": (end - start) / steps, "power_w_mean": (end - start) / seconds}
 
 
 def cpu_nvml_columns(reason: str = "CPU run: no GPU to query") -> dict[str, Any]:

@@ -9,3 +9,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Decorate every kernel now, while the variable is set: a test that unsets it for its own cell
+# (test_cell's suite fixture) would otherwise be the first to import forge_core.lean's kernels,
+# decorate them for the GPU, and a later test in the same process would run them in a half-set-up
+# interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel"; seen running
+# tests/test_cell.py alone).
+import forge_core.kernels.fused  # noqa: E402,F401
+import forge_core.kernels.rowwise  # noqa: E402,F401
+import forge_core.lm_head_loss  # noqa: E402,F401

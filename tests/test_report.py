@@ -149,6 +149,10 @@ def test_headline_values_equal_hand_computation(built):
                 assert _close_to_printed(line["Step ms"], row["step_ms_median"])
             if row["step_ms_spread_max"] is not None:
                 assert line["Spread"] == f"{row['step_ms_spread_max'] * 100:.1f}%"
+            extra = json.loads(row.get("extra") or "{}")
+            energy, power = extra.get("energy_j_per_step"), extra.get("power_w_mean")
+            assert line["J/step"] == ("—" if energy is None else f"{energy:.2f}")
+            assert line["Mean W"] == ("—" if power is None else f"{power:.0f}")
             bases = [r for r in group if r["method"] == base_method and r["status"] == "ok"
                      and r["run_id"] == row["run_id"]]
             if base_method is None:

@@ -181,13 +181,14 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
         base_method, base_note = choose_baseline(rows)
         several_runs = group["run_id"].nunique(dropna=False) > 1
         header = ["Method"] + (["Run"] if several_runs else []) + [
-            "Peak GiB", "Δ peak", "Step ms", "p10–p90 ms", "Spread", "Speed-up",
+            "Peak GiB", "Δ peak", "Step ms", "p10–p90 ms", "Spread", "Speed-up", "J/step", "Mean W",
             "Parity rms-rel", "Status"]
         notes = _Notes()
         body, recs = [], []
         for row in rows:
             base = find_baseline_row(row, rows, base_method)
             is_base = base is row
+            extra = ratios.json_field(row.get("extra"))
             change = ratios.peak_change(row, base)
             speed = ratios.speedup(row, base)
             who = f"{row['method']} (run {run_label(row['run_id'])})"
@@ -203,6 +204,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                 "baseline" if is_base else change.text,
                 fmt_ms(row.get("step_ms_median")), p10_p90_text(row), spread_text(row),
                 "baseline" if is_base else speed.text,
+                fmt_number(extra.get("energy_j_per_step")), fmt_number(extra.get("power_w_mean"), 0),
                 parity_text(row), str(row.get("status"))])
             recs.append({**key_map, "method": row["method"], "run_id": row["run_id"],
                          "baseline_method": base_method, "is_baseline": is_base,
@@ -218,14 +220,18 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                          "speedup_text": "baseline" if is_base else speed.text,
                          "peak_change_text": "baseline" if is_base else change.text,
                          "parity_rms_rel": as_number(row.get("parity_rms_rel")),
+                         "energy_j_per_step": as_number(extra.get("energy_j_per_step")),
+                         "power_w_mean": as_number(extra.get("power_w_mean")),
                          "status": row.get("status")})
         timing = {as_text(r.get("timing_method")) for r in rows if as_text(r.get("timing_method"))}
         caption = (f"{base_note} Δ peak: change of peak allocated memory (GiB = 2^30 bytes); "
-                   f"speed-up: baseline step time / this step time. {SPREAD_NOTE}"
+                   f"speed-up: baseline step time / this step time. J/step and mean W: the board's "
+                   f"energy counter (NVML) over the timed window, per step and per second (— before it was "
+                   f"recorded, or on CPU). {SPREAD_NOTE}"
                    + (f" Timing: {', '.join(sorted(timing))}." if timing else ""))
         tables.append(Table(
             name=slug("headline", *key_parts(key_map)), title=group_title(key_map), caption=caption,
-            header=header, rows=body, align="l" * (2 if several_runs else 1) + "r" * 7 + "l",
+            header=header, rows=body, align="l" * (2 if several_runs else 1) + "r" * 9 + "l",
             footnotes=notes.items, records=recs))
     return tables
 
