@@ -1,0 +1,140 @@
+"""Step-level A/B inside one process: the same warmed-up arm captured as several CUDA graphs that
+differ in one thing, timed in alternating rounds (GPU; one process per method).
+
+    python3 scripts/graph_ab.py --out $OUT/ab.jsonl --method forge_int8 tuned priority \\
+        "pin:14336x4096,4096x14336=64x128x32/w8/s4/sp2/r128/ptr"
+
+Arms: ``tuned`` (the step as a sweep cell captures it); ``priority`` (captured on the highest-priority
+stream: the fused updates' side stream keeps the default priority, so the critical path's CTAs are
+dispatched first; torch >= 2.10 instantiates graphs with cudaGraphInstantiateFlagUseNodePriority);
+``pin:SHAPES=SPEC`` (the fused kernel of those weight shapes, at this cell's tokens, pinned to the
+tile ``SPEC`` of scripts/kernel_variants.py instead of the tuner's pick). Why: across boots the step
+moves by more than a kernel change, and a kernel timed alone is not timed at the power cap where
+the whole step runs (~700 W on the H100, docs/kernel_notes.md session 13); rounds of 20 replays of
+each graph in turn, with NVML's energy counter read around each round, compare arms at one clock.
+Llama-3.1-8B, lean activations; --batch / --seq pick the cell (headline: 1 x 512).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def capture_arm(spec: str, arm, batches: list):
+    """One graph of ``arm``'s step for the arm ``spec`` (the tuner's picks are restored afterwards)."""
+    import torch
+    from forge_bench import cell as cell_mod
+    from forge_core.kernels import fused as fused_module
+    from kernel_variants import parse_config
+
+    tokens = batches[0]["input_ids"].numel()
+    if spec == "tuned":
+        return cell_mod.GraphedStep(arm, batches[0])
+    if spec == "priority":
+        return cell_mod.GraphedStep(arm, batches[0], torch.cuda.Stream(priority=-100))
+    if spec.startswith("pin:") and "=" in spec:
+        shapes_text, config_text = spec[4:].split("=", 1)
+        config = parse_config(config_text)
+        shapes = {tuple(int(d) for d in s.split("x")) for s in shapes_text.split(",")}
+        saved = dict(fused_module._TUNED)
+        pinned = [key for key in saved if key[0] in shapes and key[1] == tokens]
+        if not pinned:
+            raise SystemExit(f"graph_ab: no tuned weight of shape {shapes_text} at {tokens} tokens; tuned: "
+                             f"{sorted({(k[0], k[1]) for k in saved})}")
+        for key in pinned:
+            fused_module.check_config(config, key[5])
+            fused_module._TUNED[key] = config
+        fused_module._PLANS.clear()
+        cell_mod._eager_steps(arm, batches, 1, side_stream=True)     # compile the pinned tile outside the capture
+        torch.cuda.synchronize()
+        try:
+            return cell_mod.GraphedStep(arm, batches[0])
+        finally:
+            fused_module._TUNED.clear()
+            fused_module._TUNED.update(saved)
+            fused_module._PLANS.clear()
+    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC)")
+
+
+def time_rounds(steps: dict, batches: list, rounds: int, replays: int) -> dict[str, list[dict]]:
+    """Per arm and round: the median replay ms and the energy per step (J) and mean power (W)."""
+    import torch
+    from forge_bench.telemetry import nvml_snapshot, window_energy
+    out: dict[str, list[dict]] = {name: [] for name in steps}
+    gc.collect()
+    gc.disable()
+    try:
+        for round_index in range(rounds):
+            shift = round_index % len(steps)
+            names = list(steps)
+            for name in names[shift:] + names[:shift]:
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+                before, started = nvml_snapshot(), time.perf_counter()
+                for i in range(replays):
+                    starts[i].record()
+                    steps[name](batches[i % len(batches)])
+                    ends[i].record()
+                torch.cuda.synchronize()
+                after = nvml_snapshot()
+                out[name].append(dict(ms=statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)),
+                                      sm_clock_mhz=after.get("sm_clock_mhz"),
+                                      **window_energy(before, after, time.perf_counter() - started, replays)))
+    finally:
+        gc.enable()
+    return out
+
+
+def probe(method: str, specs: list[str], batch: int, seq: int, rounds: int, replays: int) -> dict:
+    import torch
+    from forge_bench import cell as cell_mod
+    from forge_bench.profile_step import warmed_up_arm
+    from forge_core.kernels.fused import describe_tuned_configs
+
+    arm, batches = warmed_up_arm("graph_ab", "llama-3.1-8b", batch, seq, method, cell_mod.GRAPH_EAGER_WARMUP,
+                                 "bfloat16", "lean", capturable=True)
+    tuned = describe_tuned_configs()
+    gc.collect()
+    torch.cuda.empty_cache()
+    steps = {spec: capture_arm(spec, arm, batches) for spec in specs}
+    for step in steps.values():
+        for i in range(5):
+            step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    per_round = time_rounds(steps, batches, rounds, replays)
+    summary = {name: dict(ms=statistics.median(r["ms"] for r in rs),
+                          energy_j_per_step=statistics.median(r.get("energy_j_per_step", float("nan")) for r in rs),
+                          power_w_mean=statistics.median(r.get("power_w_mean", float("nan")) for r in rs))
+               for name, rs in per_round.items()}
+    return dict(method=method, batch=batch, seq=seq, rounds=rounds, replays=replays, summary=summary,
+                per_round=per_round, kernel_configs=tuned, torch=torch.__version__,
+                device=torch.cuda.get_device_name())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, help="JSON lines file, appended to")
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC")
+    args = parser.parse_args()
+    record = probe(args.method, args.arms, args.batch, args.seq, args.rounds, args.replays)
+    with open(args.out, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    print(json.dumps(record["summary"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
