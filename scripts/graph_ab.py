@@ -28,26 +28,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | None]:
+    """(kind, weight shapes, tile config) of one arm spec, or SystemExit with a one-line reason: checked
+    before the 8B model is built, so a typo costs no device time."""
+    from kernel_variants import parse_config
+
+    if spec in ("tuned", "priority"):
+        return spec, None, None
+    if spec.startswith("pin:") and "=" in spec:
+        shapes_text, config_text = spec[4:].split("=", 1)
+        try:
+            shapes = {tuple(int(d) for d in s.split("x")) for s in shapes_text.split(",")}
+        except ValueError:
+            shapes = set()
+        if not shapes or any(len(shape) != 2 for shape in shapes):
+            raise SystemExit(f"graph_ab: cannot read the weight shapes of arm {spec!r} (e.g. 14336x4096,4096x14336)")
+        return "pin", shapes, parse_config(config_text)
+    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC)")
+
+
 def capture_arm(spec: str, arm, batches: list):
     """One graph of ``arm``'s step for the arm ``spec`` (the tuner's picks are restored afterwards)."""
     import torch
     from forge_bench import cell as cell_mod
     from forge_core.kernels import fused as fused_module
-    from kernel_variants import parse_config
 
     tokens = batches[0]["input_ids"].numel()
-    if spec == "tuned":
+    kind, shapes, config = parse_arm(spec)
+    if kind == "tuned":
         return cell_mod.GraphedStep(arm, batches[0])
-    if spec == "priority":
+    if kind == "priority":
         return cell_mod.GraphedStep(arm, batches[0], torch.cuda.Stream(priority=-100))
-    if spec.startswith("pin:") and "=" in spec:
-        shapes_text, config_text = spec[4:].split("=", 1)
-        config = parse_config(config_text)
-        shapes = {tuple(int(d) for d in s.split("x")) for s in shapes_text.split(",")}
+    if kind == "pin":
         saved = dict(fused_module._TUNED)
         pinned = [key for key in saved if key[0] in shapes and key[1] == tokens]
         if not pinned:
-            raise SystemExit(f"graph_ab: no tuned weight of shape {shapes_text} at {tokens} tokens; tuned: "
+            raise SystemExit(f"graph_ab: no tuned weight of shape {sorted(shapes)} at {tokens} tokens; tuned: "
                              f"{sorted({(k[0], k[1]) for k in saved})}")
         for key in pinned:
             fused_module.check_config(config, key[5])
@@ -61,7 +77,7 @@ def capture_arm(spec: str, arm, batches: list):
             fused_module._TUNED.clear()
             fused_module._TUNED.update(saved)
             fused_module._PLANS.clear()
-    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC)")
+    raise AssertionError(kind)
 
 
 def time_rounds(steps: dict, batches: list, rounds: int, replays: int) -> dict[str, list[dict]]:
@@ -129,6 +145,11 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC")
     args = parser.parse_args()
+    for spec in args.arms:
+        parse_arm(spec)
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_ab: needs a CUDA GPU")
     record = probe(args.method, args.arms, args.batch, args.seq, args.rounds, args.replays)
     with open(args.out, "a") as handle:
         handle.write(json.dumps(record) + "\n")

@@ -1,4 +1,4 @@
-"""scripts/kernel_variants.py: reading tile configs from the command line (the timing needs a GPU)."""
+"""The GPU scripts' command lines (kernel_variants tile configs, tuner_stability cases, graph_ab arms): bad input fails in one line before any GPU work."""
 import sys
 from pathlib import Path
 
@@ -69,3 +69,26 @@ def test_tuner_stability_tunes_again_on_every_call():
         fused_module.tune_config = original
         fused_module.FINALISTS = tuner_stability.ARMS["finals"]
     assert calls == [1, fused_module.FINALISTS, 1]
+
+
+def test_graph_ab_reads_arm_specs_before_building_anything():
+    import graph_ab
+    assert graph_ab.parse_arm("tuned") == ("tuned", None, None)
+    kind, shapes, config = graph_ab.parse_arm("pin:14336x4096,4096x14336=64x128x64/w8/s4/sp2/r128")
+    assert kind == "pin" and shapes == {(14336, 4096), (4096, 14336)}
+    assert config == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("fast", "unknown arm 'fast'"),
+    ("pin:14336x4096", "unknown arm"),
+    ("pin:14336=64x128x64/w8/s4", "cannot read the weight shapes"),
+    ("pin:axb=64x128x64/w8/s4", "cannot read the weight shapes"),
+    ("pin:14336x4096=64x128/w8/s4", "cannot read tile config"),
+])
+def test_graph_ab_refuses_a_bad_arm_in_one_line(spec, message, monkeypatch):
+    import graph_ab
+    monkeypatch.setattr(sys, "argv", ["graph_ab.py", "--out", "/tmp/unused.jsonl", "--method", "forge_int8", "tuned", spec])
+    with pytest.raises(SystemExit) as raised:
+        graph_ab.main()
+    assert message in str(raised.value) and "\n" not in str(raised.value)
