@@ -294,13 +294,11 @@ BANDWIDTH: list[float] = []
 
 def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str) -> None:
     """Every tuning candidate of the shape, without and with prefetch, and prefetching under the
-    16-warps-per-SM register cap (what ``tune_config`` times)."""
-    import dataclasses
-    from forge_core.kernels.fused import candidate_configs, supports, sixteen_warps_per_sm
-    configs = [c for c in candidate_configs(dout, din, tokens, 2) if supports(c, state_dtype)]
-    prefetching = [dataclasses.replace(c, prefetch=True) for c in configs]
-    capped = [v for v in map(sixteen_warps_per_sm, prefetching) if v is not None]
-    configs = configs + prefetching + capped
+    16-warps-per-SM register cap: what ``tune_config`` times before its TMA flips, GROUP pass and
+    finals (those depend on the timings)."""
+    from forge_core.kernels.fused import candidate_configs, prefetch_variants, supports
+    configs = [v for c in candidate_configs(dout, din, tokens, 2) if supports(c, state_dtype)
+               for v in prefetch_variants(c)]
     sweep_configs(out, dout, din, tokens, state_dtype, configs)
 
 

@@ -384,6 +384,15 @@ def test_register_cap_keeps_sixteen_warps_per_sm():
     assert fused_module.sixteen_warps_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
 
 
+def test_prefetch_variants_are_what_the_tuner_and_the_sweep_time():
+    config = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
+    assert fused_module.prefetch_variants(config) == [
+        config, dataclasses.replace(config, prefetch=True), dataclasses.replace(config, prefetch=True, max_registers=128)]
+    capped = TileConfig(64, 64, 32, 8, 4, 6, max_registers=96)      # already capped: no second cap
+    assert fused_module.prefetch_variants(capped) == [capped, dataclasses.replace(capped, prefetch=True)]
+    assert fused_module.prefetch_variants(config, ()) == []
+
+
 def _fake_timing(cost):
     """A ``run_on_scratch`` that records each config and a ``time_ms`` that charges it ``cost(config)``."""
     timed = []

@@ -648,12 +648,9 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
     # both ways, and prefetching again under a register cap that keeps 16 warps per SM; then
     # the other GROUP values on the fastest.
     for config in candidates:
-        for prefetch in prefetch_options:
-            variant = dataclasses.replace(config, prefetch=prefetch)
-            capped = sixteen_warps_per_sm(variant) if prefetch else None
-            for candidate in (variant, capped):
-                if candidate is not None and candidate not in timings:
-                    measure(candidate)
+        for candidate in prefetch_variants(config, prefetch_options):
+            if candidate not in timings:
+                measure(candidate)
     for config in sorted(timings, key=timings.get)[:tma_flips]:
         flipped = dataclasses.replace(config, tma=not config.tma)
         if flipped not in timings:
@@ -674,6 +671,17 @@ def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[Tile
         timings.update({config: statistics.median(times) for config, times in rounds.items()})
         return min(final, key=timings.get), timings
     return min(timings, key=timings.get), timings
+
+
+def prefetch_variants(config: TileConfig, prefetch_options: Iterable[bool] = (False, True)) -> list[TileConfig]:
+    """What ``tune_config`` times of one candidate: each prefetch setting, and prefetching again under
+    the register cap of ``sixteen_warps_per_sm`` (scripts/gpu_kernel_check.py sweeps the same list)."""
+    variants = []
+    for prefetch in prefetch_options:
+        variant = dataclasses.replace(config, prefetch=prefetch)
+        capped = sixteen_warps_per_sm(variant) if prefetch else None
+        variants += [v for v in (variant, capped) if v is not None]
+    return variants
 
 
 REGISTERS_PER_SM = 65536
