@@ -109,6 +109,12 @@ def time_rounds(steps: dict, batches: list, rounds: int, replays: int) -> dict[s
     return out
 
 
+def median_of(rounds: list[dict], key: str) -> float | None:
+    """``key``'s median over the rounds that have it (no energy counter: None), never a NaN in it."""
+    values = [r[key] for r in rounds if key in r]
+    return statistics.median(values) if values else None
+
+
 def probe(method: str, specs: list[str], batch: int, seq: int, rounds: int, replays: int) -> dict:
     import torch
     from forge_bench import cell as cell_mod
@@ -126,9 +132,7 @@ def probe(method: str, specs: list[str], batch: int, seq: int, rounds: int, repl
             step(batches[i % len(batches)])
     torch.cuda.synchronize()
     per_round = time_rounds(steps, batches, rounds, replays)
-    summary = {name: dict(ms=statistics.median(r["ms"] for r in rs),
-                          energy_j_per_step=statistics.median(r.get("energy_j_per_step", float("nan")) for r in rs),
-                          power_w_mean=statistics.median(r.get("power_w_mean", float("nan")) for r in rs))
+    summary = {name: {key: median_of(rs, key) for key in ("ms", "energy_j_per_step", "power_w_mean")}
                for name, rs in per_round.items()}
     return dict(method=method, batch=batch, seq=seq, rounds=rounds, replays=replays, summary=summary,
                 per_round=per_round, kernel_configs=tuned, torch=torch.__version__,

@@ -92,3 +92,11 @@ def test_graph_ab_refuses_a_bad_arm_in_one_line(spec, message, monkeypatch):
     with pytest.raises(SystemExit) as raised:
         graph_ab.main()
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_graph_ab_summary_skips_rounds_without_energy():
+    import graph_ab
+    rounds = [{"ms": 82.0, "energy_j_per_step": 58.0}, {"ms": 84.0}, {"ms": 83.0, "energy_j_per_step": 55.0}]
+    assert graph_ab.median_of(rounds, "ms") == 83.0
+    assert graph_ab.median_of(rounds, "energy_j_per_step") == 56.5
+    assert graph_ab.median_of([{"ms": 1.0}], "power_w_mean") is None
