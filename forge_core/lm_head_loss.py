@@ -7,12 +7,12 @@ all tokens ignored gives NaN, as there) without ever holding the ``(tokens, voca
 
 Why: at 512 tokens and a 128256-token vocabulary the logits and their fp32 loss temporaries are
 about 0.9 GiB, at 8192 tokens several GiB, and they are alive at the peak (the start of backward).
-Here the forward loops over vocab chunks (``logits_c = hidden @ W_c^T`` in the model dtype, then
-fp32) keeping only a running max, a running sum of exponentials and the target logit per token;
-it saves ``hidden``, the labels and the fp32 log-sum-exp (4 bytes per token). The backward
-recomputes each chunk's logits, forms ``dlogits_c = (softmax_c - onehot_c) * grad / n_valid`` in
-the dtype HF's backward gives dlogits (the model dtype), adds ``dlogits_c @ W_c`` (the PRE-update
-rows, products in fp32) into an fp32 ``dH`` that is rounded once at the end, and then:
+Here the forward loops over vocab chunks (``logits_c = hidden @ W_c^T`` in the model dtype)
+keeping only a running max, a running sum of exponentials (fp32, as HF's fp32 upcast) and the
+target logit per token; it saves ``hidden``, the targets and the fp32 log-sum-exp (4 bytes per
+token). The backward recomputes each chunk's logits, forms ``dlogits_c = (softmax_c - onehot_c) *
+grad / n_valid`` in the dtype HF's backward gives dlogits (the model dtype), adds ``dlogits_c @ W_c``
+(the PRE-update rows, products in fp32) into an fp32 ``dH`` that is rounded once at the end, and then:
 
 * a FORGE-fused LM head (a ``ForgeLinear`` from ``forge_core.fuse``): rows ``[c0, c1)`` of the
   weight are updated at once by the fused kernel with ``G_c = dlogits_c^T hidden`` (never formed),
@@ -24,13 +24,17 @@ With ``fuse(..., overlap=True)`` (the default) each chunk's row update runs on t
 ``forge_core.overlap``, overlapping the next chunk's GEMMs, as a ForgeLinear's update does.
 
 Cost: the backward recomputes the logits once (four vocab-sized GEMMs per step instead of three).
+The per-chunk softmax work is one Triton kernel per direction (``kernels.cross_entropy``: the
+forward's statistics, the backward's dlogits written over the chunk's logits) on CUDA and under the
+interpreter; ``chunk_stats_reference`` and ``chunk_dlogits_reference`` below are their spec and the
+path elsewhere. On CUDA ``dH += dlogits_c @ W_c`` is one GEMM into the fp32 accumulator.
 The chunk loop has a fixed trip count and no host sync, so a step with this loss can be captured
 in a CUDA graph (with ``forge_core.fuse(..., capturable=True)`` or a capturable torch optimizer).
 Labels are range-checked only for CPU tensors (a check on the GPU would be a host sync); a label
 outside ``[0, vocab)`` that is not ``ignore_index`` is an error there, and undefined here.
 
 Chunk size: ``default_chunk_size`` keeps one chunk's fp32 logits at most ``DEFAULT_CHUNK_BYTES``
-(64 MiB; with the model-dtype logits and dlogits of the chunk, about twice that is transient), widths
+(64 MiB: what the plain-torch path holds; the kernels hold only the model-dtype logits, half that), widths
 a multiple of ``CHUNK_ALIGN`` (256, so the fused kernel's row tiles divide a chunk) and as equal as
 possible: equal chunks plus at most one narrower last chunk, so the kernel tunes two shapes at most.
 Llama-3.1-8B: 512 tokens -> 4 chunks (3 x 32256 + 31488 rows); 8192 tokens -> 63 (62 x 2048 + 1280).
@@ -45,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import cross_entropy as chunk_kernels
 from .linear import ForgeLinear, _autocast_dtype
 from .overlap import run_beside, wants_overlap
 
@@ -74,38 +79,79 @@ def _chunk_bounds(vocab_size: int, chunk_size: int) -> list[tuple[int, int]]:
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], c0: int, c1: int,
                   compute_dtype: torch.dtype) -> torch.Tensor:
-    """fp32 logits of vocab rows ``[c0, c1)``, computed in ``compute_dtype`` first (as HF does)."""
+    """Logits of vocab rows ``[c0, c1)`` in ``compute_dtype`` (as HF computes them, before its fp32 upcast)."""
     w = weight[c0:c1]
     b = bias[c0:c1] if bias is not None else None
     if w.dtype != compute_dtype:
         w = w.to(compute_dtype)
         b = b.to(compute_dtype) if b is not None else None
-    return F.linear(hidden, w, b).float()
+    return F.linear(hidden, w, b)
 
 
-_FP32_OUT_MM_FAILED: set[str] = set()
-"""Device types on which ``torch.mm(..., out_dtype=torch.float32)`` raised (tried once per process)."""
+def _target_columns(hit_targets: torch.Tensor, first_col: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each token's target is in the chunk, its column there clamped into the chunk)."""
+    local = hit_targets - first_col
+    return (local >= 0) & (local < n_cols), local.clamp(0, n_cols - 1).unsqueeze(1)
+
+
+def chunk_stats_reference(logits: torch.Tensor, hit_targets: torch.Tensor, first_col: int,
+                          running_max: torch.Tensor, running_sum: torch.Tensor, target_logit: torch.Tensor) -> None:
+    """The spec of ``kernels.cross_entropy.chunk_stats``: fold a chunk of logits (model dtype, upcast
+    to fp32 as HF does) into the per-token running max and sum of exponentials, in place, and take
+    the target logit of tokens whose target (``hit_targets``, -1 for none) is in the chunk."""
+    logits32 = logits.float()
+    in_chunk, index = _target_columns(hit_targets, first_col, logits32.shape[1])
+    target_logit.copy_(torch.where(in_chunk, logits32.gather(1, index).squeeze(1), target_logit))
+    new_max = torch.maximum(running_max, logits32.amax(dim=1))
+    running_sum.mul_(torch.exp(running_max - new_max))
+    running_sum.add_(logits32.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1))
+    running_max.copy_(new_max)
+
+
+def chunk_dlogits_reference(logits: torch.Tensor, hit_targets: torch.Tensor, first_col: int, lse: torch.Tensor,
+                            row_scale: torch.Tensor) -> torch.Tensor:
+    """The spec of ``kernels.cross_entropy.chunk_dlogits_``: ``(softmax - onehot(target)) * row_scale``
+    of a chunk, computed in fp32 and rounded to the logits' dtype (the dtype HF's backward gives
+    dlogits in)."""
+    probs = logits.float()
+    probs.sub_(lse.unsqueeze(1)).exp_()
+    in_chunk, index = _target_columns(hit_targets, first_col, probs.shape[1])
+    probs.scatter_add_(1, index, -in_chunk.to(torch.float32).unsqueeze(1))
+    probs.mul_(row_scale.unsqueeze(1))
+    return probs.to(logits.dtype)
+
+
+_FP32_OUT_FAILED: dict[str, set[str]] = {"addmm": set(), "mm": set()}
+"""Device types on which ``torch.addmm`` / ``torch.mm`` with ``out_dtype=torch.float32`` raised (tried
+once per process)."""
 
 
 def _accumulate_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``accumulator (fp32) += a @ b`` with fp32 accumulation across chunks, as HF's one matmul of the
-    full dlogits accumulates in fp32 and rounds once. Half-precision inputs: on CUDA the product
-    comes out in fp32 (``out_dtype``, the tensor-core speed); elsewhere (CPU tests) the inputs are
-    upcast, which gives the same exact products."""
+    full dlogits accumulates in fp32 and rounds once. Half-precision inputs: on CUDA one GEMM reads
+    and writes the fp32 accumulator (``addmm`` with ``out_dtype``, the tensor-core speed), else the
+    product comes out in fp32 and is added; elsewhere (CPU tests) the inputs are upcast, which gives
+    the same exact products."""
     if a.dtype == torch.float32:
         accumulator.addmm_(a, b)
         return
     device_type = a.device.type
-    if device_type == "cuda" and device_type not in _FP32_OUT_MM_FAILED:
-        try:
-            accumulator.add_(torch.mm(a, b, out_dtype=torch.float32))
-            return
-        except (RuntimeError, TypeError) as error:   # a torch without out_dtype for this case
-            _FP32_OUT_MM_FAILED.add(device_type)
-            warnings.warn(f"chunked_lm_head_cross_entropy: torch.mm(out_dtype=float32) failed ({error}); each "
-                          f"chunk's d hidden is rounded to {a.dtype} before the fp32 sum", RuntimeWarning,
-                          stacklevel=3)
     if device_type == "cuda":
+        if device_type not in _FP32_OUT_FAILED["addmm"]:
+            try:
+                torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+                return
+            except (RuntimeError, TypeError):   # a torch without addmm(out_dtype) here: the mm below
+                _FP32_OUT_FAILED["addmm"].add(device_type)
+        if device_type not in _FP32_OUT_FAILED["mm"]:
+            try:
+                accumulator.add_(torch.mm(a, b, out_dtype=torch.float32))
+                return
+            except (RuntimeError, TypeError) as error:   # a torch without out_dtype for this case
+                _FP32_OUT_FAILED["mm"].add(device_type)
+                warnings.warn(f"chunked_lm_head_cross_entropy: torch.mm(out_dtype=float32) failed ({error}); each "
+                              f"chunk's d hidden is rounded to {a.dtype} before the fp32 sum", RuntimeWarning,
+                              stacklevel=3)
         accumulator.add_(a @ b)
     else:
         accumulator.addmm_(a.float(), b.float())
@@ -121,27 +167,21 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             hidden_c = hidden if hidden.dtype == compute_dtype else hidden.to(compute_dtype)
             tokens = hidden_c.shape[0]
-            valid = targets != ignore_index
-            safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+            # targets of ignored tokens become -1, which no chunk column matches
+            hit_targets = torch.where(targets != ignore_index, targets, torch.full_like(targets, -1))
+            stats = chunk_kernels.chunk_stats if chunk_kernels.usable_for(hidden_c) else chunk_stats_reference
             running_max = torch.full((tokens,), -math.inf, dtype=torch.float32, device=hidden.device)
             running_sum = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
             target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
             for c0, c1 in _chunk_bounds(weight.shape[0], chunk_size):
                 logits = _chunk_logits(hidden_c, weight, bias, c0, c1, compute_dtype)
-                in_chunk = (safe_targets >= c0) & (safe_targets < c1)
-                index = (safe_targets - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
-                target_logit = torch.where(in_chunk, logits.gather(1, index).squeeze(1), target_logit)
-                new_max = torch.maximum(running_max, logits.amax(dim=1))
-                running_sum = running_sum * torch.exp(running_max - new_max) \
-                    + logits.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
-                running_max = new_max
+                stats(logits, hit_targets, c0, running_max, running_sum, target_logit)
                 del logits
             lse = running_max + torch.log(running_sum)
-            per_token = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+            per_token = torch.where(hit_targets >= 0, lse - target_logit, torch.zeros_like(lse))
             loss = per_token.sum() / denominator
-        ctx.save_for_backward(hidden_c, weight, bias, targets, lse, denominator)
+        ctx.save_for_backward(hidden_c, weight, bias, hit_targets, lse, denominator)
         ctx.chunk_size = chunk_size
-        ctx.ignore_index = ignore_index
         ctx.updater = updater
         ctx.compute_dtype = compute_dtype
         ctx.hidden_dtype = hidden.dtype
@@ -149,19 +189,19 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor):  # type: ignore[override]
-        hidden, weight, bias, targets, lse, denominator = ctx.saved_tensors
+        hidden, weight, bias, hit_targets, lse, denominator = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         compute_dtype = ctx.compute_dtype
         updater = ctx.updater
         tokens, width = hidden.shape
         vocab = weight.shape[0]
         with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-            valid = targets != ctx.ignore_index
-            safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+            valid = hit_targets >= 0
             scale = grad_loss.to(torch.float32) / denominator
             # where, not a product: with no valid token the scale is inf and the rows must stay 0 (as HF).
             row_scale = torch.where(valid, scale.expand(tokens), torch.zeros((), dtype=torch.float32,
-                                                                              device=hidden.device)).unsqueeze(1)
+                                                                              device=hidden.device)).contiguous()
+            dlogits_of = chunk_kernels.chunk_dlogits_ if chunk_kernels.usable_for(hidden) else chunk_dlogits_reference
             grad_hidden32 = torch.zeros((tokens, width), dtype=torch.float32, device=hidden.device) \
                 if needs_hidden else None
             grad_weight = torch.empty_like(weight) if (needs_weight and updater is None) else None
@@ -169,14 +209,8 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
             rows = updater.begin_row_updates(hidden) if (updater is not None and needs_weight) else None
             overlap = rows is not None and wants_overlap(updater, hidden)
             for block, (c0, c1) in enumerate(_chunk_bounds(vocab, ctx.chunk_size)):
-                probs = _chunk_logits(hidden, weight, bias, c0, c1, compute_dtype)
-                probs.sub_(lse.unsqueeze(1)).exp_()
-                in_chunk = valid & (safe_targets >= c0) & (safe_targets < c1)
-                index = (safe_targets - c0).clamp(0, c1 - c0 - 1).unsqueeze(1)
-                probs.scatter_add_(1, index, -in_chunk.to(torch.float32).unsqueeze(1))
-                probs.mul_(row_scale)
-                dlogits = probs.to(compute_dtype)
-                del probs
+                dlogits = dlogits_of(_chunk_logits(hidden, weight, bias, c0, c1, compute_dtype), hit_targets, c0,
+                                     lse, row_scale)
                 w = weight[c0:c1]
                 if grad_hidden32 is not None:
                     # The PRE-update rows: the fused update of this chunk comes after.
