@@ -1,4 +1,4 @@
-"""The GPU scripts' command lines (kernel_variants tile configs, tuner_stability cases, graph_ab arms): bad input fails in one line before any GPU work."""
+"""The GPU scripts' command lines (kernel_variants tile configs, tuner_stability cases, graph_ab arms, loss_bench): bad input fails in one line before any GPU work."""
 import sys
 from pathlib import Path
 
@@ -100,3 +100,13 @@ def test_graph_ab_summary_skips_rounds_without_energy():
     assert graph_ab.median_of(rounds, "ms") == 83.0
     assert graph_ab.median_of(rounds, "energy_j_per_step") == 56.5
     assert graph_ab.median_of([{"ms": 1.0}], "power_w_mean") is None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_loss_bench_says_it_needs_a_gpu(monkeypatch, tmp_path):
+    import loss_bench
+    monkeypatch.setattr(sys, "argv", ["loss_bench.py", "--out", str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as raised:
+        loss_bench.main()
+    assert str(raised.value) == "loss_bench: needs a CUDA GPU"
+    assert not (tmp_path / "out.json").exists()
