@@ -121,9 +121,8 @@ def chunk_dlogits_reference(logits: torch.Tensor, hit_targets: torch.Tensor, fir
     return probs.to(logits.dtype)
 
 
-_FP32_OUT_FAILED: dict[str, set[str]] = {"addmm": set(), "mm": set()}
-"""Device types on which ``torch.addmm`` / ``torch.mm`` with ``out_dtype=torch.float32`` raised (tried
-once per process)."""
+_FP32_OUT_FAILED: set[str] = set()
+"""The CUDA ops (``"addmm"``, ``"mm"``) that raised with ``out_dtype=torch.float32`` (tried once per process)."""
 
 
 def _accumulate_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -135,20 +134,19 @@ def _accumulate_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Ten
     if a.dtype == torch.float32:
         accumulator.addmm_(a, b)
         return
-    device_type = a.device.type
-    if device_type == "cuda":
-        if device_type not in _FP32_OUT_FAILED["addmm"]:
+    if a.device.type == "cuda":
+        if "addmm" not in _FP32_OUT_FAILED:
             try:
                 torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
                 return
             except (RuntimeError, TypeError):   # a torch without addmm(out_dtype) here: the mm below
-                _FP32_OUT_FAILED["addmm"].add(device_type)
-        if device_type not in _FP32_OUT_FAILED["mm"]:
+                _FP32_OUT_FAILED.add("addmm")
+        if "mm" not in _FP32_OUT_FAILED:
             try:
                 accumulator.add_(torch.mm(a, b, out_dtype=torch.float32))
                 return
             except (RuntimeError, TypeError) as error:   # a torch without out_dtype for this case
-                _FP32_OUT_FAILED["mm"].add(device_type)
+                _FP32_OUT_FAILED.add("mm")
                 warnings.warn(f"chunked_lm_head_cross_entropy: torch.mm(out_dtype=float32) failed ({error}); each "
                               f"chunk's d hidden is rounded to {a.dtype} before the fp32 sum", RuntimeWarning,
                               stacklevel=3)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import _to_bf16_nearest_even, interpreting
+from .fused import _to_bf16_nearest_even, interpreting, runs_on_device_of
 
 _DECORATED_FOR_INTERPRETER = interpreting()
 STATS_BLOCK = 1024
@@ -27,9 +27,7 @@ DLOGITS_BLOCK = 2048
 def usable_for(tensor: torch.Tensor) -> bool:
     """Whether these kernels can run on ``tensor``'s device (CUDA, or the CPU when the kernels were
     decorated for the interpreter)."""
-    if _DECORATED_FOR_INTERPRETER:
-        return tensor.device.type == "cpu"
-    return tensor.is_cuda
+    return runs_on_device_of(tensor, _DECORATED_FOR_INTERPRETER)
 
 
 @triton.jit

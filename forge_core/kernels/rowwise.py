@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import interpreting
+from .fused import interpreting, runs_on_device_of
 
 
 # triton.jit reads TRITON_INTERPRET when it decorates: what counts is the value at import
@@ -28,9 +28,7 @@ _DECORATED_FOR_INTERPRETER = interpreting()
 def usable_for(tensor: torch.Tensor) -> bool:
     """Whether these kernels can run on ``tensor``'s device (CUDA, or the CPU when the kernels
     were decorated for the interpreter)."""
-    if _DECORATED_FOR_INTERPRETER:
-        return tensor.device.type == "cpu"
-    return tensor.is_cuda
+    return runs_on_device_of(tensor, _DECORATED_FOR_INTERPRETER)
 
 
 @triton.jit
