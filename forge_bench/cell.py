@@ -509,6 +509,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     kernel_configs = _tuned_kernel_configs()
     if kernel_configs:
         extra["kernel_configs"] = kernel_configs
+        if os.environ.get("FORGE_TUNE_CACHE"):
+            extra["tune_cache"] = os.environ["FORGE_TUNE_CACHE"]     # where "(tune cache)" tiles came from
     results.write_row(out_dir, _finish(row, t_start, extra))
     return 0
 

@@ -86,6 +86,7 @@ def sweep(
     tolerance: Annotated[float, typer.Option("--tolerance", help="allowed slow-down for --check, as a fraction", min=0.0)] = 0.10,
     allow_mixed: Annotated[bool, typer.Option("--allow-mixed", help="allow a different suite's rows in the same --out")] = False,
     stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="seconds: start no new cell after this long (a time-boxed GPU); finish later with --resume", min=0.0)] = None,
+    tune_cache: Annotated[Optional[str], typer.Option("--tune-cache", help="file where the cells share the fused kernel's tile choices (default: OUT/tune_cache.json, or an exported FORGE_TUNE_CACHE); 'off': every cell tunes on its own")] = None,
 ) -> None:
     """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
     from forge_bench import results as results_mod
@@ -132,7 +133,8 @@ def sweep(
         try:
             run_id, outcomes = runner.run_sweep(loaded, cells, out_dir, resume=resume, allow_mixed=allow_mixed,
                                                 on_start=on_start, on_done=on_done, tick=progress.refresh,
-                                                plan=plan, stop_after_s=stop_after)
+                                                plan=plan, stop_after_s=stop_after,
+                                                tune_cache=runner.default_tune_cache(out_dir, tune_cache))
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")

@@ -113,7 +113,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("finished_at", _S, "UTC ISO time the row was written"),
     ("wall_s", _F, "seconds the cell took, process start to row"),
     ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
-                  "kernel_configs (the fused kernel's tile per weight shape), cuda_alloc_conf, memory_breakdown_bytes, "
+                  "kernel_configs (the fused kernel's tile per weight shape; '(tune cache)' when chosen by an earlier cell), tune_cache (that file), cuda_alloc_conf, memory_breakdown_bytes, "
                   "host_return_ms_median, energy_j_per_step and power_w_mean (NVML energy counter over the timed window), floor_terms, parity_rms_rel_global / parity_worst_param, "
                   "or a kernel benchmark's fields"),
 ]

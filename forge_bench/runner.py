@@ -136,10 +136,21 @@ class CellOutcome:
 GRAPH_CELL_ALLOC_CONF = "expandable_segments:True"
 
 
-def _child_env(cell: Cell | None = None) -> dict[str, str]:
+# The fused kernel's tile choices are shared by the cells of a sweep through this file in its
+# results folder (forge_core.kernels.tune_cache): the first cell of a weight shape tunes, the later
+# ones (eager and graph, other arms, a --resume) reuse its choice instead of re-tuning for 40-120 s
+# each, and every FORGE cell of the sweep then runs the same kernels.
+TUNE_CACHE_FILE = "tune_cache.json"
+TUNE_CACHE_ENV = "FORGE_TUNE_CACHE"
+
+
+def _child_env(cell: Cell | None = None, tune_cache: str | None = None) -> dict[str, str]:
     """The cell process must import this very source tree (no install needed on a GPU box). Graph
-    cells get ``GRAPH_CELL_ALLOC_CONF`` unless the user set PYTORCH_CUDA_ALLOC_CONF themselves."""
+    cells get ``GRAPH_CELL_ALLOC_CONF`` unless the user set PYTORCH_CUDA_ALLOC_CONF themselves.
+    ``tune_cache``: the FORGE_TUNE_CACHE the cell gets ("" turns it off; None: as inherited)."""
     env = dict(os.environ)
+    if tune_cache is not None:
+        env[TUNE_CACHE_ENV] = tune_cache
     paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -169,7 +180,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, timeout_s: float,
-               tick: Callable[[], None] | None = None) -> tuple[int | None, Path]:
+               tick: Callable[[], None] | None = None, tune_cache: str | None = None) -> tuple[int | None, Path]:
     """Run the cell process; returns (exit code or None when killed at the timeout, stderr file)."""
     log_dir = out_dir / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +189,7 @@ def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: in
     cmd = [sys.executable, "-m", "forge_bench.cell", "--suite", str(suite.path), "--cell-id", cell.cell_id,
            "--out", str(out_dir), "--run-id", run_id, "--attempt", str(attempt), "--parent-pid", str(os.getpid())]
     with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell),
+        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell, tune_cache),
                                 cwd=os.getcwd(), start_new_session=True)
         deadline = time.monotonic() + timeout_s
         try:
@@ -212,7 +223,8 @@ def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str
     return row
 
 
-def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
+            tune_cache: str | None = None) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
     from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, run_cell
 
@@ -222,7 +234,7 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick)
+        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick, tune_cache)
         if rc is None:
             row = _runner_row(suite, cell, run_id, attempt, "timeout",
                               f"killed after the per-cell timeout of {cell.timeout_s:g} s",
@@ -248,13 +260,14 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               on_done: Callable[[CellOutcome], None] | None = None,
               tick: Callable[[], None] | None = None,
               plan: tuple[str, dict[str, Any] | None, set[str]] | None = None,
-              stop_after_s: float | None = None) -> tuple[str, list[CellOutcome]]:
+              stop_after_s: float | None = None, tune_cache: str | None = None) -> tuple[str, list[CellOutcome]]:
     """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
 
     ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
     the one used); otherwise it is asked here. ``stop_after_s``: start no new cell once this many
     seconds have passed (a time-boxed machine); the cells left have no row, and ``--resume`` runs
     them later under the same run id. Outcomes are returned for the cells that ran or were done.
+    ``tune_cache``: the cells' FORGE_TUNE_CACHE (``default_tune_cache``); None leaves it as inherited.
     """
     out_dir = Path(out_dir)
     run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed)
@@ -273,12 +286,25 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
         else:
             if on_start:
                 on_start(cell, index, len(cells))
-            row = run_one(suite, cell, out_dir, run_id, tick)
+            row = run_one(suite, cell, out_dir, run_id, tick, tune_cache)
             outcome = CellOutcome(cell, row.get("status", "?"), row)
         outcomes.append(outcome)
         if on_done:
             on_done(outcome)
     return run_id, outcomes
+
+
+def default_tune_cache(out_dir: Path, option: str | None) -> str:
+    """The cells' FORGE_TUNE_CACHE for a ``--tune-cache`` option: "off" -> "" (each cell tunes on its
+    own); a path -> that file; unset -> an exported FORGE_TUNE_CACHE, else the results folder's file."""
+    if option is not None:
+        if option.strip().lower() == "off":
+            return ""
+        return str(Path(option).expanduser().resolve())
+    inherited = os.environ.get(TUNE_CACHE_ENV)
+    if inherited is not None:
+        return inherited
+    return str((Path(out_dir) / TUNE_CACHE_FILE).resolve())
 
 
 # --- regression check against a committed baseline -------------------------------------------

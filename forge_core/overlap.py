@@ -49,8 +49,14 @@ def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[
     main = torch.cuda.current_stream(device)
     side = side_stream(device)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
+    # set_stream and back rather than ``with torch.cuda.stream(side)``: the context manager looks the
+    # current streams up again and handles a change of device, which cannot happen here (autograd
+    # runs a CUDA backward on its device's thread), at a host cost paid once per fused layer.
+    torch.cuda.set_stream(side)
+    try:
         update()
+    finally:
+        torch.cuda.set_stream(main)
     for tensor in used:
         tensor.record_stream(side)
     _queue_join(main, side)

@@ -563,6 +563,85 @@ def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
     assert cached[3] is not cached[2] and launches[3] is not cached[2], "a replaced state tensor needs a new plan"
 
 
+def test_direct_launcher_passes_runtime_arguments_then_constexprs(monkeypatch):
+    """The direct launch hands Triton's compiled-kernel launcher what the JIT would: grid, the current
+    stream, the handles, then every kernel parameter in signature order (constexprs by name from the
+    plan); it steps aside (False) on another device, and is not built for a compiled object of
+    another layout."""
+    import triton
+
+    calls = []
+
+    class FakeCompiled:
+        function, packed_metadata = "function-handle", "packed"
+
+        @staticmethod
+        def run(*args):
+            calls.append(args)
+
+        @staticmethod
+        def launch_metadata(grid, stream, *args):
+            return ("metadata", grid, stream, len(args))
+
+    class FakeActive:
+        device = 3
+
+        def get_current_device(self):
+            return self.device
+
+        def get_current_stream(self, index):
+            return 1000 + index
+
+    active = FakeActive()
+    monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": active})())
+    names = fused_module._constexpr_tail()
+    assert names[0] == "EPILOGUE" and names[-1] == "QB" and "seed" not in names
+    kwargs = {name: f"value-of-{name}" for name in names}
+    kwargs.update(num_warps=4, num_stages=2)          # launch options, not kernel parameters
+    plan = fused_module._LaunchPlan(TileConfig(32, 64, 32, 8, 4, 1), (7,), (), kwargs)
+    launch = fused_module._direct_launcher(FakeCompiled(), plan)
+    runtime_args = ("x2", "dy2", 5, 0.5)
+    assert launch(runtime_args) is True
+    (call,) = calls
+    constexprs = tuple(f"value-of-{name}" for name in names)
+    assert call[:7] == (7, 1, 1, 1003, "function-handle", "packed", ("metadata", (7,), 1003, 4 + len(names)))
+    assert call[9:] == runtime_args + constexprs
+    active.device = 0
+    assert launch(runtime_args) is False and len(calls) == 1, "another current device: the JIT path must run"
+    assert fused_module._direct_launcher(object(), plan) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch exists on CUDA only (the "
+                                                           "interpreter always runs Triton's JIT path)")
+@pytest.mark.parametrize("state_dtype,tma", [("bf16", True), ("int8", True), ("int8", False), ("fp32", True)])
+def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
+    """A cached plan launches without the JIT from its second step: the weights and states must be
+    bit-identical to launches through the JIT at every step, for seeds that the JIT used to specialise
+    on (divisible by 16, equal to 1), with stochastic rounding drawing from them."""
+    kernel = fused_module._fused_wgrad_update_kernel
+    config = TileConfig(64, 64, 32, 8, 4, 3, split_n=2, tma=tma)
+    (w_direct, s_direct), (w_jit, s_jit) = _pair(torch.randn(136, 200).bfloat16(), "adamw", state_dtype)
+    hp = dict(HP["adamw"])
+    for step, seed in enumerate([7, 16, 1, 4096 + 5], start=1):
+        hp["lr"] = 1e-3 * step
+        x, dy = _inputs(136, 200, (2, 48), torch.bfloat16, seed=step)
+        jit_calls = []
+        real_run = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, **k: (jit_calls.append(1), real_run(*a, **k))[1])
+        fused_wgrad_update(x, dy, w_direct, s_direct, hp, step, config=config, stochastic_rounding=True, seed=seed)
+        assert len(jit_calls) == (1 if step == 1 else 0), f"step {step}: the cached plan must skip the JIT"
+        monkeypatch.setenv("FORGE_DIRECT_LAUNCH", "0")
+        fused_module._PLANS.pop(s_jit, None)        # a fresh plan: its first (JIT) launch is the one compared
+        fused_wgrad_update(x, dy, w_jit, s_jit, hp, step, config=config, stochastic_rounding=True, seed=seed)
+        monkeypatch.delenv("FORGE_DIRECT_LAUNCH")
+        monkeypatch.setattr(kernel, "run", real_run)
+        (plan,) = fused_module._PLANS[s_direct].values()
+        assert plan.direct is not None
+        assert torch.equal(w_direct, w_jit), f"weight, step {step}"
+        for name in s_jit.values:
+            assert torch.equal(s_direct.values[name], s_jit.values[name]), f"{name}, step {step}"
+
+
 def test_tuned_configs_are_described_per_weight_shape(monkeypatch):
     """A benchmark row names the tile that ran each shape, so two timings can be told apart."""
     key = ((4096, 1024), 512, torch.bfloat16, torch.bfloat16, "adamw", "int8", False, False, False, "cuda:0")

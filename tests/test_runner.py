@@ -231,3 +231,18 @@ def test_graph_cells_get_expandable_segments_unless_the_user_chose(monkeypatch):
     assert "PYTORCH_CUDA_ALLOC_CONF" not in runner._child_env(cell(False))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert runner._child_env(cell(True))["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_cells_share_a_tune_cache_in_the_results_folder_unless_told_otherwise(monkeypatch, tmp_path):
+    """Default: OUT/tune_cache.json; an exported FORGE_TUNE_CACHE wins over it; --tune-cache PATH
+    wins over both; 'off' gives the cells an empty variable (each tunes on its own)."""
+    monkeypatch.delenv(runner.TUNE_CACHE_ENV, raising=False)
+    out = tmp_path / "out"
+    assert runner.default_tune_cache(out, None) == str((out / "tune_cache.json").resolve())
+    monkeypatch.setenv(runner.TUNE_CACHE_ENV, "/shared/tiles.json")
+    assert runner.default_tune_cache(out, None) == "/shared/tiles.json"
+    assert runner.default_tune_cache(out, str(tmp_path / "mine.json")) == str((tmp_path / "mine.json").resolve())
+    assert runner.default_tune_cache(out, "OFF") == ""
+    assert runner._child_env(None, "")[runner.TUNE_CACHE_ENV] == ""
+    assert runner._child_env(None, "/x.json")[runner.TUNE_CACHE_ENV] == "/x.json"
+    assert runner._child_env(None, None)[runner.TUNE_CACHE_ENV] == "/shared/tiles.json", "None: as inherited"

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import io
 import math
 import os
@@ -33,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..rules.base import KERNEL_SCALARS, check_scalar_count
 from ..state import QBLOCK, ParamState
+from . import tune_cache
 from .reference import check_arguments, flatten_tokens
 
 _STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
@@ -325,7 +328,9 @@ def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.conste
     return first_m + (pid % programs_per_group) % group_rows, (pid % programs_per_group) // group_rows
 
 
-@triton.jit
+# ``seed`` changes every step: specialising on it (== 1, divisible by 16) would compile a second
+# kernel for one launch in 16 and make a cached plan's compiled kernel wrong for the next seed.
+@triton.jit(do_not_specialize=["seed"])
 def _fused_wgrad_update_kernel(
         X, DY, X_DESC, DY_DESC, W, S0, S1, SCALE0, SCALE1, GRAD_ACCUM,
         M, N, K,
@@ -622,6 +627,7 @@ FINALISTS = 4
 FINAL_ROUNDS = 5
 FINALIST_MARGIN = 1.10
 _TUNED: dict[tuple, TileConfig] = {}
+_FROM_DISK: set[tuple] = set()       # keys whose choice came from FORGE_TUNE_CACHE, not tuned here
 
 
 def tune_config(candidates: Iterable[TileConfig], run_on_scratch: Callable[[TileConfig], None],
@@ -720,10 +726,15 @@ def _autotune_enabled() -> bool:
     return os.environ.get("FORGE_AUTOTUNE", "1") != "0"
 
 
+def _direct_launch_enabled() -> bool:
+    """``FORGE_DIRECT_LAUNCH=0`` keeps every launch on Triton's JIT path (to A/B the host cost)."""
+    return os.environ.get("FORGE_DIRECT_LAUNCH", "1") != "0"
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _LaunchPlan:
     """Everything a launch needs but the activations, the step's scalars and the seed: built once per
     weight and activation layout, then reused every step (the per-step host path is a signature
@@ -733,6 +744,10 @@ class _LaunchPlan:
     fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (not the
                                  # accumulator: it is passed per launch, see _run)
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
+    direct: Callable[[tuple], bool] | None = None
+    """Launches the kernel this plan compiled without Triton's per-call binding (``_direct_launcher``);
+    set after the plan's first launch, for plans that are cached (their arguments keep the
+    specialisation the kernel was compiled for)."""
 
     @property
     def tma(self) -> bool:
@@ -793,10 +808,64 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
         dy_desc = TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [config.block_k, config.block_m])
     else:
         x_desc = dy_desc = None
-    return _fused_wgrad_update_kernel[plan.grid](
-        x2, dy2, x_desc, dy_desc, weight, s0, s1, scale0, scale1, accum, m, n, k,
-        x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:],
-        *values, seed, buffer, **plan.kwargs)
+    args = (x2, dy2, x_desc, dy_desc, weight, s0, s1, scale0, scale1, accum, m, n, k,
+            x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:], *values, seed, buffer)
+    if plan.direct is not None and plan.direct(args):
+        return None
+    return _fused_wgrad_update_kernel[plan.grid](*args, **plan.kwargs)
+
+
+def _constexpr_tail() -> tuple[str, ...] | None:
+    """The kernel's constexpr parameter names when they all follow its runtime parameters (the
+    layout ``_direct_launcher`` relies on), else None."""
+    params = getattr(_fused_wgrad_update_kernel, "params", None)
+    if params and all(hasattr(p, "is_constexpr") and hasattr(p, "name") for p in params):
+        flagged = [(p.name, bool(p.is_constexpr)) for p in params]
+    else:       # the interpreter's wrapper has no params: read the annotations (strings here)
+        signature = inspect.signature(_fused_wgrad_update_kernel.fn)
+        flagged = [(name, str(p.annotation).endswith("constexpr")) for name, p in signature.parameters.items()]
+    flags = [flag for _, flag in flagged]
+    first = flags.index(True) if True in flags else len(flags)
+    if not all(flags[first:]):
+        return None
+    return tuple(name for name, _ in flagged[first:])
+
+
+def _direct_launcher(compiled: Any, plan: _LaunchPlan) -> Callable[[tuple], bool] | None:
+    """A launch of ``compiled`` (what ``plan``'s first launch through the JIT returned) that skips the
+    JIT's per-call work: binding ~40 arguments, specialising each, hashing the key, reading its knobs
+    (about 100 us a launch on the H100 hosts; a 1B eager step makes 113). Only sound when the later
+    arguments specialise as the first did, which the plan signature guarantees for everything but
+    the seed (not specialised) and the scalar values (floats, never specialised). The launcher
+    returns False, launching nothing, when another device is current than at the first launch (the
+    JIT path then runs, as it would have: the compiled handle is loaded for that device).
+
+    None where this Triton lays out its compiled kernels differently (the JIT path then stays)."""
+    names = _constexpr_tail()
+    runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    driver = getattr(getattr(triton, "runtime", None), "driver", None)
+    needed = ("run", "function", "packed_metadata", "launch_metadata")
+    if names is None or runtime_knobs is None or driver is None or not all(hasattr(compiled, a) for a in needed):
+        return None
+    try:
+        constexprs = tuple(plan.kwargs[name] for name in names)
+        current_stream, current_device = driver.active.get_current_stream, driver.active.get_current_device
+        device_index = current_device()
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    run, function, packed, metadata = compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata
+    grid = plan.grid
+    grid_x = grid[0]
+
+    def launch(args: tuple) -> bool:
+        if current_device() != device_index:
+            return False
+        stream = current_stream(device_index)
+        run(grid_x, 1, 1, stream, function, packed, metadata(grid, stream, *args, *constexprs),
+            runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook, *args, *constexprs)
+        return True
+
+    return launch
 
 
 def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
@@ -830,25 +899,58 @@ def _tuned_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales,
         return _TUNED[key]
     if not _autotune_enabled():
         return default_config(m, n, k, input_bytes)      # not cached: tuning may be enabled later
+    candidates = [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
+    disk_path, disk_key = tune_cache.cache_path(), None
+    if disk_path is not None:
+        disk_key = tune_cache.entry_key(key, _tuning_fingerprint(weight, meta, candidates))
+        cached = tune_cache.lookup(disk_path, disk_key, TileConfig)
+        if cached is not None:
+            _TUNED[key] = cached
+            _FROM_DISK.add(key)
+            return cached
+    tuned = False
+    try:
+        scratch_weight = weight.detach().clone()
+        scratch_states = [s.clone() for s in states]
+        scratch_scales = [s.clone() if s is not None else None for s in scales]
+    except torch.OutOfMemoryError:
+        warnings.warn(f"fused_wgrad_update: no memory for tuning scratch copies of a {m}x{n} weight; "
+                      f"using the default tile configuration", RuntimeWarning, stacklevel=3)
+        config = default_config(m, n, k, input_bytes)
     else:
-        try:
-            scratch_weight = weight.detach().clone()
-            scratch_states = [s.clone() for s in states]
-            scratch_scales = [s.clone() if s is not None else None for s in scales]
-        except torch.OutOfMemoryError:
-            warnings.warn(f"fused_wgrad_update: no memory for tuning scratch copies of a {m}x{n} weight; "
-                          f"using the default tile configuration", RuntimeWarning, stacklevel=3)
-            config = default_config(m, n, k, input_bytes)
-        else:
-            def run_on_scratch(config: TileConfig) -> None:
-                _launch(config, x2, dy2, scratch_weight, scratch_states, scratch_scales, grad_accum, scalars, seed,
-                        meta)
+        def run_on_scratch(config: TileConfig) -> None:
+            _launch(config, x2, dy2, scratch_weight, scratch_states, scratch_scales, grad_accum, scalars, seed,
+                    meta)
 
-            candidates = [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
-            config, _ = tune_config(candidates, run_on_scratch, _bench_ms, finalists=FINALISTS)
-            del scratch_weight, scratch_states, scratch_scales
+        config, _ = tune_config(candidates, run_on_scratch, _bench_ms, finalists=FINALISTS)
+        tuned = True
+        del scratch_weight, scratch_states, scratch_scales
     _TUNED[key] = config
+    if tuned and disk_key is not None:
+        tune_cache.store(disk_path, disk_key, config, {
+            "shape": f"{m}x{n}", "tokens": k, "device": _device_name(weight), "triton": triton.__version__})
     return config
+
+
+def _device_name(tensor: torch.Tensor) -> str:
+    return torch.cuda.get_device_name(tensor.device) if tensor.is_cuda else str(tensor.device)
+
+
+def _tuning_fingerprint(weight: torch.Tensor, meta: Mapping[str, Any], candidates: list[TileConfig]) -> str:
+    """What a tile choice on disk is valid for besides its key: the kernel and the rule's epilogue
+    (Triton's source hashes), the Triton version, the GPU, and what the tuner chose among."""
+    def identity(fn: Any) -> str:
+        key = getattr(fn, "cache_key", None)
+        if isinstance(key, str):
+            return key
+        raw = getattr(fn, "fn", fn)
+        try:
+            return hashlib.sha256(inspect.getsource(raw).encode()).hexdigest()
+        except (OSError, TypeError):
+            return repr(raw)
+    search = (candidates, GROUPS, TMA_FLIPS, FINALISTS, FINAL_ROUNDS, FINALIST_MARGIN, RESIDENT_WARPS_TARGET)
+    return tune_cache.fingerprint(identity(_fused_wgrad_update_kernel) + identity(meta.get("EPILOGUE")),
+                                  triton.__version__, _device_name(weight), list(search))
 
 
 def tuned_configs() -> dict[tuple, TileConfig]:
@@ -866,7 +968,8 @@ def describe_tuned_configs() -> dict[str, str]:
         described[f"{m}x{n}/bt{tokens}/{rule_name}/{state_dtype}"] = (
             f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} "
             f"g{config.group} split{config.split_n}{' prefetch' if config.prefetch else ''}"
-            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}{'' if config.tma else ' pointers'}")
+            f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}{'' if config.tma else ' pointers'}"
+            f"{' (tune cache)' if key in _FROM_DISK else ''}")
     return described
 
 
@@ -935,9 +1038,11 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
                                     meta)
     check_config(config, state.state_dtype)
     plan = _plan(config, x2, dy2, weight, states, scales, grad_accum, meta)
+    compiled = _run(plan, x2, dy2, scalars, seed, grad_accum)
     if signature is not None:                    # one layout per weight is the steady state
+        if compiled is not None and not interpreting() and _direct_launch_enabled():
+            plan.direct = _direct_launcher(compiled, plan)
         _PLANS[state] = {signature: plan}
-    _run(plan, x2, dy2, scalars, seed, grad_accum)
 
 
 def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:

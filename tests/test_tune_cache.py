@@ -1,0 +1,117 @@
+"""FORGE_TUNE_CACHE: the fused kernel's tile choices reused across processes (forge_core.kernels.tune_cache)."""
+import json
+
+import pytest
+import torch
+
+import forge_core.kernels.fused as fused_module
+from forge_core.kernels import fused_wgrad_update, tune_cache
+from forge_core.kernels.fused import TileConfig
+from forge_core.rules import get_rule
+from forge_core.state import ParamState
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CANDIDATES = [TileConfig(32, 64, 32, 8, 4, 1), TileConfig(64, 64, 32, 8, 4, 1)]
+
+
+@pytest.fixture
+def tuning(monkeypatch, tmp_path):
+    """Tuning on (also under the interpreter), over two candidates, timed by a fake clock that
+    prefers 64-row tiles; a fresh process's tables; the cache file in tmp_path. Returns the file
+    and the list of configurations timed."""
+    timed = []
+
+    def fake_bench(fn):
+        fn()
+        config = fused_module._PLANS_TIMED[-1]
+        timed.append(config)
+        return {32: 2.0, 64: 1.0}[config.block_m]
+
+    real_plan = fused_module._plan
+    monkeypatch.setattr(fused_module, "_PLANS_TIMED", [], raising=False)
+    monkeypatch.setattr(fused_module, "_plan", lambda config, *a: (fused_module._PLANS_TIMED.append(config),
+                                                                     real_plan(config, *a))[1])
+    monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: list(CANDIDATES))
+    monkeypatch.setattr(fused_module, "_bench_ms", fake_bench)
+    monkeypatch.setattr(fused_module, "use_fixed_config", lambda: False)
+    monkeypatch.setattr(fused_module, "FINALISTS", 1)
+    monkeypatch.setattr(fused_module, "TMA_FLIPS", 0)
+    _new_process(monkeypatch)
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")
+    monkeypatch.setenv(tune_cache.ENV, str(path))
+    return path, timed
+
+
+def _new_process(monkeypatch):
+    monkeypatch.setattr(fused_module, "_TUNED", {})
+    monkeypatch.setattr(fused_module, "_FROM_DISK", set())
+    fused_module._PLANS.clear()
+
+
+def _step(step=1):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(40, 90, generator=gen).to(DEVICE)
+    dy = (torch.randn(40, 70, generator=gen) * 0.1).to(DEVICE)
+    weight = torch.randn(70, 90, generator=gen).to(DEVICE)
+    state = ParamState(weight, get_rule("adamw"), "fp32")
+    before = weight.clone()
+    fused_wgrad_update(x, dy, weight, state, HP, step)
+    assert not torch.equal(weight, before), "the step must still update the weight"
+
+
+def test_a_later_process_reuses_the_choice_without_timing(tuning, monkeypatch):
+    path, timed = tuning
+    _step()
+    assert timed, "the first process tunes"
+    entries = json.loads(path.read_text())["entries"]
+    (entry,) = entries.values()
+    assert entry["config"]["block_m"] == 64 and entry["shape"] == "70x90" and entry["tokens"] == 40
+    (description,) = fused_module.describe_tuned_configs().values()
+    assert "(tune cache)" not in description
+
+    _new_process(monkeypatch)
+    timed.clear()
+    _step(2)
+    assert timed == [], "a cached choice is not timed again"
+    assert list(fused_module.tuned_configs().values())[0].block_m == 64
+    (description,) = fused_module.describe_tuned_configs().values()
+    assert description.endswith("(tune cache)"), "a row must say its tile came from the cache"
+
+
+def test_another_candidate_list_tunes_again_and_keeps_the_old_entry(tuning, monkeypatch):
+    path, timed = tuning
+    _step()
+    _new_process(monkeypatch)
+    timed.clear()
+    monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: CANDIDATES[:1])
+    _step(2)
+    assert timed and all(c.block_m == 32 for c in timed), "the fingerprint covers what the tuner chose among"
+    assert len(json.loads(path.read_text())["entries"]) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "entries": {}}), "[]"])
+def test_an_unreadable_cache_warns_and_tunes(tuning, content):
+    path, timed = tuning
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match="FORGE_TUNE_CACHE"):
+        _step()
+    assert timed
+    assert len(json.loads(path.read_text())["entries"]) == 1, "the rewritten file holds the new choice"
+
+
+def test_an_unwritable_cache_warns_and_the_step_still_runs(tuning, monkeypatch, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(tune_cache.ENV, str(blocker / "tune.json"))     # a folder that cannot exist
+    with pytest.warns(RuntimeWarning, match="cannot write"):
+        _step()
+    assert list(tmp_path.iterdir()) == [blocker], "no temporary file is left behind"
+
+
+def test_no_file_is_written_without_the_variable(tuning, monkeypatch, tmp_path):
+    path, timed = tuning
+    monkeypatch.delenv(tune_cache.ENV)
+    _step()
+    assert timed and not path.exists()
