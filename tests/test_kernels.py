@@ -619,7 +619,7 @@ def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
     bit-identical to launches through the JIT at every step, for seeds that the JIT used to specialise
     on (divisible by 16, equal to 1), with stochastic rounding drawing from them."""
     kernel = fused_module._fused_wgrad_update_kernel
-    config = TileConfig(64, 64, 32, 8, 4, 3, split_n=2, tma=tma)
+    config = TileConfig(64, 128, 32, 8, 4, 3, split_n=2, tma=tma)       # int8: slabs of whole 64-blocks
     (w_direct, s_direct), (w_jit, s_jit) = _pair(torch.randn(136, 200).bfloat16(), "adamw", state_dtype)
     hp = dict(HP["adamw"])
     for step, seed in enumerate([7, 16, 1, 4096 + 5], start=1):
