@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
+import os
 import io
 import json
 import pstats
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     t2 = time.perf_counter()
 
+    gc.collect()
+    gc.disable()            # as the sweep's timed window does (forge_bench.cell)
     enqueue, complete = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     end.record()
     torch.cuda.synchronize()
     pipelined = begin.elapsed_time(end) / args.steps
+    gc.enable()
 
     syncs = _syncing_calls(step)
     profiler = cProfile.Profile()
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "model": args.model, "batch": args.batch, "seq": args.seq, "method": args.method, "no_tma": args.no_tma,
-        "forge_core": forge_core.__file__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+        "forge_core": forge_core.__file__, "cpus_allowed": sorted(os.sched_getaffinity(0)), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
         "build_s": t1 - t0, "warmup_s": t2 - t1,
         "enqueue_ms_median": statistics.median(enqueue), "complete_ms_median": statistics.median(complete),
         "enqueue_ms": enqueue, "complete_ms": complete, "pipelined_ms": pipelined,
