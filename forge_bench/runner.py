@@ -314,10 +314,16 @@ CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing
 
 
 
-def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",)) -> tuple[list[str], list[str]]:
+def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",),
+                           eager_tolerance: float | None = None) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
     dtype, method, timing method (CUDA-graph replays only against replays) and activations. Returns (failures, notes); any failure means a regression (or a FORGE cell
-    that no longer measures), and having nothing to compare is a failure too."""
+    that no longer measures), and having nothing to compare is a failure too.
+
+    ``eager_tolerance`` (default: ``tolerance``) applies to rows not timed as graph replays: a small
+    model's eager step is bound by the host's Python, whose speed moves from process to process
+    (the same tree's Llama-3.2-1B eager FORGE step measured 91 and 115 ms in two processes of one
+    H100 boot), while its graph replays repeat to 0.5%."""
     failures: list[str] = []
     notes: list[str] = []
     current, baseline = results.with_activations(current), results.with_activations(baseline)
@@ -341,8 +347,9 @@ def check_against_baseline(current, baseline, tolerance: float, families: tuple[
         change = ms / ref_ms - 1.0
         compared += 1
         line = f"{label}: {ms:.2f} ms vs baseline {ref_ms:.2f} ms ({change:+.1%})"
-        if change > tolerance:
-            failures.append(f"{line} > +{tolerance:.0%}")
+        allowed = tolerance if eager_tolerance is None or row["timing_method"] == "cuda_graph_replay" else eager_tolerance
+        if change > allowed:
+            failures.append(f"{line} > +{allowed:.0%}")
         else:
             notes.append(line)
     if compared == 0:
