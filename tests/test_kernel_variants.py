@@ -1,4 +1,4 @@
-"""The GPU scripts' command lines (kernel_variants tile configs, tuner_stability cases, graph_ab arms, loss_bench): bad input fails in one line before any GPU work."""
+"""The GPU scripts' command lines (kernel_variants tile configs, tuner_stability cases, graph_ab arms, loss_bench, eager_probe): bad input fails in one line before any GPU work."""
 import sys
 from pathlib import Path
 
@@ -110,3 +110,19 @@ def test_loss_bench_says_it_needs_a_gpu(monkeypatch, tmp_path):
         loss_bench.main()
     assert str(raised.value) == "loss_bench: needs a CUDA GPU"
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_eager_probe_says_it_needs_a_gpu(tmp_path, capsys):
+    import eager_probe
+    assert eager_probe.main(["--out", str(tmp_path / "probe.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "eager_probe: needs a CUDA device (torch.cuda.is_available() is False)"
+    assert not (tmp_path / "probe.json").exists()
+
+
+def test_eager_probe_rejects_an_unknown_option(capsys):
+    import eager_probe
+    with pytest.raises(SystemExit) as raised:
+        eager_probe.main(["--out", "x.json", "--bogus"])
+    assert raised.value.code == 2 and "--bogus" in capsys.readouterr().err
