@@ -13,6 +13,7 @@ over the fastest pick's. Records: OUT/check.jsonl (kind = tuned, graph, summary)
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -90,6 +91,8 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tuner_stability: needs a CUDA GPU")
+    # every repeat must tune afresh: a FORGE_TUNE_CACHE would hand each one the first repeat's pick
+    os.environ.pop("FORGE_TUNE_CACHE", None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for case in args.cases:
