@@ -411,10 +411,13 @@ def _finish(row: dict[str, Any], t_start: float, extra: dict[str, Any]) -> dict[
     return row
 
 
-def _tuned_kernel_configs() -> dict[str, str]:
-    """The fused kernel's tile per weight shape in this cell process ({} when no FORGE kernel ran)."""
+def _tuned_kernel_configs() -> tuple[dict[str, str], Path | None]:
+    """The fused kernel's tile per weight shape in this cell process ({} when no FORGE kernel ran),
+    and the FORGE_TUNE_CACHE file its cached tiles came from (None without one)."""
     fused = sys.modules.get("forge_core.kernels.fused")   # never import Triton for a torch arm
-    return fused.describe_tuned_configs() if fused is not None else {}
+    if fused is None:
+        return {}, None
+    return fused.describe_tuned_configs(), fused.tune_cache.cache_path()
 
 
 def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
@@ -506,11 +509,11 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     extra.update(timing.energy)
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
-    kernel_configs = _tuned_kernel_configs()
+    kernel_configs, tune_cache_file = _tuned_kernel_configs()
     if kernel_configs:
         extra["kernel_configs"] = kernel_configs
-        if os.environ.get("FORGE_TUNE_CACHE"):
-            extra["tune_cache"] = os.environ["FORGE_TUNE_CACHE"]     # where "(tune cache)" tiles came from
+        if tune_cache_file is not None:
+            extra["tune_cache"] = str(tune_cache_file)     # where "(tune cache)" tiles came from
     results.write_row(out_dir, _finish(row, t_start, extra))
     return 0
 

@@ -141,7 +141,8 @@ GRAPH_CELL_ALLOC_CONF = "expandable_segments:True"
 # ones (eager and graph, other arms, a --resume) reuse its choice instead of re-tuning for 40-120 s
 # each, and every FORGE cell of the sweep then runs the same kernels.
 TUNE_CACHE_FILE = "tune_cache.json"
-TUNE_CACHE_ENV = "FORGE_TUNE_CACHE"
+TUNE_CACHE_ENV = "FORGE_TUNE_CACHE"      # forge_core.kernels.tune_cache.ENV, spelled here so that the
+                                         # sweep process never imports Triton (a test pins the two equal)
 
 
 def _child_env(cell: Cell | None = None, tune_cache: str | None = None) -> dict[str, str]:

@@ -92,7 +92,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("tuner_stability: needs a CUDA GPU")
     # every repeat must tune afresh: a FORGE_TUNE_CACHE would hand each one the first repeat's pick
-    os.environ.pop("FORGE_TUNE_CACHE", None)
+    os.environ.pop(fused_module.tune_cache.ENV, None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for case in args.cases:

@@ -20,18 +20,15 @@ def tuning(monkeypatch, tmp_path):
     """Tuning on (also under the interpreter), over two candidates, timed by a fake clock that
     prefers 64-row tiles; a fresh process's tables; the cache file in tmp_path. Returns the file
     and the list of configurations timed."""
-    timed = []
+    timed, planned = [], []
 
     def fake_bench(fn):
         fn()
-        config = fused_module._PLANS_TIMED[-1]
-        timed.append(config)
-        return {32: 2.0, 64: 1.0}[config.block_m]
+        timed.append(planned[-1])
+        return {32: 2.0, 64: 1.0}[planned[-1].block_m]
 
     real_plan = fused_module._plan
-    monkeypatch.setattr(fused_module, "_PLANS_TIMED", [], raising=False)
-    monkeypatch.setattr(fused_module, "_plan", lambda config, *a: (fused_module._PLANS_TIMED.append(config),
-                                                                     real_plan(config, *a))[1])
+    monkeypatch.setattr(fused_module, "_plan", lambda config, *a: (planned.append(config), real_plan(config, *a))[1])
     monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: list(CANDIDATES))
     monkeypatch.setattr(fused_module, "_bench_ms", fake_bench)
     monkeypatch.setattr(fused_module, "use_fixed_config", lambda: False)
@@ -115,3 +112,17 @@ def test_no_file_is_written_without_the_variable(tuning, monkeypatch, tmp_path):
     monkeypatch.delenv(tune_cache.ENV)
     _step()
     assert timed and not path.exists()
+
+
+def test_the_sweep_runner_names_the_same_variable():
+    from forge_bench import runner
+    assert runner.TUNE_CACHE_ENV == tune_cache.ENV
+
+
+def test_a_cell_row_names_the_file_its_tiles_came_from(tuning):
+    """forge_bench.cell records the tiles and, beside them, the cache file they were read from."""
+    from forge_bench import cell
+    path, _ = tuning
+    _step()
+    configs, source = cell._tuned_kernel_configs()
+    assert list(configs) == ["70x90/bt40/adamw/fp32"] and source == path
