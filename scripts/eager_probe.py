@@ -74,6 +74,44 @@ def _kernel_times(step, steps: int) -> dict:
             "fused_launches_per_step": fused_launches / steps}
 
 
+_ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                       "num_ooms")
+
+
+def _allocator_counters() -> dict[str, int]:
+    """The caching allocator's counters whose growth during a timed window means hidden device work:
+    a retry frees cached segments after a device-wide synchronisation; a device alloc / free is a
+    cudaMalloc / cudaFree (both synchronise or stall the host)."""
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(name, 0)) for name in _ALLOCATOR_COUNTERS}
+
+
+def _phase_times(arm, batches, steps: int) -> dict | None:
+    """Host time per phase of a plain training step (forward to the loss, backward, optimizer step
+    and zero_grad), each step synchronised at its end: where the enqueue time of a host-bound step
+    goes. None for an arm without ``model`` (the phases are then not separable here)."""
+    model, optimizer = getattr(arm, "model", None), getattr(arm, "optimizer", None)
+    if model is None or getattr(arm, "step", None) is None or type(arm).__name__ not in ("TorchArm", "ForgeArm"):
+        return None
+    forward, backward, update, wait = [], [], [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        loss = model(**batches[i % len(batches)]).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if optimizer is not None:
+            optimizer.step()
+        (optimizer if type(arm).__name__ == "ForgeArm" else model).zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        for phase, value in zip((forward, backward, update, wait), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phase.append(value * 1e3)
+    return {name: statistics.median(values) for name, values in
+            (("forward_ms", forward), ("backward_ms", backward), ("step_ms", update), ("wait_ms", wait))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
@@ -118,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gc.collect()
     gc.disable()            # as the sweep's timed window does (forge_bench.cell)
+    counters_before = _allocator_counters()
     enqueue, complete = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -135,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     end.record()
     torch.cuda.synchronize()
     pipelined = begin.elapsed_time(end) / args.steps
+    counters_after = _allocator_counters()
+    phases = _phase_times(arm, batches, args.steps)
     gc.enable()
 
     syncs = _syncing_calls(step)
@@ -152,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": t1 - t0, "warmup_s": t2 - t1,
         "enqueue_ms_median": statistics.median(enqueue), "complete_ms_median": statistics.median(complete),
         "enqueue_ms": enqueue, "complete_ms": complete, "pipelined_ms": pipelined,
+        "allocator_window_steps": 2 * args.steps,
+        "allocator_events_in_window": {name: counters_after[name] - counters_before[name]
+                                       for name in _ALLOCATOR_COUNTERS},
+        "host_phases_ms": phases,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
         "syncing_calls_per_step": len(syncs), "syncing_calls": sorted(set(syncs))[:20],
         **kernels,
         "top_own": _top(profiler, "tottime", 40, args.profile_steps),
@@ -162,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
           f"enqueue {result['enqueue_ms_median']:.2f} ms, complete {result['complete_ms_median']:.2f} ms, "
           f"pipelined {pipelined:.2f} ms, kernels {kernels['kernel_ms_per_step']:.2f} ms/step "
           f"(fused {kernels['fused_ms_per_step']:.2f} in {kernels['fused_launches_per_step']:.0f}), "
-          f"{len(syncs)} syncing calls")
+          f"{len(syncs)} syncing calls, allocator {result['allocator_events_in_window']}, phases {phases}")
     for row in result["top_own"][:12]:
         print(f"   {row['own_ms_per_step']:8.2f} ms own  {row['calls_per_step']:7.0f} calls  {row['function']}")
     return 0
