@@ -1,0 +1,182 @@
+"""The host's cost of one fused layer in an eager backward, against a plain Linear's: one process.
+
+    python3 scripts/host_cost.py --out host_cost.json
+
+Why: an eager Llama-8B step at batch 1 is bound by the host (its backward enqueues in 77-82 ms with
+plain Linears and 106-190 ms with FORGE, against 54-87 ms of kernels), so each fused layer's Python
+and launch work is step time there. This measures it on a stack of small Linears (GPU work of a few
+microseconds per layer, so every timing is the host's), per layer and per piece, without a profiler
+(cProfile doubles the cost of Python calls):
+
+- ``backward_us_per_layer``: ``loss.backward()`` enqueue time over the stack divided by its depth, for
+  plain Linears (the native backward: dX, dW, AccumulateGrad) and for FORGE with the update on the
+  side stream and in line;
+- the pieces of a fused layer's backward, each timed alone in a loop: the dX matmul, one cached
+  ``fused_wgrad_update`` (TMA and pointer loads; direct launch and Triton's JIT path), the plan
+  signature, the side-stream fork, ``record_stream``.
+
+Arms are interleaved over ``--rounds`` rounds (medians reported), so host drift hits each alike.
+The tile is pinned (no tuning): the host cost does not depend on it, except TMA against pointers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    _sync()
+    return elapsed / calls * 1e6
+
+
+class _Stack(nn.Module):
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depth", type=int, default=64)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        print("host_cost: needs a CUDA device (or TRITON_INTERPRET=1 for a smoke run on the CPU)", file=sys.stderr)
+        return 2
+
+    import forge_core
+    from forge_core import overlap
+    from forge_core.kernels import fused
+
+    pinned = {True: fused.TileConfig(64, 64, 32, 8, 4, 4), False: fused.TileConfig(64, 64, 32, 8, 4, 4, tma=False)}
+    tma_wanted = {"value": True}
+    fused._tuned_config = lambda *a, **k: pinned[tma_wanted["value"]]
+
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens, args.width, device=device, dtype=torch.bfloat16)
+
+    def make(kind: str):
+        model = _Stack(args.depth, args.width).to(device, torch.bfloat16)
+        if kind == "native":
+            return model, None
+        tma_wanted["value"] = kind != "forge_pointers"
+        opt = forge_core.fuse(model, "adamw", lr=1e-4, state_dtype="bf16", overlap=kind != "forge_inline",
+                               probe_inputs=False)
+        for _ in range(3):                  # plans built, direct launchers set
+            model(x).float().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model, opt
+
+    arms = {kind: make(kind) for kind in ("native", "forge", "forge_inline", "forge_pointers")}
+
+    def backward_us(model, opt) -> float:
+        loss = model(x).float().sum()
+        _sync()
+        start = time.perf_counter()
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        _sync()
+        return elapsed * 1e6 / args.depth
+
+    # pieces, on a layer of a model of their own (update() re-plans it)
+    piece_opt = make("forge")[1]
+    binding = piece_opt._bindings[0]
+    weight, state = binding.weight, binding.state
+    dy = torch.randn(args.tokens, args.width, device=device, dtype=torch.bfloat16)
+    hp = piece_opt._kernel_hyperparameters(0)
+    main_stream = torch.cuda.current_stream() if cuda else None
+    side = overlap.side_stream(device) if cuda else None
+
+    def update(tma: bool, direct: bool) -> Callable[[], None]:
+        tma_wanted["value"] = tma
+        fused._PLANS.pop(state, None)
+        fused.fused_wgrad_update(x, dy, weight, state, hp, 1)       # builds (and caches) the plan
+        plan = next(iter(fused._PLANS[state].values()))
+        if not direct:
+            plan.direct = None
+        return lambda: fused.fused_wgrad_update(x, dy, weight, state, hp, 1)
+
+    def signature() -> object:
+        return fused._plan_signature(x, dy, weight, state, None, False, None, False)
+
+    def fork() -> None:
+        side.wait_stream(main_stream)
+        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(main_stream)
+
+    def record() -> None:
+        x.record_stream(side)
+        dy.record_stream(side)
+
+    pieces = {
+        "dx_matmul": lambda: torch.matmul(dy, weight),
+        "plan_signature": signature,
+        "side_stream_fork": fork,
+        "record_stream_x2": record,
+        "current_stream_by_device": lambda: torch.cuda.current_stream(device),
+    }
+    if not cuda:                 # the smoke run: no streams; the pointer/TMA choice is the interpreter's
+        for name in ("side_stream_fork", "record_stream_x2", "current_stream_by_device"):
+            pieces.pop(name)
+    results: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for kind, (model, opt) in arms.items():
+            tma_wanted["value"] = kind != "forge_pointers"
+            results.setdefault(f"backward_us_per_layer/{kind}", []).append(backward_us(model, opt))
+        for tma in (True, False):
+            for direct in (True, False):
+                name = f"fused_update_us/{'tma' if tma else 'pointers'}/{'direct' if direct else 'jit'}"
+                results.setdefault(name, []).append(_per_call_us(update(tma, direct), args.calls))
+        for name, fn in pieces.items():
+            results.setdefault(f"piece_us/{name}", []).append(_per_call_us(fn, args.calls))
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    native = medians["backward_us_per_layer/native"]
+    for kind in ("forge", "forge_inline", "forge_pointers"):
+        medians[f"fused_layer_extra_us/{kind}"] = medians[f"backward_us_per_layer/{kind}"] - native
+    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "forge_core": forge_core.__file__,
+           "depth": args.depth, "width": args.width, "tokens": args.tokens, "rounds": args.rounds,
+           "medians": medians, "all": results}
+    args.out.write_text(json.dumps(out, indent=1))
+    for name, value in medians.items():
+        print(f"{value:9.1f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
