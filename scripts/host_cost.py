@@ -99,6 +99,35 @@ def main(argv: list[str] | None = None) -> int:
         return model, opt
 
     arms = {kind: make(kind) for kind in ("native", "forge", "forge_inline", "forge_pointers")}
+    # Variants of the side-stream fork (forge_core.linear calls run_beside by name): which of its
+    # parts costs the host what. Only for timing: some of them drop an ordering a real step needs.
+    from forge_core import linear
+    real_run_beside = overlap.run_beside
+    variant = {"name": "full"}
+
+    def run_beside_variant(update, device_, used):
+        name = variant["name"]
+        if name == "noop_update":
+            return real_run_beside(lambda: None, device_, used)
+        if name == "no_record":
+            return real_run_beside(update, device_, ())
+        if name == "no_switch":
+            main_ = torch.cuda.current_stream(device_)
+            side_ = overlap.side_stream(device_)
+            side_.wait_stream(main_)
+            update()
+            for tensor in used:
+                tensor.record_stream(side_)
+            return overlap._queue_join(main_, side_)
+        return real_run_beside(update, device_, used)
+
+    linear.run_beside = run_beside_variant
+    for kind in ("noop_update", "no_record", "no_switch"):
+        arms[f"forge_{kind}"] = make("forge")
+    inline_noop_model, inline_noop_opt = make("forge_inline")
+    for module in inline_noop_model.layers:
+        module.forge_updater = lambda x_, dy_: None
+    arms["forge_inline_noop_update"] = (inline_noop_model, inline_noop_opt)
 
     def backward_us(model, opt) -> float:
         loss = model(x).float().sum()
@@ -144,7 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         x.record_stream(side)
         dy.record_stream(side)
 
+    cached_event = torch.cuda.Event() if cuda else None
+
+    def fork_cached_event() -> None:
+        cached_event.record(main_stream)
+        side.wait_event(cached_event)
+
     pieces = {
+        "current_stream_no_device": lambda: torch.cuda.current_stream(),
+        "fork_cached_event": fork_cached_event,
+        "set_stream_pair": lambda: (torch.cuda.set_stream(side), torch.cuda.set_stream(main_stream)),
         "dx_matmul": lambda: torch.matmul(dy, weight),
         "plan_signature": signature,
         "side_stream_fork": fork,
@@ -152,12 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         "current_stream_by_device": lambda: torch.cuda.current_stream(device),
     }
     if not cuda:                 # the smoke run: no streams; the pointer/TMA choice is the interpreter's
-        for name in ("side_stream_fork", "record_stream_x2", "current_stream_by_device"):
+        for name in ("side_stream_fork", "record_stream_x2", "current_stream_by_device", "current_stream_no_device",
+                     "fork_cached_event", "set_stream_pair"):
             pieces.pop(name)
     results: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for kind, (model, opt) in arms.items():
             tma_wanted["value"] = kind != "forge_pointers"
+            variant["name"] = kind[len("forge_"):] if kind.startswith("forge_") else "full"
             results.setdefault(f"backward_us_per_layer/{kind}", []).append(backward_us(model, opt))
         for tma in (True, False):
             for direct in (True, False):
@@ -167,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault(f"piece_us/{name}", []).append(_per_call_us(fn, args.calls))
     medians = {name: statistics.median(values) for name, values in results.items()}
     native = medians["backward_us_per_layer/native"]
-    for kind in ("forge", "forge_inline", "forge_pointers"):
+    for kind in [k for k in arms if k != "native"]:
         medians[f"fused_layer_extra_us/{kind}"] = medians[f"backward_us_per_layer/{kind}"] - native
     out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "forge_core": forge_core.__file__,
            "depth": args.depth, "width": args.width, "tokens": args.tokens, "rounds": args.rounds,
