@@ -24,6 +24,11 @@ import torch
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _JOINS_QUEUED: set[tuple[int, int]] = set()        # (graph task id, backward stream id)
+_STREAMS_BY_ID: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+_FORK_EVENTS: dict[tuple[int, int, int], torch.cuda.Event] = {}
+_MAX_CACHED_STREAMS = 256
+_get_current_stream_ids = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_current_stream = getattr(torch._C, "_cuda_setStream", None)
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -45,13 +50,52 @@ def wants_overlap(updater: object, tensor: torch.Tensor) -> bool:
 
 def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[torch.Tensor]) -> None:
     """Run ``update`` (which launches GPU work) on the side stream of ``device`` after what the
-    current stream has queued; keep ``used`` alive for it; join at the end of this backward."""
+    current stream has queued; keep ``used`` alive for it; join at the end of this backward.
+
+    An eager Llama-8B backward is bound by the host, and this runs once per fused layer (226 times a
+    step), so the eager path avoids the public stream API's per-call work (resolving the device,
+    building Stream and Event objects: about 20 us a layer on the H100 hosts, ``scripts/host_cost.py``):
+    the current stream comes from its ids through a cache, and the fork re-records one event per
+    backward stream (a stream's wait orders after the event's record at the time of the wait, so a
+    later record does not disturb an earlier wait). A graph capture runs the public API (it runs once)."""
+    if _get_current_stream_ids is None or _set_current_stream is None or torch.cuda.is_current_stream_capturing():
+        _run_beside_public(update, device, used)
+        return
+    ids = _get_current_stream_ids(device.index if device.index is not None else torch.cuda.current_device())
+    main = _STREAMS_BY_ID.get(ids)
+    if main is None:
+        main = _cache_stream(ids)
+    side = _SIDE_STREAMS.get(device) or side_stream(device)
+    event = _FORK_EVENTS.get(ids)
+    if event is None:
+        event = _FORK_EVENTS[ids] = torch.cuda.Event()
+    event.record(main)
+    side.wait_event(event)
+    _set_current_stream(stream_id=side.stream_id, device_index=side.device_index, device_type=side.device_type)
+    try:
+        update()
+    finally:
+        _set_current_stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+    for tensor in used:
+        tensor.record_stream(side)
+    _queue_join(main, side)
+
+
+def _cache_stream(ids: tuple[int, int, int]) -> torch.cuda.Stream:
+    """The Stream object of ``ids`` (what ``torch.cuda.current_stream`` would build), kept: a process
+    uses a bounded set of streams (the pools' and the default one)."""
+    if len(_STREAMS_BY_ID) >= _MAX_CACHED_STREAMS:
+        _STREAMS_BY_ID.clear()
+        _FORK_EVENTS.clear()
+    stream = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+    _STREAMS_BY_ID[ids] = stream
+    return stream
+
+
+def _run_beside_public(update: Callable[[], None], device: torch.device, used: Iterable[torch.Tensor]) -> None:
     main = torch.cuda.current_stream(device)
     side = side_stream(device)
     side.wait_stream(main)
-    # set_stream and back rather than ``with torch.cuda.stream(side)``: the context manager looks the
-    # current streams up again and handles a change of device, which cannot happen here (autograd
-    # runs a CUDA backward on its device's thread), at a host cost paid once per fused layer.
     torch.cuda.set_stream(side)
     try:
         update()

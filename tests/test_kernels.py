@@ -611,6 +611,86 @@ def test_direct_launcher_passes_runtime_arguments_then_constexprs(monkeypatch):
     assert fused_module._direct_launcher(object(), plan) is None
 
 
+def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
+    """With Triton 3.6's launcher layout, a TMA plan's direct launch hands the raw launcher what
+    Triton's descriptor wrapper would: the base arguments, then x2 and dy2, each descriptor as
+    (tensor map from the kernel's own descriptor metadata, shape, strides), the rest, the constexprs;
+    and ``_run`` builds no TensorDescriptor for it. Another layout keeps the plain direct launch."""
+    import sys
+    import triton
+
+    calls, encoded = [], []
+
+    def wrap_like_triton_36(launcher, tensordesc_indices, tensordesc_meta):
+        def inner(*args):       # its closure holds the three, as Triton 3.6's does
+            raise AssertionError(f"the descriptor wrapper must be skipped {launcher, tensordesc_indices, tensordesc_meta}")
+        return inner
+
+    def raw_launcher(*args):
+        calls.append(args)
+
+    class FakeRun:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+        launch = wrap_like_triton_36(raw_launcher, {2, 3}, [
+            {"swizzle": 128, "elem_size": 2, "elem_type": 5, "block_size": [32, 64], "fp4_padded": False},
+            {"swizzle": 64, "elem_size": 2, "elem_type": 5, "block_size": [32, 128], "fp4_padded": False}])
+
+        def __call__(self, *args):
+            raise AssertionError("the launcher object's __call__ must be skipped")
+
+    class FakeCompiled:
+        function, packed_metadata, run = "function-handle", "packed", FakeRun()
+
+        @staticmethod
+        def launch_metadata(grid, stream, *args):
+            return None
+
+    class FakeUtils:
+        @staticmethod
+        def fill_tma_descriptor(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
+            encoded.append((swizzle, elem_type, tuple(block), padding))
+            return f"map@{ptr}"
+
+    class FakeActive:
+        utils = FakeUtils()
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, index):
+            return 99
+
+    fake_driver = type(sys)("triton.backends.nvidia.driver")
+    fake_driver._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+    fake_driver.TMA_DTYPE_DEVICE_TO_HOST = {5: 6}
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", fake_driver)
+    monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": FakeActive()})())
+    names = fused_module._constexpr_tail()
+    kwargs = {name: f"value-of-{name}" for name in names}
+    kwargs["TMA"] = True
+    plan = fused_module._LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
+    plan.direct = fused_module._direct_launcher(FakeCompiled(), plan)
+    assert plan.direct_builds_descriptors
+    x2, dy2 = torch.zeros(48, 200, dtype=torch.bfloat16), torch.zeros(48, 136, dtype=torch.bfloat16)
+    weight = torch.zeros(136, 200, dtype=torch.bfloat16)
+    plan.fixed_args = (weight, weight, weight, weight, weight, 136, 200, 48, 200, 1, 200, 1, 1, 200, 1)
+    monkeypatch.setattr(fused_module, "TensorDescriptor", lambda *a, **k: pytest.fail("no descriptor objects"))
+    assert fused_module._run(plan, x2, dy2, (0.5,) * fused_module.NUM_SCALARS, 7) is None
+    (call,) = calls
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    assert call[:13] == (5, 1, 1, 99, "function-handle", False, True, None, None, "packed", None, *hooks)
+    assert call[13] is x2 and call[14] is dy2
+    assert call[15:20] == (f"map@{x2.data_ptr()}", 48, 200, 200, 1)
+    assert call[20:25] == (f"map@{dy2.data_ptr()}", 48, 136, 136, 1)
+    assert call[25] is weight and call[-len(names):] == tuple(kwargs[name] for name in names)
+    assert encoded == [(128, 6, (32, 64), 0), (64, 6, (32, 128), 0)]
+    fake_driver._BASE_ARGS_FORMAT = "another layout"
+    other = fused_module._LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
+    assert fused_module._direct_launcher(FakeCompiled(), other) is not None
+    assert not other.direct_builds_descriptors
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch exists on CUDA only (the "
                                                            "interpreter always runs Triton's JIT path)")
 @pytest.mark.parametrize("state_dtype,tma", [("bf16", True), ("int8", True), ("int8", False), ("fp32", True)])
@@ -637,6 +717,8 @@ def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
         monkeypatch.setattr(kernel, "run", real_run)
         (plan,) = fused_module._PLANS[s_direct].values()
         assert plan.direct is not None
+        if tma and triton.__version__.startswith("3.6."):      # the layout _raw_tma_launch knows
+            assert plan.direct_builds_descriptors
         assert torch.equal(w_direct, w_jit), f"weight, step {step}"
         for name in s_jit.values:
             assert torch.equal(s_direct.values[name], s_jit.values[name]), f"{name}, step {step}"

@@ -113,6 +113,31 @@ def test_lr_change_reaches_the_fused_update() -> None:
     assert not torch.equal(model[0].weight, frozen[0]) and not torch.equal(model[0].bias, frozen[1])
 
 
+def test_hyperparameters_are_read_once_per_backward_and_afresh_in_the_next(monkeypatch) -> None:
+    """Every fused layer of one backward pass used to rebuild the group's hyper-parameters (host time
+    on an eager 8B step); they are read once per pass now, and a change between passes is seen."""
+    model = _mlp()
+    opt = _fuse(model, lr=1e-2, weight_decay=0.1)
+    seen: list[float] = []
+    real = opt._update_function
+    monkeypatch.setattr(opt, "_update_function", lambda *a, **k: (seen.append(a[4]["lr"]), real(*a, **k))[1])
+    reads = []
+    group = opt.param_groups[0]
+
+    class CountingGroup(dict):
+        def __getitem__(self, key):
+            reads.append(key)
+            return super().__getitem__(key)
+
+    opt.param_groups[0] = CountingGroup(group)
+    _train(model, opt, _batches(1))
+    assert seen == [1e-2, 1e-2], "both fused layers update in one pass"
+    assert reads.count("lr") == 1, f"one read of each hyper-parameter per pass, got {reads}"
+    opt.param_groups[0]["lr"] = 5e-3
+    _train(model, opt, _batches(1))
+    assert seen[2:] == [5e-3, 5e-3], "the next pass reads the changed lr"
+
+
 def test_lr_scheduler_drives_fused_and_fallback_parameters() -> None:
     model = _mlp()
     reference_model = copy.deepcopy(model)

@@ -23,6 +23,7 @@ import io
 import math
 import os
 import statistics
+import sys
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Mapping
@@ -748,6 +749,9 @@ class _LaunchPlan:
     """Launches the kernel this plan compiled without Triton's per-call binding (``_direct_launcher``);
     set after the plan's first launch, for plans that are cached (their arguments keep the
     specialisation the kernel was compiled for)."""
+    direct_builds_descriptors: bool = False
+    """``direct`` encodes the TMA descriptors of x2 and dy2 itself (``_raw_tma_launch``): ``_run``
+    then passes no TensorDescriptor objects."""
 
     @property
     def tma(self) -> bool:
@@ -802,17 +806,27 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
         values, buffer = _NO_SCALARS, scalars
     else:
         values, buffer = scalars, weight
-    if plan.tma:    # a descriptor holds the base address: a new one per launch (a graph captures it)
-        config = plan.config
-        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [config.block_k, config.block_n])
-        dy_desc = TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [config.block_k, config.block_m])
-    else:
-        x_desc = dy_desc = None
-    args = (x2, dy2, x_desc, dy_desc, weight, s0, s1, scale0, scale1, accum, m, n, k,
-            x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:], *values, seed, buffer)
-    if plan.direct is not None and plan.direct(args):
+    tail = (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+            *plan.fixed_args[8:], *values, seed, buffer)
+    direct = plan.direct
+    if direct is not None and (plan.direct_builds_descriptors or not plan.tma):
+        if direct((x2, dy2, None, None, *tail)):
+            return None
+    x_desc, dy_desc = _descriptors(plan, x2, dy2)
+    args = (x2, dy2, x_desc, dy_desc, *tail)
+    if direct is not None and plan.tma and not plan.direct_builds_descriptors and direct(args):
         return None
     return _fused_wgrad_update_kernel[plan.grid](*args, **plan.kwargs)
+
+
+def _descriptors(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
+    """The main loop's TMA descriptors of x2 and dy2, or (None, None) for a pointer plan. A descriptor
+    holds the base address: a new one per launch (a graph captures it)."""
+    if not plan.tma:
+        return None, None
+    config = plan.config
+    return (TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [config.block_k, config.block_n]),
+            TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [config.block_k, config.block_m]))
 
 
 def _constexpr_tail() -> tuple[str, ...] | None:
@@ -856,6 +870,23 @@ def _direct_launcher(compiled: Any, plan: _LaunchPlan) -> Callable[[tuple], bool
     run, function, packed, metadata = compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata
     grid = plan.grid
     grid_x = grid[0]
+    raw = _raw_tma_launch(compiled) if plan.tma else None
+    if raw is not None:
+        launcher, cooperative, pdl, (x_meta, dy_meta), encode = raw
+        plan.direct_builds_descriptors = True
+
+        def launch_encoding_descriptors(args: tuple) -> bool:
+            if current_device() != device_index:
+                return False
+            stream = current_stream(device_index)
+            x2, dy2 = args[0], args[1]
+            launcher(grid_x, 1, 1, stream, function, cooperative, pdl, None, None, packed,
+                     metadata(grid, stream, *args, *constexprs), runtime_knobs.launch_enter_hook,
+                     runtime_knobs.launch_exit_hook, x2, dy2, *encode(x2, x_meta), *encode(dy2, dy_meta),
+                     *args[4:], *constexprs)
+            return True
+
+        return launch_encoding_descriptors
 
     def launch(args: tuple) -> bool:
         if current_device() != device_index:
@@ -866,6 +897,59 @@ def _direct_launcher(compiled: Any, plan: _LaunchPlan) -> Callable[[tuple], bool
         return True
 
     return launch
+
+
+_TRITON_36_BASE_ARGS = "iiiKKppOOOOOO"      # grid xyz, stream, function, cooperative, pdl, 2 scratches, 4 objects
+
+
+def _raw_tma_launch(compiled: Any) -> tuple | None:
+    """What a TMA plan's launch needs to skip Triton's descriptor handling, or None when ``compiled``
+    is not laid out as in Triton 3.6 (the ``_direct_launcher`` path with TensorDescriptor objects
+    then runs).
+
+    Why: Triton 3.6 turns each TensorDescriptor into the launcher's (tensor map, shape, strides)
+    arguments in Python, walking every one of the kernel's ~70 parameters per launch, after
+    ``TensorDescriptor`` itself validated shape, strides and block in Python: about 20 us a launch
+    on the H100 hosts, 226 launches per eager Llama-8B step (``scripts/host_cost.py``). Here the
+    tensor maps come from the same encoder with the compiled kernel's own descriptor metadata
+    (swizzle, element type, block); the checks ``tma_inputs`` made when the plan was built hold
+    for every launch of it (the plan signature holds shapes, strides and alignment).
+
+    Returns (launcher, cooperative, pdl, (x meta, dy meta), encode)."""
+    nvidia_driver = sys.modules.get("triton.backends.nvidia.driver")
+    run = getattr(compiled, "run", None)
+    inner = getattr(run, "launch", None)
+    code, closure = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
+    if nvidia_driver is None or code is None or not closure or \
+            getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != _TRITON_36_BASE_ARGS:
+        return None
+    try:
+        cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
+        launcher, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+        scratch = (run.global_scratch_size, run.profile_scratch_size)
+        cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+        fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+        device_types = nvidia_driver.TMA_DTYPE_DEVICE_TO_HOST
+    except (KeyError, AttributeError, ValueError):
+        return None
+    if sorted(indices) != [2, 3] or len(metas) != 2 or any(scratch) or not callable(launcher):
+        return None
+    prepared = []
+    for meta in metas:
+        if not isinstance(meta, Mapping) or meta.get("fp4_padded") or meta.get("is_im2col"):
+            return None
+        try:
+            prepared.append((meta["swizzle"], meta["elem_size"], device_types[meta["elem_type"]],
+                             list(meta["block_size"])))
+        except (KeyError, IndexError, TypeError):
+            return None
+
+    def encode(t: torch.Tensor, meta: tuple) -> tuple:
+        swizzle, elem_size, elem_type, block = meta
+        shape, strides = list(t.shape), list(t.stride())
+        return (fill(t.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides, 0), *shape, *strides)
+
+    return launcher, cooperative, pdl, tuple(prepared), encode
 
 
 def _launch(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
