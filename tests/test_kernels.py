@@ -697,7 +697,10 @@ def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
 def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
     """A cached plan launches without the JIT from its second step: the weights and states must be
     bit-identical to launches through the JIT at every step, for seeds that the JIT used to specialise
-    on (divisible by 16, equal to 1), with stochastic rounding drawing from them."""
+    on (divisible by 16, equal to 1), with stochastic rounding drawing from them. On Triton 3.6 a TMA
+    plan's direct launch encodes its own tensor maps (``_raw_tma_launch``): the same bits again."""
+    import triton
+
     kernel = fused_module._fused_wgrad_update_kernel
     config = TileConfig(64, 128, 32, 8, 4, 3, split_n=2, tma=tma)       # int8: slabs of whole 64-blocks
     (w_direct, s_direct), (w_jit, s_jit) = _pair(torch.randn(136, 200).bfloat16(), "adamw", state_dtype)
