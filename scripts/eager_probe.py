@@ -86,6 +86,25 @@ def _allocator_counters() -> dict[str, int]:
     return {name: int(stats.get(name, 0)) for name in _ALLOCATOR_COUNTERS}
 
 
+def _cpu_times() -> dict[str, float]:
+    """This process's CPU time (all threads: the autograd engine runs a CUDA backward on its own
+    thread), its context switches, and the machine's stolen time (hypervisor), for one step's
+    delta: a host-bound step whose wall time moves while its CPU time does not waits for the CPU
+    (descheduled, stolen); one whose CPU time moves with it runs slower code or a slower CPU."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"cpu_ms": (usage.ru_utime + usage.ru_stime) * 1e3, "voluntary_switches": float(usage.ru_nvcsw),
+           "involuntary_switches": float(usage.ru_nivcsw)}
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+        out["machine_steal_ms"] = float(fields[8]) * tick_ms if len(fields) > 8 else 0.0
+        out["machine_busy_ms"] = sum(float(v) for i, v in enumerate(fields[1:], 1) if i not in (4, 5)) * tick_ms
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def _phase_times(arm, batches, steps: int) -> dict | None:
     """Host time per phase of a plain training step (forward to the loss, backward, optimizer step
     and zero_grad), each step synchronised at its end: where the enqueue time of a host-bound step
@@ -158,14 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()            # as the sweep's timed window does (forge_bench.cell)
     counters_before = _allocator_counters()
     enqueue, complete = [], []
+    host: dict[str, list[float]] = {}
     for _ in range(args.steps):
+        before = _cpu_times()
         start = time.perf_counter()
         step()
         queued = time.perf_counter()
         torch.cuda.synchronize()
         done = time.perf_counter()
+        after = _cpu_times()
         enqueue.append((queued - start) * 1e3)
         complete.append((done - start) * 1e3)
+        for name in after:
+            host.setdefault(name, []).append(after[name] - before.get(name, 0.0))
 
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
@@ -193,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": t1 - t0, "warmup_s": t2 - t1,
         "enqueue_ms_median": statistics.median(enqueue), "complete_ms_median": statistics.median(complete),
         "enqueue_ms": enqueue, "complete_ms": complete, "pipelined_ms": pipelined,
+        "host_per_step": host,
+        "cpu_ms_median": statistics.median(host["cpu_ms"]),
         "allocator_window_steps": 2 * args.steps,
         "allocator_events_in_window": {name: counters_after[name] - counters_before[name]
                                        for name in _ALLOCATOR_COUNTERS},
@@ -206,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{args.method} ({forge_core.__file__}): build {result['build_s']:.1f} s, warm-up {result['warmup_s']:.1f} s, "
           f"enqueue {result['enqueue_ms_median']:.2f} ms, complete {result['complete_ms_median']:.2f} ms, "
-          f"pipelined {pipelined:.2f} ms, kernels {kernels['kernel_ms_per_step']:.2f} ms/step "
+          f"pipelined {pipelined:.2f} ms, process CPU {result['cpu_ms_median']:.1f} ms/step, kernels {kernels['kernel_ms_per_step']:.2f} ms/step "
           f"(fused {kernels['fused_ms_per_step']:.2f} in {kernels['fused_launches_per_step']:.0f}), "
           f"{len(syncs)} syncing calls, allocator {result['allocator_events_in_window']}, phases {phases}")
     for row in result["top_own"][:12]:
