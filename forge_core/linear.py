@@ -75,28 +75,37 @@ class FusedLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         needs_x_grad, _, needs_bias_grad, _ = ctx.needs_input_grad
 
+        # The dtype checks below skip a no-op ``.to`` each (a dispatcher call): an eager backward is
+        # bound by the host, and this runs once per fused layer.
+        dtype = grad_output.dtype
         grad_x = None
         if needs_x_grad:
             # dX from the PRE-update weight: this must happen before the updater touches W.
-            grad_x = torch.matmul(grad_output, weight.to(grad_output.dtype))
-            if grad_x.dtype != ctx.input_dtype:
+            grad_x = torch.matmul(grad_output, weight if weight.dtype == dtype else weight.to(dtype))
+            if dtype != ctx.input_dtype:
                 grad_x = grad_x.to(ctx.input_dtype)
 
         grad_bias = None
         if ctx.has_bias and needs_bias_grad:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
 
-        x_for_update = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)
+        x_for_update = x if x.dtype == dtype else x.to(dtype)
         updater = ctx.updater
-        with torch.no_grad():
-            if wants_overlap(updater, grad_output):
-                # The update streams W and the moments once; the rest of the backward need not wait.
-                run_beside(lambda: updater(x_for_update, grad_output), grad_output.device,
-                           (x_for_update, grad_output))
-            else:
-                updater(x_for_update, grad_output)
+        if torch.is_grad_enabled():          # backward(create_graph=True): the update is not differentiable
+            with torch.no_grad():
+                _update(updater, x_for_update, grad_output)
+        else:                                # autograd runs a plain backward with grad mode off already
+            _update(updater, x_for_update, grad_output)
         # None for the weight: autograd then never creates (or accumulates into) W.grad.
         return grad_x, None, grad_bias, None
+
+
+def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    if wants_overlap(updater, grad_output):
+        # The update streams W and the moments once; the rest of the backward need not wait.
+        run_beside(lambda: updater(x, grad_output), grad_output.device, (x, grad_output))
+    else:
+        updater(x, grad_output)
 
 
 class ForgeLinear(nn.Linear):
@@ -115,9 +124,10 @@ class ForgeLinear(nn.Linear):
         updater = getattr(self, "forge_updater", None)
         if getattr(self, "forge_counting_forwards", False):
             self.forge_forward_calls += 1
-        if updater is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
-            return F.linear(input, self.weight, self.bias)
-        return FusedLinearFunction.apply(input, self.weight, self.bias, updater)
+        weight = self.weight             # one nn.Module.__getattr__ (a Parameter is not in __dict__)
+        if updater is None or not torch.is_grad_enabled() or not weight.requires_grad:
+            return F.linear(input, weight, self.bias)
+        return FusedLinearFunction.apply(input, weight, self.bias, updater)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", forge_fused=True"

@@ -1073,7 +1073,8 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     """
     in_memory = device_scalars is not None
     signature = _plan_signature(x, dy, weight, state, grad_accum, stochastic_rounding, config, in_memory)
-    cached = _PLANS.get(state, {}).get(signature) if signature is not None else None
+    plans = _PLANS.get(state)
+    cached = plans.get(signature) if plans is not None and signature is not None else None
     if cached is not None:
         # Same weight, states, layouts and dtypes as a call that passed every check below.
         x2, dy2 = flatten_tokens(x, x.shape[-1], "x"), flatten_tokens(dy, dy.shape[-1], "dy")
@@ -1123,7 +1124,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     check_config(config, state.state_dtype)
     plan = _plan(config, x2, dy2, weight, states, scales, grad_accum, meta)
     compiled = _run(plan, x2, dy2, scalars, seed, grad_accum)
-    if signature is not None:                    # one layout per weight is the steady state
+    if signature is not None and _plans_cacheable(config):      # one layout per weight is the steady state
         if compiled is not None and not interpreting() and _direct_launch_enabled():
             plan.direct = _direct_launcher(compiled, plan)
         _PLANS[state] = {signature: plan}
@@ -1162,16 +1163,27 @@ def _kernel_scalars(rule, hp: Mapping[str, Any], step: int) -> tuple[float, ...]
     return scalars
 
 
+def _plans_cacheable(config: TileConfig | None) -> bool:
+    """Whether a plan built with ``config`` may be kept: not the untuned default (``FORGE_AUTOTUNE=0``),
+    which ``_tuned_config`` does not keep either. Read when a plan is stored, not per launch (two
+    environment reads cost ~5 us a launch on the H100 hosts); a plan kept before the variable changed
+    stays in use for its weight."""
+    return config is not None or use_fixed_config() or _autotune_enabled()
+
+
+_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+"""The cuBLAS TF32 flag without ``torch.backends.cuda.matmul.__getattr__`` (2 us a call)."""
+
+
 def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, state: ParamState,
                     grad_accum: torch.Tensor | None, stochastic_rounding: bool, config: TileConfig | None,
                     scalars_in_memory: bool = False):
-    """What a cached launch plan depends on; None when no plan may be cached (tuning not settled).
+    """What a cached launch plan depends on; None when the arguments cannot key one.
 
     The weight by storage address (``param.data = ...`` swaps it under the same Parameter), the
     state tensors by identity (internal tensors: a load replaces or copies into them, never
-    re-points them), the activations by shape, strides, dtype and device."""
-    if config is None and not use_fixed_config() and not _autotune_enabled():
-        return None                              # the untuned default is not cached either (see _tuned_config)
+    re-points them), the activations by shape, strides, dtype and device. No environment read: this
+    runs once per fused layer and backward (see ``_plans_cacheable``)."""
     try:
         # the activations' 16-byte alignment too: it decides the TMA path (tma_inputs)
         return (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, weight.data_ptr(),
@@ -1179,6 +1191,6 @@ def _plan_signature(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, sta
                 tuple(map(id, state.values.values())), tuple(map(id, state.scales.values())),
                 None if grad_accum is None else (grad_accum.shape, grad_accum.stride(), grad_accum.dtype,
                                                  grad_accum.device),
-                bool(stochastic_rounding), config, torch.backends.cuda.matmul.allow_tf32, scalars_in_memory)
+                bool(stochastic_rounding), config, _allow_tf32(), scalars_in_memory)
     except (AttributeError, RuntimeError):       # not a plain tensor (a subclass without storage)
         return None
