@@ -1,4 +1,5 @@
 """The GPU scripts' command lines (kernel_variants tile configs, tuner_stability cases, graph_ab arms, loss_bench, eager_probe): bad input fails in one line before any GPU work."""
+import os
 import sys
 from pathlib import Path
 
@@ -126,3 +127,38 @@ def test_eager_probe_rejects_an_unknown_option(capsys):
     with pytest.raises(SystemExit) as raised:
         eager_probe.main(["--out", "x.json", "--bogus"])
     assert raised.value.code == 2 and "--bogus" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_host_cost_says_it_needs_a_gpu(tmp_path, capsys, monkeypatch):
+    import host_cost
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert host_cost.main(["--out", str(tmp_path / "cost.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "host_cost: needs a CUDA device (or TRITON_INTERPRET=1 for a smoke run on the CPU)"
+    assert not (tmp_path / "cost.json").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the CPU smoke run needs the Triton interpreter (TRITON_INTERPRET=1 at import)")
+def test_host_cost_pairs_two_trees_in_one_process(tmp_path, monkeypatch):
+    """A smoke run on the CPU: every arm of both trees is timed in each round and the paired
+    difference is reported (here the tree against itself, imported a second time)."""
+    import json
+
+    import host_cost
+    from forge_core import linear
+    from forge_core.kernels import fused
+
+    for module, name in ((fused, "_tuned_config"), (linear, "run_beside")):
+        monkeypatch.setattr(module, name, getattr(module, name))      # restored after the test
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cost.json"
+    assert host_cost.main(["--depth", "2", "--width", "32", "--tokens", "8", "--rounds", "2", "--calls", "1",
+                           "--against", str(root), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for arm in ("native", "forge", "forge_inline", "forge@against", "forge_inline@against"):
+        assert len(result["all"][f"backward_us_per_layer/{arm}"]) == 2, arm
+    assert "this_minus_against_us/forge" in result["medians"]
+    assert result["against"] == str(root)
+    sys.modules.pop("forge_core_against", None)
