@@ -93,6 +93,8 @@ def _cache_stream(ids: tuple[int, int, int]) -> torch.cuda.Stream:
 
 
 def _run_beside_public(update: Callable[[], None], device: torch.device, used: Iterable[torch.Tensor]) -> None:
+    """``run_beside`` through the public stream API: inside a graph capture (where the fork and the
+    join become graph edges, once), or on a torch without the private stream calls."""
     main = torch.cuda.current_stream(device)
     side = side_stream(device)
     side.wait_stream(main)
