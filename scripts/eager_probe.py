@@ -11,6 +11,10 @@ this one. It records:
 - the build and the warm-up (which holds the tuner's work) in seconds;
 - per step, with a synchronize after each: the host's enqueue time and the time to completion
   (enqueue close to completion: the host is the bottleneck, or the step waits on the GPU);
+- per step, the process's CPU time over all threads, its context switches and the machine's stolen
+  time (is a slow step descheduled, or does the same work run slower?);
+- the allocator's retries, cudaMalloc and cudaFree calls in the timed window;
+- the host time of each phase (forward to the loss, backward, optimizer step and zero_grad);
 - the pipelined step (no synchronize between steps, CUDA events over the window);
 - how many calls of one step synchronise with the device (``torch.cuda.set_sync_debug_mode``);
 - cProfile of ``--profile-steps`` steps: the top functions by own time and by cumulative time;
