@@ -76,9 +76,7 @@ def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[
         update()
     finally:
         _set_current_stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
-    for tensor in used:
-        tensor.record_stream(side)
-    _queue_join(main, side)
+    _hold_until_join(main, side, used)
 
 
 def _cache_stream(ids: tuple[int, int, int]) -> torch.cuda.Stream:
@@ -103,6 +101,12 @@ def _run_beside_public(update: Callable[[], None], device: torch.device, used: I
         update()
     finally:
         torch.cuda.set_stream(main)
+    _hold_until_join(main, side, used)
+
+
+def _hold_until_join(main: torch.cuda.Stream, side: torch.cuda.Stream, used: Iterable[torch.Tensor]) -> None:
+    """Mark ``used`` as read by ``side`` (the allocator then does not hand their blocks to ``main``
+    before the side stream is past this point) and join the two at the end of this backward."""
     for tensor in used:
         tensor.record_stream(side)
     _queue_join(main, side)

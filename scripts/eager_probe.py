@@ -29,6 +29,7 @@ import os
 import io
 import json
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -95,7 +96,6 @@ def _cpu_times() -> dict[str, float]:
     thread), its context switches, and the machine's stolen time (hypervisor), for one step's
     delta: a host-bound step whose wall time moves while its CPU time does not waits for the CPU
     (descheduled, stolen); one whose CPU time moves with it runs slower code or a slower CPU."""
-    import resource
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out = {"cpu_ms": (usage.ru_utime + usage.ru_stime) * 1e3, "voluntary_switches": float(usage.ru_nvcsw),
            "involuntary_switches": float(usage.ru_nivcsw)}
@@ -114,7 +114,7 @@ def _phase_times(arm, batches, steps: int) -> dict | None:
     and zero_grad), each step synchronised at its end: where the enqueue time of a host-bound step
     goes. None for an arm without ``model`` (the phases are then not separable here)."""
     model, optimizer = getattr(arm, "model", None), getattr(arm, "optimizer", None)
-    if model is None or getattr(arm, "step", None) is None or type(arm).__name__ not in ("TorchArm", "ForgeArm"):
+    if model is None or type(arm).__name__ not in ("TorchArm", "ForgeArm"):
         return None
     forward, backward, update, wait = [], [], [], []
     for i in range(steps):

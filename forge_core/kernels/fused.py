@@ -808,15 +808,11 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
         values, buffer = scalars, weight
     tail = (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             *plan.fixed_args[8:], *values, seed, buffer)
-    direct = plan.direct
-    if direct is not None and (plan.direct_builds_descriptors or not plan.tma):
-        if direct((x2, dy2, None, None, *tail)):
+    if plan.direct is not None:
+        descriptors = (None, None) if plan.direct_builds_descriptors else _descriptors(plan, x2, dy2)
+        if plan.direct((x2, dy2, *descriptors, *tail)):
             return None
-    x_desc, dy_desc = _descriptors(plan, x2, dy2)
-    args = (x2, dy2, x_desc, dy_desc, *tail)
-    if direct is not None and plan.tma and not plan.direct_builds_descriptors and direct(args):
-        return None
-    return _fused_wgrad_update_kernel[plan.grid](*args, **plan.kwargs)
+    return _fused_wgrad_update_kernel[plan.grid](x2, dy2, *_descriptors(plan, x2, dy2), *tail, **plan.kwargs)
 
 
 def _descriptors(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
@@ -854,7 +850,9 @@ def _direct_launcher(compiled: Any, plan: _LaunchPlan) -> Callable[[tuple], bool
     returns False, launching nothing, when another device is current than at the first launch (the
     JIT path then runs, as it would have: the compiled handle is loaded for that device).
 
-    None where this Triton lays out its compiled kernels differently (the JIT path then stays)."""
+    None where this Triton lays out its compiled kernels differently (the JIT path then stays). For a
+    TMA plan whose compiled kernel ``_raw_tma_launch`` understands, the launch encodes the descriptors
+    itself and ``plan.direct_builds_descriptors`` is set, so ``_run`` builds none for it."""
     names = _constexpr_tail()
     runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
     driver = getattr(getattr(triton, "runtime", None), "driver", None)
