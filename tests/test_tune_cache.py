@@ -83,7 +83,8 @@ def test_another_candidate_list_tunes_again_and_keeps_the_old_entry(tuning, monk
     _new_process(monkeypatch)
     timed.clear()
     monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: CANDIDATES[:1])
-    _step(2)
+    with pytest.warns(RuntimeWarning, match=r"holds a tile for 70x90 at 40 tokens made for another kernel source"):
+        _step(2)
     assert timed and all(c.block_m == 32 for c in timed), "the fingerprint covers what the tuner chose among"
     assert len(json.loads(path.read_text())["entries"]) == 2
 
@@ -126,3 +127,59 @@ def test_a_cell_row_names_the_file_its_tiles_came_from(tuning):
     _step()
     configs, source = cell._tuned_kernel_configs()
     assert list(configs) == ["70x90/bt40/adamw/fp32"] and source == path
+
+
+_KERNEL_SOURCE = '''
+import triton
+import triton.language as tl
+
+SCALE = {scale}
+
+
+@triton.jit
+def helper(x):
+    return x * SCALE
+
+
+@triton.jit
+def kernel(ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(ptr + offs, helper(tl.load(ptr + offs)))
+'''
+
+
+def _kernel_module(tmp_path, name: str, padding: int = 0, scale: float = 2.0):
+    """A Triton kernel module on disk (Triton reads a kernel's source from its file)."""
+    import importlib.util
+    path = tmp_path / f"{name}.py"
+    path.write_text("\n" * padding + _KERNEL_SOURCE.format(scale=scale))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kernel_identity_ignores_where_the_kernel_sits_in_its_file(tmp_path):
+    top, lower = _kernel_module(tmp_path, "kernel_top"), _kernel_module(tmp_path, "kernel_lower", padding=7)
+    assert tune_cache.source_identity(top.kernel) == tune_cache.source_identity(lower.kernel), \
+        "an edit above the kernel (an import) must not throw away the tile choices on disk"
+
+
+def test_the_kernel_identity_follows_what_the_kernel_calls_and_reads(tmp_path):
+    base = tune_cache.source_identity(_kernel_module(tmp_path, "kernel_base").kernel)
+    other_constant = tune_cache.source_identity(_kernel_module(tmp_path, "kernel_scaled", scale=3.0).kernel)
+    assert other_constant != base, "a global the helper reads is part of the kernel"
+    edited = _kernel_module(tmp_path, "kernel_edited")
+    assert tune_cache.source_identity(edited.helper) != tune_cache.source_identity(edited.kernel)
+
+
+def test_the_fused_kernels_fingerprint_is_the_same_in_a_new_process():
+    """The fingerprint of a real key must be reproducible: no object ids or addresses in it."""
+    import subprocess
+    import sys
+    code = ("import forge_core.kernels.fused as f, forge_core.kernels.tune_cache as t;"
+            "from forge_core.rules import get_rule;"
+            "print(t.source_identity(f._fused_wgrad_update_kernel), t.source_identity(get_rule('adamw').epilogue))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(runs) == 1 and len(next(iter(runs)).split()) == 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import inspect
 import io
 import math
@@ -990,6 +989,11 @@ def _tuned_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales,
             _TUNED[key] = cached
             _FROM_DISK.add(key)
             return cached
+        stale = tune_cache.other_fingerprints(disk_path, key)
+        if stale:
+            warnings.warn(f"{tune_cache.ENV}: {disk_path} holds a tile for {m}x{n} at {k} tokens made for another "
+                          f"kernel source, Triton, GPU or candidate list (fingerprint {', '.join(stale)}, this one "
+                          f"{disk_key.split('|')[0]}); tuning again", RuntimeWarning, stacklevel=3)
     tuned = False
     try:
         scratch_weight = weight.detach().clone()
@@ -1020,17 +1024,9 @@ def _device_name(tensor: torch.Tensor) -> str:
 
 def _tuning_fingerprint(weight: torch.Tensor, meta: Mapping[str, Any], candidates: list[TileConfig]) -> str:
     """What a tile choice on disk is valid for besides its key: the kernel and the rule's epilogue
-    (Triton's source hashes), the Triton version, the GPU, and what the tuner chose among."""
-    def identity(fn: Any) -> str:
-        key = getattr(fn, "cache_key", None)
-        if isinstance(key, str):
-            return key
-        raw = getattr(fn, "fn", fn)
-        try:
-            return hashlib.sha256(inspect.getsource(raw).encode()).hexdigest()
-        except (OSError, TypeError):
-            return repr(raw)
+    (their sources and what they call, not their line numbers), the Triton version, the GPU, and what the tuner chose among."""
     search = (candidates, GROUPS, TMA_FLIPS, FINALISTS, FINAL_ROUNDS, FINALIST_MARGIN, RESIDENT_WARPS_TARGET)
+    identity = tune_cache.source_identity
     return tune_cache.fingerprint(identity(_fused_wgrad_update_kernel) + identity(meta.get("EPILOGUE")),
                                   triton.__version__, _device_name(weight), list(search))
 

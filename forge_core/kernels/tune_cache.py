@@ -5,8 +5,9 @@ register-capped variants, and most of that time is compiling them: 40-120 s for 
 of Llama-3.2-1B on an H100 host, paid again by every process. A benchmark sweep runs one process
 per cell over the same shapes, and a training job restarts with the same model; both can reuse
 the first process's choices. Entries are keyed by the tuning key and a fingerprint of what made
-the choice valid (the kernel's source as Triton hashes it, the Triton version, the GPU's name and
-the candidate list), so a changed kernel, another GPU or another candidate list tunes again.
+the choice valid (the source of the kernel and of what it calls, not its line numbers; the Triton
+version, the GPU's name and the candidate list), so a changed kernel, another GPU or another
+candidate list tunes again, with a warning naming the entry it could not use.
 
 The file is JSON, rewritten whole (a temporary file, then an atomic rename) after each new entry.
 A file that cannot be read or written costs a warning and the tuning, never the training step.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import warnings
@@ -36,6 +38,40 @@ def fingerprint(kernel_identity: str, triton_version: str, device_name: str, can
     """What a cached choice depends on besides its tuning key, as a short hash."""
     text = "\n".join([kernel_identity, triton_version, device_name, repr(candidates)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def source_identity(fn: Any) -> str:
+    """A hash of a Triton function's source and of everything it calls or reads by global name
+    (other Triton functions, recursively, and plain constants), without where it sits in its file.
+
+    Why not Triton's own ``cache_key``: that adds the function's starting line number, so an edit
+    anywhere above the kernel (an import) threw away every tile choice on disk although the kernel
+    had not changed (session 17: the committed H100 smoke cache stopped hitting after cb85441 added
+    ``import sys`` to fused.py, and each FORGE smoke cell tuned again for ~70 s)."""
+    visited: set[int] = set()
+    parts: list[str] = []
+
+    def visit(f: Any) -> None:
+        if id(f) in visited:
+            return
+        visited.add(id(f))
+        raw = getattr(f, "fn", f)
+        name = getattr(raw, "__qualname__", type(raw).__name__)       # not the module: files move
+        try:
+            src = inspect.getsource(raw)          # not Triton's copy: the interpreter keeps none
+        except (OSError, TypeError):
+            src = repr(raw)
+        parts.append(f"{name}\n{src}")
+        code, scope = getattr(raw, "__code__", None), getattr(raw, "__globals__", {})
+        for ref in (code.co_names if code is not None else ()):
+            value = scope.get(ref)
+            if type(value).__module__.startswith("triton.") and callable(getattr(value, "fn", None)):
+                visit(value)                                          # a Triton function it calls
+            elif isinstance(value, (bool, int, float, str)) or type(value).__name__ == "constexpr":
+                parts.append(f"{name}:{ref}={value!r}")
+
+    visit(fn)
+    return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
 
 
 def entry_key(tuning_key: tuple, fingerprint_hex: str) -> str:
@@ -68,6 +104,14 @@ def lookup(path: Path, key: str, make_config: Callable[..., Any]) -> Any | None:
         warnings.warn(f"{ENV}: entry {key} of {path} is not a tile configuration ({exc}); tuning instead",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+def other_fingerprints(path: Path, tuning_key: tuple) -> list[str]:
+    """Fingerprints under which ``path`` holds a choice for ``tuning_key``: when the lookup missed,
+    these are choices made for another kernel source, Triton, GPU or candidate list (why a
+    committed cache tunes again, said in a warning rather than found from the timings)."""
+    suffix = f"|{tuning_key!r}"
+    return sorted(key[: -len(suffix)] for key in _read(path) if key.endswith(suffix))
 
 
 def store(path: Path, key: str, config: Any, note: dict[str, Any]) -> None:
