@@ -263,6 +263,8 @@ def report(
         help="results folders (or parquet files) of one or more sweeps; several folders (e.g. one run per GPU) "
              "make one report with the hardware comparison", metavar="RESULTS...")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default reports/<first results folder name>)")] = None,
+    formats: Annotated[str, typer.Option("--formats", help="comma-separated figure file types: png,pdf (default both; "
+                                         "png alone skips the PDF twins, a faster draft)")] = "png,pdf",
 ) -> None:
     """Build tables (Markdown + LaTeX) and figures from sweep results."""
     for results_dir in results_dirs:
@@ -273,10 +275,14 @@ def report(
         build_report = report_mod.build_report
     except (ImportError, AttributeError) as exc:
         raise _fail(f"the report builder is not available in this checkout ({exc})") from None
+    try:
+        figure_formats = report_mod.figures.check_formats([f.strip().lower() for f in formats.split(",") if f.strip()])
+    except ValueError as exc:
+        raise _fail(f"--formats {formats!r}: {exc}") from None
     out_dir = out or Path("reports") / results_dirs[0].resolve().name
     no_results = getattr(report_mod, "NoResultsError", None)
     try:
-        written = build_report(results_dirs, out_dir)
+        written = build_report(results_dirs, out_dir, formats=figure_formats)
     except _user_errors() + ((no_results,) if isinstance(no_results, type) else ()) as exc:
         raise _fail(str(exc)) from None
     out_console.print(f"report written to {out_dir}" + (f": {written}" if isinstance(written, (str, Path)) else ""),

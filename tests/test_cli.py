@@ -81,6 +81,18 @@ def test_report_takes_several_results_folders(tmp_path):
     assert "smoke_rerun_partial" in (tmp_path / "r" / "index.md").read_text()
 
 
+def test_report_formats_option(tmp_path):
+    """--formats png writes no PDF; an unknown format is a one-line error, exit 2, nothing written."""
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(tmp_path / "r"), "--formats", "png"])
+    assert res.exit_code == 0, res.output
+    figures = {p.suffix for p in (tmp_path / "r" / "figures").iterdir()}
+    assert figures == {".png"} and ".pdf)" not in (tmp_path / "r" / "index.md").read_text()
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(tmp_path / "bad"), "--formats", "png,svg"])
+    assert res.exit_code == 2 and "svg" in res.stderr and "--formats" in res.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def _run(args, env, timeout=600):
     return subprocess.run([sys.executable, "-m", "forge_bench.cli", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout)

@@ -5,6 +5,11 @@ The fixture folders are listed in ``report_fixture_folders``; real GPU result se
 once they hold parquet files, and more can be named with ``FORGE_REPORT_FIXTURES`` (paths
 separated by ``os.pathsep``). Expected values are computed here straight from the parquet
 files with pyarrow, independently of the report's own pandas path.
+
+Figures: a folder of up to ``FULL_FORMATS_MAX_ROWS`` rows (the committed fixtures, results/h200) is
+reported as users get it, PNG + PDF; a larger one (results/h100: 300+ rows, 110 figures) with
+``formats=("png",)``, which runs every figure builder and renders every figure as PNG but
+skips the PDF twins (about 30% of that build's time). The PDF path itself is checked on the small folders.
 """
 from __future__ import annotations
 
@@ -47,6 +52,15 @@ FOLDERS = report_fixture_folders()
 FOLDER_IDS = [str(f.relative_to(REPO)) if REPO in f.parents else str(f) for f in FOLDERS]
 
 
+FULL_FORMATS_MAX_ROWS = 200
+
+
+def fixture_formats(rows: list[dict]) -> tuple[str, ...]:
+    """The figure formats the ``built`` fixture asks for: the default for a small folder, PNG only
+    for a large one (see the module docstring)."""
+    return ("png", "pdf") if len(rows) <= FULL_FORMATS_MAX_ROWS else ("png",)
+
+
 def raw_rows(folder: Path) -> list[dict]:
     """Every row under ``folder`` as plain Python values (None for nulls)."""
     rows = []
@@ -77,11 +91,13 @@ def parse_markdown_tables(text: str) -> dict[str, list[dict[str, str]]]:
 
 @pytest.fixture(scope="module", params=FOLDERS, ids=FOLDER_IDS)
 def built(request, tmp_path_factory):
-    """(folder, rows, out_dir, index) of one report built from one fixture folder."""
+    """(folder, rows, out_dir, index) of one report built from one fixture folder (figures in
+    ``fixture_formats(rows)``)."""
     folder = request.param
+    rows = raw_rows(folder)
     out = tmp_path_factory.mktemp("report")
-    index = build_report(folder, out)
-    return folder, raw_rows(folder), out, index
+    index = build_report(folder, out, formats=fixture_formats(rows))
+    return folder, rows, out, index
 
 
 def _activations(row: dict) -> str:
@@ -252,11 +268,16 @@ def test_every_figure_written_and_linked(built):
         target = out / link
         assert target.is_file() and target.stat().st_size > 0, f"index.md links a missing or empty {link}"
     pngs = sorted((out / "figures").glob("*.png"))
+    with_pdf = "pdf" in fixture_formats(rows)
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         pdf = png.with_suffix(".pdf")
-        assert pdf.read_bytes()[:5] == b"%PDF-", f"{pdf.name} missing or not a PDF"
+        if with_pdf:
+            assert pdf.read_bytes()[:5] == b"%PDF-", f"{pdf.name} missing or not a PDF"
+        else:
+            assert not pdf.exists() and f"figures/{pdf.name}" not in links
         assert f"figures/{png.name}" in links
+    assert len(list((out / "figures").glob("*.pdf"))) == (len(pngs) if with_pdf else 0)
     ok = [r for r in rows if r["status"] == "ok"]
     expected_headline = len({_group_key(r) for r in ok})
     expected_memory = len({(r["run_id"],) + _group_key(r) for r in ok})
@@ -284,6 +305,30 @@ def test_every_figure_written_and_linked(built):
         assert f"_Skipped: only one device in these results ({devices.pop()})._" in text
     if expected_grid == 0:
         assert "_Skipped: no run measured one model at two or more batch × seq shapes._" in text
+
+
+def test_formats_write_only_the_file_types_asked_for(tmp_path):
+    """``formats`` picks the figure files (PNG or PDF here; both, the default, in ``built``): index.md
+    embeds and links only what exists, the tables do not change, a re-run in another format removes
+    the last run's files, and an unknown format is refused before anything is written."""
+    out = tmp_path / "out"
+    stems: list[str] = []
+    headline = ""
+    for formats, kept, gone in ((["png"], ".png", ".pdf"), (("pdf",), ".pdf", ".png")):
+        index = build_report(SMOKE, out, formats=formats)
+        text = index.read_text()
+        stems = stems or sorted(p.stem for p in (out / "figures").glob(f"*{kept}"))
+        headline = headline or (out / "tables" / "headline.md").read_text()
+        assert stems and sorted(p.stem for p in (out / "figures").glob(f"*{kept}")) == stems
+        assert not list((out / "figures").glob(f"*{gone}")), f"{formats}: a {gone} figure was written or survived"
+        for stem in stems:
+            assert f"(figures/{stem}{kept})" in text and f"(figures/{stem}{gone})" not in text
+        assert ("![" in text) == (kept == ".png")
+        assert (out / "tables" / "headline.md").read_text() == headline
+    for bad in (["svg"], [], "png"):
+        with pytest.raises(ValueError, match="png, pdf"):
+            build_report(SMOKE, tmp_path / "bad", formats=bad)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_grid_fixture_draws_heatmaps():

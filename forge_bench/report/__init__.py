@@ -4,7 +4,8 @@
 
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
   where memory goes, hardware comparison, fidelity, what did not run;
-* ``figures/*.png`` and ``*.pdf``;
+* ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
+  ``forge-bench report --formats png``);
 * ``index.md`` linking all of it (with a note for every section that has no data),
 
 and returns the path of ``index.md``. Ratios obey one rule (``ratios.py``): only within one
@@ -27,12 +28,16 @@ __all__ = ["build_report", "NoResultsError"]
 MANIFEST = ".forge-report-manifest.json"
 
 
-def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | Path) -> Path:
+def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | Path,
+                 formats: Sequence[str] = figures.FORMATS) -> Path:
     """Write the full report for every row under ``results_dir`` (a folder, or several: e.g. one
-    run per GPU); return ``out_dir/index.md``.
+    run per GPU); return ``out_dir/index.md``. ``formats`` names the file types of every figure
+    (default PNG and PDF; PNG alone skips the PDF twins, about 30% of a large report's time).
 
-    Raises ``NoResultsError`` (one line naming the folder) when there is nothing to report.
+    Raises ``NoResultsError`` (one line naming the folder) when there is nothing to report, and
+    ValueError for a format other than png / pdf (before anything is written).
     """
+    formats = figures.check_formats(formats)
     folders = as_folders(results_dir)
     out_dir = Path(out_dir)
     frame = load_rows(folders)
@@ -48,11 +53,15 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
         return " · ".join(f"[{p.suffix[1:]}]({p.relative_to(out_dir).as_posix()})" for p in paths)
 
     def figure_block(paths: list[Path]) -> list[str]:
+        """Each figure shown inline (from its PNG, where one was written), then a link per file."""
+        by_stem: dict[str, list[Path]] = {}
+        for path in paths:
+            by_stem.setdefault(path.stem, []).append(path)
         lines = []
-        for png in [p for p in paths if p.suffix == ".png"]:
-            pdf = png.with_suffix(".pdf")
-            lines += [f"![{png.stem}]({png.relative_to(out_dir).as_posix()})",
-                      f"({link_files([png, pdf])})", ""]
+        for stem, files in by_stem.items():
+            pngs = [p for p in files if p.suffix == ".png"]
+            lines += [f"![{stem}]({pngs[0].relative_to(out_dir).as_posix()})"] if pngs else [f"Figure `{stem}`"]
+            lines += [f"({link_files(files)})", ""]
         return lines
 
     def table_section(heading: str, stem: str, built: list[tables.Table], intro: str,
@@ -74,7 +83,7 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     headline = tables.headline_tables(frame)
     sections += table_section("Headline", "headline", headline,
                               "Per device, model and shape; one row per method.", True, "no rows")
-    head_figs = figures.headline_figures(frame, figure_dir, colors)
+    head_figs = figures.headline_figures(frame, figure_dir, colors, formats)
     written += head_figs
     sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
 
@@ -88,7 +97,7 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     grid_note = "no run measured one model at two or more batch × seq shapes"
     sections += table_section("Batch × sequence grid", "grid", tables.grid_tables(frame),
                               "Peak and step per method at every batch × seq of one run.", False, grid_note)
-    grid_figs, _ = figures.grid_figures(frame, figure_dir, colors)
+    grid_figs, _ = figures.grid_figures(frame, figure_dir, colors, formats)
     written += grid_figs
     sections += figure_block(grid_figs)
 
@@ -96,7 +105,7 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     scaling_note = "no run measured two or more models at one shape"
     sections += table_section("Model scaling", "scaling", tables.scaling_tables(frame),
                               "Peak and step against parameter count.", False, scaling_note)
-    scale_figs, _ = figures.scaling_figures(frame, figure_dir, colors)
+    scale_figs, _ = figures.scaling_figures(frame, figure_dir, colors, formats)
     written += scale_figs
     sections += figure_block(scale_figs)
 
@@ -104,12 +113,12 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     sections += table_section("Where memory goes", "memory", tables.memory_tables(frame),
                               "Analytic weights, optimizer states and gradients; activations + rest "
                               "= measured peak minus them (GiB).", False, "no row ran ok")
-    mem_figs, _ = figures.memory_figures(frame, figure_dir)
+    mem_figs, _ = figures.memory_figures(frame, figure_dir, formats)
     written += mem_figs
     sections += figure_block(mem_figs)
 
     # hardware
-    hw_figs, hw_note = figures.hardware_figures(frame, figure_dir)
+    hw_figs, hw_note = figures.hardware_figures(frame, figure_dir, formats)
     sections += table_section("Hardware comparison", "hardware", tables.hardware_tables(frame),
                               "The same cells on each device, each device's ratios against its own "
                               "baseline in its own run, side by side.", False, hw_note or "no data")
@@ -117,7 +126,7 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     sections += figure_block(hw_figs)
 
     # fidelity
-    fid_figs, fid_note = figures.fidelity_figures(frame, figure_dir, colors)
+    fid_figs, fid_note = figures.fidelity_figures(frame, figure_dir, colors, formats)
     sections += table_section("Fidelity", "fidelity", tables.fidelity_tables(frame),
                               "Parity rms-rel against an fp32 reference.", True,
                               fid_note or "no row ran the parity gate")

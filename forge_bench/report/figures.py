@@ -1,15 +1,17 @@
-"""The report's figures (matplotlib, Agg canvas, PNG + PDF, nothing clipped).
+"""The report's figures (matplotlib, Agg canvas, PNG + PDF by default, nothing clipped).
 
 Every figure uses ``matplotlib.figure.Figure`` with an explicit Agg canvas: no pyplot global
 state, no GUI backend, safe in a headless sweep machine. Ratios come from ``ratios.py`` through
 the same helpers as the tables, so a figure can never show a ratio that a table refuses.
 Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason.
+Every builder takes ``formats``, the file types each figure is saved as (``FORMATS`` unless the
+caller asks for fewer, e.g. ``("png",)`` to skip the PDF twins).
 """
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -29,6 +31,7 @@ from .tables import (ANALYTIC_PARTS, grid_groups, grid_ratio_cells, hardware_cel
 matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 10, "figure.dpi": 100})
 
 PNG_DPI = 150
+FORMATS: tuple[str, ...] = ("png", "pdf")   # what a figure is saved as, in this order, by default
 NA_COLOR = "#d9d9d9"
 MEMORY_COLORS = {"Weights": "#4c72b0", "Optimizer states": "#dd8452", "Gradients": "#c44e52",
                  "Activations + rest": "#8c8c8c"}
@@ -40,13 +43,29 @@ def method_colors(methods: list[str]) -> dict[str, Any]:
     return {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
 
 
-def save(fig: Figure, folder: Path, stem: str) -> list[Path]:
-    """PNG and PDF, cropped to the drawn content so no label is clipped; reproducible bytes."""
+def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """``formats`` in ``FORMATS`` order, without repeats; ValueError (one line) for an unknown or
+    empty selection."""
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown or not formats:
+        raise ValueError(f"figure formats must be one or more of {', '.join(FORMATS)}; got "
+                         f"{', '.join(map(repr, formats)) or 'none'}")
+    return tuple(f for f in FORMATS if f in formats)
+
+
+def save(fig: Figure, folder: Path, stem: str, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """PNG and/or PDF (``formats``), cropped to the drawn content so no label is clipped;
+    reproducible bytes. Returns the paths in ``FORMATS`` order."""
     folder.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    paths = [folder / f"{stem}.png", folder / f"{stem}.pdf"]
-    fig.savefig(paths[0], dpi=PNG_DPI, bbox_inches="tight", metadata={"Software": None})
-    fig.savefig(paths[1], bbox_inches="tight", metadata={"CreationDate": None, "Creator": None})
+    paths = []
+    for kind in check_formats(formats):
+        path = folder / f"{stem}.{kind}"
+        if kind == "png":
+            fig.savefig(path, dpi=PNG_DPI, bbox_inches="tight", metadata={"Software": None})
+        else:
+            fig.savefig(path, bbox_inches="tight", metadata={"CreationDate": None, "Creator": None})
+        paths.append(path)
     return paths
 
 
@@ -86,7 +105,8 @@ def _bar_labels(ax, bars, texts: list[str], vertical: bool = False,
 
 # --- headline: peak and step per method ---------------------------------------------------------
 
-def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> list[Path]:
+def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
+                     formats: Sequence[str] = FORMATS) -> list[Path]:
     """Per device, model and shape: peak GiB and step ms (p10–p90 whiskers) per method."""
     paths = []
     for keys, group in frame.groupby(HEADLINE_KEYS, sort=True, dropna=False):
@@ -150,13 +170,14 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
         fig.suptitle(f"{group_title(dict(zip(HEADLINE_KEYS, keys)))} ({baseline_text}; "
                      f"{NOISE_MARK} = inside step-time noise)")
         fig.tight_layout()
-        paths += save(fig, folder, slug("headline", *key_parts(dict(zip(HEADLINE_KEYS, keys)))))
+        paths += save(fig, folder, slug("headline", *key_parts(dict(zip(HEADLINE_KEYS, keys)))), formats)
     return paths
 
 
 # --- batch x sequence grid ----------------------------------------------------------------------
 
-def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> tuple[list[Path], str | None]:
+def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
+                 formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     groups = grid_groups(frame)
     if not groups:
         return [], "no run measured one model at two or more batch × seq shapes"
@@ -165,14 +186,14 @@ def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> t
         stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
                     timing_slug(keys))
         shapes = shapes_of(group)
-        paths += _grid_lines(group, keys, shapes, folder, stem, colors)
+        paths += _grid_lines(group, keys, shapes, folder, stem, colors, formats)
         forge_methods = [m for m in ordered_methods(group) if is_forge(m)]
         if forge_methods:
-            paths += _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem)
+            paths += _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem, formats)
     return paths, None
 
 
-def _grid_lines(group, keys, shapes, folder, stem, colors) -> list[Path]:
+def _grid_lines(group, keys, shapes, folder, stem, colors, formats: Sequence[str]) -> list[Path]:
     """Peak and step per method across shapes (ordered by tokens per step)."""
     shapes = sorted(shapes, key=lambda s: (s[0] * s[1], s))
     fig = Figure(figsize=(max(7.0, 0.8 * len(shapes) + 4), 3.8))
@@ -213,10 +234,10 @@ def _grid_lines(group, keys, shapes, folder, stem, colors) -> list[Path]:
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), title="method")
     fig.suptitle(f"Batch × sequence grid: {group_title(keys)}")
     fig.tight_layout()
-    return save(fig, folder, stem + "-lines")
+    return save(fig, folder, stem + "-lines", formats)
 
 
-def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem) -> list[Path]:
+def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem, formats: Sequence[str]) -> list[Path]:
     """Per FORGE method: memory saving and speed-up over the baseline at every batch x seq."""
     batches = sorted({b for b, _ in shapes})
     seqs = sorted({s for _, s in shapes})
@@ -271,12 +292,13 @@ def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem) -> list[Pat
     fig.suptitle(f"FORGE vs {base_method or 'no baseline'}: {group_title(keys)}\n"
                  f"({NOISE_MARK} = inside step-time noise; grey = no ratio)")
     fig.tight_layout()
-    return save(fig, folder, stem + "-heatmap")
+    return save(fig, folder, stem + "-heatmap", formats)
 
 
 # --- model scaling ------------------------------------------------------------------------------
 
-def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> tuple[list[Path], str | None]:
+def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
+                    formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     groups = scaling_groups(frame)
     if not groups:
         return [], "no run measured two or more models at one shape"
@@ -328,13 +350,14 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -
         fig.suptitle(f"Model scaling: {group_title(keys)}")
         fig.tight_layout()
         paths += save(fig, folder, slug("scaling", keys["device_name"], keys["dtype"], keys["batch"],
-                                        keys["seq"], run_label(keys["run_id"]), timing_slug(keys)))
+                                        keys["seq"], run_label(keys["run_id"]), timing_slug(keys)), formats)
     return paths, None
 
 
 # --- where memory goes --------------------------------------------------------------------------
 
-def memory_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str | None]:
+def memory_figures(frame: pd.DataFrame, folder: Path,
+                   formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     groups = memory_groups(frame)
     if not groups:
         return [], "no row ran ok"
@@ -375,13 +398,15 @@ def memory_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str |
         ax.set_title(f"Where memory goes: {group_title(keys)}{note}")
         fig.tight_layout()
         paths += save(fig, folder, slug("memory", keys["device_name"], keys["model"], keys["dtype"],
-                                        keys["batch"], keys["seq"], run_label(keys["run_id"]), timing_slug(keys)))
+                                        keys["batch"], keys["seq"], run_label(keys["run_id"]), timing_slug(keys)),
+                      formats)
     return paths, None
 
 
 # --- hardware comparison ------------------------------------------------------------------------
 
-def hardware_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str | None]:
+def hardware_figures(frame: pd.DataFrame, folder: Path,
+                     formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     groups = hardware_groups(frame)
     if not groups:
         devices = sorted({str(d) for d in frame["device_name"]})
@@ -432,7 +457,7 @@ def hardware_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str
         fig.suptitle(f"Hardware comparison: {group_title(keys)}\n(each device's ratios within its "
                      f"own run; no ratio across devices; {NOISE_MARK} = inside noise)")
         fig.tight_layout()
-        paths += save(fig, folder, slug("hardware", *key_parts(keys)))
+        paths += save(fig, folder, slug("hardware", *key_parts(keys)), formats)
     if not paths:
         return [], "no cell on two or more devices has a non-baseline method"
     return paths, None
@@ -440,7 +465,8 @@ def hardware_figures(frame: pd.DataFrame, folder: Path) -> tuple[list[Path], str
 
 # --- fidelity -----------------------------------------------------------------------------------
 
-def fidelity_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) -> tuple[list[Path], str | None]:
+def fidelity_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
+                     formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     gated = frame[frame["status"].isin(["ok", "parity_fail"]) & frame["parity_rms_rel"].notna()
                   & (frame["parity_steps"].fillna(1) != 0)]
     if gated.empty:
@@ -476,5 +502,5 @@ def fidelity_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any]) 
         if tolerances:
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
-        paths += save(fig, folder, slug("fidelity", device))
+        paths += save(fig, folder, slug("fidelity", device), formats)
     return paths, None
