@@ -133,7 +133,7 @@ _KERNEL_SOURCE = '''
 import triton
 import triton.language as tl
 
-SCALE = {scale}
+SCALE = tl.constexpr({scale})
 
 
 @triton.jit
