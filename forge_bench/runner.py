@@ -315,6 +315,32 @@ CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing
 
 
 
+TUNE_CACHE_MARK = " (tune cache)"      # forge_core.kernels.fused.describe_tuned_configs' suffix
+
+
+def _tiles(row: Any) -> dict[str, str]:
+    """The fused kernel's tile per weight shape a row ran (``extra.kernel_configs``), without the
+    tune-cache mark; empty when the row has none (a torch arm, an older row)."""
+    extra = row.get("extra") if hasattr(row, "get") else None
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError:
+            return {}
+    configs = extra.get("kernel_configs") if isinstance(extra, dict) else None
+    if not isinstance(configs, dict):
+        return {}
+    return {shape: str(tile).removesuffix(TUNE_CACHE_MARK) for shape, tile in configs.items()}
+
+
+def _tiles_unlike_baseline(row: Any, baseline_row: Any) -> list[str]:
+    """Weight shapes whose tile differs from the baseline row's. Why: a cell whose tune cache missed
+    (session 17: Triton's cache_key moved with the kernel's line number) tunes again and may pick
+    other tiles, and a --check then measures the tuner's choice against the baseline's."""
+    now, then = _tiles(row), _tiles(baseline_row)
+    return sorted(shape for shape, tile in now.items() if shape in then and then[shape] != tile)
+
+
 def check_against_baseline(current, baseline, tolerance: float, families: tuple[str, ...] = ("forge",),
                            eager_tolerance: float | None = None) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
@@ -353,6 +379,11 @@ def check_against_baseline(current, baseline, tolerance: float, families: tuple[
             failures.append(f"{line} > +{allowed:.0%}")
         else:
             notes.append(line)
+        other_tiles = _tiles_unlike_baseline(row, match.iloc[0])
+        if other_tiles:
+            notes.append(f"{label}: other tiles than the baseline's for {', '.join(other_tiles)}: this compares "
+                         f"tile choices, not only the code (hand the cells the baseline's tune_cache.json with "
+                         f"--tune-cache, or re-baseline after a kernel change)")
     if compared == 0:
         devices = sorted(set(cur["device_name"].dropna()))
         failures.append(f"nothing to compare: the baseline has no ok FORGE rows matching device {devices} "

@@ -1,6 +1,7 @@
 """One process per cell: crash, hang, OOM retry, kill -9 of the sweep then --resume."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -209,6 +210,24 @@ def test_check_against_baseline():
     fails, _ = runner.check_against_baseline(
         pd.concat([_rows(), _rows(method="adamw_fused", method_family="baseline", step_ms_median=999.0)]), base, 0.10)
     assert not fails
+
+
+def test_check_names_the_weight_shapes_that_ran_other_tiles_than_the_baseline():
+    """A cell whose tune cache missed tunes again; --check must say its time compares other tiles."""
+    def with_tiles(gate: str, q: str, ms: float = 100.0):
+        extra = json.dumps({"kernel_configs": {"14336x4096/bt512/adamw/bf16": gate, "4096x4096/bt512/adamw/bf16": q}})
+        return _rows(step_ms_median=ms, extra=extra)
+    base = with_tiles("64x128x64 w8 s4 g8 split2", "64x64x32 w4 s6 g8 split1")
+    same = with_tiles("64x128x64 w8 s4 g8 split2 (tune cache)", "64x64x32 w4 s6 g8 split1 (tune cache)", 101.0)
+    fails, notes = runner.check_against_baseline(same, base, 0.05)
+    assert not fails and len(notes) == 1, "the same tiles, read from the cache, are no news"
+    retuned = with_tiles("64x128x64 w8 s4 g8 split2", "128x128x64 w8 s4 g8 split2", 102.0)
+    fails, notes = runner.check_against_baseline(retuned, base, 0.05)
+    assert not fails and len(notes) == 2
+    assert "other tiles than the baseline's for 4096x4096/bt512/adamw/bf16:" in notes[1]
+    assert "14336x4096" not in notes[1] and "--tune-cache" in notes[1]
+    fails, notes = runner.check_against_baseline(retuned, _rows(), 0.05)
+    assert len(notes) == 1, "a baseline row without tiles (older rows) says nothing about them"
 
 
 def test_stop_after_starts_no_new_cell_then_resume_finishes_the_same_run(plugin_env):

@@ -129,6 +129,16 @@ def test_a_cell_row_names_the_file_its_tiles_came_from(tuning):
     assert list(configs) == ["70x90/bt40/adamw/fp32"] and source == path
 
 
+def test_the_sweep_check_strips_the_mark_the_kernel_writes(tuning, monkeypatch):
+    """--check compares tiles without the "(tune cache)" mark: the runner spells it as fused writes it."""
+    from forge_bench import runner
+    _step()
+    _new_process(monkeypatch)
+    _step(2)
+    (description,) = fused_module.describe_tuned_configs().values()
+    assert description.endswith(runner.TUNE_CACHE_MARK)
+
+
 _KERNEL_SOURCE = '''
 import triton
 import triton.language as tl
