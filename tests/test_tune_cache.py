@@ -193,3 +193,14 @@ def test_the_fused_kernels_fingerprint_is_the_same_in_a_new_process():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert len(runs) == 1 and len(next(iter(runs)).split()) == 2
+
+
+def test_a_function_without_a_source_file_still_has_a_reproducible_identity():
+    """No object address in the identity, or a cache written by one process never hits in the next."""
+    namespace: dict = {}
+    exec("def epilogue(w):\n    return w * 2\n", namespace)
+    first = tune_cache.source_identity(namespace["epilogue"])
+    again: dict = {}
+    exec("def epilogue(w):\n    return w * 2\n", again)
+    assert tune_cache.source_identity(again["epilogue"]) == first
+    assert tune_cache.source_identity(None) == tune_cache.source_identity(None)

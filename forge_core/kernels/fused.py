@@ -1024,7 +1024,8 @@ def _device_name(tensor: torch.Tensor) -> str:
 
 def _tuning_fingerprint(weight: torch.Tensor, meta: Mapping[str, Any], candidates: list[TileConfig]) -> str:
     """What a tile choice on disk is valid for besides its key: the kernel and the rule's epilogue
-    (their sources and what they call, not their line numbers), the Triton version, the GPU, and what the tuner chose among."""
+    (their sources and what they call, not their line numbers), the Triton version, the GPU, and
+    what the tuner chose among."""
     search = (candidates, GROUPS, TMA_FLIPS, FINALISTS, FINAL_ROUNDS, FINALIST_MARGIN, RESIDENT_WARPS_TARGET)
     identity = tune_cache.source_identity
     return tune_cache.fingerprint(identity(_fused_wgrad_update_kernel) + identity(meta.get("EPILOGUE")),

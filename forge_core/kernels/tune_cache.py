@@ -57,12 +57,12 @@ def source_identity(fn: Any) -> str:
         visited.add(id(f))
         raw = getattr(f, "fn", f)
         name = getattr(raw, "__qualname__", type(raw).__name__)       # not the module: files move
+        code, scope = getattr(raw, "__code__", None), getattr(raw, "__globals__", {})
         try:
             src = inspect.getsource(raw)          # not Triton's copy: the interpreter keeps none
-        except (OSError, TypeError):
-            src = repr(raw)
+        except (OSError, TypeError):              # no file (exec'd, or no function): still no address
+            src = code.co_code.hex() if code is not None else type(raw).__name__
         parts.append(f"{name}\n{src}")
-        code, scope = getattr(raw, "__code__", None), getattr(raw, "__globals__", {})
         for ref in (code.co_names if code is not None else ()):
             value = scope.get(ref)
             if type(value).__module__.startswith("triton.") and callable(getattr(value, "fn", None)):
