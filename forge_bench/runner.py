@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from forge_bench import methods as methods_mod
 from forge_bench import results
@@ -318,10 +318,10 @@ CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing
 TUNE_CACHE_MARK = " (tune cache)"      # forge_core.kernels.fused.describe_tuned_configs' suffix
 
 
-def _tiles(row: Any) -> dict[str, str]:
+def _tiles(row: Mapping[str, Any]) -> dict[str, str]:
     """The fused kernel's tile per weight shape a row ran (``extra.kernel_configs``), without the
     tune-cache mark; empty when the row has none (a torch arm, an older row)."""
-    extra = row.get("extra") if hasattr(row, "get") else None
+    extra = row.get("extra")
     if isinstance(extra, str):
         try:
             extra = json.loads(extra)
@@ -333,7 +333,7 @@ def _tiles(row: Any) -> dict[str, str]:
     return {shape: str(tile).removesuffix(TUNE_CACHE_MARK) for shape, tile in configs.items()}
 
 
-def _tiles_unlike_baseline(row: Any, baseline_row: Any) -> list[str]:
+def _tiles_unlike_baseline(row: Mapping[str, Any], baseline_row: Mapping[str, Any]) -> list[str]:
     """Weight shapes whose tile differs from the baseline row's. Why: a cell whose tune cache missed
     (session 17: Triton's cache_key moved with the kernel's line number) tunes again and may pick
     other tiles, and a --check then measures the tuner's choice against the baseline's."""

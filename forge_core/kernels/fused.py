@@ -983,7 +983,8 @@ def _tuned_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales,
     candidates = [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
     disk_path, disk_key = tune_cache.cache_path(), None
     if disk_path is not None:
-        disk_key = tune_cache.entry_key(key, _tuning_fingerprint(weight, meta, candidates))
+        fingerprint = _tuning_fingerprint(weight, meta, candidates)
+        disk_key = tune_cache.entry_key(key, fingerprint)
         cached = tune_cache.lookup(disk_path, disk_key, TileConfig)
         if cached is not None:
             _TUNED[key] = cached
@@ -993,7 +994,7 @@ def _tuned_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales,
         if stale:
             warnings.warn(f"{tune_cache.ENV}: {disk_path} holds a tile for {m}x{n} at {k} tokens made for another "
                           f"kernel source, Triton, GPU or candidate list (fingerprint {', '.join(stale)}, this one "
-                          f"{disk_key.split('|')[0]}); tuning again", RuntimeWarning, stacklevel=3)
+                          f"{fingerprint}); tuning again", RuntimeWarning, stacklevel=3)
     tuned = False
     try:
         scratch_weight = weight.detach().clone()

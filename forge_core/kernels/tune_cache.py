@@ -110,7 +110,7 @@ def other_fingerprints(path: Path, tuning_key: tuple) -> list[str]:
     """Fingerprints under which ``path`` holds a choice for ``tuning_key``: when the lookup missed,
     these are choices made for another kernel source, Triton, GPU or candidate list (why a
     committed cache tunes again, said in a warning rather than found from the timings)."""
-    suffix = f"|{tuning_key!r}"
+    suffix = entry_key(tuning_key, "")
     return sorted(key[: -len(suffix)] for key in _read(path) if key.endswith(suffix))
 
 
