@@ -1,0 +1,144 @@
+"""Compile the fused kernel for sm_90 on a machine without a GPU and count its epilogue's instructions.
+
+Why: at the H100's 700 W cap every instruction of the epilogue costs step time, and device time is
+scarce; this counts them per weight element on the CPU machine (the local Triton's ptxas and
+nvdisasm), so an instruction diet can be predicted before a device call measures it. The counts come
+from the local Triton (3.9 here), not the device's 3.6: compare trees with the same Triton.
+
+    python scripts/offline_sass.py --shape 14336x4096 --tokens 512 --state int8 \
+        --tile 64x64x32 --warps 4 --stages 6 --maxnreg 128 --prefetch --tma [--sass-out FILE]
+
+The epilogue is everything after the last warpgroup MMA wait up to EXIT; its opcodes are counted and
+divided by the weight elements one thread updates (BM * BN / threads).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def _compile(args: argparse.Namespace):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from forge_core.kernels import fused
+    from forge_core.rules import get_rule
+    from forge_core.state import ParamState
+
+    m, n = (int(v) for v in args.shape.lower().split("x"))
+    bm, bn, bk = (int(v) for v in args.tile.lower().split("x"))
+    rule = get_rule(args.rule)
+    weight = torch.empty((m, n), dtype=torch.bfloat16)
+    state = ParamState(weight[:1, :1], rule, args.state)        # only dtypes / kinds are read below
+    states = [torch.empty((m, n), dtype=state.values[name].dtype) for name in rule.state_names]
+    scales = [torch.empty((m, (n + 63) // 64), dtype=torch.float32) if args.state == "int8" else None
+              for _ in rule.state_names]
+    x2 = torch.empty((args.tokens, n), dtype=torch.bfloat16)
+    dy2 = torch.empty((args.tokens, m), dtype=torch.bfloat16)
+    config = fused.TileConfig(bm, bn, bk, args.group, args.warps, args.stages, prefetch=args.prefetch,
+                              split_n=args.split, max_registers=args.maxnreg, tma=args.tma)
+    meta = dict(EPILOGUE=rule.epilogue, NUM_STATES=len(states), STATE_KIND=fused._STATE_KIND[args.state],
+                S0_SQRT=state.is_sqrt_domain(rule.state_names[0]),
+                S1_SQRT=len(states) > 1 and state.is_sqrt_domain(rule.state_names[1]),
+                HAS_GRAD_ACCUM=False, STOCHASTIC_ROUNDING=False, IEEE_DOT=False, UPCAST_DOT=False,
+                SCALARS_IN_MEMORY=args.scalars_in_memory)
+    plan = fused._plan(config, x2, dy2, weight, states, scales, None, meta)
+    kwargs = dict(plan.kwargs, TMA=args.tma, HW_MATH=True)
+    descriptors = ((TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bk, bn]),
+                    TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [bk, bm])) if args.tma else (None, None))
+    weight_, s0, s1, scale0, scale1, mm, nn, kk = plan.fixed_args[:8]
+    scalar_buffer = torch.empty(fused.NUM_SCALARS, dtype=torch.float32)
+    call = (x2, dy2, *descriptors, weight_, s0, s1, scale0, scale1, weight_, mm, nn, kk,
+            x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:],
+            *([0.5] * fused.NUM_SCALARS), 1, scalar_buffer)
+
+    kernel = fused._fused_wgrad_update_kernel
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*call, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    if args.fp_fusion is not None:
+        options = backend.parse_options(dict(options.__dict__, enable_fp_fusion=args.fp_fusion))
+    compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    threads = 32 * args.warps
+    return compiled, bm * bn // threads
+
+
+def _nvidia_tool(name: str, cubin: bytes, *flags: str) -> str:
+    import triton
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        return subprocess.run([str(tool), *flags, handle.name], check=True, capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, spill stores in bytes) of the kernel, as cuobjdump reports them."""
+    usage = _nvidia_tool("cuobjdump", cubin, "--dump-resource-usage")
+    registers = re.search(r"REG:(\d+)", usage)
+    spills = re.search(r"STACK:(\d+)", usage)
+    return int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else -1
+
+
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def epilogue_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (base name, before the first dot) after the last WGMMA wait / HGMMA up to the last EXIT."""
+    ops = [match.group(2) for match in map(_INSTRUCTION.search, sass.splitlines()) if match]
+    last_mma = max((i for i, op in enumerate(ops) if op.startswith(("HGMMA", "WARPGROUP.DEPBAR", "WARPSYNC"))
+                    or op == "HMMA" or op.startswith("HMMA.")), default=-1)
+    tail = [op.split(".")[0] for op in ops[last_mma + 1:]]
+    return collections.Counter(op for op in tail if op not in ("NOP", "BRA"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="14336x4096", help="weight (Dout)x(Din)")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--state", choices=("fp32", "bf16", "int8"), default="int8")
+    parser.add_argument("--rule", default="adamw")
+    parser.add_argument("--tile", default="64x64x32", help="BMxBNxBK")
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=6)
+    parser.add_argument("--split", type=int, default=1)
+    parser.add_argument("--maxnreg", type=int, default=None)
+    parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--tma", action="store_true")
+    parser.add_argument("--scalars-in-memory", action="store_true", help="the capturable (graph) launch")
+    parser.add_argument("--fp-fusion", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                        help="force Triton's enable_fp_fusion option (default: Triton's default)")
+    parser.add_argument("--sass-out", type=pathlib.Path, default=None)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    compiled, per_thread = _compile(args)
+    sass = _nvidia_tool("nvdisasm", compiled.asm["cubin"], "-c")
+    registers, stack = resource_usage(compiled.asm["cubin"])
+    if args.sass_out:
+        args.sass_out.write_text(sass)
+        args.sass_out.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
+    counts = epilogue_opcodes(sass)
+    total = sum(counts.values())
+    print(f"registers {registers}, stack {stack} B, epilogue {total} instructions per thread, "
+          f"{total / per_thread:.1f} per weight element ({per_thread} elements per thread)")
+    for op, count in counts.most_common(args.top):
+        print(f"  {op:10s} {count:6d}  {count / per_thread:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
