@@ -204,3 +204,45 @@ def test_a_function_without_a_source_file_still_has_a_reproducible_identity():
     exec("def epilogue(w):\n    return w * 2\n", again)
     assert tune_cache.source_identity(again["epilogue"]) == first
     assert tune_cache.source_identity(None) == tune_cache.source_identity(None)
+
+
+def test_a_rekeyed_cache_gives_a_changed_kernel_the_same_tiles_without_timing(tuning, monkeypatch, tmp_path):
+    """scripts/rekey_tune_cache.py: an A/B of a kernel change runs both sides on the old tiles."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import rekey_tune_cache
+
+    path, timed = tuning
+    _step()
+    original = tune_cache.source_identity
+    monkeypatch.setattr(tune_cache, "source_identity", lambda fn: original(fn) + "-edited")   # a kernel change
+    entries = json.loads(path.read_text())["entries"]
+    rekeyed, changed = rekey_tune_cache.rekey(entries)
+    assert changed == 1 and list(rekeyed.values()) == list(entries.values())
+    target = tmp_path / "rekeyed.json"
+    assert rekey_tune_cache.main([str(path), str(target)]) == 0
+    monkeypatch.setenv(tune_cache.ENV, str(target))
+    _new_process(monkeypatch)
+    timed.clear()
+    _step(2)
+    assert timed == [], "the edited kernel finds the old choice under its own fingerprint"
+    assert list(fused_module.tuned_configs().values())[0].block_m == 64
+
+    _new_process(monkeypatch)
+    monkeypatch.setenv(tune_cache.ENV, str(path))
+    with pytest.warns(RuntimeWarning, match="made for another kernel source"):
+        _step(3)                               # the original file: the edited kernel tunes again
+    assert timed
+
+
+def test_rekey_names_a_file_that_is_not_a_tune_cache(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import rekey_tune_cache
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="is not a tune cache"):
+        rekey_tune_cache.main([str(bad), str(tmp_path / "out.json")])

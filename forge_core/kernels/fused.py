@@ -980,7 +980,7 @@ def _tuned_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales,
         return _TUNED[key]
     if not _autotune_enabled():
         return default_config(m, n, k, input_bytes)      # not cached: tuning may be enabled later
-    candidates = [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
+    candidates = tuning_candidates(m, n, k, input_bytes, state_dtype)
     disk_path, disk_key = tune_cache.cache_path(), None
     if disk_path is not None:
         fingerprint = _tuning_fingerprint(weight, meta, candidates)
@@ -1024,13 +1024,22 @@ def _device_name(tensor: torch.Tensor) -> str:
 
 
 def _tuning_fingerprint(weight: torch.Tensor, meta: Mapping[str, Any], candidates: list[TileConfig]) -> str:
+    return tuning_fingerprint(meta.get("EPILOGUE"), candidates, triton.__version__, _device_name(weight))
+
+
+def tuning_fingerprint(epilogue: Any, candidates: list[TileConfig], triton_version: str, device_name: str) -> str:
     """What a tile choice on disk is valid for besides its key: the kernel and the rule's epilogue
     (their sources and what they call, not their line numbers), the Triton version, the GPU, and
     what the tuner chose among."""
     search = (candidates, GROUPS, TMA_FLIPS, FINALISTS, FINAL_ROUNDS, FINALIST_MARGIN, RESIDENT_WARPS_TARGET)
     identity = tune_cache.source_identity
-    return tune_cache.fingerprint(identity(_fused_wgrad_update_kernel) + identity(meta.get("EPILOGUE")),
-                                  triton.__version__, _device_name(weight), list(search))
+    return tune_cache.fingerprint(identity(_fused_wgrad_update_kernel) + identity(epilogue), triton_version,
+                                  device_name, list(search))
+
+
+def tuning_candidates(m: int, n: int, k: int, input_bytes: int, state_dtype: str) -> list[TileConfig]:
+    """The tiles the tuner times for one weight shape and state format (part of its fingerprint)."""
+    return [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
 
 
 def tuned_configs() -> dict[tuple, TileConfig]:
