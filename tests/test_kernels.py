@@ -794,3 +794,20 @@ def test_misaligned_activations_take_the_pointer_path_and_stay_right():
         _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
         w_ref.copy_(w_ours)
         _copy_state(s_ref, s_ours)
+
+
+def test_a_gpu_launch_asks_for_fp_fusion_and_keeps_its_register_cap(monkeypatch):
+    """The int8 codes are one FFMA (y * inverse + 1.5 * 2^23, _int8_codes): Triton 3.10 turns FP fusion
+    off by default, so the launch asks for it rather than inherit the default."""
+    monkeypatch.setattr(fused_module, "interpreting", lambda: False)
+    weight = torch.zeros(64, 64)
+    state = ParamState(weight, get_rule("adamw"), "int8")
+    x2, dy2 = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
+    meta = dict(EPILOGUE=get_rule("adamw").epilogue)
+    states = list(state.values.values())
+    scales = list(state.scales.values())
+    capped = fused_module._plan(TileConfig(64, 64, 32, 8, 4, 2, max_registers=128), x2, dy2, weight, states, scales,
+                                None, meta)
+    assert capped.kwargs["enable_fp_fusion"] is True and capped.kwargs["maxnreg"] == 128
+    uncapped = fused_module._plan(TileConfig(64, 64, 32, 8, 4, 2), x2, dy2, weight, states, scales, None, meta)
+    assert uncapped.kwargs["enable_fp_fusion"] is True and "maxnreg" not in uncapped.kwargs

@@ -173,8 +173,8 @@ def _int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr)
     into one FFMA (one rounding of the exact ``y * inverse``), and the result is that int32 pattern
     (the store keeps its low byte): no FRND / F2I (quarter rate), no sign handling, no clamp
     (``|y| * inverse <= 127 * (1 + 2^-22)`` rounds to at most 127). In the interpreter the multiply
-    rounds first, as the torch reference does (so does the GPU if Triton stops fusing the two: the
-    codes stay within one of the fused ones). A block whose scale is 0 or subnormal divides by 1, and
+    rounds first, as the torch reference does (so would the GPU unfused: the codes stay within one
+    of the fused ones; the launch asks for ``enable_fp_fusion``, which Triton 3.10 stops defaulting to). A block whose scale is 0 or subnormal divides by 1, and
     its values (|y| < 1.5e-36) round to code 0 with no test; sqrt-domain values are never negative."""
     has_scale = scale >= 1.1754943508222875e-38          # normal; subnormal blocks store zeros
     if HW_MATH:
@@ -780,7 +780,9 @@ def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
                   HW_MATH=not interpreting(), TMA=tma)
-    options = {} if config.max_registers is None or interpreting() else {"maxnreg": config.max_registers}
+    options = {} if interpreting() else {"enable_fp_fusion": True}     # the int8 codes' FFMA (_int8_codes)
+    if config.max_registers is not None and not interpreting():
+        options["maxnreg"] = config.max_registers
     # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
     # and a cached plan holding the old one would keep a weight-sized tensor alive.
     fixed = (weight, s0, s1, scale0, scale1, m, n, k)
