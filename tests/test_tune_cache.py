@@ -160,9 +160,14 @@ def kernel(ptr, BLOCK: tl.constexpr):
 
 def _kernel_module(tmp_path, name: str, padding: int = 0, scale: float = 2.0):
     """A Triton kernel module on disk (Triton reads a kernel's source from its file)."""
-    import importlib.util
     path = tmp_path / f"{name}.py"
     path.write_text("\n" * padding + _KERNEL_SOURCE.format(scale=scale))
+    return _load(path)
+
+
+def _load(path):
+    import importlib.util
+    name = path.stem
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -181,6 +186,19 @@ def test_the_kernel_identity_follows_what_the_kernel_calls_and_reads(tmp_path):
     assert other_constant != base, "a global the helper reads is part of the kernel"
     edited = _kernel_module(tmp_path, "kernel_edited")
     assert tune_cache.source_identity(edited.helper) != tune_cache.source_identity(edited.kernel)
+
+
+def test_the_kernel_identity_ignores_docstrings_and_comments_but_not_code(tmp_path):
+    base = tune_cache.source_identity(_kernel_module(tmp_path, "kernel_plain").kernel)
+    path = tmp_path / "kernel_documented.py"
+    documented = _KERNEL_SOURCE.format(scale=2.0).replace(
+        "def helper(x):\n", "def helper(x):\n    \"\"\"Why the helper scales.\"\"\"\n    # and a comment\n")
+    assert documented != _KERNEL_SOURCE.format(scale=2.0)
+    path.write_text(documented)
+    assert tune_cache.source_identity(_load(path).kernel) == base, "a reworded docstring compiles the same kernel"
+    path = tmp_path / "kernel_changed.py"
+    path.write_text(_KERNEL_SOURCE.format(scale=2.0).replace("return x * SCALE", "return x * SCALE + 1"))
+    assert tune_cache.source_identity(_load(path).kernel) != base, "a code edit in a callee is a new kernel"
 
 
 def test_the_fused_kernels_fingerprint_is_the_same_in_a_new_process():
@@ -246,3 +264,21 @@ def test_rekey_names_a_file_that_is_not_a_tune_cache(tmp_path, capsys):
     bad.write_text("[1, 2]")
     with pytest.raises(SystemExit, match="is not a tune cache"):
         rekey_tune_cache.main([str(bad), str(tmp_path / "out.json")])
+
+
+GPU_CI_BASELINE_CACHE = "results/h100/gpu_smoke_deb57b9/tune_cache.json"     # README, "A GPU regression check"
+
+
+def test_the_gpu_ci_baselines_tile_choices_match_this_kernel():
+    """The README's GPU-CI command hands the smoke cells this cache; if the kernel's identity moved,
+    every FORGE cell tunes again and the suite no longer fits its 5 minutes (session 17). A kernel
+    change must come with a new baseline, or (same tiles still apt) `scripts/rekey_tune_cache.py`."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    import rekey_tune_cache
+
+    entries = json.loads((root / GPU_CI_BASELINE_CACHE).read_text())["entries"]
+    _, changed = rekey_tune_cache.rekey(entries)
+    assert entries and changed == 0, f"{changed} of {len(entries)} entries of {GPU_CI_BASELINE_CACHE} miss this kernel"

@@ -14,12 +14,14 @@ A file that cannot be read or written costs a warning and the tuning, never the 
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import hashlib
 import inspect
 import json
 import os
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -41,8 +43,9 @@ def fingerprint(kernel_identity: str, triton_version: str, device_name: str, can
 
 
 def source_identity(fn: Any) -> str:
-    """A hash of a Triton function's source and of everything it calls or reads by global name
-    (other Triton functions, recursively, and plain constants), without where it sits in its file.
+    """A hash of a Triton function's code and of everything it calls or reads by global name
+    (other Triton functions, recursively, and plain constants), without where it sits in its file
+    and without its docstrings and comments.
 
     Why not Triton's own ``cache_key``: that adds the function's starting line number, so an edit
     anywhere above the kernel (an import) threw away every tile choice on disk although the kernel
@@ -59,7 +62,7 @@ def source_identity(fn: Any) -> str:
         name = getattr(raw, "__qualname__", type(raw).__name__)       # not the module: files move
         code, scope = getattr(raw, "__code__", None), getattr(raw, "__globals__", {})
         try:
-            src = inspect.getsource(raw)          # not Triton's copy: the interpreter keeps none
+            src = _code_only(inspect.getsource(raw))      # not Triton's copy: the interpreter keeps none
         except (OSError, TypeError):              # no file (exec'd, or no function): still no address
             src = code.co_code.hex() if code is not None else type(raw).__name__
         parts.append(f"{name}\n{src}")
@@ -72,6 +75,22 @@ def source_identity(fn: Any) -> str:
 
     visit(fn)
     return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
+
+
+def _code_only(source: str) -> str:
+    """The function's syntax tree without docstrings, comments, layout or positions.
+
+    Why: a reworded docstring of a Triton helper the kernel calls changed the hash of the raw
+    source, so every committed tile choice would have been tuned again (session 18 caught one before
+    it landed) although the compiled kernel is the same."""
+    tree = ast.parse(textwrap.dedent(source))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, annotate_fields=False, include_attributes=False)
 
 
 def entry_key(tuning_key: tuple, fingerprint_hex: str) -> str:
