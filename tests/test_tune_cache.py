@@ -282,3 +282,15 @@ def test_the_gpu_ci_baselines_tile_choices_match_this_kernel():
     entries = json.loads((root / GPU_CI_BASELINE_CACHE).read_text())["entries"]
     _, changed = rekey_tune_cache.rekey(entries)
     assert entries and changed == 0, f"{changed} of {len(entries)} entries of {GPU_CI_BASELINE_CACHE} miss this kernel"
+
+
+def test_the_identity_text_does_not_move_when_python_adds_an_empty_field(monkeypatch):
+    """Python 3.12 gave FunctionDef a ``type_params`` field: the CPU machines (3.11) and the H100 host
+    (3.12) must still hash a kernel alike, or the committed caches miss on the GPU."""
+    import ast
+    source = "def kernel(x, BLOCK):\n    \"\"\"Doc.\"\"\"\n    return x * BLOCK  # scaled\n"
+    before = tune_cache._code_only(source)
+    monkeypatch.setattr(ast.FunctionDef, "_fields", ast.FunctionDef._fields + ("added_in_a_later_python",))
+    monkeypatch.setattr(ast.FunctionDef, "added_in_a_later_python", [], raising=False)
+    assert tune_cache._code_only(source) == before
+    assert before == tune_cache._code_only("def kernel(x, BLOCK):\n    return x * BLOCK\n")

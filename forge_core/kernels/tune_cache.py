@@ -90,7 +90,22 @@ def _code_only(source: str) -> str:
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree, annotate_fields=False, include_attributes=False)
+    return _dump(tree)
+
+
+def _dump(node: Any) -> str:
+    """A syntax tree as text, the same on every Python from 3.9: node names and their non-empty fields.
+
+    Why not ``ast.dump``: Python 3.12 gave every function a ``type_params`` field, so its dump of the
+    same source differs from 3.11's, and a cache written on one would miss on the other (the CPU
+    machines run 3.11, the H100 host 3.12)."""
+    if isinstance(node, ast.AST):
+        fields = ((name, getattr(node, name, None)) for name in node._fields)
+        return f"{type(node).__name__}(" + ",".join(f"{name}={_dump(value)}" for name, value in fields
+                                                     if value is not None and value != []) + ")"
+    if isinstance(node, list):
+        return "[" + ",".join(_dump(item) for item in node) + "]"
+    return repr(node)
 
 
 def entry_key(tuning_key: tuple, fingerprint_hex: str) -> str:
