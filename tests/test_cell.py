@@ -97,6 +97,30 @@ def test_oom_asks_for_one_retry_then_records(suite, tmp_path):
     assert code == 0 and row.status == "oom" and row.attempts == 2 and "simulated" in row.reason
 
 
+def _capture_that_ran_out_of_memory():
+    """The exception a CUDA graph capture raises when an allocation inside it fails: capture_end's
+    'unjoined work' error while handling the OOM, wrapped by GraphedStep (as on the H100, b4 s2048)."""
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB.")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: capturing stream has unjoined work")
+    except RuntimeError as exc:
+        try:
+            raise RuntimeError(f"CUDA graph capture of the step failed: {cell_mod.capture_failure(exc)}") from exc
+        except RuntimeError as wrapped:
+            return wrapped
+
+
+def test_an_oom_inside_a_graph_capture_is_an_oom_with_its_own_message():
+    wrapped = _capture_that_ran_out_of_memory()
+    assert cell_mod.is_oom(wrapped), "the OOM row and its fresh-process retry, not a 'crashed' row"
+    assert str(wrapped) == ("CUDA graph capture of the step failed: OutOfMemoryError: CUDA out of memory. Tried to "
+                            "allocate 224.00 MiB. (then RuntimeError: CUDA error: capturing stream has unjoined work)")
+    assert not cell_mod.is_oom(RuntimeError("CUDA error: capturing stream has unjoined work"))
+    assert cell_mod.capture_failure(ValueError("bad shape")) == "ValueError: bad shape"
+
+
 def test_timing_statistics():
     cols = cell_mod.timing_columns([[1.0, 2.0, 3.0, 4.0, 100.0], [2.0, 2.0, 2.0, 2.0, 2.0]], tokens_per_step=1000)
     assert cols["step_ms_run_medians"] == [3.0, 2.0]
