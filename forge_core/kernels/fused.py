@@ -174,8 +174,9 @@ def _int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr)
     (the store keeps its low byte): no FRND / F2I (quarter rate), no sign handling, no clamp
     (``|y| * inverse <= 127 * (1 + 2^-22)`` rounds to at most 127). In the interpreter the multiply
     rounds first, as the torch reference does (so would the GPU unfused: the codes stay within one
-    of the fused ones; the launch asks for ``enable_fp_fusion``, which Triton 3.10 stops defaulting to). A block whose scale is 0 or subnormal divides by 1, and
-    its values (|y| < 1.5e-36) round to code 0 with no test; sqrt-domain values are never negative."""
+    of the fused ones; the launch asks for ``enable_fp_fusion``, which Triton 3.10 stops defaulting
+    to). A block whose scale is 0 or subnormal divides by 1, and its values (|y| < 1.5e-36) round to
+    code 0 with no test; sqrt-domain values are never negative."""
     has_scale = scale >= 1.1754943508222875e-38          # normal; subnormal blocks store zeros
     if HW_MATH:
         # the hardware reciprocal (<= 2 ulp; a code can then differ by one next to a tie): the IEEE
