@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import pathlib
 import re
 import subprocess
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sass-out", type=pathlib.Path, default=None)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("offline_sass: unset TRITON_INTERPRET (under the interpreter there is no compiled kernel)")
     compiled, per_thread = _compile(args)
     sass = _nvidia_tool("nvdisasm", compiled.asm["cubin"], "-c")
     registers, stack = resource_usage(compiled.asm["cubin"])
