@@ -242,10 +242,8 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
             trial_state = ParamState(trial_w, rule, state_dtype)
             trial_state.load_state_dict(start_state)
             scalars = tuple(rule.kernel_scalars(HP["adamw"], 3)) + (0.0,)
-            meta = dict(EPILOGUE=rule.epilogue, NUM_STATES=2, STATE_KIND=fused_module._STATE_KIND[state_dtype],
-                        S0_SQRT=False, S1_SQRT=trial_state.is_sqrt_domain("exp_avg_sq"), HAS_GRAD_ACCUM=False,
-                        STOCHASTIC_ROUNDING=False, IEEE_DOT=False, UPCAST_DOT=fused_module.interpreting(),
-                        SCALARS_IN_MEMORY=False)
+            meta = fused_module.kernel_meta(trial_state, x.dtype, grad_accum=False, stochastic=False, ieee=False,
+                                            scalars_in_memory=False)
             started = time.perf_counter()
             handle = fused_module._launch(config, x, dy, trial_w,
                                           [trial_state.values["exp_avg"], trial_state.values["exp_avg_sq"]],

@@ -48,20 +48,14 @@ def _compile(args: argparse.Namespace):
     dy2 = torch.empty((args.tokens, m), dtype=torch.bfloat16)
     config = fused.TileConfig(bm, bn, bk, args.group, args.warps, args.stages, prefetch=args.prefetch,
                               split_n=args.split, max_registers=args.maxnreg, tma=args.tma)
-    meta = dict(EPILOGUE=rule.epilogue, NUM_STATES=len(states), STATE_KIND=fused._STATE_KIND[args.state],
-                S0_SQRT=state.is_sqrt_domain(rule.state_names[0]),
-                S1_SQRT=len(states) > 1 and state.is_sqrt_domain(rule.state_names[1]),
-                HAS_GRAD_ACCUM=False, STOCHASTIC_ROUNDING=False, IEEE_DOT=False, UPCAST_DOT=False,
-                SCALARS_IN_MEMORY=args.scalars_in_memory)
+    meta = fused.kernel_meta(state, x2.dtype, grad_accum=False, stochastic=False, ieee=False,
+                             scalars_in_memory=args.scalars_in_memory)
     plan = fused._plan(config, x2, dy2, weight, states, scales, None, meta)
-    kwargs = dict(plan.kwargs, TMA=args.tma, HW_MATH=True)
+    kwargs = dict(plan.kwargs, TMA=args.tma)        # the plan says no TMA: its tensors are not on a GPU
     descriptors = ((TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bk, bn]),
                     TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [bk, bm])) if args.tma else (None, None))
-    weight_, s0, s1, scale0, scale1, mm, nn, kk = plan.fixed_args[:8]
-    scalar_buffer = torch.empty(fused.NUM_SCALARS, dtype=torch.float32)
-    call = (x2, dy2, *descriptors, weight_, s0, s1, scale0, scale1, weight_, mm, nn, kk,
-            x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), *plan.fixed_args[8:],
-            *([0.5] * fused.NUM_SCALARS), 1, scalar_buffer)
+    scalars = torch.empty(fused.NUM_SCALARS, dtype=torch.float32) if args.scalars_in_memory else (0.5,) * fused.NUM_SCALARS
+    call = (x2, dy2, *descriptors, *fused.kernel_args(plan, x2, dy2, scalars, 1))
 
     kernel = fused._fused_wgrad_update_kernel
     target = GPUTarget("cuda", 90, 32)

@@ -22,15 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from forge_core.kernels import fused, tune_cache  # noqa: E402
+from forge_core.rules import get_rule  # noqa: E402
+
 
 def rekey(entries: dict) -> tuple[dict, int]:
     """(entries under this tree's fingerprints, how many keys changed)."""
-    from forge_core.kernels import fused
-    from forge_core.rules import get_rule
-
     out, changed = {}, 0
     for key, entry in entries.items():
-        old_fingerprint, _, key_text = key.partition("|")
+        old_fingerprint, key_text = tune_cache.split_entry_key(key)
         try:
             tuning_key = eval(key_text, {"__builtins__": {}}, {"torch": torch})      # noqa: S307 - our own repr
             (m, n), tokens, input_dtype, _, rule_name, state_dtype = tuning_key[:6]
@@ -41,7 +41,7 @@ def rekey(entries: dict) -> tuple[dict, int]:
         candidates = fused.tuning_candidates(m, n, tokens, input_bytes, state_dtype)
         fingerprint = fused.tuning_fingerprint(epilogue, candidates, entry["triton"], entry["device"])
         changed += fingerprint != old_fingerprint
-        out[f"{fingerprint}|{key_text}"] = entry
+        out[tune_cache.entry_key(tuning_key, fingerprint)] = entry
     return out, changed
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         if args.target is None:
             raise SystemExit("rekey_tune_cache: name the file to write (or pass --check)")
-        args.target.write_text(json.dumps(dict(data, entries=rekeyed), indent=1, sort_keys=True))
+        tune_cache.write(args.target, rekeyed)
         print(f"wrote {len(rekeyed)} entries to {args.target}")
     return 0
 

@@ -781,9 +781,11 @@ def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
                   WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
                   HW_MATH=not interpreting(), TMA=tma)
-    options = {} if interpreting() else {"enable_fp_fusion": True}     # the int8 codes' FFMA (_int8_codes)
-    if config.max_registers is not None and not interpreting():
-        options["maxnreg"] = config.max_registers
+    options = {}
+    if not interpreting():
+        options["enable_fp_fusion"] = True            # the int8 codes' FFMA (_int8_codes)
+        if config.max_registers is not None:
+            options["maxnreg"] = config.max_registers
     # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
     # and a cached plan holding the old one would keep a weight-sized tensor alive.
     fixed = (weight, s0, s1, scale0, scale1, m, n, k)
@@ -802,19 +804,25 @@ def _run(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[
     """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
     (the plan was then built with ``SCALARS_IN_MEMORY``). ``grad_accum``: the accumulator, of the
     layout the plan was built with (or None, as the plan was)."""
+    tail = kernel_args(plan, x2, dy2, scalars, seed, grad_accum)
+    if plan.direct is not None:
+        descriptors = (None, None) if plan.direct_builds_descriptors else _descriptors(plan, x2, dy2)
+        if plan.direct((x2, dy2, *descriptors, *tail)):
+            return None
+    return _fused_wgrad_update_kernel[plan.grid](x2, dy2, *_descriptors(plan, x2, dy2), *tail, **plan.kwargs)
+
+
+def kernel_args(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
+                seed: int, grad_accum: torch.Tensor | None = None) -> tuple:
+    """The kernel's runtime arguments after X, DY and their two descriptors (see ``_run``)."""
     weight, s0, s1, scale0, scale1, m, n, k = plan.fixed_args[:8]
     accum = grad_accum if grad_accum is not None else weight
     if isinstance(scalars, torch.Tensor):
         values, buffer = _NO_SCALARS, scalars
     else:
         values, buffer = scalars, weight
-    tail = (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+    return (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             *plan.fixed_args[8:], *values, seed, buffer)
-    if plan.direct is not None:
-        descriptors = (None, None) if plan.direct_builds_descriptors else _descriptors(plan, x2, dy2)
-        if plan.direct((x2, dy2, *descriptors, *tail)):
-            return None
-    return _fused_wgrad_update_kernel[plan.grid](x2, dy2, *_descriptors(plan, x2, dy2), *tail, **plan.kwargs)
 
 
 def _descriptors(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
@@ -1114,12 +1122,8 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         raise ValueError("all state tensors of one weight must share strides")
     stochastic = bool(stochastic_rounding) and weight.dtype == torch.bfloat16
     ieee = x2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    meta = dict(
-        EPILOGUE=rule.epilogue, NUM_STATES=len(states), STATE_KIND=_STATE_KIND[state.state_dtype],
-        S0_SQRT=len(states) > 0 and state.is_sqrt_domain(rule.state_names[0]),
-        S1_SQRT=len(states) > 1 and state.is_sqrt_domain(rule.state_names[1]),
-        HAS_GRAD_ACCUM=grad_accum is not None, STOCHASTIC_ROUNDING=stochastic, IEEE_DOT=ieee,
-        UPCAST_DOT=interpreting() and x2.dtype == torch.bfloat16, SCALARS_IN_MEMORY=in_memory)
+    meta = kernel_meta(state, x2.dtype, grad_accum=grad_accum is not None, stochastic=stochastic, ieee=ieee,
+                       scalars_in_memory=in_memory)
     seed = int(seed) & 0x7FFFFFFF
     if config is None:
         if use_fixed_config():
@@ -1136,6 +1140,19 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         if compiled is not None and not interpreting() and _direct_launch_enabled():
             plan.direct = _direct_launcher(compiled, plan)
         _PLANS[state] = {signature: plan}
+
+
+def kernel_meta(state: ParamState, input_dtype: torch.dtype, *, grad_accum: bool, stochastic: bool, ieee: bool,
+                scalars_in_memory: bool) -> dict[str, Any]:
+    """The rule's and the states' compile-time parameters of a launch (its plan adds the tile's)."""
+    rule = state.rule
+    names = rule.state_names
+    return dict(
+        EPILOGUE=rule.epilogue, NUM_STATES=len(names), STATE_KIND=_STATE_KIND[state.state_dtype],
+        S0_SQRT=len(names) > 0 and state.is_sqrt_domain(names[0]),
+        S1_SQRT=len(names) > 1 and state.is_sqrt_domain(names[1]),
+        HAS_GRAD_ACCUM=grad_accum, STOCHASTIC_ROUNDING=stochastic, IEEE_DOT=ieee,
+        UPCAST_DOT=interpreting() and input_dtype == torch.bfloat16, SCALARS_IN_MEMORY=scalars_in_memory)
 
 
 def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:

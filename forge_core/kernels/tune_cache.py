@@ -112,6 +112,12 @@ def entry_key(tuning_key: tuple, fingerprint_hex: str) -> str:
     return f"{fingerprint_hex}|{tuning_key!r}"
 
 
+def split_entry_key(key: str) -> tuple[str, str]:
+    """(fingerprint, the tuning key's repr) of an ``entry_key``."""
+    fingerprint_hex, _, tuning_key_text = key.partition("|")
+    return fingerprint_hex, tuning_key_text
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -144,21 +150,29 @@ def other_fingerprints(path: Path, tuning_key: tuple) -> list[str]:
     """Fingerprints under which ``path`` holds a choice for ``tuning_key``: when the lookup missed,
     these are choices made for another kernel source, Triton, GPU or candidate list (why a
     committed cache tunes again, said in a warning rather than found from the timings)."""
-    suffix = entry_key(tuning_key, "")
-    return sorted(key[: -len(suffix)] for key in _read(path) if key.endswith(suffix))
+    wanted = repr(tuning_key)
+    return sorted(fp for fp, text in map(split_entry_key, _read(path)) if text == wanted)
 
 
 def store(path: Path, key: str, config: Any, note: dict[str, Any]) -> None:
     """Add ``config`` (a dataclass) under ``key``, keeping the file's other entries."""
     entries = _read(path)
     entries[key] = {"config": dataclasses.asdict(config), **note}
+    try:
+        write(path, entries)
+    except OSError as exc:
+        warnings.warn(f"{ENV}: cannot write {path} ({exc}); the choice stays in this process",
+                      RuntimeWarning, stacklevel=2)
+
+
+def write(path: Path, entries: dict[str, Any]) -> None:
+    """The whole file, atomically (a temporary file, then a rename); OSError when it cannot be written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({"version": FORMAT_VERSION, "entries": entries}, indent=1, sort_keys=True))
         os.replace(tmp, path)
-    except OSError as exc:
-        warnings.warn(f"{ENV}: cannot write {path} ({exc}); the choice stays in this process",
-                      RuntimeWarning, stacklevel=2)
+    except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        raise
