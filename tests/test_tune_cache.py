@@ -1,5 +1,7 @@
 """FORGE_TUNE_CACHE: the fused kernel's tile choices reused across processes (forge_core.kernels.tune_cache)."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,10 @@ from forge_core.kernels import fused_wgrad_update, tune_cache
 from forge_core.kernels.fused import TileConfig
 from forge_core.rules import get_rule
 from forge_core.state import ParamState
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import rekey_tune_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -204,7 +210,6 @@ def test_the_kernel_identity_ignores_docstrings_and_comments_but_not_code(tmp_pa
 def test_the_fused_kernels_fingerprint_is_the_same_in_a_new_process():
     """The fingerprint of a real key must be reproducible: no object ids or addresses in it."""
     import subprocess
-    import sys
     code = ("import forge_core.kernels.fused as f, forge_core.kernels.tune_cache as t;"
             "from forge_core.rules import get_rule;"
             "print(t.source_identity(f._fused_wgrad_update_kernel), t.source_identity(get_rule('adamw').epilogue))")
@@ -226,11 +231,6 @@ def test_a_function_without_a_source_file_still_has_a_reproducible_identity():
 
 def test_a_rekeyed_cache_gives_a_changed_kernel_the_same_tiles_without_timing(tuning, monkeypatch, tmp_path):
     """scripts/rekey_tune_cache.py: an A/B of a kernel change runs both sides on the old tiles."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import rekey_tune_cache
-
     path, timed = tuning
     _step()
     original = tune_cache.source_identity
@@ -255,11 +255,6 @@ def test_a_rekeyed_cache_gives_a_changed_kernel_the_same_tiles_without_timing(tu
 
 
 def test_rekey_names_a_file_that_is_not_a_tune_cache(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import rekey_tune_cache
-
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     with pytest.raises(SystemExit, match="is not a tune cache"):
@@ -273,13 +268,7 @@ def test_the_gpu_ci_baselines_tile_choices_match_this_kernel():
     """The README's GPU-CI command hands the smoke cells this cache; if the kernel's identity moved,
     every FORGE cell tunes again and the suite no longer fits its 5 minutes (session 17). A kernel
     change must come with a new baseline, or (same tiles still apt) `scripts/rekey_tune_cache.py`."""
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "scripts"))
-    import rekey_tune_cache
-
-    entries = json.loads((root / GPU_CI_BASELINE_CACHE).read_text())["entries"]
+    entries = json.loads((ROOT / GPU_CI_BASELINE_CACHE).read_text())["entries"]
     _, changed = rekey_tune_cache.rekey(entries)
     assert entries and changed == 0, f"{changed} of {len(entries)} entries of {GPU_CI_BASELINE_CACHE} miss this kernel"
 
