@@ -13,6 +13,11 @@ Every time is the median over replays of a CUDA graph that runs the operation on
 several independent input sets (weights, states, activations), enough sets that they do not fit
 in L2 together, so a replay measures HBM traffic, not cache hits, and no launch gaps.
 
+Energy (where NVML has the board's energy counter): each operation's joules per call over ~0.5 s
+of back-to-back replays, the copy's joules per byte and the idle board's power, and the energy
+roofline ``gemm_j + state_bytes x copy_j_per_byte``. The Llama-8B step runs at the H100's 700 W
+cap, where a kernel's energy, not its time alone, is what it costs the step.
+
 ``main(out_dir, shapes=None, bts=None, state_dtypes=None)`` writes ``kernel_bench.parquet`` and
 ``kernel_bench.png`` and returns the DataFrame; ``python -m forge_bench.kernel_bench --out DIR
 [--quick]`` runs it from a shell.
@@ -30,6 +35,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .floor import measure_copy_bandwidth, state_traffic_bytes
+from .telemetry import open_energy_counter
 
 LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
     "q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
@@ -50,13 +56,13 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
-def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replays: int = 20) -> float:
-    """Median ms of one ``call(set)``: capture a CUDA graph running ``call`` once on each set,
-    replay it ``replays`` times between CUDA events, divide by the number of sets."""
+def _captured(call: Callable[[object], None], sets: Sequence[object]) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph running ``call`` once on each set, warmed up (JIT, tuning, cuBLAS handles
+    outside the graph) and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for item in sets:            # warm-up: JIT, tuning, cuBLAS handles, outside the graph
+        for item in sets:
             call(item)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -66,6 +72,10 @@ def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replay
             call(item)
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def _replay_ms(graph, calls_per_replay: int, replays: int) -> float:
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -73,9 +83,63 @@ def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replay
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / len(sets))
-    del graph
+        times.append(start.elapsed_time(end) / calls_per_replay)
     return statistics.median(times)
+
+
+def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replays: int = 20) -> float:
+    """Median ms of one ``call(set)``: capture a CUDA graph running ``call`` once on each set,
+    replay it ``replays`` times between CUDA events, divide by the number of sets."""
+    graph = _captured(call, sets)
+    ms = _replay_ms(graph, len(sets), replays)
+    del graph
+    return ms
+
+
+def graph_energy(graph, calls_per_replay: int, ms_per_call: float, counter, seconds: float = 0.5) -> dict:
+    """Joules per call, mean board power and mean SM clock over back-to-back replays lasting about
+    ``seconds``. Why: the Llama-8B step runs at the board's 700 W cap, where a kernel costs the
+    step its energy, not its time alone; a kernel timed alone runs below the cap."""
+    replays = max(1, math.ceil(seconds * 1e3 / max(ms_per_call * calls_per_replay, 1e-3)))
+    done = torch.cuda.Event()
+    torch.cuda.synchronize()
+    started_j, started_s = counter.read_j(), time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    done.record()
+    clocks = []
+    while not done.query():                  # sample the SM clock while the replays run
+        clocks.append(counter.sm_clock_mhz())
+        time.sleep(0.01)
+    done.synchronize()
+    joules, elapsed = counter.read_j() - started_j, time.perf_counter() - started_s
+    return {"j": joules / (replays * calls_per_replay), "w": joules / elapsed,
+            "sm_mhz": statistics.median(clocks) if clocks else None}
+
+
+def measure_graph(call: Callable[[object], None], sets: Sequence[object], counter=None, replays: int = 20) -> dict:
+    """``time_graph_ms``'s median ms, plus ``graph_energy``'s columns when an NVML counter is given."""
+    graph = _captured(call, sets)
+    result = {"ms": _replay_ms(graph, len(sets), replays)}
+    if counter is not None:
+        result.update(graph_energy(graph, len(sets), result["ms"], counter))
+    del graph
+    return result
+
+
+def copy_energy(device: torch.device, counter, nbytes: int = 1 << 30) -> dict:
+    """Joules per byte read + written by a device-to-device copy, and the board's idle power:
+    the energy counterpart of the roofline's copy bandwidth."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+    started_j, started_s = counter.read_j(), time.perf_counter()
+    time.sleep(0.5)
+    idle_w = (counter.read_j() - started_j) / (time.perf_counter() - started_s)
+    copied = measure_graph(lambda _: dst.copy_(src), [None], counter)
+    del src, dst
+    return {"copy_j_per_gb": copied["j"] / (2 * nbytes) * 1e9, "copy_w": copied["w"],
+            "copy_sm_mhz": copied["sm_mhz"], "idle_w": idle_w}
 
 
 def _sets_needed(bytes_per_set: float) -> int:
@@ -87,8 +151,12 @@ def _random(shape, dtype, device, scale=1.0) -> torch.Tensor:
 
 
 def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], device: torch.device,
-                copy_bytes_per_s: float) -> list[dict]:
-    """Rows for one (Dout, Din, BT): baseline and GEMM once, the fused kernel per state dtype."""
+                copy_bytes_per_s: float, counter=None, copy_j_per_byte: float | None = None) -> list[dict]:
+    """Rows for one (Dout, Din, BT): baseline and GEMM once, the fused kernel per state dtype.
+
+    With an NVML ``counter`` (``telemetry.open_energy_counter``) each operation's joules per call
+    too, and with ``copy_j_per_byte`` the energy roofline: the GEMM's joules plus the state bytes
+    at the copy's joules per byte (energies add where times overlap)."""
     from forge_core.kernels import fused_wgrad_update
     from forge_core.kernels.fused import tuned_configs
     from forge_core.rules import get_rule
@@ -121,9 +189,10 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
         gemm(s)
         adamw(s)
 
-    gemm_ms = time_graph_ms(gemm, base_sets)
-    adamw_ms = time_graph_ms(adamw, base_sets)
-    baseline_ms = time_graph_ms(baseline, base_sets)
+    gemm_m = measure_graph(gemm, base_sets, counter)
+    adamw_m = measure_graph(adamw, base_sets, counter)
+    baseline_m = measure_graph(baseline, base_sets, counter)
+    gemm_ms, adamw_ms, baseline_ms = gemm_m["ms"], adamw_m["ms"], baseline_m["ms"]
     del base_sets
     torch.cuda.empty_cache()
 
@@ -148,7 +217,8 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
         fused(sets[0])               # tunes (on scratch copies) for this key
         torch.cuda.synchronize()
         tune_s = time.perf_counter() - started
-        fused_ms = time_graph_ms(fused, sets)
+        fused_m = measure_graph(fused, sets, counter)
+        fused_ms = fused_m["ms"]
         config = [c for k, c in tuned_configs().items() if k[0] == (dout, din) and k[1] == tokens
                   and k[5] == state_dtype]
         traffic_ms = state_bytes / copy_bytes_per_s * 1e3
@@ -161,10 +231,26 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
             fused_tflops=flops / (fused_ms * 1e-3) / 1e12, gemm_tflops=flops / (gemm_ms * 1e-3) / 1e12,
             fused_gbps=(state_bytes + activation_bytes) / (fused_ms * 1e-3) / 1e9,
             state_bytes=state_bytes, copy_gbps=copy_bytes_per_s / 1e9, tune_s=tune_s,
-            config=str(config[-1]) if config else "", input_sets=n_sets))
+            config=str(config[-1]) if config else "", input_sets=n_sets,
+            **_energy_columns(fused_m, gemm_m, adamw_m, baseline_m, state_bytes, copy_j_per_byte)))
         del sets
         torch.cuda.empty_cache()
     return rows
+
+
+def _energy_columns(fused: dict, gemm: dict, adamw: dict, baseline: dict, state_bytes: float,
+                    copy_j_per_byte: float | None) -> dict:
+    """Joules per call of each operation and the fused kernel's ratio to its energy roofline; {}
+    without a counter (the rows then have no energy columns)."""
+    if "j" not in fused:
+        return {}
+    columns = dict(fused_j=fused["j"], fused_w=fused["w"], fused_sm_mhz=fused["sm_mhz"], gemm_j=gemm["j"],
+                   gemm_w=gemm["w"], adamw_j=adamw["j"], baseline_j=baseline["j"])
+    if copy_j_per_byte:
+        floor_j = gemm["j"] + state_bytes * copy_j_per_byte
+        columns.update(traffic_j=state_bytes * copy_j_per_byte, energy_roofline_j=floor_j,
+                       energy_ratio_to_roofline=fused["j"] / floor_j)
+    return columns
 
 
 def plot(frame, path: Path) -> None:
@@ -173,7 +259,8 @@ def plot(frame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(14, 8))
+    energy = "energy_ratio_to_roofline" in frame and frame["energy_ratio_to_roofline"].notna().any()
+    fig, axes = plt.subplots(3 if energy else 2, 1, figsize=(14, 12 if energy else 8))
     # one slot per (shape, BT) that any state dtype has (a frame merged from runs of different
     # --state-dtypes / --bts need not have every pair for every dtype), in first-seen order
     keys = list(dict.fromkeys(zip(frame["shape"], frame["tokens"])))
@@ -185,10 +272,15 @@ def plot(frame, path: Path) -> None:
         xs = [slot[key] + offset * width for key in zip(part["shape"], part["tokens"])]
         axes[0].bar(xs, part.ratio_to_roofline, width, label=f"{state_dtype} states")
         axes[1].bar(xs, part.speedup_vs_baseline, width, label=f"{state_dtype} states")
+        if energy:
+            axes[2].bar(xs, part.energy_ratio_to_roofline, width, label=f"{state_dtype} states")
     axes[0].axhline(1.15, color="k", ls="--", lw=1, label="target 1.15x")
     axes[0].set_ylabel("fused time / roofline")
     axes[1].axhline(1.0, color="k", lw=1)
     axes[1].set_ylabel("(cuBLAS dY^T X + fused AdamW) / fused")
+    if energy:
+        axes[2].axhline(1.0, color="k", lw=1)
+        axes[2].set_ylabel("fused J / (GEMM J + copy J of state bytes)")
     for ax in axes:
         ax.set_xticks([p + width * (frame.state_dtype.nunique() - 1) / 2 for p in positions])
         ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
@@ -217,6 +309,11 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     copy_bytes_per_s = measure_copy_bandwidth(device)
+    counter, no_energy = open_energy_counter(torch.cuda.current_device())
+    run_columns = copy_energy(device, counter) if counter is not None else {"energy_reason": no_energy}
+    copy_j_per_byte = run_columns["copy_j_per_gb"] / 1e9 if counter is not None else None
+    if no_energy:
+        print(f"kernel_bench: timings only ({no_energy})", file=sys.stderr)
     measured: dict[tuple[int, int, int], list[dict]] = {}
     rows = []
     for name in shapes:
@@ -224,13 +321,16 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
         for tokens in bts:
             key = (dout, din, tokens)
             if key not in measured:       # q/o, k/v, gate/up share a shape: measure once
-                measured[key] = bench_shape(dout, din, tokens, state_dtypes, device, copy_bytes_per_s)
+                measured[key] = bench_shape(dout, din, tokens, state_dtypes, device, copy_bytes_per_s,
+                                            counter, copy_j_per_byte)
                 for row in measured[key]:
+                    energy = (f"  energy {row['fused_j'] * 1e3:.1f} mJ ratio {row['energy_ratio_to_roofline']:.2f}"
+                              if "energy_ratio_to_roofline" in row else "")
                     print(f"{name:8s} {dout:6d}x{din:<6d} BT={tokens:5d} {row['state_dtype']:4s} "
                           f"fused {row['fused_ms']:.3f} ms  roofline {row['roofline_ms']:.3f}  "
-                          f"ratio {row['ratio_to_roofline']:.2f}  vs baseline x{row['speedup_vs_baseline']:.2f}",
-                          flush=True)
-            rows.extend(dict(row, shape=name) for row in measured[key])
+                          f"ratio {row['ratio_to_roofline']:.2f}  vs baseline x{row['speedup_vs_baseline']:.2f}"
+                          + energy, flush=True)
+            rows.extend(dict(row, shape=name, **run_columns) for row in measured[key])
             frame = _frame(rows, device)
             frame.to_parquet(out / "kernel_bench.parquet", index=False)   # after every shape: a cut-off run keeps rows
     frame = _frame(rows, device)

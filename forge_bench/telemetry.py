@@ -257,6 +257,40 @@ def window_energy(before: dict[str, Any], after: dict[str, Any], seconds: float,
     return {"energy_j_per_step": (end - start) / steps, "power_w_mean": (end - start) / seconds}
 
 
+class EnergyCounter:
+    """The board's NVML energy counter, opened once, for windows read many times a second (a
+    kernel's joules): ``nvml_snapshot`` opens and closes NVML and reads every field per call."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.read_j()                # fails here, not inside a measurement, where the board has no counter
+
+    def read_j(self) -> float:
+        """Joules since the driver loaded."""
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1000.0
+
+    def sm_clock_mhz(self) -> float:
+        return float(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def open_energy_counter(device_index: int = 0) -> tuple[EnergyCounter | None, str | None]:
+    """(counter, None), or (None, why not): benchmarks keep their timings where NVML is missing."""
+    try:
+        return EnergyCounter(device_index), None
+    except Exception as exc:
+        return None, f"NVML energy counter unavailable: {type(exc).__name__}: {exc}"[:300]
+
+
 def cpu_nvml_columns(reason: str = "CPU run: no GPU to query") -> dict[str, Any]:
     empty = {k: None for k in NVML_FIELDS}
     cols = nvml_columns(empty, empty)

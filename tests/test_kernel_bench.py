@@ -36,3 +36,52 @@ def test_plot_places_each_bar_at_its_own_shape(tmp_path, monkeypatch):
     assert ratio_bars["int8 states"] == ([0, 1], [2.0, 3.0])
     xs, heights = ratio_bars["bf16 states"]
     assert heights == [1.5] and xs[0] == pytest.approx(1.4)        # the "down 512" slot, second bar
+
+
+def test_energy_columns_add_the_gemm_and_the_copy_of_the_state_bytes():
+    from forge_bench.kernel_bench import _energy_columns
+
+    fused = {"ms": 0.3, "j": 0.12, "w": 400.0, "sm_mhz": 1980.0}
+    gemm = {"ms": 0.1, "j": 0.05, "w": 500.0, "sm_mhz": 1980.0}
+    other = {"ms": 0.2, "j": 0.07, "w": 350.0, "sm_mhz": 1980.0}
+    columns = _energy_columns(fused, gemm, other, other, state_bytes=1e9, copy_j_per_byte=5e-11)
+    assert columns["traffic_j"] == pytest.approx(0.05)
+    assert columns["energy_roofline_j"] == pytest.approx(0.10)
+    assert columns["energy_ratio_to_roofline"] == pytest.approx(1.2)
+    assert columns["fused_w"] == 400.0 and columns["baseline_j"] == 0.07
+    # no counter: no energy columns; a counter without a copy measurement: joules, no roofline
+    assert _energy_columns({"ms": 0.3}, {"ms": 0.1}, {"ms": 0.2}, {"ms": 0.2}, 1e9, None) == {}
+    assert "energy_ratio_to_roofline" not in _energy_columns(fused, gemm, other, other, 1e9, None)
+
+
+def test_plot_adds_the_energy_panel_when_the_frame_has_energy(tmp_path, monkeypatch):
+    import matplotlib.axes
+    heights = []
+    original = matplotlib.axes.Axes.bar
+
+    def recording_bar(self, xs, values, *args, **kwargs):
+        heights.append(list(values))
+        return original(self, xs, values, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", recording_bar)
+    frame = pd.DataFrame([dict(_row("q", 512, "bf16", 1.5), energy_ratio_to_roofline=1.7),
+                          dict(_row("down", 512, "bf16", 1.4), energy_ratio_to_roofline=1.3)])
+    plot(frame, tmp_path / "bench.png")
+    assert heights[2] == [1.7, 1.3]
+
+
+def test_energy_counter_says_why_it_is_missing(monkeypatch):
+    import builtins
+
+    from forge_bench.telemetry import open_energy_counter
+
+    real_import = builtins.__import__
+
+    def no_pynvml(name, *args, **kwargs):
+        if name == "pynvml":
+            raise ImportError("No module named 'pynvml'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    counter, reason = open_energy_counter(0)
+    assert counter is None and reason.startswith("NVML energy counter unavailable: ImportError")
