@@ -215,7 +215,7 @@ def rotating_sets(dout: int, din: int, tokens: int, state_dtype: str) -> list[tu
 
 def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str, configs) -> None:
     """Time each tile configuration on rotating input sets; report registers, spills, shared memory."""
-    from forge_bench.kernel_bench import time_graph_ms
+    from forge_bench.kernel_bench import measure_graph, time_graph_ms
     from forge_bench.floor import state_traffic_bytes
     from forge_core.kernels import fused as fused_module
     from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
@@ -271,8 +271,13 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
             for attr in ("n_regs", "n_spills"):
                 record[attr] = getattr(handle, attr, None)
             record["shared"] = getattr(getattr(handle, "metadata", None), "shared", None)
-            record["ms"] = time_graph_ms(
-                lambda s: fused_wgrad_update(s[0], s[1], s[2], s[3], HP["adamw"], 3, config=config), sets)
+            # time, and with an NVML counter the joules per call over ~0.5 s of replays: the
+            # Llama-8B step runs at the 700 W cap, where a tile's energy is what it costs the step
+            measured = measure_graph(
+                lambda s: fused_wgrad_update(s[0], s[1], s[2], s[3], HP["adamw"], 3, config=config), sets,
+                ENERGY[0] if ENERGY else None)
+            record["ms"] = measured.pop("ms")
+            record.update({f"{k}_per_call" if k == "j" else k: v for k, v in measured.items()})
             # The same launch with no tokens: the epilogue alone (W / state traffic and the rule's
             # arithmetic, no main loop). Against ms it says how much of the GEMM the epilogue hides.
             no_x, no_dy = sets[0][0][:0], sets[0][1][:0]
@@ -288,6 +293,7 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
 
 
 BANDWIDTH: list[float] = []
+ENERGY: list = []          # a telemetry.EnergyCounter, when the caller opened one (sweeps record joules)
 
 
 def run_sweep(out: Path, dout: int, din: int, tokens: int, state_dtype: str) -> None:

@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--winners", action="store_true", help="only the pinned BT-512 tile per state dtype (winner())")
     parser.add_argument("--config", action="append", type=parse_config, metavar="SPEC", dest="configs",
                         help="an explicit tile config instead of the built-in variants (repeat it), e.g. 64x128x32/w8/s5/sp2/r128")
+    parser.add_argument("--energy", action="store_true",
+                        help="also joules per call, board power and SM clock per config (NVML energy counter)")
     parser.add_argument("cases", nargs="+", metavar="SHAPE:BT:STATES")
     args = parser.parse_args()
     out = Path(args.out)
@@ -88,6 +90,14 @@ def main() -> int:
     from forge_bench.floor import measure_copy_bandwidth
     check.BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
     check.emit(out, dict(kind="copy_bandwidth", gbps=check.BANDWIDTH[0] / 1e9))
+    if args.energy:
+        from forge_bench.kernel_bench import copy_energy
+        from forge_bench.telemetry import open_energy_counter
+        counter, why_not = open_energy_counter(torch.cuda.current_device())
+        if counter is None:
+            raise SystemExit(f"kernel_variants: --energy: {why_not}")
+        check.ENERGY.append(counter)
+        check.emit(out, dict(kind="copy_energy", **copy_energy(torch.device("cuda"), counter)))
     for case in args.cases:
         name, tokens, state_dtype = case.split(":")
         dout, din = check.SWEEP_SHAPES[name]
