@@ -9,6 +9,18 @@ of its GEMM and its state traffic, so the step can be no faster than the floor a
 
 State bytes (per fused weight element, read + written): W (2 x weight bytes) and each moment
 (2 x state bytes), plus for int8 the fp32 scale of each 64-element block (2 x 4/64 per state).
+
+The formula assumes the board can stream the state bytes at the copy rate while the rest of the
+step runs at full clock. On an H100 the Llama-8B step already draws the board's power limit
+(700 W) without an optimizer, so every extra joule costs time. ``power_floor_ms`` is that floor's
+energy counterpart (an estimate, not a bound: it holds the idle board's power fixed, where the
+static power moves with clock and temperature):
+
+    power floor = (no_optimizer's dynamic energy + the state traffic's dynamic energy
+                   - the gradient write's) / (power limit - idle power)
+
+with the copy's joules per byte, the idle power right after it (clocks still up) and the limit
+measured by ``floor_terms`` when NVML has an energy counter.
 """
 from __future__ import annotations
 
@@ -56,6 +68,25 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float
     return 2 * nbytes / (ms * 1e-3)
 
 
+def copy_energy(device: torch.device, counter, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Joules per byte read + written by a device-to-device copy over ~0.5 s of graph replays, and
+    the idle board's power measured just before (clocks still up from the copy bandwidth run)."""
+    import time
+
+    from .kernel_bench import measure_graph     # here: kernel_bench imports this module
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    torch.cuda.synchronize()
+    started_j, started_s = counter.read_j(), time.perf_counter()
+    time.sleep(0.5)
+    idle_w = (counter.read_j() - started_j) / (time.perf_counter() - started_s)
+    copied = measure_graph(lambda _: dst.copy_(src), [None], counter)
+    del src, dst
+    return {"copy_j_per_byte": copied["j"] / (2 * nbytes), "copy_w": copied["w"],
+            "copy_sm_mhz": copied["sm_mhz"], "idle_w": idle_w}
+
+
 def measure_wgrad_ms(shapes: list[tuple[int, int]], tokens: int, dtype: torch.dtype,
                      device: torch.device) -> tuple[float, dict[str, float]]:
     """Sum over ``shapes`` of the cuBLAS time of ``dY^T X`` at ``tokens`` rows (each unique shape
@@ -84,6 +115,8 @@ def floor_terms(model: nn.Module, tokens: int, dtype: torch.dtype, device: torch
     bandwidth = measure_copy_bandwidth(device)
     traffic = {sd: state_traffic_bytes(shapes, weight_bytes, sd) for sd in state_dtypes}
     return {
+        **energy_terms(device),
+        "grad_bytes": float(sum(dout * din for dout, din in shapes)) * weight_bytes,
         "tokens": tokens,
         "n_fused_weights": len(shapes),
         "fused_params": int(sum(a * b for a, b in shapes)),
@@ -95,9 +128,45 @@ def floor_terms(model: nn.Module, tokens: int, dtype: torch.dtype, device: torch
     }
 
 
+def energy_terms(device: torch.device) -> dict:
+    """The power floor's terms (copy joules per byte, idle power, power limit), or the reason they
+    are missing: the time floor never depends on them."""
+    from .telemetry import open_energy_counter
+
+    counter, why_not = open_energy_counter(device.index if device.index is not None else torch.cuda.current_device())
+    if counter is None:
+        return {"energy_reason": why_not}
+    try:
+        terms = copy_energy(device, counter)
+        terms["power_limit_w"] = counter.power_limit_w()
+    except Exception as exc:       # a counter that stops answering: keep the time floor's terms
+        return {"energy_reason": f"copy energy not measured: {type(exc).__name__}: {exc}"[:300]}
+    finally:
+        counter.close()
+    return terms
+
+
 def floor_ms(no_optimizer_step_ms: float, terms: Mapping, state_dtype: str) -> float:
     """The floor of a FORGE step with ``state_dtype`` states, from a no_optimizer step time and
     ``floor_terms`` measured in the same run."""
     wgrad = float(terms["wgrad_ms"])
     traffic = float(terms["traffic_ms"][state_dtype])
     return no_optimizer_step_ms - wgrad + max(wgrad, traffic)
+
+
+def power_floor_ms(no_optimizer_step_ms: float, no_optimizer_power_w: float | None, terms: Mapping,
+                   state_dtype: str) -> float | None:
+    """The floor at the board's power limit (module docstring): the larger of ``floor_ms`` and the
+    time the step's dynamic energy needs at (limit - idle) watts; None where the run measured no
+    energy (an older run, a board without the counter)."""
+    needed = ("copy_j_per_byte", "idle_w", "power_limit_w", "grad_bytes", "copy_bytes_per_s")
+    if no_optimizer_power_w is None or any(terms.get(k) is None for k in needed):
+        return None
+    idle_w, limit_w = float(terms["idle_w"]), float(terms["power_limit_w"])
+    if limit_w <= idle_w:
+        return None
+    dynamic_j_per_byte = float(terms["copy_j_per_byte"]) - idle_w / float(terms["copy_bytes_per_s"])
+    extra_bytes = float(terms["state_bytes"][state_dtype]) - float(terms["grad_bytes"])
+    no_optimizer_dynamic_j = (float(no_optimizer_power_w) - idle_w) * no_optimizer_step_ms * 1e-3
+    energy_ms = (no_optimizer_dynamic_j + extra_bytes * dynamic_j_per_byte) / (limit_w - idle_w) * 1e3
+    return max(floor_ms(no_optimizer_step_ms, terms, state_dtype), energy_ms)

@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .floor import measure_copy_bandwidth, state_traffic_bytes
+from .floor import copy_energy, measure_copy_bandwidth, state_traffic_bytes
 from .telemetry import open_energy_counter
 
 LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
@@ -125,21 +125,6 @@ def measure_graph(call: Callable[[object], None], sets: Sequence[object], counte
         result.update(graph_energy(graph, len(sets), result["ms"], counter))
     del graph
     return result
-
-
-def copy_energy(device: torch.device, counter, nbytes: int = 1 << 30) -> dict:
-    """Joules per byte read + written by a device-to-device copy, and the board's idle power:
-    the energy counterpart of the roofline's copy bandwidth."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    torch.cuda.synchronize()
-    started_j, started_s = counter.read_j(), time.perf_counter()
-    time.sleep(0.5)
-    idle_w = (counter.read_j() - started_j) / (time.perf_counter() - started_s)
-    copied = measure_graph(lambda _: dst.copy_(src), [None], counter)
-    del src, dst
-    return {"copy_j_per_gb": copied["j"] / (2 * nbytes) * 1e9, "copy_w": copied["w"],
-            "copy_sm_mhz": copied["sm_mhz"], "idle_w": idle_w}
 
 
 def _sets_needed(bytes_per_set: float) -> int:
@@ -310,8 +295,13 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
     out.mkdir(parents=True, exist_ok=True)
     copy_bytes_per_s = measure_copy_bandwidth(device)
     counter, no_energy = open_energy_counter(torch.cuda.current_device())
-    run_columns = copy_energy(device, counter) if counter is not None else {"energy_reason": no_energy}
-    copy_j_per_byte = run_columns["copy_j_per_gb"] / 1e9 if counter is not None else None
+    run_columns = {"energy_reason": no_energy}
+    copy_j_per_byte = None
+    if counter is not None:
+        copied = copy_energy(device, counter)
+        copy_j_per_byte = copied["copy_j_per_byte"]
+        run_columns = {"copy_j_per_gb": copy_j_per_byte * 1e9, "copy_w": copied["copy_w"],
+                       "copy_sm_mhz": copied["copy_sm_mhz"], "idle_w": copied["idle_w"]}
     if no_energy:
         print(f"kernel_bench: timings only ({no_energy})", file=sys.stderr)
     measured: dict[tuple[int, int, int], list[dict]] = {}

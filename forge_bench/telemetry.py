@@ -276,6 +276,10 @@ class EnergyCounter:
     def sm_clock_mhz(self) -> float:
         return float(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
 
+    def power_limit_w(self) -> float:
+        """The limit the board enforces now (what SwPowerCap throttles to)."""
+        return self._nvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000.0
+
     def close(self) -> None:
         try:
             self._nvml.nvmlShutdown()

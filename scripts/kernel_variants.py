@@ -91,7 +91,7 @@ def main() -> int:
     check.BANDWIDTH.append(measure_copy_bandwidth(torch.device("cuda")))
     check.emit(out, dict(kind="copy_bandwidth", gbps=check.BANDWIDTH[0] / 1e9))
     if args.energy:
-        from forge_bench.kernel_bench import copy_energy
+        from forge_bench.floor import copy_energy
         from forge_bench.telemetry import open_energy_counter
         counter, why_not = open_energy_counter(torch.cuda.current_device())
         if counter is None:

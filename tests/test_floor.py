@@ -40,3 +40,60 @@ def test_floor_formula():
     assert floor_ms(120.0, terms, "bf16") == pytest.approx(120.0 - 14.6 + 29.9)
     terms_gemm_bound = {"wgrad_ms": 40.0, "traffic_ms": {"bf16": 29.9}}
     assert floor_ms(120.0, terms_gemm_bound, "bf16") == pytest.approx(120.0)
+
+
+def _power_terms(**overrides):
+    terms = {"wgrad_ms": 14.6, "traffic_ms": {"bf16": 30.0, "int8": 20.6}, "copy_bytes_per_s": 3.0e12,
+             "state_bytes": {"bf16": 90.0e9, "int8": 61.8e9}, "grad_bytes": 15.0e9,
+             "copy_j_per_byte": 0.2e-9, "idle_w": 150.0, "power_limit_w": 700.0}
+    terms.update(overrides)
+    return terms
+
+
+def test_power_floor_adds_the_extra_traffic_energy_at_the_power_limit():
+    from forge_bench.floor import power_floor_ms
+
+    terms = _power_terms()
+    # dynamic J/byte = 0.2e-9 - 150 / 3e12 = 0.15e-9; extra bytes = 90e9 - 15e9 = 75e9 -> 11.25 J;
+    # no_optimizer at 700 W for 50 ms: (700 - 150) * 0.05 = 27.5 J; (27.5 + 11.25) / 550 W = 70.45 ms
+    assert power_floor_ms(50.0, 700.0, terms, "bf16") == pytest.approx((27.5 + 11.25) / 550 * 1e3)
+    # a step far below the limit leaves room: the time floor (50 - 14.6 + 30) is the larger one
+    assert power_floor_ms(50.0, 300.0, terms, "bf16") == pytest.approx(floor_ms(50.0, terms, "bf16"))
+
+
+def test_power_floor_is_none_without_energy_terms():
+    from forge_bench.floor import power_floor_ms
+
+    assert power_floor_ms(50.0, None, _power_terms(), "bf16") is None
+    assert power_floor_ms(50.0, 700.0, {"wgrad_ms": 14.6, "traffic_ms": {"bf16": 30.0}}, "bf16") is None
+    assert power_floor_ms(50.0, 700.0, _power_terms(idle_w=None), "bf16") is None
+    assert power_floor_ms(50.0, 700.0, _power_terms(power_limit_w=100.0), "bf16") is None
+
+
+def test_floor_table_shows_the_power_floor_when_the_run_measured_energy():
+    import json
+
+    import pandas as pd
+
+    from forge_bench.floor import power_floor_ms
+    from forge_bench.report.tables import floor_tables
+
+    terms = _power_terms()
+    base = dict(run_id="r1", device_name="GPU", model="m", dtype="bfloat16", batch=1, seq=512, timing="graph",
+                activations="lean", status="ok")
+    rows = [dict(base, method="no_optimizer", method_family="baseline", method_settings="{}", step_ms_median=50.0,
+                 extra=json.dumps({"floor_terms": terms, "power_w_mean": 700.0})),
+            dict(base, method="adamw_fused", method_family="baseline", method_settings="{}", step_ms_median=100.0,
+                 extra="{}"),
+            dict(base, method="forge_bf16", method_family="forge", method_settings=json.dumps({"state_dtype": "bf16"}),
+                 step_ms_median=80.0, extra="{}")]
+    (table,) = floor_tables(pd.DataFrame(rows))
+    assert "Power floor ms" in table.header and "Step / power floor" in table.header
+    assert len(table.header) == len(table.rows[0]) == len(table.align)
+    (record,) = table.records
+    assert record["power_floor_ms"] == pytest.approx(power_floor_ms(50.0, 700.0, terms, "bf16"))
+    assert record["step_over_power_floor"] == pytest.approx(80.0 / record["power_floor_ms"])
+    # the same run without energy terms: the time floor's columns only
+    rows[0]["extra"] = json.dumps({"floor_terms": {k: terms[k] for k in ("wgrad_ms", "traffic_ms", "copy_bytes_per_s")}})
+    (table,) = floor_tables(pd.DataFrame(rows))
+    assert "Power floor ms" not in table.header and len(table.header) == len(table.rows[0]) == len(table.align)

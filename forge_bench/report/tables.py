@@ -425,7 +425,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
     """Each FORGE arm against its floor, from the no_optimizer row of the same run and shape:
     floor = no_optimizer step - wgrad + max(wgrad, state bytes / copy bandwidth)
     (``forge_bench/floor.py``; the terms are measured in the no_optimizer cell)."""
-    from forge_bench.floor import floor_ms
+    from forge_bench.floor import floor_ms, power_floor_ms
 
     tables = []
     for keys, group in frame.groupby(FLOOR_KEYS, sort=True, dropna=False):
@@ -437,6 +437,9 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
         if not terms or not forge_rows:
             continue
         no_opt_ms = float(floor_rows[0]["step_ms_median"])
+        no_opt_w = as_number(ratios.json_field(floor_rows[0].get("extra")).get("power_w_mean"))
+        power_floors = {sd: power_floor_ms(no_opt_ms, no_opt_w, terms, sd) for sd in terms.get("traffic_ms", {})}
+        with_power = any(v is not None for v in power_floors.values())
         fused = [r for r in rows if r["method"] == FLOOR_BASELINE]
         fused_ms = as_number(fused[0].get("step_ms_median")) if fused else None
         body, recs = [], []
@@ -449,27 +452,37 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
             best = fused_ms / floor if fused_ms else None
             got = fused_ms / step if fused_ms else None
             got_text = ratios.speedup(row, fused[0]).text if fused else "—"
+            power_floor = power_floors.get(state_dtype)
+            power_cells = ([fmt_ms(power_floor), f"{step / power_floor:.2f}×"] if power_floor else ["—", "—"]
+                           ) if with_power else []
             body.append([f"`{row['method']}`", state_dtype, fmt_ms(terms["traffic_ms"][state_dtype]),
-                         fmt_ms(floor), fmt_ms(step), f"{step / floor:.2f}×",
-                         f"{best:.2f}×" if best else "—", got_text])
+                         fmt_ms(floor), fmt_ms(step), f"{step / floor:.2f}×"] + power_cells
+                        + [f"{best:.2f}×" if best else "—", got_text])
             recs.append({**key_map, "method": row["method"], "state_dtype": state_dtype,
                          "no_optimizer_ms": no_opt_ms, "wgrad_ms": float(terms["wgrad_ms"]),
                          "traffic_ms": float(terms["traffic_ms"][state_dtype]),
                          "copy_gbps": float(terms["copy_bytes_per_s"]) / 1e9, "floor_ms": floor,
                          "step_ms_median": step, "step_over_floor": step / floor,
                          "adamw_fused_ms": fused_ms, "best_speedup_vs_adamw_fused": best,
-                         "speedup_vs_adamw_fused": got})
+                         "speedup_vs_adamw_fused": got, "power_floor_ms": power_floor,
+                         "step_over_power_floor": step / power_floor if power_floor else None})
         if not body:
             continue
         caption = (f"floor = no_optimizer step ({no_opt_ms:.1f} ms) − cuBLAS wgrad ({float(terms['wgrad_ms']):.2f} ms) "
                    f"+ max(wgrad, state bytes / copy bandwidth ({float(terms['copy_bytes_per_s']) / 1e9:.0f} GB/s)), "
                    "all measured in this run. Best speed-up = adamw_fused step / floor; measured = "
                    "adamw_fused step / this step.")
+        if with_power:
+            caption += (f" Power floor: the step's dynamic energy at the board's {float(terms['power_limit_w']):.0f} W "
+                        f"limit (no_optimizer at {no_opt_w:.0f} W, idle {float(terms['idle_w']):.0f} W, copy "
+                        f"{float(terms['copy_j_per_byte']) * 1e12:.0f} pJ/byte; an estimate, forge_bench/floor.py).")
+        power_headers = ["Power floor ms", "Step / power floor"] if with_power else []
         tables.append(Table(slug("floor", key_map["device_name"], key_map["model"], key_map["dtype"],
                                  key_map["batch"], key_map["seq"], run_label(key_map["run_id"]), timing_slug(key_map)),
                             f"FORGE against its floor, {group_title(key_map)}", caption,
-                            ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor",
-                             "Best speed-up", "Measured speed-up"], body, "llrrrrrr", [NOISE_FOOTNOTE, BOUND_FOOTNOTE],
+                            ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor"] + power_headers
+                            + ["Best speed-up", "Measured speed-up"], body, "llrrrr" + "rr" * with_power + "rr",
+                            [NOISE_FOOTNOTE, BOUND_FOOTNOTE],
                             recs))
     return tables
 
