@@ -215,7 +215,7 @@ def rotating_sets(dout: int, din: int, tokens: int, state_dtype: str) -> list[tu
 
 def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str, configs) -> None:
     """Time each tile configuration on rotating input sets; report registers, spills, shared memory."""
-    from forge_bench.kernel_bench import measure_graph, time_graph_ms
+    from forge_bench.kernel_bench import measure_graph
     from forge_bench.floor import state_traffic_bytes
     from forge_core.kernels import fused as fused_module
     from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
@@ -281,8 +281,11 @@ def sweep_configs(out: Path, dout: int, din: int, tokens: int, state_dtype: str,
             # The same launch with no tokens: the epilogue alone (W / state traffic and the rule's
             # arithmetic, no main loop). Against ms it says how much of the GEMM the epilogue hides.
             no_x, no_dy = sets[0][0][:0], sets[0][1][:0]
-            record["epilogue_only_ms"] = time_graph_ms(
-                lambda s: fused_wgrad_update(no_x, no_dy, s[2], s[3], HP["adamw"], 3, config=config), sets)
+            epilogue = measure_graph(
+                lambda s: fused_wgrad_update(no_x, no_dy, s[2], s[3], HP["adamw"], 3, config=config), sets,
+                ENERGY[0] if ENERGY else None)
+            record["epilogue_only_ms"] = epilogue.pop("ms")
+            record.update({f"epilogue_only_{k}": v for k, v in epilogue.items()})
             traffic_ms = state_bytes / BANDWIDTH[0] * 1e3 if BANDWIDTH else None
             record["traffic_ms"] = traffic_ms
         except Exception as error:  # noqa: BLE001 - report and go on

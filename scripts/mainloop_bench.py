@@ -7,7 +7,10 @@ or by how its loads are issued (TMA faster at the same tile), before changing th
 
 Each program stores one float (its tile's sum) so the compiler keeps the loop. Records (one JSON
 line per tile, loader and shape) go to OUT/mainloop.jsonl: ms (median of triton.testing.do_bench),
-TFLOP/s and the L2 -> SM bytes the tile re-reads, per second.
+TFLOP/s and the L2 -> SM bytes the tile re-reads, per second. ``--energy``: also joules per launch,
+board power and SM clock over ~0.5 s of graph replays (``forge_bench.kernel_bench.measure_graph``),
+to split the fused kernel's joules into main loop and epilogue (``kernel_variants.py --energy``
+gives the whole kernel and its epilogue alone).
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def _mainloop_kernel(X, DY, x_desc, dy_desc, OUT, M, N, K, TMA: tl.constexpr,
     tl.store(OUT + pid, tl.sum(acc))
 
 
-def run(dout: int, din: int, tokens: int, tile: tuple[int, ...], tma: bool) -> dict:
+def run(dout: int, din: int, tokens: int, tile: tuple[int, ...], tma: bool, counter=None) -> dict:
     bm, bn, bk, warps, stages = tile
     x = torch.randn(tokens, din, device="cuda").bfloat16()
     dy = torch.randn(tokens, dout, device="cuda").bfloat16()
@@ -76,19 +79,31 @@ def run(dout: int, din: int, tokens: int, tile: tuple[int, ...], tma: bool) -> d
     ms = triton.testing.do_bench(launch, warmup=50, rep=300, return_mode="median")
     flops = 2.0 * dout * din * tokens
     l2_bytes = tokens * 2.0 * (dout * din / bm + dout * din / bn)
+    energy = {}
+    if counter is not None:
+        from forge_bench.kernel_bench import measure_graph
+        energy = measure_graph(lambda _: launch(), [None], counter)
+        energy = {"graph_ms": energy.pop("ms"), "j_per_call": energy.pop("j"), **energy}
     return dict(kind="mainloop", dout=dout, din=din, tokens=tokens, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages,
                 tma=tma, ms=ms, tflops=flops / ms / 1e9, l2_tb_per_s=l2_bytes / ms / 1e9,
                 sums_close=bool(torch.allclose(out.sort().values, reference_sums.flatten().sort().values,
-                                               rtol=1e-2, atol=1.0)))
+                                               rtol=1e-2, atol=1.0)), **energy)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--energy", action="store_true", help="also joules per launch (NVML energy counter)")
     parser.add_argument("cases", nargs="+", metavar="SHAPE:BT")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    counter = None
+    if args.energy:
+        from forge_bench.telemetry import open_energy_counter
+        counter, why_not = open_energy_counter(torch.cuda.current_device())
+        if counter is None:
+            raise SystemExit(f"mainloop_bench: --energy: {why_not}")
     with open(out / "mainloop.jsonl", "a") as handle:
         for case in args.cases:
             name, tokens = case.split(":")
@@ -96,7 +111,7 @@ def main() -> int:
             for tile in TILES:
                 for tma in (False, True):
                     try:
-                        record = run(dout, din, int(tokens), tile, tma)
+                        record = run(dout, din, int(tokens), tile, tma, counter)
                     except Exception as error:  # noqa: BLE001 - a tile that cannot compile: say so, go on
                         record = dict(kind="mainloop", shape=case, tile=list(tile), tma=tma,
                                       error=f"{type(error).__name__}: {str(error)[:300]}")
