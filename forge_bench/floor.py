@@ -19,6 +19,8 @@ static power moves with clock and temperature):
     power floor = (no_optimizer's dynamic energy + the state traffic's dynamic energy
                    - the gradient write's) / (power limit - idle power)
 
+where a byte's dynamic energy is the copy's joules per byte times (1 - idle power / copy power).
+
 with the copy's joules per byte, the idle power right after it (clocks still up) and the limit
 measured by ``floor_terms`` when NVML has an energy counter.
 """
@@ -84,7 +86,8 @@ def copy_energy(device: torch.device, counter, nbytes: int = 1 << 30) -> dict[st
     copied = measure_graph(lambda _: dst.copy_(src), [None], counter)
     del src, dst
     return {"copy_j_per_byte": copied["j"] / (2 * nbytes), "copy_w": copied["w"],
-            "copy_sm_mhz": copied["sm_mhz"], "idle_w": idle_w}
+            "copy_sm_mhz": copied["sm_mhz"], "idle_w": idle_w,
+            "copy_graph_bytes_per_s": 2 * nbytes / (copied["ms"] * 1e-3)}
 
 
 def measure_wgrad_ms(shapes: list[tuple[int, int]], tokens: int, dtype: torch.dtype,
@@ -154,18 +157,25 @@ def floor_ms(no_optimizer_step_ms: float, terms: Mapping, state_dtype: str) -> f
     return no_optimizer_step_ms - wgrad + max(wgrad, traffic)
 
 
+def copy_dynamic_j_per_byte(copy_j_per_byte: float, copy_w: float, idle_w: float) -> float:
+    """The copy's joules above idle power, per byte, from its own window. Not through
+    ``copy_bytes_per_s``: the graph's copy (a memcpy node) runs slower than do_bench's (~2.4
+    against 3.0 TB/s on the H100), so do_bench's rate is not the rate its joules were spent at."""
+    return copy_j_per_byte * (1.0 - idle_w / copy_w)
+
+
 def power_floor_ms(no_optimizer_step_ms: float, no_optimizer_power_w: float | None, terms: Mapping,
                    state_dtype: str) -> float | None:
     """The floor at the board's power limit (module docstring): the larger of ``floor_ms`` and the
     time the step's dynamic energy needs at (limit - idle) watts; None where the run measured no
     energy (an older run, a board without the counter)."""
-    needed = ("copy_j_per_byte", "idle_w", "power_limit_w", "grad_bytes", "copy_bytes_per_s")
+    needed = ("copy_j_per_byte", "copy_w", "idle_w", "power_limit_w", "grad_bytes")
     if no_optimizer_power_w is None or any(terms.get(k) is None for k in needed):
         return None
-    idle_w, limit_w = float(terms["idle_w"]), float(terms["power_limit_w"])
-    if limit_w <= idle_w:
+    idle_w, limit_w, copy_w = float(terms["idle_w"]), float(terms["power_limit_w"]), float(terms["copy_w"])
+    if limit_w <= idle_w or copy_w <= idle_w:
         return None
-    dynamic_j_per_byte = float(terms["copy_j_per_byte"]) - idle_w / float(terms["copy_bytes_per_s"])
+    dynamic_j_per_byte = copy_dynamic_j_per_byte(float(terms["copy_j_per_byte"]), copy_w, idle_w)
     extra_bytes = float(terms["state_bytes"][state_dtype]) - float(terms["grad_bytes"])
     no_optimizer_dynamic_j = (float(no_optimizer_power_w) - idle_w) * no_optimizer_step_ms * 1e-3
     energy_ms = (no_optimizer_dynamic_j + extra_bytes * dynamic_j_per_byte) / (limit_w - idle_w) * 1e3

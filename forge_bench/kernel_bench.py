@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .floor import copy_energy, measure_copy_bandwidth, state_traffic_bytes
+from .floor import copy_dynamic_j_per_byte, copy_energy, measure_copy_bandwidth, state_traffic_bytes
 from .telemetry import open_energy_counter
 
 LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
@@ -238,6 +238,19 @@ def _energy_columns(fused: dict, gemm: dict, adamw: dict, baseline: dict, state_
     return columns
 
 
+def _dynamic_ratio(row: dict, run_columns: dict) -> dict:
+    """The fused kernel's joules above idle power against the GEMM's plus the state copy's (each
+    above idle): what the kernel spends beyond the work it must do, independent of how long each
+    ran. {} without energy columns."""
+    if "fused_j" not in row or "idle_w" not in run_columns:
+        return {}
+    idle_w = run_columns["idle_w"]
+    traffic = row["state_bytes"] * copy_dynamic_j_per_byte(run_columns["copy_j_per_gb"] / 1e9,
+                                                           run_columns["copy_w"], idle_w)
+    work = row["gemm_j"] - idle_w * row["gemm_ms"] * 1e-3 + traffic
+    return {"dynamic_energy_ratio": (row["fused_j"] - idle_w * row["fused_ms"] * 1e-3) / work}
+
+
 def plot(frame, path: Path) -> None:
     """Ratio to roofline (left) and speed-up over cuBLAS + fused AdamW (right) per shape and BT."""
     import matplotlib
@@ -301,7 +314,8 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
         copied = copy_energy(device, counter)
         copy_j_per_byte = copied["copy_j_per_byte"]
         run_columns = {"copy_j_per_gb": copy_j_per_byte * 1e9, "copy_w": copied["copy_w"],
-                       "copy_sm_mhz": copied["copy_sm_mhz"], "idle_w": copied["idle_w"]}
+                       "copy_sm_mhz": copied["copy_sm_mhz"], "idle_w": copied["idle_w"],
+                       "copy_graph_gbps": copied["copy_graph_bytes_per_s"] / 1e9}
     if no_energy:
         print(f"kernel_bench: timings only ({no_energy})", file=sys.stderr)
     measured: dict[tuple[int, int, int], list[dict]] = {}
@@ -320,7 +334,7 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
                           f"fused {row['fused_ms']:.3f} ms  roofline {row['roofline_ms']:.3f}  "
                           f"ratio {row['ratio_to_roofline']:.2f}  vs baseline x{row['speedup_vs_baseline']:.2f}"
                           + energy, flush=True)
-            rows.extend(dict(row, shape=name, **run_columns) for row in measured[key])
+            rows.extend(dict(row, shape=name, **run_columns, **_dynamic_ratio(row, run_columns)) for row in measured[key])
             frame = _frame(rows, device)
             frame.to_parquet(out / "kernel_bench.parquet", index=False)   # after every shape: a cut-off run keeps rows
     frame = _frame(rows, device)

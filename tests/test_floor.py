@@ -45,7 +45,7 @@ def test_floor_formula():
 def _power_terms(**overrides):
     terms = {"wgrad_ms": 14.6, "traffic_ms": {"bf16": 30.0, "int8": 20.6}, "copy_bytes_per_s": 3.0e12,
              "state_bytes": {"bf16": 90.0e9, "int8": 61.8e9}, "grad_bytes": 15.0e9,
-             "copy_j_per_byte": 0.2e-9, "idle_w": 150.0, "power_limit_w": 700.0}
+             "copy_j_per_byte": 0.2e-9, "copy_w": 600.0, "idle_w": 150.0, "power_limit_w": 700.0}
     terms.update(overrides)
     return terms
 
@@ -54,9 +54,12 @@ def test_power_floor_adds_the_extra_traffic_energy_at_the_power_limit():
     from forge_bench.floor import power_floor_ms
 
     terms = _power_terms()
-    # dynamic J/byte = 0.2e-9 - 150 / 3e12 = 0.15e-9; extra bytes = 90e9 - 15e9 = 75e9 -> 11.25 J;
-    # no_optimizer at 700 W for 50 ms: (700 - 150) * 0.05 = 27.5 J; (27.5 + 11.25) / 550 W = 70.45 ms
+    # dynamic J/byte = 0.2e-9 * (1 - 150 / 600) = 0.15e-9 (the copy's own window, not do_bench's rate);
+    # extra bytes = 90e9 - 15e9 = 75e9 -> 11.25 J; no_optimizer at 700 W for 50 ms: (700 - 150) * 0.05
+    # = 27.5 J; (27.5 + 11.25) / 550 W = 70.45 ms
     assert power_floor_ms(50.0, 700.0, terms, "bf16") == pytest.approx((27.5 + 11.25) / 550 * 1e3)
+    assert power_floor_ms(50.0, 700.0, _power_terms(copy_bytes_per_s=1.0e12), "bf16") == pytest.approx(
+        (27.5 + 11.25) / 550 * 1e3)
     # a step far below the limit leaves room: the time floor (50 - 14.6 + 30) is the larger one
     assert power_floor_ms(50.0, 300.0, terms, "bf16") == pytest.approx(floor_ms(50.0, terms, "bf16"))
 
@@ -68,6 +71,7 @@ def test_power_floor_is_none_without_energy_terms():
     assert power_floor_ms(50.0, 700.0, {"wgrad_ms": 14.6, "traffic_ms": {"bf16": 30.0}}, "bf16") is None
     assert power_floor_ms(50.0, 700.0, _power_terms(idle_w=None), "bf16") is None
     assert power_floor_ms(50.0, 700.0, _power_terms(power_limit_w=100.0), "bf16") is None
+    assert power_floor_ms(50.0, 700.0, _power_terms(copy_w=None), "bf16") is None
 
 
 def test_floor_table_shows_the_power_floor_when_the_run_measured_energy():

@@ -85,3 +85,14 @@ def test_energy_counter_says_why_it_is_missing(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pynvml)
     counter, reason = open_energy_counter(0)
     assert counter is None and reason.startswith("NVML energy counter unavailable: ImportError")
+
+
+def test_dynamic_ratio_takes_idle_power_out_of_every_operation():
+    from forge_bench.kernel_bench import _dynamic_ratio
+
+    run = {"idle_w": 100.0, "copy_j_per_gb": 0.2, "copy_w": 400.0}       # 0.15 J/GB above idle
+    row = {"fused_j": 0.5, "fused_ms": 1.0, "gemm_j": 0.3, "gemm_ms": 1.0, "state_bytes": 2e9}
+    # fused 0.5 - 0.1 = 0.4 J; work = (0.3 - 0.1) + 2 GB x 0.15 J/GB = 0.5 J
+    assert _dynamic_ratio(row, run)["dynamic_energy_ratio"] == pytest.approx(0.8)
+    assert _dynamic_ratio({"fused_ms": 1.0}, run) == {}
+    assert _dynamic_ratio(row, {"energy_reason": "no NVML"}) == {}
