@@ -159,8 +159,9 @@ def floor_ms(no_optimizer_step_ms: float, terms: Mapping, state_dtype: str) -> f
 
 def copy_dynamic_j_per_byte(copy_j_per_byte: float, copy_w: float, idle_w: float) -> float:
     """The copy's joules above idle power, per byte, from its own window. Not through
-    ``copy_bytes_per_s``: the graph's copy (a memcpy node) runs slower than do_bench's (~2.4
-    against 3.0 TB/s on the H100), so do_bench's rate is not the rate its joules were spent at."""
+    ``copy_bytes_per_s``: the energy window's copy, replayed in a CUDA graph, ran at ~2.4 TB/s on
+    the H100 (copy W / copy J per byte) against do_bench's 3.0, so do_bench's rate is not the rate
+    its joules were spent at. Why the graph's copy is slower was not measured."""
     return copy_j_per_byte * (1.0 - idle_w / copy_w)
 
 
