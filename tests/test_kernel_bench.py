@@ -52,6 +52,7 @@ def test_energy_columns_add_the_gemm_and_the_copy_of_the_state_bytes():
     # no counter: no energy columns; a counter without a copy measurement: joules, no roofline
     assert _energy_columns({"ms": 0.3}, {"ms": 0.1}, {"ms": 0.2}, {"ms": 0.2}, 1e9, None) == {}
     assert "energy_ratio_to_roofline" not in _energy_columns(fused, gemm, other, other, 1e9, None)
+    assert _energy_columns(fused, {"ms": 0.1, "energy_error": "lost"}, other, other, 1e9, 5e-11) == {}
 
 
 def test_plot_adds_the_energy_panel_when_the_frame_has_energy(tmp_path, monkeypatch):
@@ -96,3 +97,67 @@ def test_dynamic_ratio_takes_idle_power_out_of_every_operation():
     assert _dynamic_ratio(row, run)["dynamic_energy_ratio"] == pytest.approx(0.8)
     assert _dynamic_ratio({"fused_ms": 1.0}, run) == {}
     assert _dynamic_ratio(row, {"energy_reason": "no NVML"}) == {}
+
+
+class _FakeBoard:
+    """An energy counter and a graph whose replays each spend a known number of joules."""
+
+    def __init__(self, joules_per_replay: float):
+        self.joules = 1000.0
+        self.joules_per_replay = joules_per_replay
+        self.replays = 0
+
+    def read_j(self) -> float:
+        return self.joules
+
+    def sm_clock_mhz(self) -> float:
+        return 1755.0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.joules += self.joules_per_replay
+
+
+class _DoneAfterOnePoll:
+    def __init__(self):
+        self.polls = 0
+
+    def record(self):
+        pass
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.polls > 1
+
+    def synchronize(self):
+        pass
+
+
+def test_graph_energy_divides_the_window_by_replays_and_calls(monkeypatch):
+    import torch
+
+    from forge_bench import kernel_bench
+
+    monkeypatch.setattr(torch.cuda, "Event", _DoneAfterOnePoll)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    board = _FakeBoard(joules_per_replay=0.3)
+    # 2 ms per call x 3 calls per replay: 0.06 s of replays needs 10 of them
+    measured = kernel_bench.graph_energy(board, calls_per_replay=3, ms_per_call=2.0, counter=board, seconds=0.06)
+    assert board.replays == 10
+    assert measured["j"] == pytest.approx(0.1)             # 3 J over 10 replays of 3 calls
+    assert measured["sm_mhz"] == 1755.0 and measured["w"] > 0
+
+
+def test_measure_graph_keeps_the_time_when_the_counter_fails(monkeypatch):
+    from forge_bench import kernel_bench
+
+    class Broken:
+        def read_j(self):
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    monkeypatch.setattr(kernel_bench, "_captured", lambda call, sets: object())
+    monkeypatch.setattr(kernel_bench, "_replay_ms", lambda graph, calls, replays: 0.25)
+    monkeypatch.setattr(kernel_bench.torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(kernel_bench.torch.cuda, "Event", _DoneAfterOnePoll)
+    measured = kernel_bench.measure_graph(lambda s: None, [None], Broken())
+    assert measured["ms"] == 0.25 and "NVML_ERROR_GPU_IS_LOST" in measured["energy_error"] and "j" not in measured
