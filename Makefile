@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.forge-installed
 OUT    ?= results/smoke
 REPORT ?= reports/smoke
 
-.PHONY: install demo test wheels clean-venv
+.PHONY: install demo test wheels offline-triton clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: $(STAMP)
 # Wheels for the GPU machine's Python (3.12, no internet there): see scripts/fetch_wheels.sh
 wheels:
 	bash scripts/fetch_wheels.sh
+
+# The GPU machine's Triton, beside (not in) the venv, for scripts/offline_sass.py:
+#   PYTHONPATH=$(OFFLINE_TRITON) $(BIN)/python scripts/offline_sass.py ...
+DEVICE_TRITON  ?= 3.6.0
+OFFLINE_TRITON ?= .offline-triton
+offline-triton: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --target $(OFFLINE_TRITON) "triton==$(DEVICE_TRITON)"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,8 +2,13 @@
 
 Why: at the H100's 700 W cap every instruction of the epilogue costs step time, and device time is
 scarce; this counts them per weight element on the CPU machine (the local Triton's ptxas and
-nvdisasm), so an instruction diet can be predicted before a device call measures it. The counts come
-from the local Triton (3.9 here), not the device's 3.6: compare trees with the same Triton.
+nvdisasm), so an instruction diet can be predicted before a device call measures it.
+
+Use the device's Triton: `make offline-triton` puts triton==3.6.0 (the H100 machine's) in
+`.offline-triton/`, and `PYTHONPATH=.offline-triton python scripts/offline_sass.py ...` compiles with it.
+The versions disagree where it matters: the int8 64x64x32/w4/s6/r128 tile is spill-free at 128
+registers with 3.6, as on the H100, and spills 32 B with 3.9. The first line printed names the Triton
+that compiled the kernel. Compare trees with the same one.
 
     python scripts/offline_sass.py --shape 14336x4096 --tokens 512 --state int8 \
         --tile 64x64x32 --warps 4 --stages 6 --maxnreg 128 --prefetch --tma [--sass-out FILE]
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         args.sass_out.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
     counts = epilogue_opcodes(sass)
     total = sum(counts.values())
+    import triton
+    print(f"compiled by Triton {triton.__version__} ({pathlib.Path(triton.__file__).parent})")
     print(f"registers {registers}, stack {stack} B, epilogue {total} instructions per thread, "
           f"{total / per_thread:.1f} per weight element ({per_thread} elements per thread)")
     for op, count in counts.most_common(args.top):

@@ -197,5 +197,6 @@ def test_offline_sass_compiles_the_int8_tile_for_sm90():
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "registers" in done.stdout and "per weight element" in done.stdout and "FFMA" in done.stdout
+    assert done.stdout.startswith(f"compiled by Triton {triton.__version__} (")
     refused = subprocess.run(args, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=240)
     assert refused.returncode == 1 and "unset TRITON_INTERPRET" in refused.stderr
