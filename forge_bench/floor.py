@@ -27,10 +27,13 @@ measured by ``floor_terms`` when NVML has an energy counter.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .telemetry import EnergyCounter
 
 QBLOCK = 64
 STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}
@@ -70,7 +73,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float
     return 2 * nbytes / (ms * 1e-3)
 
 
-def copy_energy(device: torch.device, counter, nbytes: int = 1 << 30) -> dict[str, float]:
+def copy_energy(device: torch.device, counter: "EnergyCounter", nbytes: int = 1 << 30) -> dict[str, float]:
     """Joules per byte read + written by a device-to-device copy over ~0.5 s of graph replays, and
     the idle board's power measured just before (clocks still up from the copy bandwidth run)."""
     import time

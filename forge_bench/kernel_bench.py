@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .floor import copy_dynamic_j_per_byte, copy_energy, measure_copy_bandwidth, state_traffic_bytes
-from .telemetry import open_energy_counter
+from .telemetry import EnergyCounter, open_energy_counter
 
 LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
     "q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
@@ -96,7 +96,8 @@ def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replay
     return ms
 
 
-def graph_energy(graph, calls_per_replay: int, ms_per_call: float, counter, seconds: float = 0.5) -> dict:
+def graph_energy(graph: "torch.cuda.CUDAGraph", calls_per_replay: int, ms_per_call: float,
+                 counter: "EnergyCounter", seconds: float = 0.5) -> dict:
     """Joules per call, mean board power and median SM clock over back-to-back replays lasting about
     ``seconds``. Why: the Llama-8B step runs at the board's 700 W cap, where a kernel costs the
     step its energy, not its time alone (and sustained replays of one kernel reach the cap too)."""
@@ -117,7 +118,8 @@ def graph_energy(graph, calls_per_replay: int, ms_per_call: float, counter, seco
             "sm_mhz": statistics.median(clocks) if clocks else None}
 
 
-def measure_graph(call: Callable[[object], None], sets: Sequence[object], counter=None, replays: int = 20) -> dict:
+def measure_graph(call: Callable[[object], None], sets: Sequence[object], counter: "EnergyCounter | None" = None,
+                  replays: int = 20) -> dict:
     """``time_graph_ms``'s median ms, plus ``graph_energy``'s columns when an NVML counter is given."""
     graph = _captured(call, sets)
     result = {"ms": _replay_ms(graph, len(sets), replays)}
@@ -139,7 +141,8 @@ def _random(shape, dtype, device, scale=1.0) -> torch.Tensor:
 
 
 def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], device: torch.device,
-                copy_bytes_per_s: float, counter=None, copy_j_per_byte: float | None = None) -> list[dict]:
+                copy_bytes_per_s: float, counter: "EnergyCounter | None" = None,
+                copy_j_per_byte: float | None = None) -> list[dict]:
     """Rows for one (Dout, Din, BT): baseline and GEMM once, the fused kernel per state dtype.
 
     With an NVML ``counter`` (``telemetry.open_energy_counter``) each operation's joules per call
