@@ -20,9 +20,8 @@ static power moves with clock and temperature):
                    - the gradient write's) / (power limit - idle power)
 
 where a byte's dynamic energy is the copy's joules per byte times (1 - idle power / copy power).
-
-with the copy's joules per byte, the idle power right after it (clocks still up) and the limit
-measured by ``floor_terms`` when NVML has an energy counter.
+``floor_terms`` measures the copy's joules per byte and power, the idle power right after it
+(clocks still up) and the limit when NVML has an energy counter.
 """
 from __future__ import annotations
 

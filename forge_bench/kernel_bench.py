@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -142,12 +142,12 @@ def _random(shape, dtype, device, scale=1.0) -> torch.Tensor:
 
 def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], device: torch.device,
                 copy_bytes_per_s: float, counter: "EnergyCounter | None" = None,
-                copy_j_per_byte: float | None = None) -> list[dict]:
+                copy: Mapping[str, float] | None = None) -> list[dict]:
     """Rows for one (Dout, Din, BT): baseline and GEMM once, the fused kernel per state dtype.
 
     With an NVML ``counter`` (``telemetry.open_energy_counter``) each operation's joules per call
-    too, and with ``copy_j_per_byte`` the energy roofline: the GEMM's joules plus the state bytes
-    at the copy's joules per byte (energies add where times overlap)."""
+    too, and with ``copy`` (``floor.copy_energy``) the energy roofline: the GEMM's joules plus the
+    state bytes at the copy's joules per byte (energies add where times overlap)."""
     from forge_core.kernels import fused_wgrad_update
     from forge_core.kernels.fused import tuned_configs
     from forge_core.rules import get_rule
@@ -223,38 +223,31 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
             fused_gbps=(state_bytes + activation_bytes) / (fused_ms * 1e-3) / 1e9,
             state_bytes=state_bytes, copy_gbps=copy_bytes_per_s / 1e9, tune_s=tune_s,
             config=str(config[-1]) if config else "", input_sets=n_sets,
-            **_energy_columns(fused_m, gemm_m, adamw_m, baseline_m, state_bytes, copy_j_per_byte)))
+            **_energy_columns(fused_m, gemm_m, adamw_m, baseline_m, state_bytes, copy)))
         del sets
         torch.cuda.empty_cache()
     return rows
 
 
 def _energy_columns(fused: dict, gemm: dict, adamw: dict, baseline: dict, state_bytes: float,
-                    copy_j_per_byte: float | None) -> dict:
-    """Joules per call of each operation and the fused kernel's ratio to its energy roofline; {}
-    without a counter (the rows then have no energy columns)."""
+                    copy: Mapping[str, float] | None) -> dict:
+    """Joules per call of each operation; with the copy's energy (``floor.copy_energy``) the fused
+    kernel's ratio to its energy roofline and ``dynamic_energy_ratio``: its joules above idle power
+    against the GEMM's plus the state copy's (each above idle), what it spends beyond the work it
+    must do, however long each ran. {} without a counter (the rows then have no energy columns)."""
     if any("j" not in measured for measured in (fused, gemm, adamw, baseline)):
         return {}                    # no counter, or one whose window failed (``energy_error``)
     columns = dict(fused_j=fused["j"], fused_w=fused["w"], fused_sm_mhz=fused["sm_mhz"], gemm_j=gemm["j"],
                    gemm_w=gemm["w"], adamw_j=adamw["j"], baseline_j=baseline["j"])
-    if copy_j_per_byte:
-        floor_j = gemm["j"] + state_bytes * copy_j_per_byte
-        columns.update(traffic_j=state_bytes * copy_j_per_byte, energy_roofline_j=floor_j,
-                       energy_ratio_to_roofline=fused["j"] / floor_j)
+    if copy:
+        traffic_j = state_bytes * copy["copy_j_per_byte"]
+        floor_j = gemm["j"] + traffic_j
+        idle_w = copy["idle_w"]
+        traffic_dynamic_j = state_bytes * copy_dynamic_j_per_byte(copy["copy_j_per_byte"], copy["copy_w"], idle_w)
+        work_dynamic_j = gemm["j"] - idle_w * gemm["ms"] * 1e-3 + traffic_dynamic_j
+        columns.update(traffic_j=traffic_j, energy_roofline_j=floor_j, energy_ratio_to_roofline=fused["j"] / floor_j,
+                       dynamic_energy_ratio=(fused["j"] - idle_w * fused["ms"] * 1e-3) / work_dynamic_j)
     return columns
-
-
-def _dynamic_ratio(row: dict, run_columns: dict) -> dict:
-    """The fused kernel's joules above idle power against the GEMM's plus the state copy's (each
-    above idle): what the kernel spends beyond the work it must do, independent of how long each
-    ran. {} without energy columns."""
-    if "fused_j" not in row or "idle_w" not in run_columns:
-        return {}
-    idle_w = run_columns["idle_w"]
-    traffic = row["state_bytes"] * copy_dynamic_j_per_byte(run_columns["copy_j_per_gb"] / 1e9,
-                                                           run_columns["copy_w"], idle_w)
-    work = row["gemm_j"] - idle_w * row["gemm_ms"] * 1e-3 + traffic
-    return {"dynamic_energy_ratio": (row["fused_j"] - idle_w * row["fused_ms"] * 1e-3) / work}
 
 
 def plot(frame, path: Path) -> None:
@@ -315,15 +308,30 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
     copy_bytes_per_s = measure_copy_bandwidth(device)
     counter, no_energy = open_energy_counter(torch.cuda.current_device())
     run_columns = {"energy_reason": no_energy}
-    copy_j_per_byte = None
-    if counter is not None:
-        copied = copy_energy(device, counter)
-        copy_j_per_byte = copied["copy_j_per_byte"]
-        run_columns = {"copy_j_per_gb": copy_j_per_byte * 1e9, "copy_w": copied["copy_w"],
-                       "copy_sm_mhz": copied["copy_sm_mhz"], "idle_w": copied["idle_w"],
-                       "copy_graph_gbps": copied["copy_graph_bytes_per_s"] / 1e9}
-    if no_energy:
-        print(f"kernel_bench: timings only ({no_energy})", file=sys.stderr)
+    copied = None
+    try:
+        if counter is not None:
+            copied = copy_energy(device, counter)
+            run_columns = {"copy_j_per_gb": copied["copy_j_per_byte"] * 1e9, "copy_w": copied["copy_w"],
+                           "copy_sm_mhz": copied["copy_sm_mhz"], "idle_w": copied["idle_w"],
+                           "copy_graph_gbps": copied["copy_graph_bytes_per_s"] / 1e9}
+        else:
+            print(f"kernel_bench: timings only ({no_energy})", file=sys.stderr)
+        rows = _bench_all(shapes, bts, state_dtypes, device, copy_bytes_per_s, counter, copied, run_columns, out)
+    finally:
+        if counter is not None:
+            counter.close()
+    frame = _frame(rows, device)
+    frame.to_parquet(out / "kernel_bench.parquet", index=False)
+    plot(frame, out / "kernel_bench.png")
+    return frame
+
+
+def _bench_all(shapes: Sequence[str], bts: Sequence[int], state_dtypes: Sequence[str], device: torch.device,
+               copy_bytes_per_s: float, counter: "EnergyCounter | None", copied: Mapping[str, float] | None,
+               run_columns: Mapping[str, object], out: Path) -> list[dict]:
+    """Every (shape, BT): one ``bench_shape`` per distinct weight shape, the parquet rewritten after
+    each so a cut-off run keeps its rows."""
     measured: dict[tuple[int, int, int], list[dict]] = {}
     rows = []
     for name in shapes:
@@ -332,7 +340,7 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
             key = (dout, din, tokens)
             if key not in measured:       # q/o, k/v, gate/up share a shape: measure once
                 measured[key] = bench_shape(dout, din, tokens, state_dtypes, device, copy_bytes_per_s,
-                                            counter, copy_j_per_byte)
+                                            counter, copied)
                 for row in measured[key]:
                     energy = (f"  energy {row['fused_j'] * 1e3:.1f} mJ ratio {row['energy_ratio_to_roofline']:.2f}"
                               if "energy_ratio_to_roofline" in row else "")
@@ -340,13 +348,10 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
                           f"fused {row['fused_ms']:.3f} ms  roofline {row['roofline_ms']:.3f}  "
                           f"ratio {row['ratio_to_roofline']:.2f}  vs baseline x{row['speedup_vs_baseline']:.2f}"
                           + energy, flush=True)
-            rows.extend(dict(row, shape=name, **run_columns, **_dynamic_ratio(row, run_columns)) for row in measured[key])
+            rows.extend(dict(row, shape=name, **run_columns) for row in measured[key])
             frame = _frame(rows, device)
             frame.to_parquet(out / "kernel_bench.parquet", index=False)   # after every shape: a cut-off run keeps rows
-    frame = _frame(rows, device)
-    frame.to_parquet(out / "kernel_bench.parquet", index=False)
-    plot(frame, out / "kernel_bench.png")
-    return frame
+    return rows
 
 
 def _frame(rows: list[dict], device: torch.device):

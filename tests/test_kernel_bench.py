@@ -44,7 +44,8 @@ def test_energy_columns_add_the_gemm_and_the_copy_of_the_state_bytes():
     fused = {"ms": 0.3, "j": 0.12, "w": 400.0, "sm_mhz": 1980.0}
     gemm = {"ms": 0.1, "j": 0.05, "w": 500.0, "sm_mhz": 1980.0}
     other = {"ms": 0.2, "j": 0.07, "w": 350.0, "sm_mhz": 1980.0}
-    columns = _energy_columns(fused, gemm, other, other, state_bytes=1e9, copy_j_per_byte=5e-11)
+    copy = {"copy_j_per_byte": 5e-11, "copy_w": 400.0, "idle_w": 100.0}
+    columns = _energy_columns(fused, gemm, other, other, state_bytes=1e9, copy=copy)
     assert columns["traffic_j"] == pytest.approx(0.05)
     assert columns["energy_roofline_j"] == pytest.approx(0.10)
     assert columns["energy_ratio_to_roofline"] == pytest.approx(1.2)
@@ -52,7 +53,7 @@ def test_energy_columns_add_the_gemm_and_the_copy_of_the_state_bytes():
     # no counter: no energy columns; a counter without a copy measurement: joules, no roofline
     assert _energy_columns({"ms": 0.3}, {"ms": 0.1}, {"ms": 0.2}, {"ms": 0.2}, 1e9, None) == {}
     assert "energy_ratio_to_roofline" not in _energy_columns(fused, gemm, other, other, 1e9, None)
-    assert _energy_columns(fused, {"ms": 0.1, "energy_error": "lost"}, other, other, 1e9, 5e-11) == {}
+    assert _energy_columns(fused, {"ms": 0.1, "energy_error": "lost"}, other, other, 1e9, copy) == {}
 
 
 def test_plot_adds_the_energy_panel_when_the_frame_has_energy(tmp_path, monkeypatch):
@@ -89,14 +90,15 @@ def test_energy_counter_says_why_it_is_missing(monkeypatch):
 
 
 def test_dynamic_ratio_takes_idle_power_out_of_every_operation():
-    from forge_bench.kernel_bench import _dynamic_ratio
+    from forge_bench.kernel_bench import _energy_columns
 
-    run = {"idle_w": 100.0, "copy_j_per_gb": 0.2, "copy_w": 400.0}       # 0.15 J/GB above idle
-    row = {"fused_j": 0.5, "fused_ms": 1.0, "gemm_j": 0.3, "gemm_ms": 1.0, "state_bytes": 2e9}
+    copy = {"idle_w": 100.0, "copy_j_per_byte": 0.2e-9, "copy_w": 400.0}       # 0.15 J/GB above idle
+    fused = {"j": 0.5, "ms": 1.0, "w": 500.0, "sm_mhz": 1800.0}
+    gemm = {"j": 0.3, "ms": 1.0, "w": 300.0, "sm_mhz": 1800.0}
     # fused 0.5 - 0.1 = 0.4 J; work = (0.3 - 0.1) + 2 GB x 0.15 J/GB = 0.5 J
-    assert _dynamic_ratio(row, run)["dynamic_energy_ratio"] == pytest.approx(0.8)
-    assert _dynamic_ratio({"fused_ms": 1.0}, run) == {}
-    assert _dynamic_ratio(row, {"energy_reason": "no NVML"}) == {}
+    assert _energy_columns(fused, gemm, gemm, gemm, 2e9, copy)["dynamic_energy_ratio"] == pytest.approx(0.8)
+    assert _energy_columns({"ms": 1.0}, gemm, gemm, gemm, 2e9, copy) == {}
+    assert "dynamic_energy_ratio" not in _energy_columns(fused, gemm, gemm, gemm, 2e9, None)
 
 
 class _FakeBoard:
