@@ -1,0 +1,356 @@
+"""A warp-specialized fused wgrad + optimizer kernel for Hopper, written in Gluon.
+
+Why a second kernel: the Triton kernel (``fused.py``) keeps the accumulator in registers through
+the epilogue, so its tiles stay small (64x128 bf16, 64x64 int8), and small tiles re-read X and dY
+from L2 24-32 B per weight element. Measured on the H100 (docs/kernel_notes.md, session 19) those
+re-reads cost 28-63 mJ of a 210-230 mJ gate launch at 512 tokens, and at the 700 W limit joules are
+time. Here the roles are split across warps of one persistent program per SM:
+
+* a loader warp streams the dY and X tiles of a ``BM x BN`` weight tile into a ring of shared
+  buffers with TMA;
+* an MMA warpgroup accumulates ``G = dY^T X`` with wgmma and parks the fp32 tile in shared memory;
+* the epilogue warps (the default partition) read G back in ``CN``-column slabs, TMA-prefetch the
+  W and state slabs a few slabs ahead, run the rule's epilogue (the same ``@triton.jit`` function
+  the Triton kernel calls) and store W and the states.
+
+The MMA warps start the next tile while the epilogue warps finish the last one, so the GEMM hides
+behind the state traffic (512 tokens) or the traffic behind the GEMM (8192), with 128-wide tiles
+that re-read X and dY 16 B per element (12 B at 128x256). G still never reaches global memory.
+
+Scope (checked by ``unsupported_reason``): a CUDA device of compute capability 9.x; bf16 X, dY
+and W; bf16 states; a rule with one or two states; Dout a multiple of BM and Din of BN; no
+gradient accumulator and no stochastic rounding. Anything else goes to ``fused.py``.
+Gluon kernels do not run under ``TRITON_INTERPRET``: the tests of this file need the GPU, and
+``scripts/offline_sass.py --ws`` compiles it for sm_90 on a machine without one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import triton
+
+try:                                         # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    # Triton 3.6 (the H100 machine) names the TMA load async_copy_global_to_shared; 3.9 async_load
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _sync_warps = getattr(gl, "thread_barrier", None) or gl.barrier     # bar.sync of the partition's warps
+    GLUON_IMPORT_ERROR: str | None = None
+except ImportError as error:                 # pragma: no cover - depends on the installed Triton
+    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+
+
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """One launch configuration of the warp-specialized kernel."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 3
+    """Shared-memory ring of dY / X tiles for the main loop."""
+    slab_n: int = 32
+    """Columns of one epilogue slab (W / state TMA box, G read from shared memory)."""
+    state_stages: int = 2
+    """Slabs of W and states in flight (TMA prefetch distance + 1)."""
+    acc_buffers: int = 1
+    """Shared-memory copies of the fp32 tile: 2 lets the MMA warps park tile i+1 while the epilogue
+    still reads tile i."""
+    epilogue_warps: int = 4
+    mma_warps: int = 4
+    max_registers: int = 168
+    mma_registers: int = 208
+    loader_registers: int = 24
+
+    def shared_memory_bytes(self) -> int:
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
+        accumulator = self.acc_buffers * self.block_m * (self.block_n + 4) * 4     # rows padded by 16 B
+        states = self.state_stages * 3 * self.block_m * self.slab_n * 2
+        return ring + accumulator + states
+
+
+DEFAULT_CONFIG = WsConfig()
+SHARED_MEMORY_BYTES = 227 * 1024
+
+
+def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
+                       config: WsConfig = DEFAULT_CONFIG) -> str | None:
+    """Why this kernel cannot take the call (None: it can). One line, naming the problem."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Gluon is not importable from this Triton ({triton.__version__}): {GLUON_IMPORT_ERROR}"
+    if weight.device.type != "cuda" or not torch.cuda.is_available():
+        return f"tensors are on {weight.device}; the warp-specialized kernel needs a CUDA device"
+    major, _ = torch.cuda.get_device_capability(weight.device)
+    if major != 9:
+        return f"compute capability {major}.x; the warp-specialized kernel is written for Hopper (9.x) wgmma"
+    if x2.dtype != torch.bfloat16 or dy2.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return f"inputs {x2.dtype} / {dy2.dtype} and weight {weight.dtype}; it takes bf16 only"
+    if not 1 <= len(states) <= 2 or any(s.dtype != torch.bfloat16 for s in states):
+        return "it takes one or two bf16 states"
+    m, n = weight.shape
+    if m % config.block_m or n % config.block_n:
+        return f"weight {m}x{n} is not a multiple of the {config.block_m}x{config.block_n} tile"
+    for name, t in (("x", x2), ("dy", dy2), ("weight", weight), *((f"state{i}", s) for i, s in enumerate(states))):
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} is not TMA-compatible (last dim contiguous, 16-byte aligned rows and base)"
+    if any(s.stride() != weight.stride() for s in states):
+        return "states and weight must share strides"
+    if config.shared_memory_bytes() > SHARED_MEMORY_BYTES:
+        return f"config needs {config.shared_memory_bytes()} B of shared memory, over {SHARED_MEMORY_BYTES}"
+    return None
+
+
+if GLUON_IMPORT_ERROR is None:
+
+    TILE_GROUP: gl.constexpr = gl.constexpr(8)
+    """Row-tiles per group of the tile order (one value: worker partitions take no constexpr arguments)."""
+
+    """Row-tiles per group of the tile order (workers cannot take constexpr arguments in Triton 3.6)."""
+
+    @gluon.jit
+    def _tile_coords(tile, tiles_m, tiles_n, GROUP: gl.constexpr):
+        """Grouped order (as fused.grouped_tile): GROUP row-tiles share X's column tiles in L2."""
+        per_group = GROUP * tiles_n
+        first_m = (tile // per_group) * GROUP
+        rows = gl.minimum(tiles_m - first_m, GROUP)
+        return first_m + (tile % per_group) % rows, (tile % per_group) // rows
+
+    @gluon.jit
+    def _main_loop_loads(x_desc, dy_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
+                         tiles_m, tiles_n, K):
+        """Loader warp: every dY / X tile of every weight tile this program owns, into the ring."""
+        # Triton 3.6 turns constexpr arguments of worker partitions into int32 tensors: shapes come
+        # from the descriptors and buffers instead
+        BM: gl.constexpr = dy_desc.block_type.shape[1]
+        BN: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        ACC_BUFS: gl.constexpr = acc_smem.type.shape[0]
+        count = 0
+        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+            for kk in range(gl.cdiv(K, BK)):
+                slot = count % STAGES
+                mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                _tma_load(dy_desc, [kk * BK, pid_m * BM], ready.index(slot), a_bufs.index(slot))
+                _tma_load(x_desc, [kk * BK, pid_n * BN], ready.index(slot), b_bufs.index(slot))
+                count += 1
+
+    @gluon.jit
+    def _main_loop_mma(x_desc, dy_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
+                       tiles_m, tiles_n, K):
+        """MMA warps: G = dY^T X per tile with wgmma (one group in flight), then park G in shared memory."""
+        # Triton 3.6 turns constexpr arguments of worker partitions into int32 tensors: shapes come
+        # from the descriptors and buffers instead
+        BM: gl.constexpr = dy_desc.block_type.shape[1]
+        BN: gl.constexpr = x_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        ACC_BUFS: gl.constexpr = acc_smem.type.shape[0]
+        MMA_WARPS: gl.constexpr = gl.num_warps()
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                             instr_shape=[16, BN, 16])
+        count = 0
+        local = 0
+        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            acc = gl.zeros((BM, BN), gl.float32, mma_layout)
+            for kk in range(gl.cdiv(K, BK)):
+                slot = count % STAGES
+                mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # the previous step's wgmma has finished reading its slot: hand it back to the loader
+                _sync_warps()
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=kk > 0)
+                count += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _sync_warps()
+            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+            buf = local % ACC_BUFS
+            mbarrier.wait(acc_empty.index(buf), ((local // ACC_BUFS) & 1) ^ 1)
+            acc_smem.index(buf).store(acc)
+            _sync_warps()
+            mbarrier.arrive(acc_ready.index(buf))
+            local += 1
+
+    @gluon.jit
+    def _issue_state_slab(j, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready, n_slabs,
+                          tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, CN: gl.constexpr,
+                          SLABS: gl.constexpr, STATE_STAGES: gl.constexpr, NUM_STATES: gl.constexpr):
+        """TMA-load slab ``j`` (this program's j-th epilogue slab) of W and the states into its slot."""
+        tile = gl.program_id(0) + (j // SLABS) * gl.num_programs(0)
+        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+        row = pid_m * BM
+        col = pid_n * BN + (j % SLABS) * CN
+        slot = j % STATE_STAGES
+        live = j < n_slabs
+        nbytes: gl.constexpr = w_desc.block_type.nbytes * (1 + NUM_STATES)
+        bar = st_ready.index(slot)
+        mbarrier.expect(bar, nbytes, pred=live)
+        _tma_load(w_desc, [row, col], bar, w_bufs.index(slot), pred=live)
+        _tma_load(s0_desc, [row, col], bar, s0_bufs.index(slot), pred=live)
+        if NUM_STATES >= 2:
+            _tma_load(s1_desc, [row, col], bar, s1_bufs.index(slot), pred=live)
+
+    @gluon.jit
+    def _epilogue_partition(W, S0, S1, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready,
+                            acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
+                            c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
+                            EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
+                            BM: gl.constexpr, BN: gl.constexpr, CN: gl.constexpr,
+                            STATE_STAGES: gl.constexpr, ACC_BUFS: gl.constexpr,
+                            WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """Epilogue warps: per slab, G from shared memory, W / states from the TMA ring, the rule, stores."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CN // 8), CN // 8], [EPI_WARPS, 1], [1, 0])
+        SLABS: gl.constexpr = BN // CN
+        if SCALARS_IN_MEMORY:
+            c0 = gl.load(SCALARS + 0)
+            c1 = gl.load(SCALARS + 1)
+            c2 = gl.load(SCALARS + 2)
+            c3 = gl.load(SCALARS + 3)
+            c4 = gl.load(SCALARS + 4)
+            c5 = gl.load(SCALARS + 5)
+            c6 = gl.load(SCALARS + 6)
+            c7 = gl.load(SCALARS + 7)
+        start = gl.program_id(0)
+        total = tiles_m * tiles_n
+        my_tiles = gl.cdiv(total - start, gl.num_programs(0))
+        n_slabs = my_tiles * SLABS
+        for j in gl.static_range(STATE_STAGES - 1):
+            _issue_state_slab(j, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready, n_slabs,
+                              tiles_m, tiles_n, BM, BN, CN, SLABS, STATE_STAGES, NUM_STATES)
+        slab_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        slab_cols = gl.arange(0, CN, layout=gl.SliceLayout(0, layout))
+        j = 0
+        local = 0
+        for tile in range(start, total, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+            buf = local % ACC_BUFS
+            mbarrier.wait(acc_ready.index(buf), (local // ACC_BUFS) & 1)
+            rows = pid_m * BM + slab_rows
+            if WIDE_INDEX:
+                rows = rows.to(gl.int64)
+            row_offsets = gl.expand_dims(rows * N, 1)
+            for c in gl.static_range(SLABS):
+                # slab j + STATE_STAGES - 1 reuses the slot slab j - 1 was read from (all warps are past it)
+                _sync_warps()
+                fence_async_shared()
+                _issue_state_slab(j + STATE_STAGES - 1, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs,
+                                  st_ready, n_slabs, tiles_m, tiles_n, BM, BN, CN, SLABS, STATE_STAGES,
+                                  NUM_STATES)
+                slot = j % STATE_STAGES
+                grad = acc_smem.index(buf).slice(c * CN, CN, dim=1).load(layout)
+                mbarrier.wait(st_ready.index(slot), (j // STATE_STAGES) & 1)
+                weight = w_bufs.index(slot).load(layout).to(gl.float32)
+                s0 = s0_bufs.index(slot).load(layout).to(gl.float32)
+                if NUM_STATES >= 2:
+                    s1 = s1_bufs.index(slot).load(layout).to(gl.float32)
+                else:
+                    s1 = gl.zeros((BM, CN), gl.float32, layout)
+                weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
+                offsets = row_offsets + gl.expand_dims(pid_n * BN + c * CN + slab_cols, 0)
+                gl.store(W + offsets, weight.to(gl.bfloat16))
+                gl.store(S0 + offsets, s0.to(gl.bfloat16))
+                if NUM_STATES >= 2:
+                    gl.store(S1 + offsets, s1.to(gl.bfloat16))
+                j += 1
+            # every warp has read this G tile: the MMA warps may overwrite the buffer
+            _sync_warps()
+            mbarrier.arrive(acc_empty.index(buf))
+            local += 1
+
+    @gluon.jit
+    def _ws_fused_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, W, S0, S1, M, N, K,
+                         c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
+                         EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
+                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                         CN: gl.constexpr, STATE_STAGES: gl.constexpr, ACC_BUFS: gl.constexpr,
+                         WIDE_INDEX: gl.constexpr,
+                         MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                         EPI_WARPS: gl.constexpr):
+        a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
+        b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        # rows padded by 16 B: the MMA layout's stores and the slabs' 16-byte loads then spread over
+        # the banks (unpadded, 512-byte rows put 8 rows on the same banks)
+        acc_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BN, 4]], [BM, BN], [1, 0])
+        acc_smem = gl.allocate_shared_memory(gl.float32, [ACC_BUFS, BM, BN], acc_layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STATE_STAGES] + w_desc.block_type.shape, w_desc.layout)
+        s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [STATE_STAGES] + s0_desc.block_type.shape, s0_desc.layout)
+        if NUM_STATES >= 2:
+            s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [STATE_STAGES] + s1_desc.block_type.shape,
+                                                s1_desc.layout)
+        else:
+            s1_bufs = s0_bufs
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        acc_ready = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
+        acc_empty = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
+        st_ready = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(ACC_BUFS):
+            mbarrier.init(acc_ready.index(i), count=1)
+            mbarrier.init(acc_empty.index(i), count=1)
+        for i in gl.static_range(STATE_STAGES):
+            mbarrier.init(st_ready.index(i), count=1)
+        fence_async_shared()
+
+        tiles_m = M // BM
+        tiles_n = N // BN
+        worker_args = (x_desc, dy_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
+                       tiles_m, tiles_n, K)
+        gl.warp_specialize([
+            (_epilogue_partition, (W, S0, S1, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready,
+                                   acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
+                                   c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
+                                   EPILOGUE, NUM_STATES, SCALARS_IN_MEMORY, BM, BN, CN, STATE_STAGES, ACC_BUFS,
+                                   WIDE_INDEX, EPI_WARPS)),
+            (_main_loop_loads, worker_args),
+            (_main_loop_mma, worker_args),
+        ], [1, MMA_WARPS], [LOADER_REGS, MMA_REGS])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return GluonDescriptor.from_tensor(t, block, layout)
+
+
+def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor], epilogue: Any,
+           scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG) -> None:
+    """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
+    bf16 ``states``, with the rule's ``epilogue`` and its 8 kernel scalars (floats, or a float32
+    device buffer for a graph-replayed launch). Raises ValueError with the reason when the call is
+    outside this kernel's scope (``unsupported_reason``)."""
+    reason = unsupported_reason(x2, dy2, weight, states, config)
+    if reason is not None:
+        raise ValueError(f"hopper_ws: {reason}")
+    m, n = weight.shape
+    k = x2.shape[0]
+    c = config
+    x_desc = _descriptor(x2, [c.block_k, c.block_n])
+    dy_desc = _descriptor(dy2, [c.block_k, c.block_m])
+    slab = [c.block_m, c.slab_n]
+    w_desc = _descriptor(weight, slab)
+    s0_desc = _descriptor(states[0], slab)
+    s1_desc = _descriptor(states[-1], slab)
+    if isinstance(scalars, torch.Tensor):
+        values, buffer, in_memory = (0.0,) * 8, scalars, True
+    else:
+        values, buffer, in_memory = tuple(scalars) + (0.0,) * (8 - len(scalars)), weight, False
+    tiles = (m // c.block_m) * (n // c.block_n)
+    grid = (min(tiles, torch.cuda.get_device_properties(weight.device).multi_processor_count),)
+    wide = (m - 1) * weight.stride(0) + n >= 2 ** 31 - 1
+    _ws_fused_kernel[grid](
+        x_desc, dy_desc, w_desc, s0_desc, s1_desc, weight, states[0], states[-1], m, n, k, *values, buffer,
+        EPILOGUE=epilogue, NUM_STATES=len(states), SCALARS_IN_MEMORY=in_memory,
+        BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, CN=c.slab_n, STATE_STAGES=c.state_stages,
+        ACC_BUFS=c.acc_buffers, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps,
+        MMA_REGS=c.mma_registers, LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps,
+        num_warps=c.epilogue_warps, maxnreg=c.max_registers)

@@ -1,0 +1,174 @@
+"""Check and time the warp-specialized Gluon kernel (forge_core/kernels/hopper_ws.py) against the
+Triton fused kernel on one Hopper GPU, before it is wired into FORGE.
+
+    python3 scripts/ws_bench.py --out $OUT check                     # correctness, a few shapes
+    python3 scripts/ws_bench.py --out $OUT time gate:512 q:512 ...   # graph-replay ms and joules
+
+``check``: one AdamW step (bf16 X, dY, W, m, v) by each kernel and by the fp32 reference
+(``rule.reference`` on fp32 copies, G in fp32 from the same bf16 inputs), per shape: weight and state
+rel-L2 errors against the reference and the fraction of bf16 elements the two kernels disagree on.
+``time``: for each shape, the two kernels interleaved (A B A B ...) over ``--rounds`` rounds,
+each a CUDA graph over enough input sets to miss L2 (``forge_bench.kernel_bench.measure_graph``),
+ms and, with NVML, joules per call. Records: OUT/ws_check.jsonl, OUT/ws_time.jsonl. ``--configs``:
+JSON list of WsConfig field dicts to time (default: the kernel's default).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from forge_bench.kernel_bench import ADAMW_HP, LLAMA_8B_SHAPES, _sets_needed, measure_graph  # noqa: E402
+from forge_bench.telemetry import open_energy_counter  # noqa: E402
+from forge_core.kernels import fused_wgrad_update, hopper_ws  # noqa: E402
+from forge_core.kernels.fused import _kernel_scalars  # noqa: E402
+from forge_core.rules import get_rule  # noqa: E402
+from forge_core.state import ParamState  # noqa: E402
+
+STEP = 10
+
+
+def _inputs(dout: int, din: int, tokens: int, device, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    def rnd(shape, scale):
+        return (torch.randn(shape, device=device, generator=g) * scale).to(bf16)
+
+    weight = rnd((dout, din), 0.02)
+    state = ParamState(weight, get_rule("adamw"), "bf16")
+    state.store("exp_avg", torch.randn((dout, din), device=device, generator=g) * 1e-3)
+    state.store("exp_avg_sq", (torch.randn((dout, din), device=device, generator=g) * 1e-3).square())
+    return dict(x=rnd((tokens, din), 1.0), dy=rnd((tokens, dout), 0.01), weight=weight, state=state)
+
+
+def _ws_call(s: dict, config: hopper_ws.WsConfig) -> None:
+    rule = s["state"].rule
+    hopper_ws.launch(s["x"], s["dy"], s["weight"], [s["state"].values[n] for n in rule.state_names],
+                     rule.epilogue, _kernel_scalars(rule, ADAMW_HP, STEP), config)
+
+
+def _triton_call(s: dict) -> None:
+    fused_wgrad_update(s["x"], s["dy"], s["weight"], s["state"], ADAMW_HP, STEP)
+
+
+def _state_copy(state: ParamState) -> ParamState:
+    copy = ParamState(torch.empty_like(state.values["exp_avg"]), state.rule, "bf16")
+    for name in state.rule.state_names:
+        copy.values[name].copy_(state.values[name])
+    return copy
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, device) -> bool:
+    ok = True
+    rule = get_rule("adamw")
+    for name, tokens in shapes:
+        dout, din = LLAMA_8B_SHAPES[name] if name in LLAMA_8B_SHAPES else map(int, name.split("x"))
+        base = _inputs(dout, din, tokens, device)
+        ws = dict(base, weight=base["weight"].clone(), state=_state_copy(base["state"]))
+        tr = dict(base, weight=base["weight"].clone(), state=_state_copy(base["state"]))
+        w32 = base["weight"].float()
+        states32 = {n: base["state"].values[n].float() for n in rule.state_names}
+        grad = base["dy"].float().t() @ base["x"].float()
+        rule.reference(w32, grad, states32, ADAMW_HP, STEP)
+        record = dict(shape=name, dout=dout, din=din, tokens=tokens, config=dataclasses.asdict(config))
+        try:
+            started = time.perf_counter()
+            _ws_call(ws, config)
+            torch.cuda.synchronize()
+            record["ws_first_call_s"] = time.perf_counter() - started
+            _triton_call(tr)
+            torch.cuda.synchronize()
+            record["weight_rel_l2_ws"] = _rel(ws["weight"], w32)
+            record["weight_rel_l2_triton"] = _rel(tr["weight"], w32)
+            for n in rule.state_names:
+                record[f"{n}_rel_l2_ws"] = _rel(ws["state"].values[n], states32[n])
+                record[f"{n}_rel_l2_triton"] = _rel(tr["state"].values[n], states32[n])
+            record["weight_differ_frac"] = float((ws["weight"] != tr["weight"]).float().mean())
+            step = (w32 - base["weight"].float()).abs().max()
+            record["weight_max_diff_over_max_update"] = float((ws["weight"].float() - w32).abs().max() / step)
+            good = (record["weight_rel_l2_ws"] <= 2 * record["weight_rel_l2_triton"] + 1e-6
+                    and all(record[f"{n}_rel_l2_ws"] <= 2 * record[f"{n}_rel_l2_triton"] + 1e-6
+                            for n in rule.state_names))
+            record["ok"] = bool(good)
+        except Exception as exc:       # record and go on: the next shape may still tell something
+            record["ok"] = False
+            record["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        ok &= record["ok"]
+        print(json.dumps(record), flush=True)
+        with open(out / "ws_check.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        del base, ws, tr, w32, states32, grad
+        torch.cuda.empty_cache()
+    return ok
+
+
+def time_shapes(shapes: list[tuple[str, int]], configs: list[hopper_ws.WsConfig], rounds: int, out: Path,
+                device) -> None:
+    counter = open_energy_counter(device)
+    counter = counter if not isinstance(counter, str) else None
+    for name, tokens in shapes:
+        dout, din = LLAMA_8B_SHAPES[name]
+        n_sets = _sets_needed(dout * din * 2 * 3 + tokens * (dout + din) * 2)
+        sets = [_inputs(dout, din, tokens, device, seed) for seed in range(n_sets)]
+        _triton_call(sets[0])        # tunes (or reads FORGE_TUNE_CACHE) outside the graph
+        arms = [("triton", _triton_call)] + [(f"ws{i}", lambda s, c=c: _ws_call(s, c)) for i, c in enumerate(configs)]
+        for round_ in range(rounds):
+            for arm, call in arms:
+                record = dict(shape=name, dout=dout, din=din, tokens=tokens, arm=arm, round=round_, sets=n_sets)
+                if arm.startswith("ws"):
+                    record["config"] = dataclasses.asdict(configs[int(arm[2:])])
+                try:
+                    record.update(measure_graph(call, sets, counter))
+                except Exception as exc:
+                    record["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                print(json.dumps(record), flush=True)
+                with open(out / "ws_time.jsonl", "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+        del sets
+        torch.cuda.empty_cache()
+    if counter is not None:
+        counter.close()
+
+
+def _shape_list(items: list[str]) -> list[tuple[str, int]]:
+    result = []
+    for item in items:
+        name, _, tokens = item.partition(":")
+        result.append((name, int(tokens or 512)))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--configs", default="[{}]", help="JSON list of WsConfig field dicts")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("mode", choices=("check", "time"))
+    parser.add_argument("shapes", nargs="*")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("ws_bench: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    configs = [hopper_ws.WsConfig(**c) for c in json.loads(args.configs)]
+    if args.mode == "check":
+        shapes = _shape_list(args.shapes or ["q:512", "q:520", "k:2048", "gate:512", "down:512"])
+        return 0 if check(shapes, configs[0], args.out, device) else 1
+    time_shapes(_shape_list(args.shapes or ["gate:512"]), configs, args.rounds, args.out, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
