@@ -116,8 +116,9 @@ def check(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, 
 
 def time_shapes(shapes: list[tuple[str, int]], configs: list[hopper_ws.WsConfig], rounds: int, out: Path,
                 device) -> None:
-    counter = open_energy_counter(device)
-    counter = counter if not isinstance(counter, str) else None
+    counter, no_energy = open_energy_counter(torch.cuda.current_device())
+    if counter is None:
+        print(no_energy, flush=True)
     for name, tokens in shapes:
         dout, din = LLAMA_8B_SHAPES[name]
         n_sets = _sets_needed(dout * din * 2 * 3 + tokens * (dout + din) * 2)
