@@ -39,7 +39,6 @@ try:                                         # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     # Triton 3.6 (the H100 machine) names the TMA load async_copy_global_to_shared; 3.9 async_load
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _sync_warps = getattr(gl, "thread_barrier", None) or gl.barrier     # bar.sync of the partition's warps
     GLUON_IMPORT_ERROR: str | None = None
 except ImportError as error:                 # pragma: no cover - depends on the installed Triton
     GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
@@ -67,6 +66,10 @@ class WsConfig:
     mma_registers: int = 208
     loader_registers: int = 24
 
+    def warps(self) -> int:
+        """Warps of one program: epilogue, two loader warps, MMA, rounded up to whole warpgroups."""
+        return -(-(self.epilogue_warps + 2 + self.mma_warps) // 4) * 4
+
     def shared_memory_bytes(self) -> int:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
         accumulator = self.acc_buffers * self.block_m * (self.block_n + 4) * 4     # rows padded by 16 B
@@ -76,6 +79,7 @@ class WsConfig:
 
 DEFAULT_CONFIG = WsConfig()
 SHARED_MEMORY_BYTES = 227 * 1024
+REGISTER_FILE = 65536
 
 
 def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
@@ -100,6 +104,9 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
             return f"{name} is not TMA-compatible (last dim contiguous, 16-byte aligned rows and base)"
     if any(s.stride() != weight.stride() for s in states):
         return "states and weight must share strides"
+    if config.warps() * 32 * config.max_registers > REGISTER_FILE:
+        return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
+                f"{REGISTER_FILE}-register file of an SM")
     if config.shared_memory_bytes() > SHARED_MEMORY_BYTES:
         return f"config needs {config.shared_memory_bytes()} B of shared memory, over {SHARED_MEMORY_BYTES}"
     return None
@@ -121,8 +128,8 @@ if GLUON_IMPORT_ERROR is None:
         return first_m + (tile % per_group) % rows, (tile % per_group) // rows
 
     @gluon.jit
-    def _main_loop_loads(x_desc, dy_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
-                         tiles_m, tiles_n, K):
+    def _main_loop_loads(x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
+                         ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
         """Loader warp: every dY / X tile of every weight tile this program owns, into the ring."""
         # Triton 3.6 turns constexpr arguments of worker partitions into int32 tensors: shapes come
         # from the descriptors and buffers instead
@@ -130,7 +137,6 @@ if GLUON_IMPORT_ERROR is None:
         BN: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        ACC_BUFS: gl.constexpr = acc_smem.type.shape[0]
         count = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
@@ -143,11 +149,36 @@ if GLUON_IMPORT_ERROR is None:
                 count += 1
 
     @gluon.jit
-    def _main_loop_mma(x_desc, dy_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
-                       tiles_m, tiles_n, K):
-        """MMA warps: G = dY^T X per tile with wgmma (one group in flight), then park G in shared memory."""
-        # Triton 3.6 turns constexpr arguments of worker partitions into int32 tensors: shapes come
-        # from the descriptors and buffers instead
+    def _state_loads(x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
+                     ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
+        """Loader warp: the W and state slabs of every tile, in the epilogue's order, into their ring.
+        (In a warp of its own so the epilogue warps never sync around a TMA issue.)"""
+        BM: gl.constexpr = w_desc.block_type.shape[0]
+        CN: gl.constexpr = w_desc.block_type.shape[1]
+        BN: gl.constexpr = x_desc.block_type.shape[1]
+        SLABS: gl.constexpr = BN // CN
+        STATE_STAGES: gl.constexpr = w_bufs.type.shape[0]
+        TWO_STATES: gl.constexpr = s1_bufs.type.shape[0] == STATE_STAGES      # a one-slot dummy otherwise
+        nbytes: gl.constexpr = w_desc.block_type.nbytes * (3 if TWO_STATES else 2)
+        j = 0
+        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+            for c in range(SLABS):
+                slot = j % STATE_STAGES
+                mbarrier.wait(st_empty.index(slot), ((j // STATE_STAGES) & 1) ^ 1)
+                bar = st_ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                _tma_load(w_desc, [pid_m * BM, pid_n * BN + c * CN], bar, w_bufs.index(slot))
+                _tma_load(s0_desc, [pid_m * BM, pid_n * BN + c * CN], bar, s0_bufs.index(slot))
+                if TWO_STATES:
+                    _tma_load(s1_desc, [pid_m * BM, pid_n * BN + c * CN], bar, s1_bufs.index(slot))
+                j += 1
+
+    @gluon.jit
+    def _main_loop_mma(x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
+                       ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
+        """MMA warps: G = dY^T X per tile with wgmma (one group in flight), then park G in shared memory.
+        (Each mbarrier.arrive below is one elected thread; the compiler syncs the warps before it.)"""
         BM: gl.constexpr = dy_desc.block_type.shape[1]
         BN: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[0]
@@ -166,47 +197,26 @@ if GLUON_IMPORT_ERROR is None:
                 acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # the previous step's wgmma has finished reading its slot: hand it back to the loader
-                _sync_warps()
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=kk > 0)
                 count += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _sync_warps()
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
             buf = local % ACC_BUFS
             mbarrier.wait(acc_empty.index(buf), ((local // ACC_BUFS) & 1) ^ 1)
             acc_smem.index(buf).store(acc)
-            _sync_warps()
             mbarrier.arrive(acc_ready.index(buf))
             local += 1
 
     @gluon.jit
-    def _issue_state_slab(j, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready, n_slabs,
-                          tiles_m, tiles_n, BM: gl.constexpr, BN: gl.constexpr, CN: gl.constexpr,
-                          SLABS: gl.constexpr, STATE_STAGES: gl.constexpr, NUM_STATES: gl.constexpr):
-        """TMA-load slab ``j`` (this program's j-th epilogue slab) of W and the states into its slot."""
-        tile = gl.program_id(0) + (j // SLABS) * gl.num_programs(0)
-        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
-        row = pid_m * BM
-        col = pid_n * BN + (j % SLABS) * CN
-        slot = j % STATE_STAGES
-        live = j < n_slabs
-        nbytes: gl.constexpr = w_desc.block_type.nbytes * (1 + NUM_STATES)
-        bar = st_ready.index(slot)
-        mbarrier.expect(bar, nbytes, pred=live)
-        _tma_load(w_desc, [row, col], bar, w_bufs.index(slot), pred=live)
-        _tma_load(s0_desc, [row, col], bar, s0_bufs.index(slot), pred=live)
-        if NUM_STATES >= 2:
-            _tma_load(s1_desc, [row, col], bar, s1_bufs.index(slot), pred=live)
-
-    @gluon.jit
-    def _epilogue_partition(W, S0, S1, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready,
+    def _epilogue_partition(W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
                             acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
                             c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                             EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, CN: gl.constexpr,
                             STATE_STAGES: gl.constexpr, ACC_BUFS: gl.constexpr,
                             WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """Epilogue warps: per slab, G from shared memory, W / states from the TMA ring, the rule, stores."""
+        """Epilogue warps: per slab, G and W / states from shared memory into registers (then the slab's
+        slot goes back to the state loader), the rule, W and states stored."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CN // 8), CN // 8], [EPI_WARPS, 1], [1, 0])
         SLABS: gl.constexpr = BN // CN
         if SCALARS_IN_MEMORY:
@@ -218,18 +228,11 @@ if GLUON_IMPORT_ERROR is None:
             c5 = gl.load(SCALARS + 5)
             c6 = gl.load(SCALARS + 6)
             c7 = gl.load(SCALARS + 7)
-        start = gl.program_id(0)
-        total = tiles_m * tiles_n
-        my_tiles = gl.cdiv(total - start, gl.num_programs(0))
-        n_slabs = my_tiles * SLABS
-        for j in gl.static_range(STATE_STAGES - 1):
-            _issue_state_slab(j, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready, n_slabs,
-                              tiles_m, tiles_n, BM, BN, CN, SLABS, STATE_STAGES, NUM_STATES)
         slab_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
         slab_cols = gl.arange(0, CN, layout=gl.SliceLayout(0, layout))
         j = 0
         local = 0
-        for tile in range(start, total, gl.num_programs(0)):
+        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
             buf = local % ACC_BUFS
             mbarrier.wait(acc_ready.index(buf), (local // ACC_BUFS) & 1)
@@ -238,19 +241,21 @@ if GLUON_IMPORT_ERROR is None:
                 rows = rows.to(gl.int64)
             row_offsets = gl.expand_dims(rows * N, 1)
             for c in gl.static_range(SLABS):
-                # slab j + STATE_STAGES - 1 reuses the slot slab j - 1 was read from (all warps are past it)
-                _sync_warps()
-                fence_async_shared()
-                _issue_state_slab(j + STATE_STAGES - 1, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs,
-                                  st_ready, n_slabs, tiles_m, tiles_n, BM, BN, CN, SLABS, STATE_STAGES,
-                                  NUM_STATES)
                 slot = j % STATE_STAGES
                 grad = acc_smem.index(buf).slice(c * CN, CN, dim=1).load(layout)
+                if c == SLABS - 1:
+                    # every warp has read this G tile: the MMA warps may park the next one
+                    mbarrier.arrive(acc_empty.index(buf))
                 mbarrier.wait(st_ready.index(slot), (j // STATE_STAGES) & 1)
-                weight = w_bufs.index(slot).load(layout).to(gl.float32)
-                s0 = s0_bufs.index(slot).load(layout).to(gl.float32)
+                w_raw = w_bufs.index(slot).load(layout)
+                s0_raw = s0_bufs.index(slot).load(layout)
                 if NUM_STATES >= 2:
-                    s1 = s1_bufs.index(slot).load(layout).to(gl.float32)
+                    s1_raw = s1_bufs.index(slot).load(layout)
+                mbarrier.arrive(st_empty.index(slot))
+                weight = w_raw.to(gl.float32)
+                s0 = s0_raw.to(gl.float32)
+                if NUM_STATES >= 2:
+                    s1 = s1_raw.to(gl.float32)
                 else:
                     s1 = gl.zeros((BM, CN), gl.float32, layout)
                 weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
@@ -260,9 +265,6 @@ if GLUON_IMPORT_ERROR is None:
                 if NUM_STATES >= 2:
                     gl.store(S1 + offsets, s1.to(gl.bfloat16))
                 j += 1
-            # every warp has read this G tile: the MMA warps may overwrite the buffer
-            _sync_warps()
-            mbarrier.arrive(acc_empty.index(buf))
             local += 1
 
     @gluon.jit
@@ -274,6 +276,7 @@ if GLUON_IMPORT_ERROR is None:
                          WIDE_INDEX: gl.constexpr,
                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                          EPI_WARPS: gl.constexpr):
+        gl.static_assert(STATE_STAGES >= 2, "the state ring needs two slots (a one-slot ring marks one state)")
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         # rows padded by 16 B: the MMA layout's stores and the slabs' 16-byte loads then spread over
@@ -286,12 +289,13 @@ if GLUON_IMPORT_ERROR is None:
             s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [STATE_STAGES] + s1_desc.block_type.shape,
                                                 s1_desc.layout)
         else:
-            s1_bufs = s0_bufs
+            s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [1] + s1_desc.block_type.shape, s1_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         acc_ready = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
         acc_empty = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
         st_ready = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
+        st_empty = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
@@ -300,21 +304,23 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(acc_empty.index(i), count=1)
         for i in gl.static_range(STATE_STAGES):
             mbarrier.init(st_ready.index(i), count=1)
+            mbarrier.init(st_empty.index(i), count=1)
         fence_async_shared()
 
         tiles_m = M // BM
         tiles_n = N // BN
-        worker_args = (x_desc, dy_desc, a_bufs, b_bufs, ready, empty, acc_smem, acc_ready, acc_empty,
-                       tiles_m, tiles_n, K)
+        worker_args = (x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
+                       ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K)
         gl.warp_specialize([
-            (_epilogue_partition, (W, S0, S1, w_desc, s0_desc, s1_desc, w_bufs, s0_bufs, s1_bufs, st_ready,
+            (_epilogue_partition, (W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
                                    acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                                    EPILOGUE, NUM_STATES, SCALARS_IN_MEMORY, BM, BN, CN, STATE_STAGES, ACC_BUFS,
                                    WIDE_INDEX, EPI_WARPS)),
             (_main_loop_loads, worker_args),
+            (_state_loads, worker_args),
             (_main_loop_mma, worker_args),
-        ], [1, MMA_WARPS], [LOADER_REGS, MMA_REGS])
+        ], [1, 1, MMA_WARPS], [LOADER_REGS, LOADER_REGS, MMA_REGS])
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
