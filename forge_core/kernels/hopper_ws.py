@@ -53,13 +53,12 @@ class WsConfig:
     block_k: int = 64
     stages: int = 3
     """Shared-memory ring of dY / X tiles for the main loop."""
+    slab_m: int = 128
+    """Rows of one epilogue slab (W / state TMA box, G read from shared memory)."""
     slab_n: int = 32
-    """Columns of one epilogue slab (W / state TMA box, G read from shared memory)."""
+    """Columns of one epilogue slab: at most half the tile (G is parked in two column halves)."""
     state_stages: int = 2
     """Slabs of W and states in flight (TMA prefetch distance + 1)."""
-    acc_buffers: int = 1
-    """Shared-memory copies of the fp32 tile: 2 lets the MMA warps park tile i+1 while the epilogue
-    still reads tile i."""
     epilogue_warps: int = 4
     mma_warps: int = 4
     max_registers: int = 168
@@ -72,8 +71,8 @@ class WsConfig:
 
     def shared_memory_bytes(self) -> int:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
-        accumulator = self.acc_buffers * self.block_m * (self.block_n + 4) * 4     # rows padded by 16 B
-        states = self.state_stages * 3 * self.block_m * self.slab_n * 2
+        accumulator = self.block_m * (self.block_n + 8) * 4            # two halves, rows padded by 16 B
+        states = self.state_stages * 3 * self.slab_m * self.slab_n * 2
         return ring + accumulator + states
 
 
@@ -104,6 +103,8 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
             return f"{name} is not TMA-compatible (last dim contiguous, 16-byte aligned rows and base)"
     if any(s.stride() != weight.stride() for s in states):
         return "states and weight must share strides"
+    if config.slab_n > config.block_n // 2 or config.block_m % config.slab_m:
+        return f"slab {config.slab_m}x{config.slab_n} must tile a column half of the {config.block_m}x{config.block_n} tile"
     if config.warps() * 32 * config.max_registers > REGISTER_FILE:
         return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
                 f"{REGISTER_FILE}-register file of an SM")
@@ -153,25 +154,27 @@ if GLUON_IMPORT_ERROR is None:
                      ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
         """Loader warp: the W and state slabs of every tile, in the epilogue's order, into their ring.
         (In a warp of its own so the epilogue warps never sync around a TMA issue.)"""
-        BM: gl.constexpr = w_desc.block_type.shape[0]
-        CN: gl.constexpr = w_desc.block_type.shape[1]
+        BM: gl.constexpr = dy_desc.block_type.shape[1]
         BN: gl.constexpr = x_desc.block_type.shape[1]
-        SLABS: gl.constexpr = BN // CN
+        RM: gl.constexpr = w_desc.block_type.shape[0]
+        CN: gl.constexpr = w_desc.block_type.shape[1]
         STATE_STAGES: gl.constexpr = w_bufs.type.shape[0]
         TWO_STATES: gl.constexpr = s1_bufs.type.shape[0] == STATE_STAGES      # a one-slot dummy otherwise
         nbytes: gl.constexpr = w_desc.block_type.nbytes * (3 if TWO_STATES else 2)
         j = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
-            for c in range(SLABS):
+            for slab in range((BN // CN) * (BM // RM)):          # the epilogue's order: column-major
+                row = pid_m * BM + (slab % (BM // RM)) * RM
+                col = pid_n * BN + (slab // (BM // RM)) * CN
                 slot = j % STATE_STAGES
                 mbarrier.wait(st_empty.index(slot), ((j // STATE_STAGES) & 1) ^ 1)
                 bar = st_ready.index(slot)
                 mbarrier.expect(bar, nbytes)
-                _tma_load(w_desc, [pid_m * BM, pid_n * BN + c * CN], bar, w_bufs.index(slot))
-                _tma_load(s0_desc, [pid_m * BM, pid_n * BN + c * CN], bar, s0_bufs.index(slot))
+                _tma_load(w_desc, [row, col], bar, w_bufs.index(slot))
+                _tma_load(s0_desc, [row, col], bar, s0_bufs.index(slot))
                 if TWO_STATES:
-                    _tma_load(s1_desc, [pid_m * BM, pid_n * BN + c * CN], bar, s1_bufs.index(slot))
+                    _tma_load(s1_desc, [row, col], bar, s1_bufs.index(slot))
                 j += 1
 
     @gluon.jit
@@ -183,7 +186,6 @@ if GLUON_IMPORT_ERROR is None:
         BN: gl.constexpr = x_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        ACC_BUFS: gl.constexpr = acc_smem.type.shape[0]
         MMA_WARPS: gl.constexpr = gl.num_warps()
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
@@ -201,24 +203,36 @@ if GLUON_IMPORT_ERROR is None:
                 count += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
-            buf = local % ACC_BUFS
-            mbarrier.wait(acc_empty.index(buf), ((local // ACC_BUFS) & 1) ^ 1)
-            acc_smem.index(buf).store(acc)
-            mbarrier.arrive(acc_ready.index(buf))
+            # park G in two column halves, each as soon as the epilogue has read that half of the last tile
+            left, right = _column_halves(acc, BM, BN)
+            mbarrier.wait(acc_empty.index(0), (local & 1) ^ 1)
+            acc_smem.index(0).store(left)
+            mbarrier.arrive(acc_ready.index(0))
+            mbarrier.wait(acc_empty.index(1), (local & 1) ^ 1)
+            acc_smem.index(1).store(right)
+            mbarrier.arrive(acc_ready.index(1))
             local += 1
+
+    @gluon.jit
+    def _column_halves(tile, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """(ROWS, COLS) -> its left and right (ROWS, COLS // 2) halves (a renaming of registers in the
+        wgmma layout, where every thread holds matching elements of both halves)."""
+        return gl.split(gl.permute(gl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
 
     @gluon.jit
     def _epilogue_partition(W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
                             acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
                             c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                             EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
-                            BM: gl.constexpr, BN: gl.constexpr, CN: gl.constexpr,
-                            STATE_STAGES: gl.constexpr, ACC_BUFS: gl.constexpr,
-                            WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr):
-        """Epilogue warps: per slab, G and W / states from shared memory into registers (then the slab's
-        slot goes back to the state loader), the rule, W and states stored."""
+                            BM: gl.constexpr, BN: gl.constexpr, RM: gl.constexpr, CN: gl.constexpr,
+                            STATE_STAGES: gl.constexpr, WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr):
+        """Epilogue warps: per (RM, CN) slab, column-major over the tile, G and W / states from shared
+        memory into registers (the slab's slot then goes back to the state loader, and after a half's
+        last slab that half of G to the MMA warps), the rule, W and states stored."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CN // 8), CN // 8], [EPI_WARPS, 1], [1, 0])
-        SLABS: gl.constexpr = BN // CN
+        HALF: gl.constexpr = BN // 2
+        ROW_SLABS: gl.constexpr = BM // RM
+        HALF_SLABS: gl.constexpr = (HALF // CN) * ROW_SLABS
         if SCALARS_IN_MEMORY:
             c0 = gl.load(SCALARS + 0)
             c1 = gl.load(SCALARS + 1)
@@ -228,24 +242,23 @@ if GLUON_IMPORT_ERROR is None:
             c5 = gl.load(SCALARS + 5)
             c6 = gl.load(SCALARS + 6)
             c7 = gl.load(SCALARS + 7)
-        slab_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        slab_rows = gl.arange(0, RM, layout=gl.SliceLayout(1, layout))
         slab_cols = gl.arange(0, CN, layout=gl.SliceLayout(0, layout))
         j = 0
         local = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
-            buf = local % ACC_BUFS
-            mbarrier.wait(acc_ready.index(buf), (local // ACC_BUFS) & 1)
-            rows = pid_m * BM + slab_rows
-            if WIDE_INDEX:
-                rows = rows.to(gl.int64)
-            row_offsets = gl.expand_dims(rows * N, 1)
-            for c in gl.static_range(SLABS):
+            for slab in gl.static_range(2 * HALF_SLABS):
+                # constexpr arithmetic inline (a name assigned here would become a tensor): the slab's
+                # half of G is slab // HALF_SLABS, its first row (slab % ROW_SLABS) * RM, its first
+                # column within the half ((slab % HALF_SLABS) // ROW_SLABS) * CN
+                if slab % HALF_SLABS == 0:
+                    mbarrier.wait(acc_ready.index(slab // HALF_SLABS), local & 1)
                 slot = j % STATE_STAGES
-                grad = acc_smem.index(buf).slice(c * CN, CN, dim=1).load(layout)
-                if c == SLABS - 1:
-                    # every warp has read this G tile: the MMA warps may park the next one
-                    mbarrier.arrive(acc_empty.index(buf))
+                grad = acc_smem.index(slab // HALF_SLABS).slice((slab % ROW_SLABS) * RM, RM, dim=0).slice(
+                    ((slab % HALF_SLABS) // ROW_SLABS) * CN, CN, dim=1).load(layout)
+                if slab % HALF_SLABS == HALF_SLABS - 1:
+                    mbarrier.arrive(acc_empty.index(slab // HALF_SLABS))      # every warp has read this half
                 mbarrier.wait(st_ready.index(slot), (j // STATE_STAGES) & 1)
                 w_raw = w_bufs.index(slot).load(layout)
                 s0_raw = s0_bufs.index(slot).load(layout)
@@ -257,9 +270,13 @@ if GLUON_IMPORT_ERROR is None:
                 if NUM_STATES >= 2:
                     s1 = s1_raw.to(gl.float32)
                 else:
-                    s1 = gl.zeros((BM, CN), gl.float32, layout)
+                    s1 = gl.zeros((RM, CN), gl.float32, layout)
                 weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
-                offsets = row_offsets + gl.expand_dims(pid_n * BN + c * CN + slab_cols, 0)
+                rows = pid_m * BM + (slab % ROW_SLABS) * RM + slab_rows
+                if WIDE_INDEX:
+                    rows = rows.to(gl.int64)
+                cols = pid_n * BN + (slab // HALF_SLABS) * HALF + ((slab % HALF_SLABS) // ROW_SLABS) * CN + slab_cols
+                offsets = gl.expand_dims(rows * N, 1) + gl.expand_dims(cols, 0)
                 gl.store(W + offsets, weight.to(gl.bfloat16))
                 gl.store(S0 + offsets, s0.to(gl.bfloat16))
                 if NUM_STATES >= 2:
@@ -272,7 +289,7 @@ if GLUON_IMPORT_ERROR is None:
                          c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                          EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         CN: gl.constexpr, STATE_STAGES: gl.constexpr, ACC_BUFS: gl.constexpr,
+                         RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr,
                          WIDE_INDEX: gl.constexpr,
                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                          EPI_WARPS: gl.constexpr):
@@ -281,8 +298,8 @@ if GLUON_IMPORT_ERROR is None:
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         # rows padded by 16 B: the MMA layout's stores and the slabs' 16-byte loads then spread over
         # the banks (unpadded, 512-byte rows put 8 rows on the same banks)
-        acc_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BN, 4]], [BM, BN], [1, 0])
-        acc_smem = gl.allocate_shared_memory(gl.float32, [ACC_BUFS, BM, BN], acc_layout)
+        acc_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BN // 2, 4]], [BM, BN // 2], [1, 0])
+        acc_smem = gl.allocate_shared_memory(gl.float32, [2, BM, BN // 2], acc_layout)     # G's column halves
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STATE_STAGES] + w_desc.block_type.shape, w_desc.layout)
         s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [STATE_STAGES] + s0_desc.block_type.shape, s0_desc.layout)
         if NUM_STATES >= 2:
@@ -292,14 +309,14 @@ if GLUON_IMPORT_ERROR is None:
             s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [1] + s1_desc.block_type.shape, s1_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        acc_ready = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
-        acc_empty = gl.allocate_shared_memory(gl.int64, [ACC_BUFS, 1], mbarrier.MBarrierLayout())
+        acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         st_ready = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
         st_empty = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(ACC_BUFS):
+        for i in gl.static_range(2):
             mbarrier.init(acc_ready.index(i), count=1)
             mbarrier.init(acc_empty.index(i), count=1)
         for i in gl.static_range(STATE_STAGES):
@@ -315,7 +332,7 @@ if GLUON_IMPORT_ERROR is None:
             (_epilogue_partition, (W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
                                    acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
-                                   EPILOGUE, NUM_STATES, SCALARS_IN_MEMORY, BM, BN, CN, STATE_STAGES, ACC_BUFS,
+                                   EPILOGUE, NUM_STATES, SCALARS_IN_MEMORY, BM, BN, RM, CN, STATE_STAGES,
                                    WIDE_INDEX, EPI_WARPS)),
             (_main_loop_loads, worker_args),
             (_state_loads, worker_args),
@@ -342,7 +359,7 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
     c = config
     x_desc = _descriptor(x2, [c.block_k, c.block_n])
     dy_desc = _descriptor(dy2, [c.block_k, c.block_m])
-    slab = [c.block_m, c.slab_n]
+    slab = [c.slab_m, c.slab_n]
     w_desc = _descriptor(weight, slab)
     s0_desc = _descriptor(states[0], slab)
     s1_desc = _descriptor(states[-1], slab)
@@ -357,6 +374,6 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
         x_desc, dy_desc, w_desc, s0_desc, s1_desc, weight, states[0], states[-1], m, n, k, *values, buffer,
         EPILOGUE=epilogue, NUM_STATES=len(states), SCALARS_IN_MEMORY=in_memory,
         BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, CN=c.slab_n, STATE_STAGES=c.state_stages,
-        ACC_BUFS=c.acc_buffers, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps,
+        RM=c.slab_m, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps,
         MMA_REGS=c.mma_registers, LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps,
         num_warps=c.epilogue_warps, maxnreg=c.max_registers)
