@@ -197,12 +197,19 @@ if GLUON_IMPORT_ERROR is None:
                 slot = count % STAGES
                 mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
                 acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                # the previous step's wgmma has finished reading its slot: hand it back to the loader
-                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=kk > 0)
+                if STAGES >= 3:
+                    # one wgmma in flight: the previous step's has finished reading its slot
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES), pred=kk > 0)
+                else:
+                    # a two-slot ring: hand this step's slot back at once, so the loader refills it
+                    # while the next step multiplies (the shared memory goes to the state ring)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index(slot))
                 count += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
+            if STAGES >= 3:
+                mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
             # park G in two column halves, each as soon as the epilogue has read that half of the last tile
             left, right = _column_halves(acc, BM, BN)
             mbarrier.wait(acc_empty.index(0), (local & 1) ^ 1)
