@@ -59,6 +59,9 @@ class WsConfig:
     """Columns of one epilogue slab: at most half the tile (G is parked in two column halves)."""
     state_stages: int = 2
     """Slabs of W and states in flight (TMA prefetch distance + 1)."""
+    group: int = 8
+    """Row-tiles per group of the tile order (fused.grouped_tile's); 1 walks whole rows of tiles, so the
+    programs running at once read W and the states along whole rows."""
     epilogue_warps: int = 4
     mma_warps: int = 4
     max_registers: int = 168
@@ -115,14 +118,10 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
 
 if GLUON_IMPORT_ERROR is None:
 
-    TILE_GROUP: gl.constexpr = gl.constexpr(8)
-    """Row-tiles per group of the tile order (one value: worker partitions take no constexpr arguments)."""
-
-    """Row-tiles per group of the tile order (workers cannot take constexpr arguments in Triton 3.6)."""
-
     @gluon.jit
-    def _tile_coords(tile, tiles_m, tiles_n, GROUP: gl.constexpr):
-        """Grouped order (as fused.grouped_tile): GROUP row-tiles share X's column tiles in L2."""
+    def _tile_coords(tile, tiles_m, tiles_n, GROUP):
+        """Grouped order (as fused.grouped_tile): GROUP row-tiles share X's column tiles in L2. A
+        runtime value: worker partitions take no constexpr arguments in Triton 3.6."""
         per_group = GROUP * tiles_n
         first_m = (tile // per_group) * GROUP
         rows = gl.minimum(tiles_m - first_m, GROUP)
@@ -130,7 +129,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _main_loop_loads(x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
-                         ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
+                         ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, K):
         """Loader warp: every dY / X tile of every weight tile this program owns, into the ring."""
         # Triton 3.6 turns constexpr arguments of worker partitions into int32 tensors: shapes come
         # from the descriptors and buffers instead
@@ -140,7 +139,7 @@ if GLUON_IMPORT_ERROR is None:
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         count = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, group)
             for kk in range(gl.cdiv(K, BK)):
                 slot = count % STAGES
                 mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
@@ -151,7 +150,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _state_loads(x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
-                     ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
+                     ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, K):
         """Loader warp: the W and state slabs of every tile, in the epilogue's order, into their ring.
         (In a warp of its own so the epilogue warps never sync around a TMA issue.)"""
         BM: gl.constexpr = dy_desc.block_type.shape[1]
@@ -163,7 +162,7 @@ if GLUON_IMPORT_ERROR is None:
         nbytes: gl.constexpr = w_desc.block_type.nbytes * (3 if TWO_STATES else 2)
         j = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, group)
             for slab in range((BN // CN) * (BM // RM)):          # the epilogue's order: column-major
                 row = pid_m * BM + (slab % (BM // RM)) * RM
                 col = pid_n * BN + (slab // (BM // RM)) * CN
@@ -179,7 +178,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _main_loop_mma(x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
-                       ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K):
+                       ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, K):
         """MMA warps: G = dY^T X per tile with wgmma (one group in flight), then park G in shared memory.
         (Each mbarrier.arrive below is one elected thread; the compiler syncs the warps before it.)"""
         BM: gl.constexpr = dy_desc.block_type.shape[1]
@@ -228,7 +227,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _epilogue_partition(W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
-                            acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
+                            acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N,
                             c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                             EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, RM: gl.constexpr, CN: gl.constexpr,
@@ -254,7 +253,7 @@ if GLUON_IMPORT_ERROR is None:
         j = 0
         local = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, TILE_GROUP)
+            pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, group)
             for slab in gl.static_range(2 * HALF_SLABS):
                 # constexpr arithmetic inline (a name assigned here would become a tensor): the slab's
                 # half of G is slab // HALF_SLABS, its first row (slab % ROW_SLABS) * RM, its first
@@ -292,7 +291,7 @@ if GLUON_IMPORT_ERROR is None:
             local += 1
 
     @gluon.jit
-    def _ws_fused_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, W, S0, S1, M, N, K,
+    def _ws_fused_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, W, S0, S1, M, N, K, group,
                          c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                          EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -334,10 +333,10 @@ if GLUON_IMPORT_ERROR is None:
         tiles_m = M // BM
         tiles_n = N // BN
         worker_args = (x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
-                       ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, K)
+                       ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, K)
         gl.warp_specialize([
             (_epilogue_partition, (W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
-                                   acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, N,
+                                   acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                                    EPILOGUE, NUM_STATES, SCALARS_IN_MEMORY, BM, BN, RM, CN, STATE_STAGES,
                                    WIDE_INDEX, EPI_WARPS)),
@@ -378,7 +377,7 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
     grid = (min(tiles, torch.cuda.get_device_properties(weight.device).multi_processor_count),)
     wide = (m - 1) * weight.stride(0) + n >= 2 ** 31 - 1
     _ws_fused_kernel[grid](
-        x_desc, dy_desc, w_desc, s0_desc, s1_desc, weight, states[0], states[-1], m, n, k, *values, buffer,
+        x_desc, dy_desc, w_desc, s0_desc, s1_desc, weight, states[0], states[-1], m, n, k, c.group, *values, buffer,
         EPILOGUE=epilogue, NUM_STATES=len(states), SCALARS_IN_MEMORY=in_memory,
         BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, CN=c.slab_n, STATE_STAGES=c.state_stages,
         RM=c.slab_m, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps,
