@@ -124,9 +124,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="force Triton's enable_fp_fusion option (default: Triton's default)")
     parser.add_argument("--sass-out", type=pathlib.Path, default=None)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ws", metavar="CONFIGS_JSON", default=None,
+                        help="compile the warp-specialized Gluon kernel (forge_core/kernels/hopper_ws.py) instead, "
+                             "for each WsConfig field dict of this JSON list; print one JSON line per config "
+                             "(registers, stack bytes, shared bytes) and exit")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("offline_sass: unset TRITON_INTERPRET (under the interpreter there is no compiled kernel)")
+    if args.ws is not None:
+        return _ws_resources(args)
     compiled, per_thread = _compile(args)
     sass = _nvidia_tool("nvdisasm", compiled.asm["cubin"], "-c")
     registers, stack = resource_usage(compiled.asm["cubin"])
@@ -141,6 +147,25 @@ def main(argv: list[str] | None = None) -> int:
           f"{total / per_thread:.1f} per weight element ({per_thread} elements per thread)")
     for op, count in counts.most_common(args.top):
         print(f"  {op:10s} {count:6d}  {count / per_thread:6.2f}")
+    return 0
+
+
+def _ws_resources(args: argparse.Namespace) -> int:
+    """Registers, spills and shared memory of the Gluon kernel per config (bf16 states; ``--rule``)."""
+    import dataclasses
+    import json
+
+    from forge_core.kernels import hopper_ws
+    from forge_core.rules import get_rule
+
+    m, n = (int(v) for v in args.shape.lower().split("x"))
+    rule = get_rule(args.rule)
+    for fields in json.loads(args.ws):
+        config = hopper_ws.WsConfig(**fields)
+        compiled = hopper_ws.compile_offline(m, n, args.tokens, config, rule.epilogue, len(rule.state_names))
+        registers, stack = resource_usage(compiled.asm["cubin"])
+        print(json.dumps(dict(config=dataclasses.asdict(config), rule=rule.name, registers=registers, stack=stack,
+                              shared=compiled.metadata.shared, estimate=config.shared_memory_bytes())), flush=True)
     return 0
 
 

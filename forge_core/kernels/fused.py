@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..rules.base import KERNEL_SCALARS, check_scalar_count
 from ..state import QBLOCK, ParamState
-from . import tune_cache
+from . import hopper_ws, tune_cache, ws_choice
 from .reference import check_arguments, flatten_tokens
 
 _STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
@@ -1053,9 +1053,10 @@ def tuning_candidates(m: int, n: int, k: int, input_bytes: int, state_dtype: str
     return [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
 
 
-def tuned_configs() -> dict[tuple, TileConfig]:
-    """The configurations chosen so far in this process, by tuning key (for logs and benchmarks)."""
-    return dict(_TUNED)
+def tuned_configs() -> dict[tuple, "TileConfig | hopper_ws.WsConfig"]:
+    """The configurations chosen so far in this process, by tuning key (for logs and benchmarks): the
+    Triton tile, or the Gluon kernel's config where ``ws_choice`` gave it the weight."""
+    return {**_TUNED, **ws_choice.chosen_configs()}
 
 
 def describe_tuned_configs() -> dict[str, str]:
@@ -1070,6 +1071,10 @@ def describe_tuned_configs() -> dict[str, str]:
             f"g{config.group} split{config.split_n}{' prefetch' if config.prefetch else ''}"
             f"{f' maxnreg{config.max_registers}' if config.max_registers else ''}{'' if config.tma else ' pointers'}"
             f"{' (tune cache)' if key in _FROM_DISK else ''}")
+    for key, ws_config in ws_choice.chosen_configs().items():
+        (m, n), tokens, _, _, rule_name, state_dtype = key[:6]
+        described[f"{m}x{n}/bt{tokens}/{rule_name}/{state_dtype}"] = ws_choice.describe(
+            ws_config, key in ws_choice._FROM_DISK)
     return described
 
 
@@ -1095,7 +1100,10 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         # Same weight, states, layouts and dtypes as a call that passed every check below.
         x2, dy2 = flatten_tokens(x, x.shape[-1], "x"), flatten_tokens(dy, dy.shape[-1], "dy")
         scalars = device_scalars if in_memory else _kernel_scalars(state.rule, hp, step)
-        _run(cached, x2, dy2, scalars, int(seed) & 0x7FFFFFFF, grad_accum)
+        if isinstance(cached, _WsPlan):
+            cached.run(x2, dy2, scalars)
+        else:
+            _run(cached, x2, dy2, scalars, int(seed) & 0x7FFFFFFF, grad_accum)
         return
     if not triton_available():
         raise RuntimeError("fused_wgrad_update needs a CUDA device or TRITON_INTERPRET=1; "
@@ -1133,6 +1141,14 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
                    grad_accum is not None, stochastic, ieee, str(weight.device))   # one tuning for both scalar sources
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
+            ws_config = _ws_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, stochastic,
+                                   scalars, seed, meta, config)
+            if ws_config is not None:
+                ws_plan = _WsPlan(ws_config, weight, states, rule.epilogue)
+                ws_plan.run(x2, dy2, scalars)
+                if signature is not None:
+                    _PLANS[state] = {signature: ws_plan}
+                return
     check_config(config, state.state_dtype)
     plan = _plan(config, x2, dy2, weight, states, scales, grad_accum, meta)
     compiled = _run(plan, x2, dy2, scalars, seed, grad_accum)
@@ -1140,6 +1156,51 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         if compiled is not None and not interpreting() and _direct_launch_enabled():
             plan.direct = _direct_launcher(compiled, plan)
         _PLANS[state] = {signature: plan}
+
+
+@dataclasses.dataclass
+class _WsPlan:
+    """A weight whose update the tuner gave to the warp-specialized Gluon kernel (``ws_choice``):
+    its config and tensors, checked once (``hopper_ws.unsupported_reason``) when it was chosen."""
+    config: hopper_ws.WsConfig
+    weight: torch.Tensor
+    states: list[torch.Tensor]
+    epilogue: Any
+
+    def run(self, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor) -> None:
+        hopper_ws.launch(x2, dy2, self.weight, self.states, self.epilogue, scalars, self.config, check=False)
+
+
+def _ws_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad_accum, stochastic: bool, scalars,
+               seed: int, meta, triton_config: TileConfig) -> hopper_ws.WsConfig | None:
+    """The Gluon kernel's config when it beats the tuned Triton tile on this call (``ws_choice``),
+    else None. Both are timed on scratch copies of the weight and states."""
+    if interpreting() or not _autotune_enabled() or not isinstance(triton_config, TileConfig):
+        return None
+    candidates = ws_choice.candidates_for(x2, dy2, weight, states, state_dtype, grad_accum, stochastic)
+    if not candidates:
+        return None
+    if key in ws_choice._CHOSEN:                 # chosen before (this process): no scratch copies needed
+        return ws_choice._CHOSEN[key]
+    try:
+        scratch_weight = weight.detach().clone()
+        scratch_states = [s.clone() for s in states]
+        scratch_scales = [s.clone() if s is not None else None for s in scales]
+    except torch.OutOfMemoryError:
+        return None
+
+    def run_triton() -> None:
+        _launch(triton_config, x2, dy2, scratch_weight, scratch_states, scratch_scales, None, scalars, seed, meta)
+
+    def run_ws(config: hopper_ws.WsConfig) -> None:
+        hopper_ws.launch(x2, dy2, scratch_weight, scratch_states, meta["EPILOGUE"], scalars, config, check=False)
+
+    identity = (tune_cache.source_identity(hopper_ws._ws_fused_kernel)
+                + _tuning_fingerprint(weight, meta, [triton_config]))
+    m, n = weight.shape
+    return ws_choice.chosen(key, candidates, run_triton, run_ws, _bench_ms, identity, {
+        "shape": f"{m}x{n}", "tokens": x2.shape[0], "device": _device_name(weight), "triton": triton.__version__,
+        "triton_tile": dataclasses.asdict(triton_config)})
 
 
 def kernel_meta(state: ParamState, input_dtype: torch.dtype, *, grad_accum: bool, stochastic: bool, ieee: bool,

@@ -26,6 +26,7 @@ Gluon kernels do not run under ``TRITON_INTERPRET``: the tests of this file need
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ class WsConfig:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
         accumulator = self.block_m * (self.block_n + 8) * 4            # two halves, rows padded by 16 B
         states = self.state_stages * 3 * self.slab_m * self.slab_n * 2
-        return ring + accumulator + states
+        return ring + accumulator + states + 1024          # + the mbarriers and alignment (measured: < 1 KB)
 
 
 DEFAULT_CONFIG = WsConfig()
@@ -84,16 +85,30 @@ SHARED_MEMORY_BYTES = 227 * 1024
 REGISTER_FILE = 65536
 
 
+def config_problem(config: WsConfig) -> str | None:
+    """Why ``config`` cannot launch (None: it can)."""
+    if config.block_m % 64 or config.block_n % 16 or config.block_n > 256 or config.block_k % 16:
+        return f"tile {config.block_m}x{config.block_n}x{config.block_k} is not a wgmma tile (BM % 64, BN % 16, BK % 16)"
+    if config.slab_n > config.block_n // 2 or config.block_m % config.slab_m or (config.block_n // 2) % config.slab_n:
+        return f"slab {config.slab_m}x{config.slab_n} must tile a column half of the {config.block_m}x{config.block_n} tile"
+    if config.slab_n % 8 or 32 % (config.slab_n // 8) or config.stages < 2 or config.state_stages < 2:
+        return "slab_n must be 8, 16, 32, 64 or 128 (8 columns a thread), with two stages or more in each ring"
+    if config.warps() * 32 * config.max_registers > REGISTER_FILE:
+        return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
+                f"{REGISTER_FILE}-register file of an SM")
+    if config.shared_memory_bytes() > SHARED_MEMORY_BYTES:
+        return f"config needs {config.shared_memory_bytes()} B of shared memory, over {SHARED_MEMORY_BYTES}"
+    return None
+
+
 def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
                        config: WsConfig = DEFAULT_CONFIG) -> str | None:
     """Why this kernel cannot take the call (None: it can). One line, naming the problem."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon is not importable from this Triton ({triton.__version__}): {GLUON_IMPORT_ERROR}"
-    if weight.device.type != "cuda" or not torch.cuda.is_available():
-        return f"tensors are on {weight.device}; the warp-specialized kernel needs a CUDA device"
-    major, _ = torch.cuda.get_device_capability(weight.device)
-    if major != 9:
-        return f"compute capability {major}.x; the warp-specialized kernel is written for Hopper (9.x) wgmma"
+    problem = config_problem(config)
+    if problem is not None:
+        return problem
     if x2.dtype != torch.bfloat16 or dy2.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return f"inputs {x2.dtype} / {dy2.dtype} and weight {weight.dtype}; it takes bf16 only"
     if not 1 <= len(states) <= 2 or any(s.dtype != torch.bfloat16 for s in states):
@@ -101,18 +116,18 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
     m, n = weight.shape
     if m % config.block_m or n % config.block_n:
         return f"weight {m}x{n} is not a multiple of the {config.block_m}x{config.block_n} tile"
+    if x2.shape[0] != dy2.shape[0] or x2.shape[1] != n or dy2.shape[1] != m:
+        return f"x {tuple(x2.shape)} and dy {tuple(dy2.shape)} do not match the {m}x{n} weight"
     for name, t in (("x", x2), ("dy", dy2), ("weight", weight), *((f"state{i}", s) for i, s in enumerate(states))):
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} is not TMA-compatible (last dim contiguous, 16-byte aligned rows and base)"
     if any(s.stride() != weight.stride() for s in states):
         return "states and weight must share strides"
-    if config.slab_n > config.block_n // 2 or config.block_m % config.slab_m:
-        return f"slab {config.slab_m}x{config.slab_n} must tile a column half of the {config.block_m}x{config.block_n} tile"
-    if config.warps() * 32 * config.max_registers > REGISTER_FILE:
-        return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
-                f"{REGISTER_FILE}-register file of an SM")
-    if config.shared_memory_bytes() > SHARED_MEMORY_BYTES:
-        return f"config needs {config.shared_memory_bytes()} B of shared memory, over {SHARED_MEMORY_BYTES}"
+    if weight.device.type != "cuda" or not torch.cuda.is_available():
+        return f"tensors are on {weight.device}; the warp-specialized kernel needs a CUDA device"
+    major, _ = torch.cuda.get_device_capability(weight.device)
+    if major != 9:
+        return f"compute capability {major}.x; the warp-specialized kernel is written for Hopper (9.x) wgmma"
     return None
 
 
@@ -351,15 +366,22 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return GluonDescriptor.from_tensor(t, block, layout)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor], epilogue: Any,
-           scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG) -> None:
+           scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG, check: bool = True) -> None:
     """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
     bf16 ``states``, with the rule's ``epilogue`` and its 8 kernel scalars (floats, or a float32
     device buffer for a graph-replayed launch). Raises ValueError with the reason when the call is
-    outside this kernel's scope (``unsupported_reason``)."""
-    reason = unsupported_reason(x2, dy2, weight, states, config)
-    if reason is not None:
-        raise ValueError(f"hopper_ws: {reason}")
+    outside this kernel's scope (``unsupported_reason``); ``check=False`` skips that for a caller
+    that checked the same weight and layouts before (a cached plan)."""
+    if check:
+        reason = unsupported_reason(x2, dy2, weight, states, config)
+        if reason is not None:
+            raise ValueError(f"hopper_ws: {reason}")
     m, n = weight.shape
     k = x2.shape[0]
     c = config
@@ -374,7 +396,7 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
     else:
         values, buffer, in_memory = tuple(scalars) + (0.0,) * (8 - len(scalars)), weight, False
     tiles = (m // c.block_m) * (n // c.block_n)
-    grid = (min(tiles, torch.cuda.get_device_properties(weight.device).multi_processor_count),)
+    grid = (min(tiles, _sm_count(weight.device.index if weight.device.index is not None else torch.cuda.current_device())),)
     wide = (m - 1) * weight.stride(0) + n >= 2 ** 31 - 1
     _ws_fused_kernel[grid](
         x_desc, dy_desc, w_desc, s0_desc, s1_desc, weight, states[0], states[-1], m, n, k, c.group, *values, buffer,
@@ -383,3 +405,39 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
         RM=c.slab_m, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps,
         MMA_REGS=c.mma_registers, LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps,
         num_warps=c.epilogue_warps, maxnreg=c.max_registers)
+
+
+def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, epilogue: Any = None,
+                    num_states: int = 2, capability: int = 90) -> Any:
+    """Compile the kernel for ``sm_<capability>`` without a GPU (CPU tensors stand in for the
+    arguments; only their dtypes, shapes and strides are read), for register / spill / shared-memory
+    checks on a CPU machine (tests, ``scripts/offline_sass.py --ws``). Returns Triton's compiled
+    kernel (``.asm["cubin"]``, ``.metadata.shared``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    if epilogue is None:
+        from ..rules import get_rule
+        epilogue = get_rule("adamw").epilogue
+    weight = torch.empty((m, n), dtype=torch.bfloat16)
+    states = [torch.empty_like(weight) for _ in range(num_states)]
+    x2, dy2 = torch.empty((k, n), dtype=torch.bfloat16), torch.empty((k, m), dtype=torch.bfloat16)
+    slab = [config.slab_m, config.slab_n]
+    args = (_descriptor(x2, [config.block_k, config.block_n]), _descriptor(dy2, [config.block_k, config.block_m]),
+            _descriptor(weight, slab), _descriptor(states[0], slab), _descriptor(states[-1], slab),
+            weight, states[0], states[-1], m, n, k, config.group, *(0.5,) * 8, weight)
+    kwargs = dict(EPILOGUE=epilogue, NUM_STATES=num_states, SCALARS_IN_MEMORY=False, BM=config.block_m,
+                  BN=config.block_n, BK=config.block_k, STAGES=config.stages, RM=config.slab_m, CN=config.slab_n,
+                  STATE_STAGES=config.state_stages, WIDE_INDEX=False, MMA_WARPS=config.mma_warps,
+                  MMA_REGS=config.mma_registers, LOADER_REGS=config.loader_registers,
+                  EPI_WARPS=config.epilogue_warps, num_warps=config.epilogue_warps, maxnreg=config.max_registers)
+    kernel = _ws_fused_kernel
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)

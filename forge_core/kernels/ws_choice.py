@@ -1,0 +1,123 @@
+"""Which kernel updates a weight: the Triton kernel's tuned tile, or the warp-specialized Gluon kernel.
+
+Why a choice and not a switch: measured on the H100 (session 20, ``scripts/ws_bench.py``), the Gluon
+kernel (``hopper_ws``) is 3-13% faster than the Triton kernel's tuned tile at 512 tokens for the
+Llama-8B layer shapes, and draws ~10% fewer joules, but 2-3% slower for the lm_head and 10-15%
+slower at 2048 tokens and more, where its one 128x128 wgmma warpgroup is no match for the Triton
+kernel's GEMM tiles. So after the Triton tile is tuned, the Gluon kernel's candidates that can take
+the call are timed against it on the same scratch copies, and the faster one is kept (per tuning
+key, in the process and in ``FORGE_TUNE_CACHE`` beside the tile). ``FORGE_WS_KERNEL=0`` keeps every
+update on the Triton kernel (for A/B runs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import warnings
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import hopper_ws, tune_cache
+from .hopper_ws import WsConfig
+
+ENV = "FORGE_WS_KERNEL"
+# The configurations worth timing (session 20, H100): 32x64 slabs four deep with the grouped tile
+# order and with whole rows of tiles; 64x64 slabs; a two-slot main ring whose shared memory goes to
+# six 32x64 state slots.
+CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
+              WsConfig(slab_m=32, slab_n=64, state_stages=4, group=1),
+              WsConfig(slab_m=64, slab_n=64, group=1),
+              WsConfig(stages=2, slab_m=32, slab_n=64, state_stages=6, group=1))
+ROUNDS = 5
+"""Round-robin re-timings of the Triton tile against the fastest Gluon candidate (a few percent
+apart under the power cap; see fused.FINAL_ROUNDS)."""
+
+_CHOSEN: dict[tuple, WsConfig | None] = {}
+_FROM_DISK: set[tuple] = set()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def candidates_for(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
+                   state_dtype: str, grad_accum: torch.Tensor | None, stochastic: bool) -> list[WsConfig]:
+    """The candidates that can take this call (none outside the Gluon kernel's scope: see
+    ``hopper_ws.unsupported_reason``; no gradient accumulator, no stochastic rounding)."""
+    if state_dtype != "bf16" or grad_accum is not None or stochastic or not enabled():
+        return []
+    return [c for c in CANDIDATES if hopper_ws.unsupported_reason(x2, dy2, weight, states, c) is None]
+
+
+def choose(run_triton: Callable[[], None], run_ws: Mapping[WsConfig, Callable[[], None]],
+           time_ms: Callable[[Callable[[], None]], float], rounds: int = ROUNDS
+           ) -> tuple[WsConfig | None, dict[str, float]]:
+    """Time every Gluon candidate once, then the fastest against the Triton tile ``rounds`` times,
+    alternating which goes first; the Gluon config when its median is lower, else None. A candidate
+    that fails to compile or launch is skipped. Returns the choice and the medians, for a log."""
+    timings: dict[WsConfig, float] = {}
+    for config, run in run_ws.items():
+        try:
+            timings[config] = float(time_ms(run))
+        except Exception as error:   # noqa: BLE001 - compile / resource errors differ between Triton versions
+            warnings.warn(f"{ENV}: Gluon candidate {config} did not run ({type(error).__name__}: {error}"[:300]
+                          + ")", RuntimeWarning, stacklevel=2)
+    if not timings:
+        return None, {}
+    best = min(timings, key=timings.get)
+    series: dict[str, list[float]] = {"triton": [], "hopper_ws": []}
+    for index in range(max(1, rounds)):
+        order = [("triton", run_triton), ("hopper_ws", run_ws[best])]
+        for name, run in (order if index % 2 == 0 else order[::-1]):
+            series[name].append(float(time_ms(run)))
+    medians = {name: statistics.median(values) for name, values in series.items()}
+    return (best if medians["hopper_ws"] < medians["triton"] else None), medians
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """What the tune cache keeps: the Gluon config's fields, or None for the Triton tile."""
+    hopper_ws: dict | None
+
+
+def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None],
+           run_ws: Callable[[WsConfig], None], time_ms: Callable[[Callable[[], None]], float],
+           identity: str, note: dict[str, Any]) -> WsConfig | None:
+    """The choice for tuning ``key`` (in the process, then on disk, else measured with ``choose``).
+    ``identity``: what the choice depends on besides the key (both kernels' sources, the Triton
+    tile, the Triton version, the GPU); ``run_*`` must only touch scratch copies."""
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if not candidates:
+        return None
+    path = tune_cache.cache_path()
+    disk_key = None
+    if path is not None:
+        disk_key = tune_cache.entry_key(key + ("hopper_ws",), tune_cache.fingerprint(
+            identity, "", "", [candidates, ROUNDS]))
+        cached = tune_cache.lookup(path, disk_key, _Decision)
+        if cached is not None:
+            config = WsConfig(**cached.hopper_ws) if cached.hopper_ws is not None else None
+            _CHOSEN[key] = config
+            _FROM_DISK.add(key)
+            return config
+    config, medians = choose(run_triton, {c: (lambda c=c: run_ws(c)) for c in candidates}, time_ms)
+    _CHOSEN[key] = config
+    if path is not None and medians:
+        tune_cache.store(path, disk_key, _Decision(dataclasses.asdict(config) if config else None),
+                         dict(note, medians_ms=medians))
+    return config
+
+
+def chosen_configs() -> dict[tuple, WsConfig]:
+    """The tuning keys whose updates run on the Gluon kernel, with its config."""
+    return {key: config for key, config in _CHOSEN.items() if config is not None}
+
+
+def describe(config: WsConfig, from_disk: bool) -> str:
+    """Short text of a Gluon choice, for a benchmark row (as fused.describe_tuned_configs)."""
+    return (f"hopper_ws {config.block_m}x{config.block_n}x{config.block_k} s{config.stages} "
+            f"slab{config.slab_m}x{config.slab_n}x{config.state_stages} g{config.group} "
+            f"epi{config.epilogue_warps}{' (tune cache)' if from_disk else ''}")

@@ -1,0 +1,201 @@
+"""The warp-specialized Gluon kernel (forge_core/kernels/hopper_ws.py).
+
+On a CPU machine: its scope check names each problem, and it compiles for sm_90 (the local
+Triton's ptxas) without spills for every config the tuner may pick. On a Hopper GPU: one step
+equals the Triton kernel's and the fp32 reference's, for rules with one and with two states and
+for both scalar sources."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge_core.kernels import fused_wgrad_update, hopper_ws, ws_choice
+from forge_core.kernels.hopper_ws import WsConfig, config_problem, unsupported_reason
+from forge_core.rules import get_rule
+from forge_core.state import ParamState
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on a Hopper (sm_90) GPU only")
+needs_gluon = pytest.mark.skipif(hopper_ws.GLUON_IMPORT_ERROR is not None,
+                                 reason=f"Gluon not importable: {hopper_ws.GLUON_IMPORT_ERROR}")
+bf16 = torch.bfloat16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _call(m=256, n=256, k=64, device="cpu", dtype=bf16):
+    x2, dy2 = torch.zeros(k, n, dtype=dtype, device=device), torch.zeros(k, m, dtype=dtype, device=device)
+    weight = torch.zeros(m, n, dtype=dtype, device=device)
+    return x2, dy2, weight, [torch.zeros_like(weight), torch.zeros_like(weight)]
+
+
+@needs_gluon
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype=torch.float32), "it takes bf16 only"),
+    (dict(m=200), "is not a multiple of the 128x128 tile"),
+])
+def test_the_scope_check_names_the_problem(change, message):
+    assert message in unsupported_reason(*_call(**change))
+
+
+@needs_gluon
+def test_states_must_be_bf16_and_one_or_two():
+    x2, dy2, weight, states = _call()
+    assert "one or two bf16 states" in unsupported_reason(x2, dy2, weight, [s.float() for s in states])
+    assert "one or two bf16 states" in unsupported_reason(x2, dy2, weight, states * 2)
+
+
+@needs_gluon
+def test_a_cpu_call_is_refused_after_the_shape_checks():
+    assert unsupported_reason(*_call()) == "tensors are on cpu; the warp-specialized kernel needs a CUDA device"
+
+
+@needs_gluon
+def test_unaligned_activations_are_refused():
+    x2, dy2, weight, states = _call()
+    assert "do not match the 256x256 weight" in unsupported_reason(x2[:, 1:], dy2, weight, states)
+    odd = torch.zeros(64 * 256 + 1, dtype=bf16)[1:].view(64, 256)          # base 2 bytes past 16
+    assert "x is not TMA-compatible" in unsupported_reason(odd, dy2, weight, states)
+
+
+@pytest.mark.parametrize("config, message", [
+    (WsConfig(block_m=96), "not a wgmma tile"),
+    (WsConfig(slab_n=128), "must tile a column half"),
+    (WsConfig(slab_m=48), "must tile a column half"),
+    (WsConfig(state_stages=1), "two stages or more"),
+    (WsConfig(epilogue_warps=8, max_registers=168), "over the 65536-register file"),
+    (WsConfig(stages=4, state_stages=4), "of shared memory, over"),
+])
+def test_configs_that_cannot_launch_are_named(config, message):
+    assert message in config_problem(config)
+
+
+def test_the_default_and_every_tuner_candidate_fit():
+    for config in (hopper_ws.DEFAULT_CONFIG, *ws_choice.CANDIDATES):
+        assert config_problem(config) is None, config
+
+
+def _offline_compile(rule: str, configs: list[WsConfig]) -> list[dict]:
+    """scripts/offline_sass.py --ws in a process of its own: compiling needs Triton's real code
+    generator, and this test process runs Triton in the interpreter on a CPU machine."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_sass.py"), "--shape", "4096x4096",
+                           "--rule", rule, "--ws", json.dumps([dataclasses.asdict(c) for c in configs])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@needs_gluon
+def test_every_config_the_tuner_may_pick_compiles_for_sm90_without_spills():
+    """ptxas for sm_90 from the installed Triton: no local memory, the register cap kept, and the
+    shared memory within the config's estimate (what a launch would be refused on); AdamW (two
+    states) for every config, Lion and SGD (one state, the dummy second ring) for the first."""
+    configs = [hopper_ws.DEFAULT_CONFIG, *ws_choice.CANDIDATES]
+    results = _offline_compile("adamw", configs)
+    results += _offline_compile("lion", configs[1:2]) + _offline_compile("sgd", configs[1:2])
+    assert len(results) == len(configs) + 2
+    for result in results:
+        config = WsConfig(**result["config"])
+        assert result["stack"] == 0 and 0 < result["registers"] <= config.max_registers, result
+        assert result["shared"] <= result["estimate"] <= hopper_ws.SHARED_MEMORY_BYTES, result
+
+
+HP = {"adamw": dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+      "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1),
+      "sgd": dict(lr=1e-2, momentum=0.9, weight_decay=0.05)}
+
+
+def _problem(rule_name, m, n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    weight = (torch.randn(m, n, device="cuda", generator=g) * 0.02).to(bf16)
+    state = ParamState(weight, get_rule(rule_name), "bf16")
+    for name in state.rule.state_names:
+        value = torch.randn(m, n, device="cuda", generator=g) * 1e-3
+        state.store(name, value.square() if name == "exp_avg_sq" else value)
+    x = torch.randn(k, n, device="cuda", generator=g).to(bf16)
+    dy = (torch.randn(k, m, device="cuda", generator=g) * 0.01).to(bf16)
+    return x, dy, weight, state
+
+
+def _copy(weight, state):
+    twin = ParamState(weight.clone(), state.rule, "bf16")
+    for name in state.rule.state_names:
+        twin.values[name].copy_(state.values[name])
+    return weight.clone(), twin
+
+
+@needs_hopper
+@pytest.mark.parametrize("rule_name", ["adamw", "lion", "sgd"])
+@pytest.mark.parametrize("m, n, k", [(1024, 4096, 520), (4096, 1024, 64)])
+@pytest.mark.parametrize("config", [ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3]])
+def test_one_step_equals_the_triton_kernel_and_the_reference(rule_name, m, n, k, config, monkeypatch):
+    from forge_core.kernels.fused import _kernel_scalars
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")           # the Triton side: its untuned default tile
+    x, dy, weight, state = _problem(rule_name, m, n, k)
+    w_ws, s_ws = _copy(weight, state)
+    w_tr, s_tr = _copy(weight, state)
+    rule = state.rule
+    hopper_ws.launch(x, dy, w_ws, [s_ws.values[n_] for n_ in rule.state_names], rule.epilogue,
+                     _kernel_scalars(rule, HP[rule_name], 7), config)
+    fused_wgrad_update(x, dy, w_tr, s_tr, HP[rule_name], 7)
+    w32 = weight.float()
+    states32 = {n_: state.values[n_].float() for n_ in rule.state_names}
+    rule.reference(w32, dy.float().t() @ x.float(), states32, HP[rule_name], 7)
+    assert (w_ws != w_tr).float().mean().item() <= 1e-4       # fp32 summation order may flip a rounding
+    torch.testing.assert_close(w_ws.float(), w32, rtol=1e-2, atol=(w32 - weight.float()).abs().max().item() * 0.05)
+    for name in rule.state_names:
+        assert (s_ws.values[name] != s_tr.values[name]).float().mean().item() <= 1e-4
+
+
+@needs_hopper
+def test_scalars_from_device_memory_give_the_same_step():
+    from forge_core.kernels.fused import _kernel_scalars
+    x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
+    a, sa = _copy(weight, state)
+    b, sb = _copy(weight, state)
+    rule = state.rule
+    scalars = _kernel_scalars(rule, HP["adamw"], 3)
+    config = ws_choice.CANDIDATES[1]
+    hopper_ws.launch(x, dy, a, [sa.values[n] for n in rule.state_names], rule.epilogue, scalars, config)
+    buffer = torch.tensor(scalars, dtype=torch.float32, device="cuda")
+    hopper_ws.launch(x, dy, b, [sb.values[n] for n in rule.state_names], rule.epilogue, buffer, config)
+    assert torch.equal(a, b)
+    for name in rule.state_names:
+        assert torch.equal(sa.values[name], sb.values[name])
+
+
+@needs_hopper
+def test_a_launch_outside_the_scope_raises_one_line():
+    x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
+    with pytest.raises(ValueError, match="hopper_ws: weight 1000x4096 is not a multiple"):
+        hopper_ws.launch(x, dy[:, :1000], weight[:1000], [s[:1000] for s in state.values.values()],
+                         state.rule.epilogue, (0.0,) * 8)
+
+
+@needs_hopper
+def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch, tmp_path):
+    """fused_wgrad_update with tuning on: whichever kernel ws_choice picks, the step matches the
+    reference, and the choice is recorded (tune cache entry, describe_tuned_configs)."""
+    import json
+    import forge_core.kernels.fused as fused_module
+    monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
+    monkeypatch.setattr(fused_module, "_TUNED", {})
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:2])
+    x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
+    before = weight.float()
+    states32 = {n: state.values[n].float() for n in state.rule.state_names}
+    fused_wgrad_update(x, dy, weight, state, HP["adamw"], 5)
+    w32 = before.clone()
+    state.rule.reference(w32, dy.float().t() @ x.float(), states32, HP["adamw"], 5)
+    torch.testing.assert_close(weight.float(), w32, rtol=1e-2, atol=(w32 - before).abs().max().item() * 0.05)
+    entries = json.loads((tmp_path / "tc.json").read_text())["entries"]
+    assert any("hopper_ws" in key for key in entries)
+    described = fused_module.describe_tuned_configs()["1024x4096/bt512/adamw/bf16"]
+    chosen = ws_choice._CHOSEN[next(iter(ws_choice._CHOSEN))]
+    assert described.startswith("hopper_ws") == (chosen is not None)

@@ -1,0 +1,87 @@
+"""ws_choice: the Gluon kernel takes a weight only where it beat the Triton tile, and the choice is
+kept (in the process and in FORGE_TUNE_CACHE) without timing again."""
+import json
+
+import pytest
+import torch
+
+from forge_core.kernels import ws_choice
+from forge_core.kernels.hopper_ws import WsConfig
+
+A, B = WsConfig(slab_m=32, slab_n=64, state_stages=4), WsConfig(slab_m=64, slab_n=64, group=1)
+
+
+def _clock(times: dict):
+    """A fake time_ms: runs the callable (which names itself) and returns its fixed time."""
+    calls = []
+
+    def time_ms(run):
+        name = run()
+        calls.append(name)
+        return times[name]
+    return time_ms, calls
+
+
+def test_the_faster_gluon_config_wins_and_is_timed_against_triton_round_robin():
+    time_ms, calls = _clock({"triton": 1.0, "a": 0.9, "b": 0.8})
+    choice, medians = ws_choice.choose(lambda: "triton", {A: lambda: "a", B: lambda: "b"}, time_ms, rounds=3)
+    assert choice == B and medians == {"triton": 1.0, "hopper_ws": 0.8}
+    assert calls == ["a", "b", "triton", "b", "b", "triton", "triton", "b"]
+
+
+def test_the_triton_tile_stays_when_it_is_faster():
+    time_ms, _ = _clock({"triton": 0.7, "a": 0.9})
+    assert ws_choice.choose(lambda: "triton", {A: lambda: "a"}, time_ms)[0] is None
+
+
+def test_a_candidate_that_fails_is_skipped_with_a_warning():
+    def broken():
+        raise RuntimeError("out of resource: shared memory")
+    time_ms, _ = _clock({"triton": 1.0, "a": 0.5})
+    with pytest.warns(RuntimeWarning, match="did not run"):
+        choice, _ = ws_choice.choose(lambda: "triton", {B: broken, A: lambda: "a"}, time_ms)
+    assert choice == A
+    with pytest.warns(RuntimeWarning):
+        assert ws_choice.choose(lambda: "triton", {B: broken}, time_ms) == (None, {})
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(ws_choice, "_FROM_DISK", set())
+    monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
+    return tmp_path / "tc.json"
+
+
+@pytest.mark.parametrize("times, expected", [({"triton": 1.0, "a": 0.9}, A), ({"triton": 0.5, "a": 0.9}, None)])
+def test_a_later_process_reads_the_choice_from_the_tune_cache(fresh, monkeypatch, times, expected):
+    key = ((1024, 4096), 512, "bf16")
+    time_ms, calls = _clock(times)
+    args = (key, [A], lambda: "triton", lambda config: "a", time_ms, "kernel-identity", {"shape": "1024x4096"})
+    assert ws_choice.chosen(*args) == expected
+    timed = len(calls)
+    entry = next(iter(json.loads(fresh.read_text())["entries"].values()))
+    assert entry["shape"] == "1024x4096" and set(entry["medians_ms"]) == {"triton", "hopper_ws"}
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {})               # a new process
+    assert ws_choice.chosen(*args) == expected and len(calls) == timed
+    assert (key in ws_choice._FROM_DISK)
+    other = (key, [A], lambda: "triton", lambda config: "a", time_ms, "another-kernel", {})
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    ws_choice.chosen(*other)
+    assert len(calls) > timed                                    # another kernel source: timed again
+
+
+def test_no_candidates_outside_the_scope(monkeypatch):
+    w = torch.zeros(256, 256, dtype=torch.bfloat16)
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    args = (x, x, w, [w, w])
+    assert ws_choice.candidates_for(*args, "int8", None, False) == []
+    assert ws_choice.candidates_for(*args, "bf16", w, False) == []          # a gradient accumulator
+    assert ws_choice.candidates_for(*args, "bf16", None, True) == []        # stochastic rounding
+    assert ws_choice.candidates_for(*args, "bf16", None, False) == []       # CPU tensors
+    monkeypatch.setenv(ws_choice.ENV, "0")
+    assert not ws_choice.enabled()
+
+
+def test_a_choice_is_described_for_benchmark_rows():
+    assert ws_choice.describe(A, True) == "hopper_ws 128x128x64 s3 slab32x64x4 g8 epi4 (tune cache)"
