@@ -199,3 +199,28 @@ def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch,
     described = fused_module.describe_tuned_configs()["1024x4096/bt512/adamw/bf16"]
     chosen = ws_choice._CHOSEN[next(iter(ws_choice._CHOSEN))]
     assert described.startswith("hopper_ws") == (chosen is not None)
+
+
+@needs_hopper
+def test_a_capturable_call_is_decided_on_graph_timings(monkeypatch, tmp_path):
+    """Scalars in device memory (a step made to be captured): both kernels are timed in CUDA graphs,
+    and the step still matches the reference."""
+    import forge_core.kernels.fused as fused_module
+    from forge_core.kernels.fused import _kernel_scalars
+    monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
+    monkeypatch.setattr(fused_module, "_TUNED", {})
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:1])
+    graph_timings = []
+    real = ws_choice.graph_time_ms
+    monkeypatch.setattr(ws_choice, "graph_time_ms", lambda run: graph_timings.append(real(run)) or graph_timings[-1])
+    x, dy, weight, state = _problem("adamw", 4096, 4096, 512)
+    before = weight.float()
+    states32 = {n: state.values[n].float() for n in state.rule.state_names}
+    buffer = torch.tensor(_kernel_scalars(state.rule, HP["adamw"], 4), dtype=torch.float32, device="cuda")
+    fused_wgrad_update(x, dy, weight, state, HP["adamw"], 4, device_scalars=buffer)
+    assert len(graph_timings) == 1 + 2 * ws_choice.ROUNDS and all(t > 0 for t in graph_timings)
+    assert all(key[-1] == "graph" for key in ws_choice._CHOSEN)
+    w32 = before.clone()
+    state.rule.reference(w32, dy.float().t() @ x.float(), states32, HP["adamw"], 4)
+    torch.testing.assert_close(weight.float(), w32, rtol=1e-2, atol=(w32 - before).abs().max().item() * 0.05)

@@ -85,3 +85,8 @@ def test_no_candidates_outside_the_scope(monkeypatch):
 
 def test_a_choice_is_described_for_benchmark_rows():
     assert ws_choice.describe(A, True) == "hopper_ws 128x128x64 s3 slab32x64x4 g8 epi4 (tune cache)"
+
+
+def test_chosen_configs_are_keyed_by_the_tuning_key(monkeypatch):
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {("k", "graph"): A, ("q", "eager"): None})
+    assert ws_choice.chosen_configs() == {("k",): A}

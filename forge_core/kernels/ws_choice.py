@@ -85,7 +85,8 @@ class _Decision:
 def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None],
            run_ws: Callable[[WsConfig], None], time_ms: Callable[[Callable[[], None]], float],
            identity: str, note: dict[str, Any]) -> WsConfig | None:
-    """The choice for tuning ``key`` (in the process, then on disk, else measured with ``choose``).
+    """The choice for ``key`` (a tuning key plus how the kernels were timed: "graph" or "eager"), in the
+    process, then on disk, else measured with ``choose``.
     ``identity``: what the choice depends on besides the key (both kernels' sources, the Triton
     tile, the Triton version, the GPU); ``run_*`` must only touch scratch copies."""
     if key in _CHOSEN:
@@ -111,9 +112,35 @@ def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None
     return config
 
 
+def graph_time_ms(run: Callable[[], None], launches: int = 10, replays: int = 10) -> float:
+    """Median ms of one ``run()`` replayed in a CUDA graph of ``launches`` calls (no host launch
+    cost: what a captured training step pays), after one eager warm-up call (compiles)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            run()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    del graph
+    return statistics.median(times)
+
+
 def chosen_configs() -> dict[tuple, WsConfig]:
-    """The tuning keys whose updates run on the Gluon kernel, with its config."""
-    return {key: config for key, config in _CHOSEN.items() if config is not None}
+    """The tuning keys (without the timing mode) whose updates run on the Gluon kernel, with its config."""
+    return {key[:-1]: config for key, config in _CHOSEN.items() if config is not None}
 
 
 def describe(config: WsConfig, from_disk: bool) -> str:
