@@ -148,7 +148,7 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
     With an NVML ``counter`` (``telemetry.open_energy_counter``) each operation's joules per call
     too, and with ``copy`` (``floor.copy_energy``) the energy roofline: the GEMM's joules plus the
     state bytes at the copy's joules per byte (energies add where times overlap)."""
-    from forge_core.kernels import fused_wgrad_update
+    from forge_core.kernels import NUM_SCALARS, fused_wgrad_update
     from forge_core.kernels.fused import tuned_configs
     from forge_core.rules import get_rule
     from forge_core.state import ParamState
@@ -201,8 +201,15 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
             sets.append(dict(x=_random((tokens, din), bf16, device), dy=_random((tokens, dout), bf16, device, 0.01),
                              weight=weight, state=state))
 
-        def fused(s):
-            fused_wgrad_update(s["x"], s["dy"], s["weight"], s["state"], ADAMW_HP, 10)
+        # the step's scalars in device memory, as FORGE's capturable optimizer passes them: the
+        # benchmark replays CUDA graphs, and the kernel choice (forge_core.kernels.ws_choice) is
+        # then made on graph timings, as it is for a captured training step
+        values = rule.kernel_scalars(ADAMW_HP, 10)
+        scalars = torch.zeros(NUM_SCALARS, dtype=torch.float32, device=device)
+        scalars[:len(values)] = torch.tensor(values, dtype=torch.float64)
+
+        def fused(s, scalars=scalars):
+            fused_wgrad_update(s["x"], s["dy"], s["weight"], s["state"], ADAMW_HP, 10, device_scalars=scalars)
 
         started = time.perf_counter()
         fused(sets[0])               # tunes (on scratch copies) for this key
