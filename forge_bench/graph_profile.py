@@ -33,7 +33,7 @@ TOP = 15                       # kernels listed by name per arm
 REPLAY_PAUSE_S = 0.02          # idle between recorded replays; the split below looks for it
 REPLAY_SPLIT_US = 10_000.0     # a kernel gap this long starts a new replay
 KERNEL_CLASSES = (             # first match wins; the name is lower-cased
-    ("fused update", ("_fused_wgrad_update",)),
+    ("fused update", ("_fused_wgrad_update", "_ws_fused_kernel")),     # the Triton and the Gluon kernel
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("norm", ("rms_norm",)),
