@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ws_resources(args: argparse.Namespace) -> int:
-    """Registers, spills and shared memory of the Gluon kernel per config (bf16 states; ``--rule``)."""
+    """Registers, spills and shared memory of the Gluon kernel per config (``--state`` bf16 or int8, ``--rule``)."""
     import dataclasses
     import json
 
@@ -162,9 +162,11 @@ def _ws_resources(args: argparse.Namespace) -> int:
     rule = get_rule(args.rule)
     for fields in json.loads(args.ws):
         config = hopper_ws.WsConfig(**fields)
-        compiled = hopper_ws.compile_offline(m, n, args.tokens, config, rule.epilogue, len(rule.state_names))
+        compiled = hopper_ws.compile_offline(m, n, args.tokens, config, rule.epilogue, len(rule.state_names),
+                                             int8=args.state == "int8")
         registers, stack = resource_usage(compiled.asm["cubin"])
-        print(json.dumps(dict(config=dataclasses.asdict(config), rule=rule.name, registers=registers, stack=stack,
+        print(json.dumps(dict(config=dataclasses.asdict(config), rule=rule.name, state=args.state,
+                              registers=registers, stack=stack,
                               shared=compiled.metadata.shared, estimate=config.shared_memory_bytes())), flush=True)
     return 0
 

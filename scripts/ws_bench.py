@@ -35,7 +35,7 @@ from forge_core.state import ParamState  # noqa: E402
 STEP = 10
 
 
-def _inputs(dout: int, din: int, tokens: int, device, seed: int = 0) -> dict:
+def _inputs(dout: int, din: int, tokens: int, device, seed: int = 0, state_dtype: str = "bf16") -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     bf16 = torch.bfloat16
 
@@ -43,16 +43,19 @@ def _inputs(dout: int, din: int, tokens: int, device, seed: int = 0) -> dict:
         return (torch.randn(shape, device=device, generator=g) * scale).to(bf16)
 
     weight = rnd((dout, din), 0.02)
-    state = ParamState(weight, get_rule("adamw"), "bf16")
+    state = ParamState(weight, get_rule("adamw"), state_dtype)
     state.store("exp_avg", torch.randn((dout, din), device=device, generator=g) * 1e-3)
     state.store("exp_avg_sq", (torch.randn((dout, din), device=device, generator=g) * 1e-3).square())
     return dict(x=rnd((tokens, din), 1.0), dy=rnd((tokens, dout), 0.01), weight=weight, state=state)
 
 
 def _ws_call(s: dict, config: hopper_ws.WsConfig) -> None:
-    rule = s["state"].rule
-    hopper_ws.launch(s["x"], s["dy"], s["weight"], [s["state"].values[n] for n in rule.state_names],
-                     rule.epilogue, _kernel_scalars(rule, ADAMW_HP, STEP), config)
+    state = s["state"]
+    rule = state.rule
+    hopper_ws.launch(s["x"], s["dy"], s["weight"], [state.values[n] for n in rule.state_names],
+                     rule.epilogue, _kernel_scalars(rule, ADAMW_HP, STEP), config,
+                     scales=[state.scales[n] for n in rule.state_names],
+                     sqrt_domain=tuple(state.is_sqrt_domain(n) for n in rule.state_names))
 
 
 def _triton_call(s: dict) -> None:
@@ -60,9 +63,11 @@ def _triton_call(s: dict) -> None:
 
 
 def _state_copy(state: ParamState) -> ParamState:
-    copy = ParamState(torch.empty_like(state.values["exp_avg"]), state.rule, "bf16")
+    copy = ParamState(torch.empty(state.shape, device=state.values["exp_avg"].device), state.rule, state.state_dtype)
     for name in state.rule.state_names:
         copy.values[name].copy_(state.values[name])
+        if state.scales[name] is not None:
+            copy.scales[name].copy_(state.scales[name])
     return copy
 
 
@@ -70,19 +75,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def check(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, device) -> bool:
+def check(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, device,
+          state_dtype: str = "bf16") -> bool:
     ok = True
     rule = get_rule("adamw")
     for name, tokens in shapes:
         dout, din = LLAMA_8B_SHAPES[name] if name in LLAMA_8B_SHAPES else map(int, name.split("x"))
-        base = _inputs(dout, din, tokens, device)
+        base = _inputs(dout, din, tokens, device, state_dtype=state_dtype)
         ws = dict(base, weight=base["weight"].clone(), state=_state_copy(base["state"]))
         tr = dict(base, weight=base["weight"].clone(), state=_state_copy(base["state"]))
         w32 = base["weight"].float()
-        states32 = {n: base["state"].values[n].float() for n in rule.state_names}
+        states32 = {n: base["state"].dequantize(n) for n in rule.state_names}
         grad = base["dy"].float().t() @ base["x"].float()
         rule.reference(w32, grad, states32, ADAMW_HP, STEP)
-        record = dict(shape=name, dout=dout, din=din, tokens=tokens, config=dataclasses.asdict(config))
+        record = dict(shape=name, dout=dout, din=din, tokens=tokens, state_dtype=state_dtype,
+                      config=dataclasses.asdict(config))
         try:
             started = time.perf_counter()
             _ws_call(ws, config)
@@ -93,13 +100,17 @@ def check(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, 
             record["weight_rel_l2_ws"] = _rel(ws["weight"], w32)
             record["weight_rel_l2_triton"] = _rel(tr["weight"], w32)
             for n in rule.state_names:
-                record[f"{n}_rel_l2_ws"] = _rel(ws["state"].values[n], states32[n])
-                record[f"{n}_rel_l2_triton"] = _rel(tr["state"].values[n], states32[n])
+                record[f"{n}_rel_l2_ws"] = _rel(ws["state"].dequantize(n), states32[n])
+                record[f"{n}_rel_l2_triton"] = _rel(tr["state"].dequantize(n), states32[n])
+                codes_ws, codes_tr = ws["state"].values[n], tr["state"].values[n]
+                record[f"{n}_differ_frac"] = float((codes_ws != codes_tr).float().mean())
+                record[f"{n}_max_code_diff"] = float((codes_ws.float() - codes_tr.float()).abs().max())
             record["weight_differ_frac"] = float((ws["weight"] != tr["weight"]).float().mean())
             step = (w32 - base["weight"].float()).abs().max()
             record["weight_max_diff_over_max_update"] = float((ws["weight"].float() - w32).abs().max() / step)
             good = (record["weight_rel_l2_ws"] <= 2 * record["weight_rel_l2_triton"] + 1e-6
                     and all(record[f"{n}_rel_l2_ws"] <= 2 * record[f"{n}_rel_l2_triton"] + 1e-6
+                            and record[f"{n}_max_code_diff"] <= (1 if state_dtype == "int8" else 65535)
                             for n in rule.state_names))
             record["ok"] = bool(good)
         except Exception as exc:       # record and go on: the next shape may still tell something
@@ -115,19 +126,20 @@ def check(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, 
 
 
 def time_shapes(shapes: list[tuple[str, int]], configs: list[hopper_ws.WsConfig], rounds: int, out: Path,
-                device) -> None:
+                device, state_dtype: str = "bf16") -> None:
     counter, no_energy = open_energy_counter(torch.cuda.current_device())
     if counter is None:
         print(no_energy, flush=True)
     for name, tokens in shapes:
         dout, din = LLAMA_8B_SHAPES[name]
         n_sets = _sets_needed(dout * din * 2 * 3 + tokens * (dout + din) * 2)
-        sets = [_inputs(dout, din, tokens, device, seed) for seed in range(n_sets)]
+        sets = [_inputs(dout, din, tokens, device, seed, state_dtype) for seed in range(n_sets)]
         _triton_call(sets[0])        # tunes (or reads FORGE_TUNE_CACHE) outside the graph
         arms = [("triton", _triton_call)] + [(f"ws{i}", lambda s, c=c: _ws_call(s, c)) for i, c in enumerate(configs)]
         for round_ in range(rounds):
             for arm, call in arms:
-                record = dict(shape=name, dout=dout, din=din, tokens=tokens, arm=arm, round=round_, sets=n_sets)
+                record = dict(shape=name, dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, arm=arm,
+                              round=round_, sets=n_sets)
                 if arm.startswith("ws"):
                     record["config"] = dataclasses.asdict(configs[int(arm[2:])])
                 try:
@@ -156,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--configs", default="[{}]", help="JSON list of WsConfig field dicts")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--state", choices=("bf16", "int8"), default="bf16")
     parser.add_argument("mode", choices=("check", "time"))
     parser.add_argument("shapes", nargs="*")
     args = parser.parse_args(argv)
@@ -166,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [hopper_ws.WsConfig(**c) for c in json.loads(args.configs)]
     if args.mode == "check":
         shapes = _shape_list(args.shapes or ["q:512", "q:520", "k:2048", "gate:512", "down:512"])
-        return 0 if check(shapes, configs[0], args.out, device) else 1
-    time_shapes(_shape_list(args.shapes or ["gate:512"]), configs, args.rounds, args.out, device)
+        return 0 if check(shapes, configs[0], args.out, device, args.state) else 1
+    time_shapes(_shape_list(args.shapes or ["gate:512"]), configs, args.rounds, args.out, device, args.state)
     return 0
 
 

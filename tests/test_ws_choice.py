@@ -74,8 +74,8 @@ def test_a_later_process_reads_the_choice_from_the_tune_cache(fresh, monkeypatch
 def test_no_candidates_outside_the_scope(monkeypatch):
     w = torch.zeros(256, 256, dtype=torch.bfloat16)
     x = torch.zeros(64, 256, dtype=torch.bfloat16)
-    args = (x, x, w, [w, w])
-    assert ws_choice.candidates_for(*args, "int8", None, False) == []
+    args = (x, x, w, [w, w], [None, None])
+    assert ws_choice.candidates_for(*args, "fp32", None, False) == []
     assert ws_choice.candidates_for(*args, "bf16", w, False) == []          # a gradient accumulator
     assert ws_choice.candidates_for(*args, "bf16", None, True) == []        # stochastic rounding
     assert ws_choice.candidates_for(*args, "bf16", None, False) == []       # CPU tensors

@@ -1145,7 +1145,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
             ws_config = _ws_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, stochastic,
                                    scalars, seed, meta, config)
             if ws_config is not None:
-                ws_plan = _WsPlan(ws_config, weight, states, rule.epilogue)
+                ws_plan = _WsPlan(ws_config, weight, states, scales, rule.epilogue, (meta["S0_SQRT"], meta["S1_SQRT"]))
                 ws_plan.run(x2, dy2, scalars)
                 if signature is not None:
                     _PLANS[state] = {signature: ws_plan}
@@ -1166,10 +1166,13 @@ class _WsPlan:
     config: hopper_ws.WsConfig
     weight: torch.Tensor
     states: list[torch.Tensor]
+    scales: list[torch.Tensor | None]
     epilogue: Any
+    sqrt_domain: tuple[bool, bool]
 
     def run(self, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor) -> None:
-        hopper_ws.launch(x2, dy2, self.weight, self.states, self.epilogue, scalars, self.config, check=False)
+        hopper_ws.launch(x2, dy2, self.weight, self.states, self.epilogue, scalars, self.config, check=False,
+                         scales=self.scales, sqrt_domain=self.sqrt_domain)
 
 
 def _ws_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad_accum, stochastic: bool, scalars,
@@ -1178,7 +1181,7 @@ def _ws_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, gr
     else None. Both are timed on scratch copies of the weight and states."""
     if interpreting() or not _autotune_enabled() or not isinstance(triton_config, TileConfig):
         return None
-    candidates = ws_choice.candidates_for(x2, dy2, weight, states, state_dtype, grad_accum, stochastic)
+    candidates = ws_choice.candidates_for(x2, dy2, weight, states, scales, state_dtype, grad_accum, stochastic)
     if not candidates:
         return None
     graphed_key = key + ("graph" if isinstance(scalars, torch.Tensor) else "eager",)
@@ -1194,8 +1197,11 @@ def _ws_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, gr
     def run_triton() -> None:
         _launch(triton_config, x2, dy2, scratch_weight, scratch_states, scratch_scales, None, scalars, seed, meta)
 
+    sqrt_domain = (meta["S0_SQRT"], meta["S1_SQRT"])
+
     def run_ws(config: hopper_ws.WsConfig) -> None:
-        hopper_ws.launch(x2, dy2, scratch_weight, scratch_states, meta["EPILOGUE"], scalars, config, check=False)
+        hopper_ws.launch(x2, dy2, scratch_weight, scratch_states, meta["EPILOGUE"], scalars, config, check=False,
+                         scales=scratch_scales, sqrt_domain=sqrt_domain)
 
     identity = (tune_cache.source_identity(hopper_ws._ws_fused_kernel)
                 + _tuning_fingerprint(weight, meta, [triton_config]))

@@ -81,6 +81,8 @@ class WsConfig:
 
 
 DEFAULT_CONFIG = WsConfig()
+QBLOCK = 64                  # state.QBLOCK: the int8 block along a row
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.int8: "int8"}
 SHARED_MEMORY_BYTES = 227 * 1024
 REGISTER_FILE = 65536
 
@@ -102,7 +104,7 @@ def config_problem(config: WsConfig) -> str | None:
 
 
 def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
-                       config: WsConfig = DEFAULT_CONFIG) -> str | None:
+                       config: WsConfig = DEFAULT_CONFIG, scales: list[torch.Tensor | None] | None = None) -> str | None:
     """Why this kernel cannot take the call (None: it can). One line, naming the problem."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon is not importable from this Triton ({triton.__version__}): {GLUON_IMPORT_ERROR}"
@@ -111,8 +113,16 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
         return problem
     if x2.dtype != torch.bfloat16 or dy2.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return f"inputs {x2.dtype} / {dy2.dtype} and weight {weight.dtype}; it takes bf16 only"
-    if not 1 <= len(states) <= 2 or any(s.dtype != torch.bfloat16 for s in states):
-        return "it takes one or two bf16 states"
+    if not 1 <= len(states) <= 2 or len({s.dtype for s in states}) != 1 or states[0].dtype not in _GL_DTYPES:
+        return "it takes one or two bf16 states, or one or two int8 states"
+    if states[0].dtype == torch.int8:
+        if config.slab_n != QBLOCK:
+            return f"int8 states need {QBLOCK}-column slabs (one block scale per slab row), got {config.slab_n}"
+        m, n = weight.shape
+        if scales is None or len(scales) != len(states) or any(
+                t is None or t.dtype != torch.float32 or tuple(t.shape) != (m, n // QBLOCK) or t.stride(1) != 1
+                or t.stride() != scales[0].stride() for t in scales):
+            return f"int8 states need fp32 block scales of shape ({m}, {n // QBLOCK}), one per state"
     m, n = weight.shape
     if m % config.block_m or n % config.block_n:
         return f"weight {m}x{n} is not a multiple of the {config.block_m}x{config.block_n} tile"
@@ -174,7 +184,8 @@ if GLUON_IMPORT_ERROR is None:
         CN: gl.constexpr = w_desc.block_type.shape[1]
         STATE_STAGES: gl.constexpr = w_bufs.type.shape[0]
         TWO_STATES: gl.constexpr = s1_bufs.type.shape[0] == STATE_STAGES      # a one-slot dummy otherwise
-        nbytes: gl.constexpr = w_desc.block_type.nbytes * (3 if TWO_STATES else 2)
+        nbytes: gl.constexpr = (w_desc.block_type.nbytes + s0_desc.block_type.nbytes
+                                + (s1_desc.block_type.nbytes if TWO_STATES else 0))
         j = 0
         for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, group)
@@ -241,10 +252,37 @@ if GLUON_IMPORT_ERROR is None:
         return gl.split(gl.permute(gl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
 
     @gluon.jit
-    def _epilogue_partition(W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
-                            acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N,
+    def _decode_slab(raw, scales, KIND: gl.constexpr, SQRT_DOMAIN: gl.constexpr):
+        """A state slab as fp32: bf16 as is, int8 codes times their row's block scale (squared for
+        a sqrt-domain state), with the Triton kernel's exact steps (fused._decode_state)."""
+        if KIND == 2:
+            value = _codec._int8_to_float(raw, True) * gl.expand_dims(scales, 1)
+            if SQRT_DOMAIN:
+                value = value * value
+        else:
+            value = raw.to(gl.float32)
+        return value
+
+    @gluon.jit
+    def _store_slab(VALUES, SCALES, value, offsets, scale_offsets, KIND: gl.constexpr, SQRT_DOMAIN: gl.constexpr):
+        """Store a state slab: bf16 rounded to nearest even, or int8 re-quantized with a new scale per
+        row (the slab is one block wide), with the Triton kernel's exact steps (fused._store_state)."""
+        if KIND == 2:
+            if SQRT_DOMAIN:
+                value = gl.sqrt(value)
+            scale = _codec._block_scale(gl.max(gl.abs(value), axis=1), True)
+            codes = _codec._int8_codes(value, gl.expand_dims(scale, 1), SQRT_DOMAIN, True)
+            gl.store(VALUES + offsets, codes.to(gl.int8))
+            gl.store(SCALES + scale_offsets, scale)
+        else:
+            gl.store(VALUES + offsets, value.to(gl.bfloat16))
+
+    @gluon.jit
+    def _epilogue_partition(W, S0, S1, SCALE0, SCALE1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
+                            acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N, stride_scale_row,
                             c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
-                            EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
+                            EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, STATE_KIND: gl.constexpr,
+                            S0_SQRT: gl.constexpr, S1_SQRT: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, RM: gl.constexpr, CN: gl.constexpr,
                             STATE_STAGES: gl.constexpr, WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr):
         """Epilogue warps: per (RM, CN) slab, column-major over the tile, G and W / states from shared
@@ -276,6 +314,17 @@ if GLUON_IMPORT_ERROR is None:
                 if slab % HALF_SLABS == 0:
                     mbarrier.wait(acc_ready.index(slab // HALF_SLABS), local & 1)
                 slot = j % STATE_STAGES
+                rows = pid_m * BM + (slab % ROW_SLABS) * RM + slab_rows
+                if WIDE_INDEX:
+                    rows = rows.to(gl.int64)
+                col0 = pid_n * BN + (slab // HALF_SLABS) * HALF + ((slab % HALF_SLABS) // ROW_SLABS) * CN
+                s0_scales = 0.0
+                s1_scales = 0.0
+                if STATE_KIND == 2:
+                    # the slab is one 64-wide int8 block per row: its scales, issued before the waits
+                    s0_scales = gl.load(SCALE0 + rows * stride_scale_row + col0 // CN)
+                    if NUM_STATES >= 2:
+                        s1_scales = gl.load(SCALE1 + rows * stride_scale_row + col0 // CN)
                 grad = acc_smem.index(slab // HALF_SLABS).slice((slab % ROW_SLABS) * RM, RM, dim=0).slice(
                     ((slab % HALF_SLABS) // ROW_SLABS) * CN, CN, dim=1).load(layout)
                 if slab % HALF_SLABS == HALF_SLABS - 1:
@@ -287,28 +336,26 @@ if GLUON_IMPORT_ERROR is None:
                     s1_raw = s1_bufs.index(slot).load(layout)
                 mbarrier.arrive(st_empty.index(slot))
                 weight = w_raw.to(gl.float32)
-                s0 = s0_raw.to(gl.float32)
+                s0 = _decode_slab(s0_raw, s0_scales, STATE_KIND, S0_SQRT)
                 if NUM_STATES >= 2:
-                    s1 = s1_raw.to(gl.float32)
+                    s1 = _decode_slab(s1_raw, s1_scales, STATE_KIND, S1_SQRT)
                 else:
                     s1 = gl.zeros((RM, CN), gl.float32, layout)
                 weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
-                rows = pid_m * BM + (slab % ROW_SLABS) * RM + slab_rows
-                if WIDE_INDEX:
-                    rows = rows.to(gl.int64)
-                cols = pid_n * BN + (slab // HALF_SLABS) * HALF + ((slab % HALF_SLABS) // ROW_SLABS) * CN + slab_cols
-                offsets = gl.expand_dims(rows * N, 1) + gl.expand_dims(cols, 0)
+                offsets = gl.expand_dims(rows * N, 1) + gl.expand_dims(col0 + slab_cols, 0)
                 gl.store(W + offsets, weight.to(gl.bfloat16))
-                gl.store(S0 + offsets, s0.to(gl.bfloat16))
+                # bf16 rounded to nearest even, or int8 re-quantized with new block scales (state.py)
+                _store_slab(S0, SCALE0, s0, offsets, rows * stride_scale_row + col0 // CN, STATE_KIND, S0_SQRT)
                 if NUM_STATES >= 2:
-                    gl.store(S1 + offsets, s1.to(gl.bfloat16))
+                    _store_slab(S1, SCALE1, s1, offsets, rows * stride_scale_row + col0 // CN, STATE_KIND, S1_SQRT)
                 j += 1
             local += 1
 
     @gluon.jit
-    def _ws_fused_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, W, S0, S1, M, N, K, group,
-                         c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
-                         EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
+    def _ws_fused_kernel(x_desc, dy_desc, w_desc, s0_desc, s1_desc, W, S0, S1, SCALE0, SCALE1, M, N, K, group,
+                         stride_scale_row, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
+                         EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, STATE_KIND: gl.constexpr,
+                         S0_SQRT: gl.constexpr, S1_SQRT: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr,
                          WIDE_INDEX: gl.constexpr,
@@ -350,11 +397,11 @@ if GLUON_IMPORT_ERROR is None:
         worker_args = (x_desc, dy_desc, w_desc, s0_desc, s1_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs,
                        ready, empty, st_ready, st_empty, acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, K)
         gl.warp_specialize([
-            (_epilogue_partition, (W, S0, S1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
-                                   acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N,
+            (_epilogue_partition, (W, S0, S1, SCALE0, SCALE1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
+                                   acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N, stride_scale_row,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
-                                   EPILOGUE, NUM_STATES, SCALARS_IN_MEMORY, BM, BN, RM, CN, STATE_STAGES,
-                                   WIDE_INDEX, EPI_WARPS)),
+                                   EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, SCALARS_IN_MEMORY,
+                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS)),
             (_main_loop_loads, worker_args),
             (_state_loads, worker_args),
             (_main_loop_mma, worker_args),
@@ -362,7 +409,7 @@ if GLUON_IMPORT_ERROR is None:
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
     return GluonDescriptor.from_tensor(t, block, layout)
 
 
@@ -371,46 +418,59 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor], epilogue: Any,
-           scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG, check: bool = True) -> None:
-    """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
-    bf16 ``states``, with the rule's ``epilogue`` and its 8 kernel scalars (floats, or a float32
-    device buffer for a graph-replayed launch). Raises ValueError with the reason when the call is
-    outside this kernel's scope (``unsupported_reason``); ``check=False`` skips that for a caller
-    that checked the same weight and layouts before (a cached plan)."""
-    if check:
-        reason = unsupported_reason(x2, dy2, weight, states, config)
-        if reason is not None:
-            raise ValueError(f"hopper_ws: {reason}")
+def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
+                 scales: list[torch.Tensor | None] | None, epilogue: Any, scalars: tuple[float, ...] | torch.Tensor,
+                 config: WsConfig, sqrt_domain: tuple[bool, bool]) -> tuple[tuple, dict]:
+    """The kernel's positional arguments and constexprs for one call (``launch``, ``compile_offline``)."""
     m, n = weight.shape
-    k = x2.shape[0]
     c = config
-    x_desc = _descriptor(x2, [c.block_k, c.block_n])
-    dy_desc = _descriptor(dy2, [c.block_k, c.block_m])
     slab = [c.slab_m, c.slab_n]
-    w_desc = _descriptor(weight, slab)
-    s0_desc = _descriptor(states[0], slab)
-    s1_desc = _descriptor(states[-1], slab)
+    int8 = states[0].dtype == torch.int8
+    scale0 = scales[0] if int8 else weight
+    scale1 = scales[-1] if int8 else weight
     if isinstance(scalars, torch.Tensor):
         values, buffer, in_memory = (0.0,) * 8, scalars, True
     else:
         values, buffer, in_memory = tuple(scalars) + (0.0,) * (8 - len(scalars)), weight, False
-    tiles = (m // c.block_m) * (n // c.block_n)
-    grid = (min(tiles, _sm_count(weight.device.index if weight.device.index is not None else torch.cuda.current_device())),)
     wide = (m - 1) * weight.stride(0) + n >= 2 ** 31 - 1
-    _ws_fused_kernel[grid](
-        x_desc, dy_desc, w_desc, s0_desc, s1_desc, weight, states[0], states[-1], m, n, k, c.group, *values, buffer,
-        EPILOGUE=epilogue, NUM_STATES=len(states), SCALARS_IN_MEMORY=in_memory,
-        BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, CN=c.slab_n, STATE_STAGES=c.state_stages,
-        RM=c.slab_m, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps,
-        MMA_REGS=c.mma_registers, LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps,
-        num_warps=c.epilogue_warps, maxnreg=c.max_registers)
+    args = (_descriptor(x2, [c.block_k, c.block_n]), _descriptor(dy2, [c.block_k, c.block_m]),
+            _descriptor(weight, slab), _descriptor(states[0], slab), _descriptor(states[-1], slab),
+            weight, states[0], states[-1], scale0, scale1, m, n, x2.shape[0], c.group,
+            scale0.stride(0) if int8 else 0, *values, buffer)
+    kwargs = dict(EPILOGUE=epilogue, NUM_STATES=len(states), STATE_KIND=2 if int8 else 1,
+                  S0_SQRT=bool(sqrt_domain[0]), S1_SQRT=bool(sqrt_domain[-1]), SCALARS_IN_MEMORY=in_memory,
+                  BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
+                  STATE_STAGES=c.state_stages, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
+                  LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps, num_warps=c.epilogue_warps,
+                  maxnreg=c.max_registers)
+    return args, kwargs
+
+
+def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor], epilogue: Any,
+           scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG, check: bool = True,
+           scales: list[torch.Tensor | None] | None = None, sqrt_domain: tuple[bool, bool] = (False, False)) -> None:
+    """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
+    ``states`` (bf16, or int8 codes with their fp32 block ``scales``; ``sqrt_domain``: which states
+    are stored as square roots, see state.py), with the rule's ``epilogue`` and its 8 kernel scalars
+    (floats, or a float32 device buffer for a graph-replayed launch). Raises ValueError with the
+    reason when the call is outside this kernel's scope (``unsupported_reason``); ``check=False``
+    skips that for a caller that checked the same weight and layouts before (a cached plan)."""
+    if check:
+        reason = unsupported_reason(x2, dy2, weight, states, config, scales)
+        if reason is not None:
+            raise ValueError(f"hopper_ws: {reason}")
+    args, kwargs = _kernel_call(x2, dy2, weight, states, scales, epilogue, scalars, config, sqrt_domain)
+    m, n = weight.shape
+    tiles = (m // config.block_m) * (n // config.block_n)
+    device = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    _ws_fused_kernel[(min(tiles, _sm_count(device)),)](*args, **kwargs)
 
 
 def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, epilogue: Any = None,
-                    num_states: int = 2, capability: int = 90) -> Any:
+                    num_states: int = 2, capability: int = 90, int8: bool = False) -> Any:
     """Compile the kernel for ``sm_<capability>`` without a GPU (CPU tensors stand in for the
-    arguments; only their dtypes, shapes and strides are read), for register / spill / shared-memory
+    arguments; only their dtypes, shapes and strides are read; ``int8``: int8 states, the second in
+    the sqrt domain as AdamW's), for register / spill / shared-memory
     checks on a CPU machine (tests, ``scripts/offline_sass.py --ws``). Returns Triton's compiled
     kernel (``.asm["cubin"]``, ``.metadata.shared``)."""
     from triton.backends.compiler import GPUTarget
@@ -422,17 +482,11 @@ def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, e
         from ..rules import get_rule
         epilogue = get_rule("adamw").epilogue
     weight = torch.empty((m, n), dtype=torch.bfloat16)
-    states = [torch.empty_like(weight) for _ in range(num_states)]
+    states = [torch.empty((m, n), dtype=torch.int8 if int8 else torch.bfloat16) for _ in range(num_states)]
+    scales = [torch.empty((m, n // 64), dtype=torch.float32) for _ in range(num_states)] if int8 else None
     x2, dy2 = torch.empty((k, n), dtype=torch.bfloat16), torch.empty((k, m), dtype=torch.bfloat16)
-    slab = [config.slab_m, config.slab_n]
-    args = (_descriptor(x2, [config.block_k, config.block_n]), _descriptor(dy2, [config.block_k, config.block_m]),
-            _descriptor(weight, slab), _descriptor(states[0], slab), _descriptor(states[-1], slab),
-            weight, states[0], states[-1], m, n, k, config.group, *(0.5,) * 8, weight)
-    kwargs = dict(EPILOGUE=epilogue, NUM_STATES=num_states, SCALARS_IN_MEMORY=False, BM=config.block_m,
-                  BN=config.block_n, BK=config.block_k, STAGES=config.stages, RM=config.slab_m, CN=config.slab_n,
-                  STATE_STAGES=config.state_stages, WIDE_INDEX=False, MMA_WARPS=config.mma_warps,
-                  MMA_REGS=config.mma_registers, LOADER_REGS=config.loader_registers,
-                  EPI_WARPS=config.epilogue_warps, num_warps=config.epilogue_warps, maxnreg=config.max_registers)
+    args, kwargs = _kernel_call(x2, dy2, weight, states, scales, epilogue, (0.5,) * 8, config,
+                                (False, num_states == 2))
     kernel = _ws_fused_kernel
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
@@ -441,3 +495,9 @@ def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, e
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
                           options=options.__dict__)
+
+
+# The int8 state codec of the Triton kernel (block scales, decode, re-quantization), called from the
+# epilogue partition so both kernels store the same codes. Imported last: fused.py imports this
+# module, and the Gluon functions above only look it up when they are compiled.
+from . import fused as _codec  # noqa: E402

@@ -2,8 +2,8 @@
 
 Why a choice and not a switch: measured on the H100 (session 20, ``scripts/ws_bench.py``), the Gluon
 kernel (``hopper_ws``) is 3-13% faster than the Triton kernel's tuned tile at 512 tokens for the
-Llama-8B layer shapes, and draws ~10% fewer joules, but 2-3% slower for the lm_head and 10-15%
-slower at 2048 tokens and more, where its one 128x128 wgmma warpgroup is no match for the Triton
+Llama-8B layer shapes with bf16 states, and draws ~10% fewer joules, but 2-3% slower for the
+lm_head and 10-15% slower at 2048 tokens and more, where its one 128x128 wgmma warpgroup is no match for the Triton
 kernel's GEMM tiles. So after the Triton tile is tuned, the Gluon kernel's candidates that can take
 the call are timed against it on the same scratch copies, and the faster one is kept (per tuning
 key, in the process and in ``FORGE_TUNE_CACHE`` beside the tile). ``FORGE_WS_KERNEL=0`` keeps every
@@ -43,12 +43,14 @@ def enabled() -> bool:
 
 
 def candidates_for(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
-                   state_dtype: str, grad_accum: torch.Tensor | None, stochastic: bool) -> list[WsConfig]:
+                   scales: list[torch.Tensor | None], state_dtype: str, grad_accum: torch.Tensor | None,
+                   stochastic: bool) -> list[WsConfig]:
     """The candidates that can take this call (none outside the Gluon kernel's scope: see
-    ``hopper_ws.unsupported_reason``; no gradient accumulator, no stochastic rounding)."""
-    if state_dtype != "bf16" or grad_accum is not None or stochastic or not enabled():
+    ``hopper_ws.unsupported_reason``; bf16 or int8 states, no gradient accumulator, no stochastic
+    rounding)."""
+    if state_dtype not in ("bf16", "int8") or grad_accum is not None or stochastic or not enabled():
         return []
-    return [c for c in CANDIDATES if hopper_ws.unsupported_reason(x2, dy2, weight, states, c) is None]
+    return [c for c in CANDIDATES if hopper_ws.unsupported_reason(x2, dy2, weight, states, c, scales) is None]
 
 
 def choose(run_triton: Callable[[], None], run_ws: Mapping[WsConfig, Callable[[], None]],
