@@ -34,6 +34,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from forge_core.kernels.graph_timing import captured as _captured, replay_ms as _replay_ms
+
 from .floor import copy_dynamic_j_per_byte, copy_energy, measure_copy_bandwidth, state_traffic_bytes
 from .telemetry import EnergyCounter, open_energy_counter
 
@@ -54,37 +56,6 @@ def require_cuda() -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError("the kernel benchmark needs a CUDA GPU; torch.cuda.is_available() is False here")
     return torch.device("cuda")
-
-
-def _captured(call: Callable[[object], None], sets: Sequence[object]) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph running ``call`` once on each set, warmed up (JIT, tuning, cuBLAS handles
-    outside the graph) and replayed once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for item in sets:
-            call(item)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for item in sets:
-            call(item)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _replay_ms(graph, calls_per_replay: int, replays: int) -> float:
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls_per_replay)
-    return statistics.median(times)
 
 
 def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replays: int = 20) -> float:

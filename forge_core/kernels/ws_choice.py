@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import hopper_ws, tune_cache
+from . import graph_timing, hopper_ws, tune_cache
 from .hopper_ws import WsConfig
 
 ENV = "FORGE_WS_KERNEL"
@@ -116,28 +116,11 @@ def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None
 
 def graph_time_ms(run: Callable[[], None], launches: int = 10, replays: int = 10) -> float:
     """Median ms of one ``run()`` replayed in a CUDA graph of ``launches`` calls (no host launch
-    cost: what a captured training step pays), after one eager warm-up call (compiles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            run()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / launches)
+    cost: what a captured training step pays), after eager warm-up calls (compiles)."""
+    graph = graph_timing.captured(lambda _: run(), range(launches))
+    ms = graph_timing.replay_ms(graph, launches, replays)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def chosen_configs() -> dict[tuple, WsConfig]:
