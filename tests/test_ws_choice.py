@@ -90,3 +90,28 @@ def test_a_choice_is_described_for_benchmark_rows():
 def test_chosen_configs_are_keyed_by_the_tuning_key(monkeypatch):
     monkeypatch.setattr(ws_choice, "_CHOSEN", {("k", "graph"): A, ("q", "eager"): None})
     assert ws_choice.chosen_configs() == {("k",): A}
+
+
+def test_a_gluon_choice_is_what_the_benchmark_rows_name(monkeypatch):
+    """fused.describe_tuned_configs / tuned_configs report the Gluon kernel where ws_choice kept it."""
+    import forge_core.kernels.fused as fused
+    key = ((4096, 4096), 512, torch.bfloat16, torch.bfloat16, "adamw", "bf16", False, False, False, "cuda:0")
+    tile = fused.TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
+    monkeypatch.setattr(fused, "_TUNED", {key: tile})
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {key + ("graph",): A})
+    monkeypatch.setattr(ws_choice, "_FROM_DISK", set())
+    assert fused.describe_tuned_configs() == {"4096x4096/bt512/adamw/bf16": ws_choice.describe(A, False)}
+    assert fused.tuned_configs() == {key: A}
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {key + ("graph",): None})          # the tile won
+    assert fused.describe_tuned_configs()["4096x4096/bt512/adamw/bf16"].startswith("64x128x64")
+
+
+@pytest.mark.skipif(not __import__("forge_core.kernels.fused", fromlist=["x"]).interpreting(),
+                    reason="the interpreter's guard; on a GPU the choice is tested in test_hopper_ws")
+def test_no_gluon_timing_under_the_interpreter():
+    import forge_core.kernels.fused as fused
+    w = torch.zeros(256, 256, dtype=torch.bfloat16)
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    tile = fused.TileConfig(64, 64, 32, 8, 4, 1)
+    assert fused._ws_config(("k",), "bf16", x, x, w, [w, w], [None, None], None, False, (0.0,) * 8, 0, {},
+                            tile) is None
