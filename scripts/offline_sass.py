@@ -167,7 +167,8 @@ def _ws_resources(args: argparse.Namespace) -> int:
         registers, stack = resource_usage(compiled.asm["cubin"])
         print(json.dumps(dict(config=dataclasses.asdict(config), rule=rule.name, state=args.state,
                               registers=registers, stack=stack,
-                              shared=compiled.metadata.shared, estimate=config.shared_memory_bytes())), flush=True)
+                              shared=compiled.metadata.shared,
+                              estimate=config.shared_memory_bytes(1 if args.state == "int8" else 2))), flush=True)
     return 0
 
 

@@ -93,6 +93,12 @@ def test_the_default_and_every_tuner_candidate_fit():
         assert config_problem(config) is None, config
 
 
+def test_int8_states_leave_room_for_a_deeper_state_ring():
+    deep = WsConfig(stages=2, slab_m=32, slab_n=64, state_stages=8, group=1, epilogue_warps=8, max_registers=128)
+    assert "of shared memory, over" in config_problem(deep)              # bf16 states: 234496 B
+    assert config_problem(deep, state_bytes=1) is None                    # int8 codes: half the state bytes
+
+
 def _offline_compile(rule: str, configs: list[WsConfig], state: str = "bf16") -> list[dict]:
     """scripts/offline_sass.py --ws in a process of its own: compiling needs Triton's real code
     generator, and this test process runs Triton in the interpreter on a CPU machine."""

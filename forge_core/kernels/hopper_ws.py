@@ -73,10 +73,12 @@ class WsConfig:
         """Warps of one program: epilogue, two loader warps, MMA, rounded up to whole warpgroups."""
         return -(-(self.epilogue_warps + 2 + self.mma_warps) // 4) * 4
 
-    def shared_memory_bytes(self) -> int:
+    def shared_memory_bytes(self, state_bytes: int = 2) -> int:
+        """Shared memory of one program: the dY / X ring, the parked fp32 tile, the W / state ring
+        (``state_bytes`` per state element: 2 bf16, 1 int8)."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
         accumulator = self.block_m * (self.block_n + 8) * 4            # two halves, rows padded by 16 B
-        states = self.state_stages * 3 * self.slab_m * self.slab_n * 2
+        states = self.state_stages * self.slab_m * self.slab_n * (2 + 2 * state_bytes)
         return ring + accumulator + states + 1024          # + the mbarriers and alignment (measured: < 1 KB)
 
 
@@ -87,8 +89,8 @@ SHARED_MEMORY_BYTES = 227 * 1024
 REGISTER_FILE = 65536
 
 
-def config_problem(config: WsConfig) -> str | None:
-    """Why ``config`` cannot launch (None: it can)."""
+def config_problem(config: WsConfig, state_bytes: int = 2) -> str | None:
+    """Why ``config`` cannot launch with states of ``state_bytes`` per element (None: it can)."""
     if config.block_m % 64 or config.block_n % 16 or config.block_n > 256 or config.block_k % 16:
         return f"tile {config.block_m}x{config.block_n}x{config.block_k} is not a wgmma tile (BM % 64, BN % 16, BK % 16)"
     if config.slab_n > config.block_n // 2 or config.block_m % config.slab_m or (config.block_n // 2) % config.slab_n:
@@ -98,8 +100,9 @@ def config_problem(config: WsConfig) -> str | None:
     if config.warps() * 32 * config.max_registers > REGISTER_FILE:
         return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
                 f"{REGISTER_FILE}-register file of an SM")
-    if config.shared_memory_bytes() > SHARED_MEMORY_BYTES:
-        return f"config needs {config.shared_memory_bytes()} B of shared memory, over {SHARED_MEMORY_BYTES}"
+    if config.shared_memory_bytes(state_bytes) > SHARED_MEMORY_BYTES:
+        return (f"config needs {config.shared_memory_bytes(state_bytes)} B of shared memory, "
+                f"over {SHARED_MEMORY_BYTES}")
     return None
 
 
@@ -108,7 +111,7 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
     """Why this kernel cannot take the call (None: it can). One line, naming the problem."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon is not importable from this Triton ({triton.__version__}): {GLUON_IMPORT_ERROR}"
-    problem = config_problem(config)
+    problem = config_problem(config, 1 if states and states[0].dtype == torch.int8 else 2)
     if problem is not None:
         return problem
     if x2.dtype != torch.bfloat16 or dy2.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
