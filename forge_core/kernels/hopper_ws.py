@@ -8,20 +8,26 @@ time. Here the roles are split across warps of one persistent program per SM:
 
 * a loader warp streams the dY and X tiles of a ``BM x BN`` weight tile into a ring of shared
   buffers with TMA;
-* an MMA warpgroup accumulates ``G = dY^T X`` with wgmma and parks the fp32 tile in shared memory;
-* the epilogue warps (the default partition) read G back in ``CN``-column slabs, TMA-prefetch the
-  W and state slabs a few slabs ahead, run the rule's epilogue (the same ``@triton.jit`` function
-  the Triton kernel calls) and store W and the states.
+* an MMA warpgroup accumulates ``G = dY^T X`` with wgmma and parks the fp32 tile in shared memory,
+  in two column halves, each as soon as the epilogue has read that half of the previous tile;
+* a second loader warp TMA-loads W and the states in ``RM x CN`` slabs, in the epilogue's order,
+  into a ring of its own;
+* the epilogue warps (the default partition) read G and each slab from shared memory, run the rule's
+  epilogue (the same ``@triton.jit`` function the Triton kernel calls) and store W and the states
+  (bf16, or int8 codes and block scales by the Triton kernel's own codec steps).
 
-The MMA warps start the next tile while the epilogue warps finish the last one, so the GEMM hides
+The MMA warps work on the next tile while the epilogue warps finish the last one, so the GEMM hides
 behind the state traffic (512 tokens) or the traffic behind the GEMM (8192), with 128-wide tiles
-that re-read X and dY 16 B per element (12 B at 128x256). G still never reaches global memory.
+that re-read X and dY 16 B per element. G still never reaches global memory. Measured on the H100
+(session 20, results/kernels/h100/ws_s20): faster than the Triton tile at 512 tokens with bf16
+states, slower at 2048 tokens and more and with int8 states; ``ws_choice`` picks per weight.
 
-Scope (checked by ``unsupported_reason``): a CUDA device of compute capability 9.x; bf16 X, dY
-and W; bf16 states; a rule with one or two states; Dout a multiple of BM and Din of BN; no
-gradient accumulator and no stochastic rounding. Anything else goes to ``fused.py``.
-Gluon kernels do not run under ``TRITON_INTERPRET``: the tests of this file need the GPU, and
-``scripts/offline_sass.py --ws`` compiles it for sm_90 on a machine without one.
+Scope (checked by ``unsupported_reason``, one line naming the problem): a CUDA device of compute
+capability 9.x; bf16 X, dY and W; one or two bf16 states, or int8 states (64-column slabs, their
+fp32 block scales); Dout a multiple of BM and Din of BN; TMA-aligned tensors; no gradient
+accumulator and no stochastic rounding (``ws_choice`` does not offer those calls). Gluon kernels do
+not run under ``TRITON_INTERPRET``: the numerical tests need the GPU, and ``compile_offline``
+(``scripts/offline_sass.py --ws``) compiles it for sm_90 on a machine without one.
 """
 from __future__ import annotations
 
@@ -43,7 +49,6 @@ try:                                         # Gluon ships with Triton >= 3.5
     GLUON_IMPORT_ERROR: str | None = None
 except ImportError as error:                 # pragma: no cover - depends on the installed Triton
     GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
-
 
 
 @dataclasses.dataclass(frozen=True)
