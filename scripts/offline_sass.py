@@ -31,13 +31,10 @@ import torch
 
 
 def _compile(args: argparse.Namespace):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile, make_backend
-    from triton.runtime.jit import create_function_from_signature
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from forge_core.kernels import fused
+    from forge_core.kernels.offline_compile import compile_for_gpu
     from forge_core.rules import get_rule
     from forge_core.state import ParamState
 
@@ -62,16 +59,8 @@ def _compile(args: argparse.Namespace):
     scalars = torch.empty(fused.NUM_SCALARS, dtype=torch.float32) if args.scalars_in_memory else (0.5,) * fused.NUM_SCALARS
     call = (x2, dy2, *descriptors, *fused.kernel_args(plan, x2, dy2, scalars, 1))
 
-    kernel = fused._fused_wgrad_update_kernel
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*call, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    if args.fp_fusion is not None:
-        options = backend.parse_options(dict(options.__dict__, enable_fp_fusion=args.fp_fusion))
-    compiled = triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
+    overrides = {} if args.fp_fusion is None else {"enable_fp_fusion": args.fp_fusion}
+    compiled = compile_for_gpu(fused._fused_wgrad_update_kernel, call, kwargs, 90, **overrides)
     threads = 32 * args.warps
     return compiled, bm * bn // threads
 

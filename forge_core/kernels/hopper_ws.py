@@ -481,10 +481,9 @@ def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, e
     the sqrt domain as AdamW's), for register / spill / shared-memory
     checks on a CPU machine (tests, ``scripts/offline_sass.py --ws``). Returns Triton's compiled
     kernel (``.asm["cubin"]``, ``.metadata.shared``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile, make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
+
+    from .offline_compile import compile_for_gpu
 
     if epilogue is None:
         from ..rules import get_rule
@@ -495,14 +494,7 @@ def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, e
     x2, dy2 = torch.empty((k, n), dtype=torch.bfloat16), torch.empty((k, m), dtype=torch.bfloat16)
     args, kwargs = _kernel_call(x2, dy2, weight, states, scales, epilogue, (0.5,) * 8, config,
                                 (False, num_states == 2))
-    kernel = _ws_fused_kernel
-    target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return triton_compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
+    return compile_for_gpu(_ws_fused_kernel, args, kwargs, capability, GluonASTSource)
 
 
 # The int8 state codec of the Triton kernel (block scales, decode, re-quantization), called from the
