@@ -113,5 +113,5 @@ def test_no_gluon_timing_under_the_interpreter():
     w = torch.zeros(256, 256, dtype=torch.bfloat16)
     x = torch.zeros(64, 256, dtype=torch.bfloat16)
     tile = fused.TileConfig(64, 64, 32, 8, 4, 1)
-    assert fused._ws_config(("k",), "bf16", x, x, w, [w, w], [None, None], None, False, (0.0,) * 8, 0, {},
+    assert fused._ws_plan(("k",), "bf16", x, x, w, [w, w], [None, None], None, False, (0.0,) * 8, 0, {},
                             tile) is None

@@ -1142,10 +1142,9 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
                    grad_accum is not None, stochastic, ieee, str(weight.device))   # one tuning for both scalar sources
             config = _tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars, seed,
                                     meta)
-            ws_config = _ws_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, stochastic,
-                                   scalars, seed, meta, config)
-            if ws_config is not None:
-                ws_plan = _WsPlan(ws_config, weight, states, scales, rule.epilogue, (meta["S0_SQRT"], meta["S1_SQRT"]))
+            ws_plan = _ws_plan(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, stochastic,
+                               scalars, seed, meta, config)
+            if ws_plan is not None:
                 ws_plan.run(x2, dy2, scalars)
                 if signature is not None:
                     _PLANS[state] = {signature: ws_plan}
@@ -1175,18 +1174,28 @@ class _WsPlan:
                          scales=self.scales, sqrt_domain=self.sqrt_domain)
 
 
-def _ws_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad_accum, stochastic: bool, scalars,
-               seed: int, meta, triton_config: TileConfig) -> hopper_ws.WsConfig | None:
-    """The Gluon kernel's config when it beats the tuned Triton tile on this call (``ws_choice``),
+def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad_accum, stochastic: bool, scalars,
+             seed: int, meta, triton_config: TileConfig) -> _WsPlan | None:
+    """A plan on the Gluon kernel when it beats the tuned Triton tile on this call (``ws_choice``),
     else None. Both are timed on scratch copies of the weight and states."""
     if interpreting() or not _autotune_enabled() or not isinstance(triton_config, TileConfig):
         return None
     candidates = ws_choice.candidates_for(x2, dy2, weight, states, scales, state_dtype, grad_accum, stochastic)
     if not candidates:
         return None
-    graphed_key = key + ("graph" if isinstance(scalars, torch.Tensor) else "eager",)
-    if graphed_key in ws_choice._CHOSEN:         # chosen before (this process): no scratch copies needed
-        return ws_choice._CHOSEN[graphed_key]
+    sqrt_domain = (meta["S0_SQRT"], meta["S1_SQRT"])
+
+    def plan_on(config, weight, states, scales) -> _WsPlan | None:
+        return _WsPlan(config, weight, states, scales, meta["EPILOGUE"], sqrt_domain) if config is not None else None
+
+    # A launch with scalars in device memory is made to be captured in a CUDA graph, where the
+    # host's launch cost is gone: time both kernels in graphs then. Otherwise (eager) as the caller
+    # pays: do_bench, launch cost included (the Gluon launch costs more on the host; measured on
+    # the H100 it lost q/o and k/v to the Triton tile under do_bench and won them in graphs).
+    graphed = isinstance(scalars, torch.Tensor)
+    choice_key = key + ("graph" if graphed else "eager",)
+    if choice_key in ws_choice._CHOSEN:          # chosen before (this process): no scratch copies needed
+        return plan_on(ws_choice._CHOSEN[choice_key], weight, states, scales)
     try:
         scratch_weight = weight.detach().clone()
         scratch_states = [s.clone() for s in states]
@@ -1197,25 +1206,17 @@ def _ws_config(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, gr
     def run_triton() -> None:
         _launch(triton_config, x2, dy2, scratch_weight, scratch_states, scratch_scales, None, scalars, seed, meta)
 
-    sqrt_domain = (meta["S0_SQRT"], meta["S1_SQRT"])
-
     def run_ws(config: hopper_ws.WsConfig) -> None:
-        hopper_ws.launch(x2, dy2, scratch_weight, scratch_states, meta["EPILOGUE"], scalars, config, check=False,
-                         scales=scratch_scales, sqrt_domain=sqrt_domain)
+        plan_on(config, scratch_weight, scratch_states, scratch_scales).run(x2, dy2, scalars)
 
     identity = (tune_cache.source_identity(hopper_ws._ws_fused_kernel)
                 + _tuning_fingerprint(weight, meta, [triton_config]))
     m, n = weight.shape
-    # A launch with scalars in device memory is made to be captured in a CUDA graph, where the
-    # host's launch cost is gone: time both kernels in graphs then. Otherwise (eager) as the caller
-    # pays: do_bench, launch cost included (the Gluon launch costs more on the host; measured on
-    # the H100 it lost q/o and k/v to the Triton tile under do_bench and won them in graphs).
-    graphed = isinstance(scalars, torch.Tensor)
-    time_ms = ws_choice.graph_time_ms if graphed else _bench_ms
-    return ws_choice.chosen(key + ("graph" if graphed else "eager",), candidates, run_triton, run_ws, time_ms,
-                            identity, {
+    config = ws_choice.chosen(choice_key, candidates, run_triton, run_ws,
+                              ws_choice.graph_time_ms if graphed else _bench_ms, identity, {
         "shape": f"{m}x{n}", "tokens": x2.shape[0], "device": _device_name(weight), "triton": triton.__version__,
         "triton_tile": dataclasses.asdict(triton_config)})
+    return plan_on(config, weight, states, scales)
 
 
 def kernel_meta(state: ParamState, input_dtype: torch.dtype, *, grad_accum: bool, stochastic: bool, ieee: bool,
