@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import triton
 
+from ..state import QBLOCK
+
 try:                                         # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -88,7 +90,6 @@ class WsConfig:
 
 
 DEFAULT_CONFIG = WsConfig()
-QBLOCK = 64                  # state.QBLOCK: the int8 block along a row
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.int8: "int8"}
 SHARED_MEMORY_BYTES = 227 * 1024
 REGISTER_FILE = 65536
@@ -490,7 +491,7 @@ def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, e
         epilogue = get_rule("adamw").epilogue
     weight = torch.empty((m, n), dtype=torch.bfloat16)
     states = [torch.empty((m, n), dtype=torch.int8 if int8 else torch.bfloat16) for _ in range(num_states)]
-    scales = [torch.empty((m, n // 64), dtype=torch.float32) for _ in range(num_states)] if int8 else None
+    scales = [torch.empty((m, n // QBLOCK), dtype=torch.float32) for _ in range(num_states)] if int8 else None
     x2, dy2 = torch.empty((k, n), dtype=torch.bfloat16), torch.empty((k, m), dtype=torch.bfloat16)
     args, kwargs = _kernel_call(x2, dy2, weight, states, scales, epilogue, (0.5,) * 8, config,
                                 (False, num_states == 2))
