@@ -88,9 +88,18 @@ def test_configs_that_cannot_launch_are_named(config, message):
     assert message in config_problem(config)
 
 
+BF16_CANDIDATES = [c for c in ws_choice.CANDIDATES if config_problem(c) is None]
+INT8_ONLY = [c for c in ws_choice.CANDIDATES if c not in BF16_CANDIDATES]
+
+
 def test_the_default_and_every_tuner_candidate_fit():
-    for config in (hopper_ws.DEFAULT_CONFIG, *ws_choice.CANDIDATES):
-        assert config_problem(config) is None, config
+    """Every candidate fits int8 states; all but the int8-only ones (eight epilogue warps on 64x64
+    slabs four deep) fit bf16 states too, so bf16 calls are not left without candidates."""
+    assert config_problem(hopper_ws.DEFAULT_CONFIG) is None
+    for config in ws_choice.CANDIDATES:
+        assert config_problem(config, state_bytes=1) is None, config
+    assert len(BF16_CANDIDATES) == 4 and len(INT8_ONLY) == 1
+    assert "of shared memory, over" in config_problem(INT8_ONLY[0])
 
 
 def test_int8_states_leave_room_for_a_deeper_state_ring():
@@ -116,7 +125,7 @@ def test_every_config_the_tuner_may_pick_compiles_for_sm90_without_spills():
     shared memory within the config's estimate (what a launch would be refused on); AdamW (two
     states) for every config, Lion and SGD (one state, the dummy second ring) for the first; with
     int8 states AdamW for every candidate and Lion for the first."""
-    configs = [hopper_ws.DEFAULT_CONFIG, *ws_choice.CANDIDATES]
+    configs = [hopper_ws.DEFAULT_CONFIG, *BF16_CANDIDATES]
     results = _offline_compile("adamw", configs)
     results += _offline_compile("lion", configs[1:2]) + _offline_compile("sgd", configs[1:2])
     results += _offline_compile("adamw", list(ws_choice.CANDIDATES), "int8") + _offline_compile("lion", configs[1:2], "int8")
@@ -185,7 +194,7 @@ def test_one_step_equals_the_triton_kernel_and_the_reference(rule_name, m, n, k,
 
 @needs_hopper
 @pytest.mark.parametrize("rule_name", ["adamw", "lion"])
-@pytest.mark.parametrize("config", [ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3]])
+@pytest.mark.parametrize("config", [ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3], *INT8_ONLY])
 def test_int8_states_are_requantized_as_the_triton_kernel_does(rule_name, config, monkeypatch):
     """int8 codes and block scales (state.py's format) from both kernels: a code may differ by one
     next to a rounding tie (fp32 summation order of G), no more, and rarely; the weight as bf16."""
