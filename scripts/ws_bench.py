@@ -9,7 +9,9 @@ Triton fused kernel on one Hopper GPU, before it is wired into FORGE.
 rel-L2 errors against the reference and the fraction of bf16 elements the two kernels disagree on.
 ``time``: for each shape, the two kernels interleaved (A B A B ...) over ``--rounds`` rounds,
 each a CUDA graph over enough input sets to miss L2 (``forge_bench.kernel_bench.measure_graph``),
-ms and, with NVML, joules per call. Records: OUT/ws_check.jsonl, OUT/ws_time.jsonl. ``--configs``:
+ms and, with NVML, joules per call. ``host``: host microseconds per eager launch, the Triton kernel
+and the Gluon kernel through its JIT and its direct launcher. Records: OUT/ws_check.jsonl,
+OUT/ws_time.jsonl, OUT/ws_host.jsonl. ``--configs``:
 JSON list of WsConfig field dicts to time (default: the kernel's default).
 """
 from __future__ import annotations
@@ -155,6 +157,64 @@ def time_shapes(shapes: list[tuple[str, int]], configs: list[hopper_ws.WsConfig]
         counter.close()
 
 
+def host_cost(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Path, device,
+              state_dtype: str = "bf16", launches: int = 200, repeats: int = 5) -> None:
+    """Host microseconds per eager launch: the Triton kernel through ``fused_wgrad_update`` (its cached
+    plan's direct launch), and the Gluon kernel's plan (``fused._WsPlan``) through the JIT and
+    direct. ``launches`` back-to-back calls without a sync, timed on the host (the GPU queue does
+    not fill at 200), then a sync: ``host_us`` the loop, ``eager_us`` loop plus drain, per launch;
+    medians over ``repeats``."""
+    import os
+    import statistics
+
+    from forge_core.kernels.fused import _WsPlan
+
+    for name, tokens in shapes:
+        dout, din = LLAMA_8B_SHAPES[name]
+        s = _inputs(dout, din, tokens, device, 0, state_dtype)
+        state = s["state"]
+        rule = state.rule
+        scalars = _kernel_scalars(rule, ADAMW_HP, STEP)
+
+        def ws_plan() -> _WsPlan:
+            return _WsPlan(config, s["weight"], [state.values[n] for n in rule.state_names],
+                           [state.scales[n] for n in rule.state_names], rule.epilogue,
+                           tuple(state.is_sqrt_domain(n) for n in rule.state_names))
+
+        os.environ["FORGE_DIRECT_LAUNCH"] = "0"
+        jit_plan = ws_plan()
+        os.environ.pop("FORGE_DIRECT_LAUNCH")
+        direct_plan = ws_plan()
+        arms = [("triton", lambda: _triton_call(s)),
+                ("ws_jit", lambda: jit_plan.run(s["x"], s["dy"], scalars)),
+                ("ws_direct", lambda: direct_plan.run(s["x"], s["dy"], scalars))]
+        for _, call in arms:                  # compile / tune, build the plans
+            for _ in range(3):
+                call()
+        torch.cuda.synchronize()
+        samples = {arm: ([], []) for arm, _ in arms}
+        for _ in range(repeats):
+            for arm, call in arms:
+                start = time.perf_counter()
+                for _ in range(launches):
+                    call()
+                issued = time.perf_counter()
+                torch.cuda.synchronize()
+                done = time.perf_counter()
+                samples[arm][0].append((issued - start) / launches * 1e6)
+                samples[arm][1].append((done - start) / launches * 1e6)
+        for arm, (host, eager) in samples.items():
+            record = dict(shape=name, dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, arm=arm,
+                          launches=launches, host_us=statistics.median(host), eager_us=statistics.median(eager),
+                          direct=(direct_plan.direct is not None) if arm == "ws_direct" else None,
+                          config=dataclasses.asdict(config) if arm != "triton" else None)
+            print(json.dumps(record), flush=True)
+            with open(out / "ws_host.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        del s
+        torch.cuda.empty_cache()
+
+
 def _shape_list(items: list[str]) -> list[tuple[str, int]]:
     result = []
     for item in items:
@@ -169,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="[{}]", help="JSON list of WsConfig field dicts")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--state", choices=("bf16", "int8"), default="bf16")
-    parser.add_argument("mode", choices=("check", "time"))
+    parser.add_argument("mode", choices=("check", "time", "host"))
     parser.add_argument("shapes", nargs="*")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -180,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "check":
         shapes = _shape_list(args.shapes or ["q:512", "q:520", "k:2048", "gate:512", "down:512"])
         return 0 if check(shapes, configs[0], args.out, device, args.state) else 1
+    if args.mode == "host":
+        host_cost(_shape_list(args.shapes or ["k:512", "q:512"]), configs[0], args.out, device, args.state)
+        return 0
     time_shapes(_shape_list(args.shapes or ["gate:512"]), configs, args.rounds, args.out, device, args.state)
     return 0
 

@@ -136,6 +136,51 @@ def test_every_config_the_tuner_may_pick_compiles_for_sm90_without_spills():
         assert result["shared"] <= result["estimate"] <= hopper_ws.SHARED_MEMORY_BYTES, result
 
 
+@needs_gluon
+def test_the_direct_launch_encodes_w_and_states_once_and_the_activations_per_launch(monkeypatch):
+    """With Triton 3.6's launcher layout, a later launch of a chosen plan hands the raw launcher what
+    the JIT would: the base arguments, the five tensor maps (x2's and dy2's encoded per launch, W's
+    and the states' once, when the launcher is built), then the kernel's other arguments in
+    ``_kernel_call``'s order, then its constexprs. It steps aside (False) for calls the compiled
+    kernel was not specialised for."""
+    import triton
+
+    from fake_triton_launch import descriptor_meta, install
+    from forge_core.kernels import fused as fused_module
+
+    config = ws_choice.CANDIDATES[1]
+    fake = install(monkeypatch, set(range(5)), [descriptor_meta([config.block_k, config.block_n]),
+                                                descriptor_meta([config.block_k, config.block_m])]
+                   + [descriptor_meta([config.slab_m, config.slab_n])] * 3)
+    monkeypatch.setattr(hopper_ws, "_sm_count", lambda index: 6)
+    x2, dy2, weight, states = _call(m=256, n=512, k=64)
+    epilogue = get_rule("adamw").epilogue
+    scalars = tuple(float(i) / 8 for i in range(8))
+    launch = hopper_ws.direct_launcher(fake.compiled, x2, dy2, weight, states, None, epilogue, scalars, config,
+                                       (False, True))
+    assert [e[2] for e in fake.encoded] == [(config.slab_m, config.slab_n)] * 3, "W and the states, once"
+    x_next = torch.ones_like(x2)
+    assert launch(x_next, dy2, scalars) is True
+    (call,) = fake.calls
+    hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
+    assert call[:13] == (6, 1, 1, 99, "function-handle", False, True, None, None, "packed", None, *hooks)
+    maps = [call[13 + 5 * i: 18 + 5 * i] for i in range(5)]
+    for tensor, encoded in zip((x_next, dy2, weight, *states), maps):
+        assert encoded == (f"map@{tensor.data_ptr()}", *tensor.shape, *tensor.stride())
+    args, kwargs = hopper_ws._kernel_call(x_next, dy2, weight, states, None, epilogue, scalars, config, (False, True))
+    names = fused_module._constexpr_tail(hopper_ws._ws_fused_kernel)
+    assert names[0] == "EPILOGUE" and names[-1] == "EPI_WARPS"
+    assert call[38:] == args[5:] + tuple(kwargs[name] for name in names)
+    assert len(fake.encoded) == 5, "x2 and dy2 per launch"
+    assert launch(x2, dy2, torch.zeros(8)) is False, "compiled for scalars as arguments"
+    states[1].set_(torch.zeros_like(states[1]))
+    assert launch(x2, dy2, scalars) is False, "a state tensor moved: its tensor map is stale"
+    assert len(fake.calls) == 1
+    fake.driver._BASE_ARGS_FORMAT = "another layout"
+    assert hopper_ws.direct_launcher(fake.compiled, x2, dy2, weight, states, None, epilogue, scalars, config,
+                                     (False, True)) is None
+
+
 HP = {"adamw": dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
       "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1),
       "sgd": dict(lr=1e-2, momentum=0.9, weight_decay=0.05)}
@@ -283,3 +328,49 @@ def test_a_capturable_call_is_decided_on_graph_timings(monkeypatch, tmp_path):
     w32 = before.clone()
     state.rule.reference(w32, dy.float().t() @ x.float(), states32, HP["adamw"], 4)
     torch.testing.assert_close(weight.float(), w32, rtol=1e-2, atol=(w32 - before).abs().max().item() * 0.05)
+
+
+@needs_hopper
+@pytest.mark.parametrize("state_dtype, config", [("bf16", ws_choice.CANDIDATES[1]), ("int8", INT8_ONLY[0])])
+@pytest.mark.parametrize("device_scalars", [False, True])
+def test_direct_launches_give_the_jit_launch_bits(monkeypatch, state_dtype, config, device_scalars):
+    """A chosen plan launches without the JIT from its second step: its weight and states must be
+    bit-identical to launches through the JIT at every step (new activations and scalars each
+    step), with the scalars as arguments and in device memory."""
+    import triton
+
+    from forge_core.kernels.fused import _kernel_scalars, _WsPlan
+
+    kernel = hopper_ws._ws_fused_kernel
+    _, _, weight, state = _problem("adamw", 1024, 4096, 520, state_dtype=state_dtype)
+    (w_direct, s_direct), (w_jit, s_jit) = _copy(weight, state), _copy(weight, state)
+    rule = state.rule
+
+    def plan(w, s):
+        return _WsPlan(config, w, [s.values[n] for n in rule.state_names], [s.scales[n] for n in rule.state_names],
+                       rule.epilogue, tuple(s.is_sqrt_domain(n) for n in rule.state_names))
+
+    direct_plan = plan(w_direct, s_direct)
+    buffer = torch.zeros(8, dtype=torch.float32, device="cuda")
+    for step in range(1, 4):
+        scalars = _kernel_scalars(rule, dict(HP["adamw"], lr=1e-3 * step), step)
+        if device_scalars:
+            buffer.copy_(torch.tensor(scalars))
+            scalars = buffer
+        x, dy, _, _ = _problem("adamw", 1024, 4096, 520, seed=step, state_dtype=state_dtype)
+        jit_calls = []
+        real_run = kernel.run
+        monkeypatch.setattr(kernel, "run", lambda *a, **k: (jit_calls.append(1), real_run(*a, **k))[1])
+        direct_plan.run(x, dy, scalars)
+        monkeypatch.setattr(kernel, "run", real_run)
+        if triton.__version__.startswith("3.6."):       # the launcher layout fused._raw_tma_launch knows
+            assert direct_plan.direct is not None
+            assert len(jit_calls) == (1 if step == 1 else 0), f"step {step}: the plan must skip the JIT"
+        monkeypatch.setenv("FORGE_DIRECT_LAUNCH", "0")
+        plan(w_jit, s_jit).run(x, dy, scalars)
+        monkeypatch.delenv("FORGE_DIRECT_LAUNCH")
+        assert torch.equal(w_direct, w_jit), f"weight, step {step}"
+        for name in rule.state_names:
+            assert torch.equal(s_direct.values[name], s_jit.values[name]), f"{name}, step {step}"
+            if s_jit.scales[name] is not None:
+                assert torch.equal(s_direct.scales[name], s_jit.scales[name]), f"{name} scales, step {step}"

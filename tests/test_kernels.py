@@ -616,56 +616,13 @@ def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     Triton's descriptor wrapper would: the base arguments, then x2 and dy2, each descriptor as
     (tensor map from the kernel's own descriptor metadata, shape, strides), the rest, the constexprs;
     and ``_run`` builds no TensorDescriptor for it. Another layout keeps the plain direct launch."""
-    import sys
     import triton
 
-    calls, encoded = [], []
+    from fake_triton_launch import descriptor_meta, install
 
-    def wrap_like_triton_36(launcher, tensordesc_indices, tensordesc_meta):
-        def inner(*args):       # its closure holds the three, as Triton 3.6's does
-            raise AssertionError(f"the descriptor wrapper must be skipped {launcher, tensordesc_indices, tensordesc_meta}")
-        return inner
-
-    def raw_launcher(*args):
-        calls.append(args)
-
-    class FakeRun:
-        global_scratch_size = profile_scratch_size = 0
-        launch_cooperative_grid, launch_pdl = False, True
-        launch = wrap_like_triton_36(raw_launcher, {2, 3}, [
-            {"swizzle": 128, "elem_size": 2, "elem_type": 5, "block_size": [32, 64], "fp4_padded": False},
-            {"swizzle": 64, "elem_size": 2, "elem_type": 5, "block_size": [32, 128], "fp4_padded": False}])
-
-        def __call__(self, *args):
-            raise AssertionError("the launcher object's __call__ must be skipped")
-
-    class FakeCompiled:
-        function, packed_metadata, run = "function-handle", "packed", FakeRun()
-
-        @staticmethod
-        def launch_metadata(grid, stream, *args):
-            return None
-
-    class FakeUtils:
-        @staticmethod
-        def fill_tma_descriptor(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
-            encoded.append((swizzle, elem_type, tuple(block), padding))
-            return f"map@{ptr}"
-
-    class FakeActive:
-        utils = FakeUtils()
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, index):
-            return 99
-
-    fake_driver = type(sys)("triton.backends.nvidia.driver")
-    fake_driver._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
-    fake_driver.TMA_DTYPE_DEVICE_TO_HOST = {5: 6}
-    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", fake_driver)
-    monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": FakeActive()})())
+    fake = install(monkeypatch, {2, 3}, [descriptor_meta([32, 64]), descriptor_meta([32, 128], swizzle=64)])
+    FakeCompiled = type(fake.compiled)
+    calls, encoded = fake.calls, fake.encoded
     names = fused_module._constexpr_tail()
     kwargs = {name: f"value-of-{name}" for name in names}
     kwargs["TMA"] = True
@@ -685,7 +642,7 @@ def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     assert call[20:25] == (f"map@{dy2.data_ptr()}", 48, 136, 136, 1)
     assert call[25] is weight and call[-len(names):] == tuple(kwargs[name] for name in names)
     assert encoded == [(128, 6, (32, 64), 0), (64, 6, (32, 128), 0)]
-    fake_driver._BASE_ARGS_FORMAT = "another layout"
+    fake.driver._BASE_ARGS_FORMAT = "another layout"
     other = fused_module._LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
     assert fused_module._direct_launcher(FakeCompiled(), other) is not None
     assert not other.direct_builds_descriptors

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import triton
@@ -457,13 +457,14 @@ def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, stat
 
 def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor], epilogue: Any,
            scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG, check: bool = True,
-           scales: list[torch.Tensor | None] | None = None, sqrt_domain: tuple[bool, bool] = (False, False)) -> None:
+           scales: list[torch.Tensor | None] | None = None, sqrt_domain: tuple[bool, bool] = (False, False)) -> Any:
     """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
     ``states`` (bf16, or int8 codes with their fp32 block ``scales``; ``sqrt_domain``: which states
     are stored as square roots, see state.py), with the rule's ``epilogue`` and its 8 kernel scalars
     (floats, or a float32 device buffer for a graph-replayed launch). Raises ValueError with the
     reason when the call is outside this kernel's scope (``unsupported_reason``); ``check=False``
-    skips that for a caller that checked the same weight and layouts before (a cached plan)."""
+    skips that for a caller that checked the same weight and layouts before (a cached plan).
+    Returns Triton's compiled kernel (for ``direct_launcher``)."""
     if check:
         reason = unsupported_reason(x2, dy2, weight, states, config, scales)
         if reason is not None:
@@ -472,7 +473,74 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
     m, n = weight.shape
     tiles = (m // config.block_m) * (n // config.block_n)
     device = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    _ws_fused_kernel[(min(tiles, _sm_count(device)),)](*args, **kwargs)
+    return _ws_fused_kernel[(min(tiles, _sm_count(device)),)](*args, **kwargs)
+
+
+_DESCRIPTORS = 5
+"""The kernel's first parameters are TMA descriptors: x, dy, W, state 0, state 1."""
+
+
+def direct_launcher(compiled: Any, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
+                    states: list[torch.Tensor], scales: list[torch.Tensor | None] | None, epilogue: Any,
+                    scalars: tuple[float, ...] | torch.Tensor, config: WsConfig, sqrt_domain: tuple[bool, bool]
+                    ) -> Callable[[torch.Tensor, torch.Tensor, Any], bool] | None:
+    """Launches of ``compiled`` (what the JIT returned for this call) for later calls of the same
+    weight, states and activation layout, without the JIT. Why: the JIT binds and specialises ~40
+    arguments and builds five descriptor objects per launch (``_kernel_call``), which cost an eager
+    step more host time than the Triton kernel's direct launch, and lost the Gluon kernel eager
+    choices it wins on the GPU (session 20). Here the three descriptors of W and the states are
+    encoded once; only x2's and dy2's tensor maps are encoded per launch, with the compiled
+    kernel's own descriptor metadata (``fused._raw_tma_launch``).
+
+    The returned callable takes (x2, dy2, scalars) and returns False, launching nothing, when the
+    call is not one the compiled kernel was specialised for (another current device, scalars of the
+    other kind or alignment, state tensors moved): the caller then launches through the JIT. None
+    where this Triton lays out compiled kernels differently (the JIT then always runs)."""
+    names = _codec._constexpr_tail(_ws_fused_kernel)
+    raw = _codec._raw_tma_launch(compiled, tuple(range(_DESCRIPTORS))) if names is not None else None
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if raw is None or knobs is None or not all(hasattr(compiled, a) for a in ("function", "packed_metadata")):
+        return None
+    launcher, cooperative, pdl, metas, encode = raw
+    args, kwargs = _kernel_call(x2, dy2, weight, states, scales, epilogue, scalars, config, sqrt_domain)
+    try:
+        constexprs = tuple(kwargs[name] for name in names)
+        active = triton.runtime.driver.active
+        current_stream, current_device = active.get_current_stream, active.get_current_device
+        device_index = current_device()
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    in_memory = isinstance(scalars, torch.Tensor)
+    aligned = in_memory and scalars.data_ptr() % 16 == 0
+    fixed_maps = tuple(item for t, meta in zip((weight, states[0], states[-1]), metas[2:]) for item in encode(t, meta))
+    state_pointers = (states[0].data_ptr(), states[-1].data_ptr())
+    fixed = args[_DESCRIPTORS:-9]                  # W, S0, S1, SCALE0, SCALE1, M, N, K, group, scale row stride
+    no_values = (0.0,) * 8
+    placeholders = (None,) * _DESCRIPTORS
+    tiles = (weight.shape[0] // config.block_m) * (weight.shape[1] // config.block_n)
+    grid_x = min(tiles, _sm_count(device_index))
+    grid = (grid_x,)
+    function, packed, metadata = compiled.function, compiled.packed_metadata, compiled.launch_metadata
+
+    def launch_direct(x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor) -> bool:
+        if isinstance(scalars, torch.Tensor):
+            if not in_memory or (scalars.data_ptr() % 16 == 0) != aligned:
+                return False
+            tail = (*no_values, scalars)
+        else:
+            if in_memory:
+                return False
+            tail = (*scalars, *no_values[len(scalars):], weight)
+        if current_device() != device_index or (states[0].data_ptr(), states[-1].data_ptr()) != state_pointers:
+            return False
+        stream = current_stream(device_index)
+        launcher(grid_x, 1, 1, stream, function, cooperative, pdl, None, None, packed,
+                 metadata(grid, stream, *placeholders, *fixed, *tail, *constexprs), knobs.launch_enter_hook,
+                 knobs.launch_exit_hook, *encode(x2, metas[0]), *encode(dy2, metas[1]), *fixed_maps, *fixed, *tail,
+                 *constexprs)
+        return True
+
+    return launch_direct
 
 
 def compile_offline(m: int, n: int, k: int, config: WsConfig = DEFAULT_CONFIG, epilogue: Any = None,
