@@ -181,10 +181,12 @@ def host_cost(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Pa
                            [state.scales[n] for n in rule.state_names], rule.epilogue,
                            tuple(state.is_sqrt_domain(n) for n in rule.state_names))
 
-        os.environ["FORGE_DIRECT_LAUNCH"] = "0"
         jit_plan = ws_plan()
-        os.environ.pop("FORGE_DIRECT_LAUNCH")
+        jit_plan.launched = True              # never builds its direct launcher: every launch through the JIT
         direct_plan = ws_plan()
+        os.environ["FORGE_WS_KERNEL"] = "0"   # the Triton kernel's plan for this weight, whatever the choice
+        _triton_call(s)
+        os.environ.pop("FORGE_WS_KERNEL")
         arms = [("triton", lambda: _triton_call(s)),
                 ("ws_jit", lambda: jit_plan.run(s["x"], s["dy"], scalars)),
                 ("ws_direct", lambda: direct_plan.run(s["x"], s["dy"], scalars))]
@@ -206,7 +208,8 @@ def host_cost(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Pa
         for arm, (host, eager) in samples.items():
             record = dict(shape=name, dout=dout, din=din, tokens=tokens, state_dtype=state_dtype, arm=arm,
                           launches=launches, host_us=statistics.median(host), eager_us=statistics.median(eager),
-                          direct=(direct_plan.direct is not None) if arm == "ws_direct" else None,
+                          direct=((direct_plan.direct is not None) if arm == "ws_direct" else
+                                  (jit_plan.direct is not None) if arm == "ws_jit" else None),
                           config=dataclasses.asdict(config) if arm != "triton" else None)
             print(json.dumps(record), flush=True)
             with open(out / "ws_host.jsonl", "a") as handle:
