@@ -1203,8 +1203,9 @@ def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad
 
     # A launch with scalars in device memory is made to be captured in a CUDA graph, where the
     # host's launch cost is gone: time both kernels in graphs then. Otherwise (eager) as the caller
-    # pays: do_bench, launch cost included (the Gluon launch costs more on the host; measured on
-    # the H100 it lost q/o and k/v to the Triton tile under do_bench and won them in graphs).
+    # pays: do_bench, launch cost included. Through its JIT the Gluon kernel's launch costs the
+    # host 180-240 us (H100 host, session 21), which lost it eager choices; its plans launch
+    # directly from their second call (hopper_ws.direct_launcher: ~20 us), in the timing too.
     graphed = isinstance(scalars, torch.Tensor)
     choice_key = key + ("graph" if graphed else "eager",)
     if choice_key in ws_choice._CHOSEN:          # chosen before (this process): no scratch copies needed
@@ -1220,7 +1221,7 @@ def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad
         _launch(triton_config, x2, dy2, scratch_weight, scratch_states, scratch_scales, None, scalars, seed, meta)
 
     # One plan per candidate, so that its timed launches after the first are direct, as a chosen
-    # plan's are (the JIT's host cost would otherwise lose eager choices the kernel wins).
+    # plan's are.
     candidate_plans = {c: plan_on(c, scratch_weight, scratch_states, scratch_scales) for c in candidates}
 
     def run_ws(config: hopper_ws.WsConfig) -> None:
