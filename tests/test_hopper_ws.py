@@ -374,3 +374,38 @@ def test_direct_launches_give_the_jit_launch_bits(monkeypatch, state_dtype, conf
             assert torch.equal(s_direct.values[name], s_jit.values[name]), f"{name}, step {step}"
             if s_jit.scales[name] is not None:
                 assert torch.equal(s_direct.scales[name], s_jit.scales[name]), f"{name} scales, step {step}"
+
+
+@needs_hopper
+def test_an_eager_choice_times_both_kernels_through_direct_launches(monkeypatch, tmp_path):
+    """Scalars as arguments (an eager step): the choice's do_bench timings of the Triton tile and of
+    the Gluon candidate launch without either JIT after each plan's first launch, as the eager steps
+    after the choice do (a JIT launch costs 100-240 us of host time, session 21)."""
+    import triton
+
+    import forge_core.kernels.fused as fused_module
+
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip("the direct launches need Triton 3.6's launcher layout")
+    monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
+    monkeypatch.setattr(fused_module, "_TUNED", {})
+    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:1])
+    jit_launches = []
+    for kernel in (fused_module._fused_wgrad_update_kernel, hopper_ws._ws_fused_kernel):
+        monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **k: (jit_launches.append(1), _run(*a, **k))[1])
+    through_jit = []
+    real_bench = fused_module._bench_ms
+
+    def bench(fn):
+        fn()                                   # a plan's first launch is the JIT's
+        before = len(jit_launches)
+        ms = real_bench(fn)
+        through_jit.append(len(jit_launches) - before)
+        return ms
+
+    monkeypatch.setattr(fused_module, "_bench_ms", bench)
+    x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
+    fused_wgrad_update(x, dy, weight, state, HP["adamw"], 5)
+    choice_timings = through_jit[-(1 + 2 * ws_choice.ROUNDS):]     # the candidate, then the round-robin
+    assert len(choice_timings) == 1 + 2 * ws_choice.ROUNDS and not any(choice_timings), through_jit

@@ -1217,11 +1217,16 @@ def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad
     except torch.OutOfMemoryError:
         return None
 
-    def run_triton() -> None:
-        _launch(triton_config, x2, dy2, scratch_weight, scratch_states, scratch_scales, None, scalars, seed, meta)
+    # One plan for the Triton tile and one per Gluon candidate, so that their timed launches after
+    # the first are direct, as in the steps that follow (through the JIT, each would pay 100-240 us
+    # of host time an eager step does not pay).
+    triton_plan = _plan(triton_config, x2, dy2, scratch_weight, scratch_states, scratch_scales, None, meta)
 
-    # One plan per candidate, so that its timed launches after the first are direct, as a chosen
-    # plan's are.
+    def run_triton() -> None:
+        compiled = _run(triton_plan, x2, dy2, scalars, seed)
+        if compiled is not None and triton_plan.direct is None and not interpreting() and _direct_launch_enabled():
+            triton_plan.direct = _direct_launcher(compiled, triton_plan)
+
     candidate_plans = {c: plan_on(c, scratch_weight, scratch_states, scratch_scales) for c in candidates}
 
     def run_ws(config: hopper_ws.WsConfig) -> None:
@@ -1230,7 +1235,7 @@ def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad
     identity = (tune_cache.source_identity(hopper_ws._ws_fused_kernel)
                 + _tuning_fingerprint(weight, meta, [triton_config]))
     if not graphed:     # an eager choice weighs the host's launch cost: which launch paths were timed
-        identity += "|eager launches: " + ("direct" if _direct_launch_enabled() else "jit")
+        identity += "|eager launches: " + ("direct, both kernels" if _direct_launch_enabled() else "jit")
     m, n = weight.shape
     config = ws_choice.chosen(choice_key, candidates, run_triton, run_ws,
                               ws_choice.graph_time_ms if graphed else _bench_ms, identity, {
