@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from forge_bench.kernel_bench import ADAMW_HP, LLAMA_8B_SHAPES, _sets_needed, measure_graph  # noqa: E402
 from forge_bench.telemetry import open_energy_counter  # noqa: E402
-from forge_core.kernels import fused_wgrad_update, hopper_ws  # noqa: E402
+from forge_core.kernels import fused_wgrad_update, hopper_ws, ws_choice  # noqa: E402
 from forge_core.kernels.fused import _kernel_scalars  # noqa: E402
 from forge_core.rules import get_rule  # noqa: E402
 from forge_core.state import ParamState  # noqa: E402
@@ -184,9 +184,15 @@ def host_cost(shapes: list[tuple[str, int]], config: hopper_ws.WsConfig, out: Pa
         jit_plan = ws_plan()
         jit_plan.launched = True              # never builds its direct launcher: every launch through the JIT
         direct_plan = ws_plan()
-        os.environ["FORGE_WS_KERNEL"] = "0"   # the Triton kernel's plan for this weight, whatever the choice
-        _triton_call(s)
-        os.environ.pop("FORGE_WS_KERNEL")
+        previous = os.environ.get(ws_choice.ENV)
+        os.environ[ws_choice.ENV] = "0"       # the Triton kernel's plan for this weight, whatever the choice
+        try:
+            _triton_call(s)
+        finally:
+            if previous is None:
+                os.environ.pop(ws_choice.ENV)
+            else:
+                os.environ[ws_choice.ENV] = previous
         arms = [("triton", lambda: _triton_call(s)),
                 ("ws_jit", lambda: jit_plan.run(s["x"], s["dy"], scalars)),
                 ("ws_direct", lambda: direct_plan.run(s["x"], s["dy"], scalars))]

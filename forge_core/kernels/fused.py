@@ -908,6 +908,13 @@ def _direct_launcher(compiled: Any, plan: _LaunchPlan) -> Callable[[tuple], bool
     return launch
 
 
+def _go_direct(plan: _LaunchPlan, compiled: Any) -> None:
+    """After ``plan``'s launch through the JIT returned ``compiled``: its direct launcher, for the
+    launches that follow (unless launches stay on the JIT: the interpreter, ``FORGE_DIRECT_LAUNCH=0``)."""
+    if compiled is not None and not interpreting() and _direct_launch_enabled():
+        plan.direct = _direct_launcher(compiled, plan)
+
+
 _TRITON_36_BASE_ARGS = "iiiKKppOOOOOO"      # grid xyz, stream, function, cooperative, pdl, 2 scratches, 4 objects
 
 
@@ -1156,8 +1163,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     plan = _plan(config, x2, dy2, weight, states, scales, grad_accum, meta)
     compiled = _run(plan, x2, dy2, scalars, seed, grad_accum)
     if signature is not None and _plans_cacheable(config):      # one layout per weight is the steady state
-        if compiled is not None and not interpreting() and _direct_launch_enabled():
-            plan.direct = _direct_launcher(compiled, plan)
+        _go_direct(plan, compiled)
         _PLANS[state] = {signature: plan}
 
 
@@ -1224,8 +1230,8 @@ def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad
 
     def run_triton() -> None:
         compiled = _run(triton_plan, x2, dy2, scalars, seed)
-        if compiled is not None and triton_plan.direct is None and not interpreting() and _direct_launch_enabled():
-            triton_plan.direct = _direct_launcher(compiled, triton_plan)
+        if triton_plan.direct is None:
+            _go_direct(triton_plan, compiled)
 
     candidate_plans = {c: plan_on(c, scratch_weight, scratch_states, scratch_scales) for c in candidates}
 

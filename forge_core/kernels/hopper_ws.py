@@ -427,6 +427,23 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_NO_VALUES = (0.0,) * 8
+
+
+def _scalar_args(scalars: tuple[float, ...] | torch.Tensor, weight: torch.Tensor) -> tuple:
+    """The kernel's c0..c7 and SCALARS arguments: the rule's floats (zero-padded to 8) with the weight
+    as an unread pointer, or zeros with the device buffer holding them."""
+    if isinstance(scalars, torch.Tensor):
+        return (*_NO_VALUES, scalars)
+    return (*scalars, *_NO_VALUES[len(scalars):], weight)
+
+
+def _grid_size(weight: torch.Tensor, config: WsConfig, device_index: int) -> int:
+    """One persistent program per SM, or per tile where there are fewer tiles."""
+    tiles = (weight.shape[0] // config.block_m) * (weight.shape[1] // config.block_n)
+    return min(tiles, _sm_count(device_index))
+
+
 def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
                  scales: list[torch.Tensor | None] | None, epilogue: Any, scalars: tuple[float, ...] | torch.Tensor,
                  config: WsConfig, sqrt_domain: tuple[bool, bool]) -> tuple[tuple, dict]:
@@ -437,15 +454,12 @@ def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, stat
     int8 = states[0].dtype == torch.int8
     scale0 = scales[0] if int8 else weight
     scale1 = scales[-1] if int8 else weight
-    if isinstance(scalars, torch.Tensor):
-        values, buffer, in_memory = (0.0,) * 8, scalars, True
-    else:
-        values, buffer, in_memory = tuple(scalars) + (0.0,) * (8 - len(scalars)), weight, False
+    in_memory = isinstance(scalars, torch.Tensor)
     wide = (m - 1) * weight.stride(0) + n >= 2 ** 31 - 1
     args = (_descriptor(x2, [c.block_k, c.block_n]), _descriptor(dy2, [c.block_k, c.block_m]),
             _descriptor(weight, slab), _descriptor(states[0], slab), _descriptor(states[-1], slab),
             weight, states[0], states[-1], scale0, scale1, m, n, x2.shape[0], c.group,
-            scale0.stride(0) if int8 else 0, *values, buffer)
+            scale0.stride(0) if int8 else 0, *_scalar_args(scalars, weight))
     kwargs = dict(EPILOGUE=epilogue, NUM_STATES=len(states), STATE_KIND=2 if int8 else 1,
                   S0_SQRT=bool(sqrt_domain[0]), S1_SQRT=bool(sqrt_domain[-1]), SCALARS_IN_MEMORY=in_memory,
                   BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
@@ -470,10 +484,8 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
         if reason is not None:
             raise ValueError(f"hopper_ws: {reason}")
     args, kwargs = _kernel_call(x2, dy2, weight, states, scales, epilogue, scalars, config, sqrt_domain)
-    m, n = weight.shape
-    tiles = (m // config.block_m) * (n // config.block_n)
     device = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    return _ws_fused_kernel[(min(tiles, _sm_count(device)),)](*args, **kwargs)
+    return _ws_fused_kernel[(_grid_size(weight, config, device),)](*args, **kwargs)
 
 
 _DESCRIPTORS = 5
@@ -515,22 +527,15 @@ def direct_launcher(compiled: Any, x2: torch.Tensor, dy2: torch.Tensor, weight: 
     fixed_maps = tuple(item for t, meta in zip((weight, states[0], states[-1]), metas[2:]) for item in encode(t, meta))
     state_pointers = (states[0].data_ptr(), states[-1].data_ptr())
     fixed = args[_DESCRIPTORS:-9]                  # W, S0, S1, SCALE0, SCALE1, M, N, K, group, scale row stride
-    no_values = (0.0,) * 8
     placeholders = (None,) * _DESCRIPTORS
-    tiles = (weight.shape[0] // config.block_m) * (weight.shape[1] // config.block_n)
-    grid_x = min(tiles, _sm_count(device_index))
+    grid_x = _grid_size(weight, config, device_index)
     grid = (grid_x,)
     function, packed, metadata = compiled.function, compiled.packed_metadata, compiled.launch_metadata
 
     def launch_direct(x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor) -> bool:
-        if isinstance(scalars, torch.Tensor):
-            if not in_memory or (scalars.data_ptr() % 16 == 0) != aligned:
-                return False
-            tail = (*no_values, scalars)
-        else:
-            if in_memory:
-                return False
-            tail = (*scalars, *no_values[len(scalars):], weight)
+        if isinstance(scalars, torch.Tensor) != in_memory or (in_memory and (scalars.data_ptr() % 16 == 0) != aligned):
+            return False
+        tail = _scalar_args(scalars, weight)
         if current_device() != device_index or (states[0].data_ptr(), states[-1].data_ptr()) != state_pointers:
             return False
         stream = current_stream(device_index)
