@@ -71,6 +71,9 @@ class WsConfig:
     """Row-tiles per group of the tile order (fused.grouped_tile's); 1 walks whole rows of tiles, so the
     programs running at once read W and the states along whole rows."""
     epilogue_warps: int = 4
+    prefetch_scales: bool = True
+    """int8 states: load the next slab's block scales while this slab is updated. Without it every
+    slab waits a global-memory latency for its scales (the epilogue warps reach it together)."""
     mma_warps: int = 4
     max_registers: int = 168
     mma_registers: int = 208
@@ -287,13 +290,35 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(VALUES + offsets, value.to(gl.bfloat16))
 
     @gluon.jit
+    def _slab_origin(pid_m, pid_n, slab_rows, SLAB: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                     RM: gl.constexpr, CN: gl.constexpr, WIDE_INDEX: gl.constexpr):
+        """A slab's rows and first column: slab SLAB of a tile walks its column halves in order, each
+        column-major in (RM, CN) slabs."""
+        HALF_SLABS: gl.constexpr = (BN // 2 // CN) * (BM // RM)
+        rows = pid_m * BM + (SLAB % (BM // RM)) * RM + slab_rows
+        if WIDE_INDEX:
+            rows = rows.to(gl.int64)
+        col0 = pid_n * BN + (SLAB // HALF_SLABS) * (BN // 2) + ((SLAB % HALF_SLABS) // (BM // RM)) * CN
+        return rows, col0
+
+    @gluon.jit
+    def _slab_scales(SCALE0, SCALE1, rows, col0, stride_scale_row, CN: gl.constexpr, NUM_STATES: gl.constexpr):
+        """The int8 states' block scales of one slab (one 64-wide block per row)."""
+        s0_scales = gl.load(SCALE0 + rows * stride_scale_row + col0 // CN)
+        s1_scales = 0.0
+        if NUM_STATES >= 2:
+            s1_scales = gl.load(SCALE1 + rows * stride_scale_row + col0 // CN)
+        return s0_scales, s1_scales
+
+    @gluon.jit
     def _epilogue_partition(W, S0, S1, SCALE0, SCALE1, w_bufs, s0_bufs, s1_bufs, st_ready, st_empty,
                             acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N, stride_scale_row,
                             c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                             EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, STATE_KIND: gl.constexpr,
                             S0_SQRT: gl.constexpr, S1_SQRT: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, RM: gl.constexpr, CN: gl.constexpr,
-                            STATE_STAGES: gl.constexpr, WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr):
+                            STATE_STAGES: gl.constexpr, WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr,
+                            PREFETCH_SCALES: gl.constexpr):
         """Epilogue warps: per (RM, CN) slab, column-major over the tile, G and W / states from shared
         memory into registers (the slab's slot then goes back to the state loader, and after a half's
         last slab that half of G to the MMA warps), the rule, W and states stored."""
@@ -312,9 +337,18 @@ if GLUON_IMPORT_ERROR is None:
             c7 = gl.load(SCALARS + 7)
         slab_rows = gl.arange(0, RM, layout=gl.SliceLayout(1, layout))
         slab_cols = gl.arange(0, CN, layout=gl.SliceLayout(0, layout))
+        total_tiles = tiles_m * tiles_n
+        s0_next = 0.0
+        s1_next = 0.0
+        if STATE_KIND == 2 and PREFETCH_SCALES:
+            # the first slab's scales; each slab then loads the next one's (past the last tile: the
+            # last tile's again, unused)
+            first_m, first_n = _tile_coords(gl.program_id(0), tiles_m, tiles_n, group)
+            rows, col0 = _slab_origin(first_m, first_n, slab_rows, 0, BM, BN, RM, CN, WIDE_INDEX)
+            s0_next, s1_next = _slab_scales(SCALE0, SCALE1, rows, col0, stride_scale_row, CN, NUM_STATES)
         j = 0
         local = 0
-        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
+        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, group)
             for slab in gl.static_range(2 * HALF_SLABS):
                 # constexpr arithmetic inline (a name assigned here would become a tensor): the slab's
@@ -323,17 +357,12 @@ if GLUON_IMPORT_ERROR is None:
                 if slab % HALF_SLABS == 0:
                     mbarrier.wait(acc_ready.index(slab // HALF_SLABS), local & 1)
                 slot = j % STATE_STAGES
-                rows = pid_m * BM + (slab % ROW_SLABS) * RM + slab_rows
-                if WIDE_INDEX:
-                    rows = rows.to(gl.int64)
-                col0 = pid_n * BN + (slab // HALF_SLABS) * HALF + ((slab % HALF_SLABS) // ROW_SLABS) * CN
-                s0_scales = 0.0
-                s1_scales = 0.0
-                if STATE_KIND == 2:
+                rows, col0 = _slab_origin(pid_m, pid_n, slab_rows, slab, BM, BN, RM, CN, WIDE_INDEX)
+                s0_scales = s0_next
+                s1_scales = s1_next
+                if STATE_KIND == 2 and not PREFETCH_SCALES:
                     # the slab is one 64-wide int8 block per row: its scales, issued before the waits
-                    s0_scales = gl.load(SCALE0 + rows * stride_scale_row + col0 // CN)
-                    if NUM_STATES >= 2:
-                        s1_scales = gl.load(SCALE1 + rows * stride_scale_row + col0 // CN)
+                    s0_scales, s1_scales = _slab_scales(SCALE0, SCALE1, rows, col0, stride_scale_row, CN, NUM_STATES)
                 grad = acc_smem.index(slab // HALF_SLABS).slice((slab % ROW_SLABS) * RM, RM, dim=0).slice(
                     ((slab % HALF_SLABS) // ROW_SLABS) * CN, CN, dim=1).load(layout)
                 if slab % HALF_SLABS == HALF_SLABS - 1:
@@ -350,6 +379,17 @@ if GLUON_IMPORT_ERROR is None:
                     s1 = _decode_slab(s1_raw, s1_scales, STATE_KIND, S1_SQRT)
                 else:
                     s1 = gl.zeros((RM, CN), gl.float32, layout)
+                if STATE_KIND == 2 and PREFETCH_SCALES:
+                    # this slab's scales are spent: load the next slab's, its latency hidden by this update
+                    if slab + 1 < 2 * HALF_SLABS:
+                        next_rows, next_col0 = _slab_origin(pid_m, pid_n, slab_rows, slab + 1, BM, BN, RM, CN,
+                                                            WIDE_INDEX)
+                    else:
+                        next_m, next_n = _tile_coords(gl.minimum(tile + gl.num_programs(0), total_tiles - 1),
+                                                      tiles_m, tiles_n, group)
+                        next_rows, next_col0 = _slab_origin(next_m, next_n, slab_rows, 0, BM, BN, RM, CN, WIDE_INDEX)
+                    s0_next, s1_next = _slab_scales(SCALE0, SCALE1, next_rows, next_col0, stride_scale_row, CN,
+                                                    NUM_STATES)
                 weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
                 offsets = gl.expand_dims(rows * N, 1) + gl.expand_dims(col0 + slab_cols, 0)
                 gl.store(W + offsets, weight.to(gl.bfloat16))
@@ -369,7 +409,7 @@ if GLUON_IMPORT_ERROR is None:
                          RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr,
                          WIDE_INDEX: gl.constexpr,
                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                         EPI_WARPS: gl.constexpr):
+                         EPI_WARPS: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
         gl.static_assert(STATE_STAGES >= 2, "the state ring needs two slots (a one-slot ring marks one state)")
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -410,7 +450,7 @@ if GLUON_IMPORT_ERROR is None:
                                    acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N, stride_scale_row,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                                    EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, SCALARS_IN_MEMORY,
-                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS)),
+                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS, PREFETCH_SCALES)),
             (_main_loop_loads, worker_args),
             (_state_loads, worker_args),
             (_main_loop_mma, worker_args),
@@ -465,6 +505,7 @@ def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, stat
                   BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
                   STATE_STAGES=c.state_stages, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
                   LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps, num_warps=c.epilogue_warps,
+                  PREFETCH_SCALES=c.prefetch_scales and int8,
                   maxnreg=c.max_registers)
     return args, kwargs
 
