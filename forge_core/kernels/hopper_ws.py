@@ -71,6 +71,10 @@ class WsConfig:
     """Row-tiles per group of the tile order (fused.grouped_tile's); 1 walks whole rows of tiles, so the
     programs running at once read W and the states along whole rows."""
     epilogue_warps: int = 4
+    parked_halves: int = 2
+    """Column halves of G that shared memory holds at once. 2: the MMA warps park a whole tile and
+    go on to the next. 1 halves that memory (what lets 256-row tiles fit): the MMA warps wait for
+    the epilogue to read the first half before they park the second."""
     prefetch_scales: bool = True
     """int8 states: load the next slab's block scales while this slab is updated. Without it every
     slab waits a global-memory latency for its scales (the epilogue warps reach it together)."""
@@ -87,7 +91,7 @@ class WsConfig:
         """Shared memory of one program: the dY / X ring, the parked fp32 tile, the W / state ring
         (``state_bytes`` per state element: 2 bf16, 1 int8)."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * 2
-        accumulator = self.block_m * (self.block_n + 8) * 4            # two halves, rows padded by 16 B
+        accumulator = self.parked_halves * self.block_m * (self.block_n // 2 + 4) * 4   # rows padded by 16 B
         states = self.state_stages * self.slab_m * self.slab_n * (2 + 2 * state_bytes)
         return ring + accumulator + states + 1024          # + the mbarriers and alignment (measured: < 1 KB)
 
@@ -102,6 +106,11 @@ def config_problem(config: WsConfig, state_bytes: int = 2) -> str | None:
     """Why ``config`` cannot launch with states of ``state_bytes`` per element (None: it can)."""
     if config.block_m % 64 or config.block_n % 16 or config.block_n > 256 or config.block_k % 16:
         return f"tile {config.block_m}x{config.block_n}x{config.block_k} is not a wgmma tile (BM % 64, BN % 16, BK % 16)"
+    if config.mma_warps not in (4, 8) or config.block_m % (16 * config.mma_warps):
+        return (f"{config.mma_warps} MMA warps cannot split {config.block_m} rows (one or two warpgroups, "
+                "16 rows a warp)")
+    if config.parked_halves not in (1, 2):
+        return f"parked_halves is 1 or 2 (column halves of G in shared memory), got {config.parked_halves}"
     if config.slab_n > config.block_n // 2 or config.block_m % config.slab_m or (config.block_n // 2) % config.slab_n:
         return f"slab {config.slab_m}x{config.slab_n} must tile a column half of the {config.block_m}x{config.block_n} tile"
     if config.slab_n % 8 or 32 % (config.slab_n // 8) or config.stages < 2 or config.state_stages < 2:
@@ -224,6 +233,7 @@ if GLUON_IMPORT_ERROR is None:
         BK: gl.constexpr = x_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         MMA_WARPS: gl.constexpr = gl.num_warps()
+        PARKED: gl.constexpr = acc_smem.type.shape[0]
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                              instr_shape=[16, BN, 16])
         count = 0
@@ -249,12 +259,13 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(empty.index((count + STAGES - 1) % STAGES))
             # park G in two column halves, each as soon as the epilogue has read that half of the last tile
             left, right = _column_halves(acc, BM, BN)
-            mbarrier.wait(acc_empty.index(0), (local & 1) ^ 1)
+            # (one buffer: the tile's halves take turns in it, its uses 2 * local and 2 * local + 1)
+            mbarrier.wait(acc_empty.index(0), ((local * (2 // PARKED)) & 1) ^ 1)
             acc_smem.index(0).store(left)
             mbarrier.arrive(acc_ready.index(0))
-            mbarrier.wait(acc_empty.index(1), (local & 1) ^ 1)
-            acc_smem.index(1).store(right)
-            mbarrier.arrive(acc_ready.index(1))
+            mbarrier.wait(acc_empty.index(1 % PARKED), ((local * (2 // PARKED) + 1 // PARKED) & 1) ^ 1)
+            acc_smem.index(1 % PARKED).store(right)
+            mbarrier.arrive(acc_ready.index(1 % PARKED))
             local += 1
 
     @gluon.jit
@@ -326,6 +337,7 @@ if GLUON_IMPORT_ERROR is None:
         HALF: gl.constexpr = BN // 2
         ROW_SLABS: gl.constexpr = BM // RM
         HALF_SLABS: gl.constexpr = (HALF // CN) * ROW_SLABS
+        PARKED: gl.constexpr = acc_smem.type.shape[0]
         if SCALARS_IN_MEMORY:
             c0 = gl.load(SCALARS + 0)
             c1 = gl.load(SCALARS + 1)
@@ -355,7 +367,8 @@ if GLUON_IMPORT_ERROR is None:
                 # half of G is slab // HALF_SLABS, its first row (slab % ROW_SLABS) * RM, its first
                 # column within the half ((slab % HALF_SLABS) // ROW_SLABS) * CN
                 if slab % HALF_SLABS == 0:
-                    mbarrier.wait(acc_ready.index(slab // HALF_SLABS), local & 1)
+                    mbarrier.wait(acc_ready.index((slab // HALF_SLABS) % PARKED),
+                                  (local * (2 // PARKED) + (slab // HALF_SLABS) // PARKED) & 1)
                 slot = j % STATE_STAGES
                 rows, col0 = _slab_origin(pid_m, pid_n, slab_rows, slab, BM, BN, RM, CN, WIDE_INDEX)
                 s0_scales = s0_next
@@ -363,10 +376,10 @@ if GLUON_IMPORT_ERROR is None:
                 if STATE_KIND == 2 and not PREFETCH_SCALES:
                     # the slab is one 64-wide int8 block per row: its scales, issued before the waits
                     s0_scales, s1_scales = _slab_scales(SCALE0, SCALE1, rows, col0, stride_scale_row, CN, NUM_STATES)
-                grad = acc_smem.index(slab // HALF_SLABS).slice((slab % ROW_SLABS) * RM, RM, dim=0).slice(
+                grad = acc_smem.index((slab // HALF_SLABS) % PARKED).slice((slab % ROW_SLABS) * RM, RM, dim=0).slice(
                     ((slab % HALF_SLABS) // ROW_SLABS) * CN, CN, dim=1).load(layout)
                 if slab % HALF_SLABS == HALF_SLABS - 1:
-                    mbarrier.arrive(acc_empty.index(slab // HALF_SLABS))      # every warp has read this half
+                    mbarrier.arrive(acc_empty.index((slab // HALF_SLABS) % PARKED))   # every warp has read this half
                 mbarrier.wait(st_ready.index(slot), (j // STATE_STAGES) & 1)
                 w_raw = w_bufs.index(slot).load(layout)
                 s0_raw = s0_bufs.index(slot).load(layout)
@@ -406,7 +419,7 @@ if GLUON_IMPORT_ERROR is None:
                          EPILOGUE: gl.constexpr, NUM_STATES: gl.constexpr, STATE_KIND: gl.constexpr,
                          S0_SQRT: gl.constexpr, S1_SQRT: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr,
+                         RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr, PARKED: gl.constexpr,
                          WIDE_INDEX: gl.constexpr,
                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                          EPI_WARPS: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
@@ -416,7 +429,7 @@ if GLUON_IMPORT_ERROR is None:
         # rows padded by 16 B: the MMA layout's stores and the slabs' 16-byte loads then spread over
         # the banks (unpadded, 512-byte rows put 8 rows on the same banks)
         acc_layout: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[BN // 2, 4]], [BM, BN // 2], [1, 0])
-        acc_smem = gl.allocate_shared_memory(gl.float32, [2, BM, BN // 2], acc_layout)     # G's column halves
+        acc_smem = gl.allocate_shared_memory(gl.float32, [PARKED, BM, BN // 2], acc_layout)   # G's column halves
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STATE_STAGES] + w_desc.block_type.shape, w_desc.layout)
         s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [STATE_STAGES] + s0_desc.block_type.shape, s0_desc.layout)
         if NUM_STATES >= 2:
@@ -426,14 +439,14 @@ if GLUON_IMPORT_ERROR is None:
             s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [1] + s1_desc.block_type.shape, s1_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        acc_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        acc_ready = gl.allocate_shared_memory(gl.int64, [PARKED, 1], mbarrier.MBarrierLayout())
+        acc_empty = gl.allocate_shared_memory(gl.int64, [PARKED, 1], mbarrier.MBarrierLayout())
         st_ready = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
         st_empty = gl.allocate_shared_memory(gl.int64, [STATE_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(PARKED):
             mbarrier.init(acc_ready.index(i), count=1)
             mbarrier.init(acc_empty.index(i), count=1)
         for i in gl.static_range(STATE_STAGES):
@@ -503,7 +516,7 @@ def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, stat
     kwargs = dict(EPILOGUE=epilogue, NUM_STATES=len(states), STATE_KIND=2 if int8 else 1,
                   S0_SQRT=bool(sqrt_domain[0]), S1_SQRT=bool(sqrt_domain[-1]), SCALARS_IN_MEMORY=in_memory,
                   BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
-                  STATE_STAGES=c.state_stages, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
+                  STATE_STAGES=c.state_stages, PARKED=c.parked_halves, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
                   LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps, num_warps=c.epilogue_warps,
                   PREFETCH_SCALES=c.prefetch_scales and int8,
                   maxnreg=c.max_registers)
