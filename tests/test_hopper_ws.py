@@ -100,6 +100,8 @@ def test_the_default_and_every_tuner_candidate_fit():
         assert config_problem(config, state_bytes=1) is None, config
     assert len(BF16_CANDIDATES) == 4 and len(INT8_ONLY) == 1
     assert "of shared memory, over" in config_problem(INT8_ONLY[0])
+    for config in ws_choice.BF16_ONLY:
+        assert config_problem(config) is None, config
 
 
 def test_int8_states_leave_room_for_a_deeper_state_ring():
@@ -125,7 +127,7 @@ def test_every_config_the_tuner_may_pick_compiles_for_sm90_without_spills():
     shared memory within the config's estimate (what a launch would be refused on); AdamW (two
     states) for every config, Lion and SGD (one state, the dummy second ring) for the first; with
     int8 states AdamW for every candidate and Lion for the first."""
-    configs = [hopper_ws.DEFAULT_CONFIG, *BF16_CANDIDATES]
+    configs = [hopper_ws.DEFAULT_CONFIG, *BF16_CANDIDATES, *ws_choice.BF16_ONLY]
     results = _offline_compile("adamw", configs)
     results += _offline_compile("lion", configs[1:2]) + _offline_compile("sgd", configs[1:2])
     results += _offline_compile("adamw", list(ws_choice.CANDIDATES), "int8") + _offline_compile("lion", configs[1:2], "int8")
@@ -216,10 +218,15 @@ def _launch(x, dy, weight, state, hp, step, config, scalars=None):
                      sqrt_domain=tuple(state.is_sqrt_domain(n) for n in rule.state_names))
 
 
+# every rule on two candidates, and the two-state-only candidates on AdamW (the rules they are offered to)
+_RULE_CONFIGS = ([(rule, config) for rule in ("adamw", "lion", "sgd")
+                  for config in (ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3])]
+                 + [("adamw", config) for config in ws_choice.BF16_ONLY])
+
+
 @needs_hopper
-@pytest.mark.parametrize("rule_name", ["adamw", "lion", "sgd"])
 @pytest.mark.parametrize("m, n, k", [(1024, 4096, 520), (4096, 1024, 64)])
-@pytest.mark.parametrize("config", [ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3]])
+@pytest.mark.parametrize("rule_name, config", _RULE_CONFIGS)
 def test_one_step_equals_the_triton_kernel_and_the_reference(rule_name, m, n, k, config, monkeypatch):
     monkeypatch.setenv("FORGE_AUTOTUNE", "0")           # the Triton side: its untuned default tile
     x, dy, weight, state = _problem(rule_name, m, n, k)

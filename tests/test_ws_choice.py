@@ -83,6 +83,17 @@ def test_no_candidates_outside_the_scope(monkeypatch):
     assert not ws_choice.enabled()
 
 
+def test_the_two_state_bf16_candidates_are_offered_to_those_calls_alone(monkeypatch):
+    """The 256x128 candidates spill with int8 states and with one state (offline sm_90): offered to
+    calls with two bf16 states only, after the common candidates."""
+    monkeypatch.setattr(ws_choice.hopper_ws, "unsupported_reason", lambda *args: None)
+    w = torch.zeros(256, 256, dtype=torch.bfloat16)
+    two, one = (w, w, w, [w, w], [None, None]), (w, w, w, [w], [None])
+    assert ws_choice.candidates_for(*two, "bf16", None, False) == [*ws_choice.CANDIDATES, *ws_choice.BF16_ONLY]
+    assert ws_choice.candidates_for(*two, "int8", None, False) == list(ws_choice.CANDIDATES)
+    assert ws_choice.candidates_for(*one, "bf16", None, False) == list(ws_choice.CANDIDATES)
+
+
 def test_a_choice_is_described_for_benchmark_rows():
     assert ws_choice.describe(A, True) == "hopper_ws 128x128x64 s3 slab32x64x4 g8 epi4 (tune cache)"
 
