@@ -8,13 +8,15 @@ time. Here the roles are split across warps of one persistent program per SM:
 
 * a loader warp streams the dY and X tiles of a ``BM x BN`` weight tile into a ring of shared
   buffers with TMA;
-* an MMA warpgroup accumulates ``G = dY^T X`` with wgmma and parks the fp32 tile in shared memory,
-  in two column halves, each as soon as the epilogue has read that half of the previous tile;
+* an MMA warpgroup (two for 256-row tiles) accumulates ``G = dY^T X`` with wgmma and parks the fp32
+  tile in shared memory, in two column halves, each as soon as the epilogue has read that half of the
+  previous tile (or, with one parked half, the halves take turns in one buffer);
 * a second loader warp TMA-loads W and the states in ``RM x CN`` slabs, in the epilogue's order,
   into a ring of its own;
 * the epilogue warps (the default partition) read G and each slab from shared memory, run the rule's
   epilogue (the same ``@triton.jit`` function the Triton kernel calls) and store W and the states
-  (bf16, or int8 codes and block scales by the Triton kernel's own codec steps).
+  (bf16, or int8 codes and block scales by the Triton kernel's own codec steps; the next slab's int8
+  block scales are loaded while this slab is updated).
 
 The MMA warps work on the next tile while the epilogue warps finish the last one, so the GEMM hides
 behind the state traffic (512 tokens) or the traffic behind the GEMM (8192), with 128-wide tiles
