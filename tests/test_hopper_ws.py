@@ -83,6 +83,10 @@ def test_unaligned_activations_are_refused():
     (WsConfig(state_stages=1), "two stages or more"),
     (WsConfig(epilogue_warps=8, max_registers=168), "over the 65536-register file"),
     (WsConfig(stages=4, state_stages=4), "of shared memory, over"),
+    (WsConfig(block_m=192, mma_warps=8, max_registers=128), "8 MMA warps cannot split 192 rows"),
+    (WsConfig(mma_warps=2), "2 MMA warps cannot split"),
+    (WsConfig(parked_halves=3), "parked_halves is 1 or 2"),
+    (WsConfig(block_m=256, stages=2, mma_warps=8, max_registers=128), "of shared memory, over"),   # two parked halves
 ])
 def test_configs_that_cannot_launch_are_named(config, message):
     assert message in config_problem(config)
@@ -102,6 +106,14 @@ def test_the_default_and_every_tuner_candidate_fit():
     assert "of shared memory, over" in config_problem(INT8_ONLY[0])
     for config in ws_choice.BF16_ONLY:
         assert config_problem(config) is None, config
+
+
+def test_one_parked_half_frees_the_shared_memory_of_a_256_row_tile():
+    two = WsConfig(block_m=256, stages=2, slab_m=64, slab_n=64, state_stages=2, group=1, mma_warps=8,
+                   max_registers=128, mma_registers=168)
+    one = WsConfig(**{**dataclasses.asdict(two), "parked_halves": 1})
+    assert two.shared_memory_bytes() - one.shared_memory_bytes() == 256 * (64 + 4) * 4
+    assert "of shared memory, over" in config_problem(two) and config_problem(one) is None
 
 
 def test_int8_states_leave_room_for_a_deeper_state_ring():
