@@ -109,9 +109,8 @@ def test_the_default_and_every_tuner_candidate_fit():
 
 
 def test_one_parked_half_frees_the_shared_memory_of_a_256_row_tile():
-    two = WsConfig(block_m=256, stages=2, slab_m=64, slab_n=64, state_stages=2, group=1, mma_warps=8,
-                   max_registers=128, mma_registers=168)
-    one = WsConfig(**{**dataclasses.asdict(two), "parked_halves": 1})
+    one = ws_choice.BF16_ONLY[0]
+    two = dataclasses.replace(one, parked_halves=2)
     assert two.shared_memory_bytes() - one.shared_memory_bytes() == 256 * (64 + 4) * 4
     assert "of shared memory, over" in config_problem(two) and config_problem(one) is None
 
