@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ws_resources(args: argparse.Namespace) -> int:
-    """Registers, spills and shared memory of the Gluon kernel per config (``--state`` bf16 or int8, ``--rule``)."""
+    """Registers, spills and shared memory of the Gluon kernel per config (``--state`` bf16 or int8, ``--rule``);
+    with ``--sass-out DIR/NAME.sass``, each config's SASS as ``NAME.<index>.sass``."""
     import dataclasses
     import json
 
@@ -149,11 +150,14 @@ def _ws_resources(args: argparse.Namespace) -> int:
 
     m, n = (int(v) for v in args.shape.lower().split("x"))
     rule = get_rule(args.rule)
-    for fields in json.loads(args.ws):
+    for index, fields in enumerate(json.loads(args.ws)):
         config = hopper_ws.WsConfig(**fields)
         compiled = hopper_ws.compile_offline(m, n, args.tokens, config, rule.epilogue, len(rule.state_names),
                                              int8=args.state == "int8")
         registers, stack = resource_usage(compiled.asm["cubin"])
+        if args.sass_out:
+            path = args.sass_out.with_name(f"{args.sass_out.stem}.{index}{args.sass_out.suffix}")
+            path.write_text(_nvidia_tool("nvdisasm", compiled.asm["cubin"], "-c"))
         print(json.dumps(dict(config=dataclasses.asdict(config), rule=rule.name, state=args.state,
                               registers=registers, stack=stack,
                               shared=compiled.metadata.shared,
