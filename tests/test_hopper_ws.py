@@ -182,7 +182,7 @@ def test_the_direct_launch_encodes_w_and_states_once_and_the_activations_per_lau
         assert encoded == (f"map@{tensor.data_ptr()}", *tensor.shape, *tensor.stride())
     args, kwargs = hopper_ws._kernel_call(x_next, dy2, weight, states, None, epilogue, scalars, config, (False, True))
     names = fused_module._constexpr_tail(hopper_ws._ws_fused_kernel)
-    assert names[0] == "EPILOGUE" and names[-1] == "PERMUTED_DECODE"
+    assert names[0] == "EPILOGUE" and names[-1] == "PREFETCH_SCALES"
     assert call[38:] == args[5:] + tuple(kwargs[name] for name in names)
     assert len(fake.encoded) == 5, "x2 and dy2 per launch"
     assert launch(x2, dy2, torch.zeros(8)) is False, "compiled for scalars as arguments"
@@ -258,8 +258,7 @@ def test_one_step_equals_the_triton_kernel_and_the_reference(rule_name, m, n, k,
 @needs_hopper
 @pytest.mark.parametrize("rule_name", ["adamw", "lion"])
 @pytest.mark.parametrize("config", [ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3], *INT8_ONLY,
-                                    dataclasses.replace(INT8_ONLY[0], prefetch_scales=False),
-                                    dataclasses.replace(INT8_ONLY[0], permuted_decode=False)])
+                                    dataclasses.replace(INT8_ONLY[0], prefetch_scales=False)])
 def test_int8_states_are_requantized_as_the_triton_kernel_does(rule_name, config, monkeypatch):
     """int8 codes and block scales (state.py's format) from both kernels: a code may differ by one
     next to a rounding tie (fp32 summation order of G), no more, and rarely; the weight as bf16.
@@ -275,29 +274,6 @@ def test_int8_states_are_requantized_as_the_triton_kernel_does(rule_name, config
         diff = (s_ws.values[name].int() - s_tr.values[name].int()).abs()
         assert diff.max().item() <= 1 and diff.float().mean().item() <= 1e-3
         torch.testing.assert_close(s_ws.scales[name], s_tr.scales[name], rtol=1e-5, atol=0)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a CUDA GPU only")
-def test_the_permuted_int8_decode_gives_every_code_exactly():
-    """fused._int8_to_float_permuted (the Gluon epilogue's decode) against the int8 codes as floats,
-    for all 256 codes in every byte position of their 32-bit word, and against the add-based decode."""
-    import triton
-    import triton.language as tl
-
-    from forge_core.kernels import fused as fused_module
-
-    @triton.jit
-    def decode(CODES, PERMUTED, ADDED, BLOCK: tl.constexpr):
-        offsets = tl.arange(0, BLOCK)
-        codes = tl.load(CODES + offsets)
-        tl.store(PERMUTED + offsets, fused_module._int8_to_float_permuted(codes))
-        tl.store(ADDED + offsets, fused_module._int8_to_float(codes, True))
-
-    every = torch.arange(-128, 128, dtype=torch.int32)
-    codes = torch.cat([every.roll(shift) for shift in range(4)]).to(torch.int8).cuda()   # each code at each byte
-    permuted, added = torch.empty(1024, device="cuda"), torch.empty(1024, device="cuda")
-    decode[(1,)](codes, permuted, added, BLOCK=1024, num_warps=1)
-    assert torch.equal(permuted, codes.float()) and torch.equal(added, codes.float())
 
 
 @needs_hopper

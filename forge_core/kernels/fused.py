@@ -108,27 +108,6 @@ def _int8_to_float(codes, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def _int8_to_float_permuted(codes):
-    """``_int8_to_float`` on the GPU in fewer instructions: the same 2^23 + 128 + code pattern, built
-    from four packed codes at once. One XOR flips their sign bits (each byte becomes code + 128,
-    unsigned), and one byte permute per code puts that byte under 0x4B0000, where sign-extending
-    each code and adding the bias took a permute and an add per code. Only where each thread holds
-    its codes four to a 32-bit word (the Gluon epilogue's slabs: 8 contiguous per thread); in the
-    Triton kernel's tiles the change moved registers into a 16 B spill (offline SASS, session 23)."""
-    biased = tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 offset;
-        xor.b32 offset, $4, 0x80808080;
-        prmt.b32 $0, offset, 0x4B000000, 0x7540;
-        prmt.b32 $1, offset, 0x4B000000, 0x7541;
-        prmt.b32 $2, offset, 0x4B000000, 0x7542;
-        prmt.b32 $3, offset, 0x4B000000, 0x7543;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[codes], dtype=tl.int32, is_pure=True, pack=4)
-    return biased.to(tl.float32, bitcast=True) - 8388736.0
-
-
-@triton.jit
 def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """A raw state tile as fp32: fp32 / bf16 as is, int8 codes times their block scale."""

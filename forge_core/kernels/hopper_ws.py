@@ -80,9 +80,6 @@ class WsConfig:
     prefetch_scales: bool = True
     """int8 states: load the next slab's block scales while this slab is updated. Without it every
     slab waits a global-memory latency for its scales (the epilogue warps reach it together)."""
-    permuted_decode: bool = True
-    """int8 states: decode four packed codes with one XOR and a byte permute each
-    (fused._int8_to_float_permuted) instead of a sign-extending permute and an add each."""
     mma_warps: int = 4
     max_registers: int = 168
     mma_registers: int = 208
@@ -280,15 +277,11 @@ if GLUON_IMPORT_ERROR is None:
         return gl.split(gl.permute(gl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
 
     @gluon.jit
-    def _decode_slab(raw, scales, KIND: gl.constexpr, SQRT_DOMAIN: gl.constexpr, PERMUTED: gl.constexpr):
+    def _decode_slab(raw, scales, KIND: gl.constexpr, SQRT_DOMAIN: gl.constexpr):
         """A state slab as fp32: bf16 as is, int8 codes times their row's block scale (squared for
         a sqrt-domain state), with the Triton kernel's exact steps (fused._decode_state)."""
         if KIND == 2:
-            if PERMUTED:
-                codes = _codec._int8_to_float_permuted(raw)
-            else:
-                codes = _codec._int8_to_float(raw, True)
-            value = codes * gl.expand_dims(scales, 1)
+            value = _codec._int8_to_float(raw, True) * gl.expand_dims(scales, 1)
             if SQRT_DOMAIN:
                 value = value * value
         else:
@@ -338,7 +331,7 @@ if GLUON_IMPORT_ERROR is None:
                             S0_SQRT: gl.constexpr, S1_SQRT: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, RM: gl.constexpr, CN: gl.constexpr,
                             STATE_STAGES: gl.constexpr, WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr,
-                            PREFETCH_SCALES: gl.constexpr, PERMUTED_DECODE: gl.constexpr):
+                            PREFETCH_SCALES: gl.constexpr):
         """Epilogue warps: per (RM, CN) slab, column-major over the tile, G and W / states from shared
         memory into registers (the slab's slot then goes back to the state loader, and after a half's
         last slab that half of G to the MMA warps), the rule, W and states stored."""
@@ -396,9 +389,9 @@ if GLUON_IMPORT_ERROR is None:
                     s1_raw = s1_bufs.index(slot).load(layout)
                 mbarrier.arrive(st_empty.index(slot))
                 weight = w_raw.to(gl.float32)
-                s0 = _decode_slab(s0_raw, s0_scales, STATE_KIND, S0_SQRT, PERMUTED_DECODE)
+                s0 = _decode_slab(s0_raw, s0_scales, STATE_KIND, S0_SQRT)
                 if NUM_STATES >= 2:
-                    s1 = _decode_slab(s1_raw, s1_scales, STATE_KIND, S1_SQRT, PERMUTED_DECODE)
+                    s1 = _decode_slab(s1_raw, s1_scales, STATE_KIND, S1_SQRT)
                 else:
                     s1 = gl.zeros((RM, CN), gl.float32, layout)
                 if STATE_KIND == 2 and PREFETCH_SCALES:
@@ -431,8 +424,7 @@ if GLUON_IMPORT_ERROR is None:
                          RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr, PARKED: gl.constexpr,
                          WIDE_INDEX: gl.constexpr,
                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                         EPI_WARPS: gl.constexpr, PREFETCH_SCALES: gl.constexpr,
-                         PERMUTED_DECODE: gl.constexpr):
+                         EPI_WARPS: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
         gl.static_assert(STATE_STAGES >= 2, "the state ring needs two slots (a one-slot ring marks one state)")
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -473,8 +465,7 @@ if GLUON_IMPORT_ERROR is None:
                                    acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N, stride_scale_row,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                                    EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, SCALARS_IN_MEMORY,
-                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS, PREFETCH_SCALES,
-                                   PERMUTED_DECODE)),
+                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS, PREFETCH_SCALES)),
             (_main_loop_loads, worker_args),
             (_state_loads, worker_args),
             (_main_loop_mma, worker_args),
@@ -529,7 +520,7 @@ def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, stat
                   BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
                   STATE_STAGES=c.state_stages, PARKED=c.parked_halves, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
                   LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps, num_warps=c.epilogue_warps,
-                  PREFETCH_SCALES=c.prefetch_scales and int8, PERMUTED_DECODE=c.permuted_decode and int8,
+                  PREFETCH_SCALES=c.prefetch_scales and int8,
                   maxnreg=c.max_registers)
     return args, kwargs
 
