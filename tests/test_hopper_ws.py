@@ -182,7 +182,7 @@ def test_the_direct_launch_encodes_w_and_states_once_and_the_activations_per_lau
         assert encoded == (f"map@{tensor.data_ptr()}", *tensor.shape, *tensor.stride())
     args, kwargs = hopper_ws._kernel_call(x_next, dy2, weight, states, None, epilogue, scalars, config, (False, True))
     names = fused_module._constexpr_tail(hopper_ws._ws_fused_kernel)
-    assert names[0] == "EPILOGUE" and names[-1] == "VEC"
+    assert names[0] == "EPILOGUE" and names[-1] == "PREFETCH_SCALES"
     assert call[38:] == args[5:] + tuple(kwargs[name] for name in names)
     assert len(fake.encoded) == 5, "x2 and dy2 per launch"
     assert launch(x2, dy2, torch.zeros(8)) is False, "compiled for scalars as arguments"
@@ -232,8 +232,7 @@ def _launch(x, dy, weight, state, hp, step, config, scalars=None):
 # every rule on two candidates, and the two-state-only candidates on AdamW (the rules they are offered to)
 _RULE_CONFIGS = ([(rule, config) for rule in ("adamw", "lion", "sgd")
                   for config in (ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3])]
-                 + [("adamw", config) for config in ws_choice.BF16_ONLY]
-                 + [("adamw", dataclasses.replace(ws_choice.CANDIDATES[1], row_vector=16))])
+                 + [("adamw", config) for config in ws_choice.BF16_ONLY])
 
 
 @needs_hopper
@@ -259,8 +258,7 @@ def test_one_step_equals_the_triton_kernel_and_the_reference(rule_name, m, n, k,
 @needs_hopper
 @pytest.mark.parametrize("rule_name", ["adamw", "lion"])
 @pytest.mark.parametrize("config", [ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3], *INT8_ONLY,
-                                    dataclasses.replace(INT8_ONLY[0], prefetch_scales=False),
-                                    dataclasses.replace(INT8_ONLY[0], row_vector=16)])
+                                    dataclasses.replace(INT8_ONLY[0], prefetch_scales=False)])
 def test_int8_states_are_requantized_as_the_triton_kernel_does(rule_name, config, monkeypatch):
     """int8 codes and block scales (state.py's format) from both kernels: a code may differ by one
     next to a rounding tie (fp32 summation order of G), no more, and rarely; the weight as bf16.

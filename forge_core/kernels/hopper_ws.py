@@ -80,10 +80,6 @@ class WsConfig:
     prefetch_scales: bool = True
     """int8 states: load the next slab's block scales while this slab is updated. Without it every
     slab waits a global-memory latency for its scales (the epilogue warps reach it together)."""
-    row_vector: int = 8
-    """Contiguous elements of a slab row per epilogue thread (8 or 16). 16 puts a 64-wide row on 4
-    lanes instead of 8: one row per thread instead of two, so an int8 row's absmax takes two
-    shuffle rounds, not three for each of two rows, and one reciprocal for its scale."""
     mma_warps: int = 4
     max_registers: int = 168
     mma_registers: int = 208
@@ -119,12 +115,8 @@ def config_problem(config: WsConfig, state_bytes: int = 2) -> str | None:
         return f"parked_halves is 1 or 2 (column halves of G in shared memory), got {config.parked_halves}"
     if config.slab_n > config.block_n // 2 or config.block_m % config.slab_m or (config.block_n // 2) % config.slab_n:
         return f"slab {config.slab_m}x{config.slab_n} must tile a column half of the {config.block_m}x{config.block_n} tile"
-    if config.row_vector not in (8, 16):
-        return f"row_vector is 8 or 16 (contiguous elements of a slab row per thread), got {config.row_vector}"
-    if (config.slab_n % config.row_vector or 32 % (config.slab_n // config.row_vector) or config.stages < 2
-            or config.state_stages < 2):
-        return (f"slab_n must be {config.row_vector} to {32 * config.row_vector} by powers of 2 ({config.row_vector} "
-                "columns a thread), with two stages or more in each ring")
+    if config.slab_n % 8 or 32 % (config.slab_n // 8) or config.stages < 2 or config.state_stages < 2:
+        return "slab_n must be 8, 16, 32, 64 or 128 (8 columns a thread), with two stages or more in each ring"
     if config.warps() * 32 * config.max_registers > REGISTER_FILE:
         return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
                 f"{REGISTER_FILE}-register file of an SM")
@@ -339,11 +331,11 @@ if GLUON_IMPORT_ERROR is None:
                             S0_SQRT: gl.constexpr, S1_SQRT: gl.constexpr, SCALARS_IN_MEMORY: gl.constexpr,
                             BM: gl.constexpr, BN: gl.constexpr, RM: gl.constexpr, CN: gl.constexpr,
                             STATE_STAGES: gl.constexpr, WIDE_INDEX: gl.constexpr, EPI_WARPS: gl.constexpr,
-                            PREFETCH_SCALES: gl.constexpr, VEC: gl.constexpr):
+                            PREFETCH_SCALES: gl.constexpr):
         """Epilogue warps: per (RM, CN) slab, column-major over the tile, G and W / states from shared
         memory into registers (the slab's slot then goes back to the state loader, and after a half's
         last slab that half of G to the MMA warps), the rule, W and states stored."""
-        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (CN // VEC), CN // VEC], [EPI_WARPS, 1], [1, 0])
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CN // 8), CN // 8], [EPI_WARPS, 1], [1, 0])
         HALF: gl.constexpr = BN // 2
         ROW_SLABS: gl.constexpr = BM // RM
         HALF_SLABS: gl.constexpr = (HALF // CN) * ROW_SLABS
@@ -432,7 +424,7 @@ if GLUON_IMPORT_ERROR is None:
                          RM: gl.constexpr, CN: gl.constexpr, STATE_STAGES: gl.constexpr, PARKED: gl.constexpr,
                          WIDE_INDEX: gl.constexpr,
                          MMA_WARPS: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                         EPI_WARPS: gl.constexpr, PREFETCH_SCALES: gl.constexpr, VEC: gl.constexpr):
+                         EPI_WARPS: gl.constexpr, PREFETCH_SCALES: gl.constexpr):
         gl.static_assert(STATE_STAGES >= 2, "the state ring needs two slots (a one-slot ring marks one state)")
         a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape, dy_desc.layout)
         b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -473,8 +465,7 @@ if GLUON_IMPORT_ERROR is None:
                                    acc_smem, acc_ready, acc_empty, tiles_m, tiles_n, group, N, stride_scale_row,
                                    c0, c1, c2, c3, c4, c5, c6, c7, SCALARS,
                                    EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, SCALARS_IN_MEMORY,
-                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS, PREFETCH_SCALES,
-                                   VEC)),
+                                   BM, BN, RM, CN, STATE_STAGES, WIDE_INDEX, EPI_WARPS, PREFETCH_SCALES)),
             (_main_loop_loads, worker_args),
             (_state_loads, worker_args),
             (_main_loop_mma, worker_args),
@@ -529,7 +520,7 @@ def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, stat
                   BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
                   STATE_STAGES=c.state_stages, PARKED=c.parked_halves, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
                   LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps, num_warps=c.epilogue_warps,
-                  PREFETCH_SCALES=c.prefetch_scales and int8, VEC=c.row_vector,
+                  PREFETCH_SCALES=c.prefetch_scales and int8,
                   maxnreg=c.max_registers)
     return args, kwargs
 
