@@ -97,8 +97,9 @@ INT8_ONLY = [c for c in ws_choice.CANDIDATES if c not in BF16_CANDIDATES]
 
 
 def test_the_default_and_every_tuner_candidate_fit():
-    """Every candidate fits int8 states; all but the int8-only ones (eight epilogue warps on 64x64
-    slabs four deep) fit bf16 states too, so bf16 calls are not left without candidates."""
+    """Every candidate fits int8 states; all but the int8-only one (eight epilogue warps on 64x64
+    slabs three deep, a six-slot main ring) fit bf16 states too, so bf16 calls are not left without
+    candidates."""
     assert config_problem(hopper_ws.DEFAULT_CONFIG) is None
     for config in ws_choice.CANDIDATES:
         assert config_problem(config, state_bytes=1) is None, config

@@ -29,12 +29,17 @@ ENV = "FORGE_WS_KERNEL"
 # The configurations worth timing (sessions 20-21, H100): 32x64 slabs four deep with the grouped tile
 # order and with whole rows of tiles; 64x64 slabs; a two-slot main ring whose shared memory goes to
 # six 32x64 state slots. For int8 states only (bf16 slabs of that ring do not fit in shared memory):
-# eight epilogue warps, two per scheduler to hide the codec's ALU latency, on four 64x64 slabs.
+# eight epilogue warps, two per scheduler to hide the codec's ALU latency, on three 64x64 slabs, with
+# a six-slot main ring of 32-deep k steps. Nsight (session 23) had that config's MMA warps waiting on
+# operand loads half their time with two 64-deep slots (the same bytes in flight as four 32-deep
+# ones); six 32-deep slots ran it 2.5-6% faster at 512 tokens and 12-18% at 1024
+# (results/kernels/h100/ws_s23 call 7), and it replaced the two-slot one.
 CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
               WsConfig(slab_m=32, slab_n=64, state_stages=4, group=1),
               WsConfig(slab_m=64, slab_n=64, group=1),
               WsConfig(stages=2, slab_m=32, slab_n=64, state_stages=6, group=1),
-              WsConfig(stages=2, slab_m=64, slab_n=64, state_stages=4, group=1, epilogue_warps=8, max_registers=128))
+              WsConfig(block_k=32, stages=6, slab_m=64, slab_n=64, state_stages=3, group=1, epilogue_warps=8,
+                       max_registers=128))
 # For two bf16 states only (AdamW's family): 256x128 tiles on two MMA warpgroups with one parked half
 # of G (session 22, results/kernels/h100/ws_s22 call 3): at 1024 tokens 2.6% faster than the Triton
 # tile and 6% faster than the 128x128 candidates, level with them at 512. Offline sm_90 (Triton 3.6)
