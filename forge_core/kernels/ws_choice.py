@@ -30,10 +30,10 @@ ENV = "FORGE_WS_KERNEL"
 # order and with whole rows of tiles; 64x64 slabs; a two-slot main ring whose shared memory goes to
 # six 32x64 state slots. For int8 states only (bf16 slabs of that ring do not fit in shared memory):
 # eight epilogue warps, two per scheduler to hide the codec's ALU latency, on three 64x64 slabs, with
-# a six-slot main ring of 32-deep k steps. Nsight (session 23) had that config's MMA warps waiting on
-# operand loads half their time with two 64-deep slots (the same bytes in flight as four 32-deep
-# ones); six 32-deep slots ran it 2.5-6% faster at 512 tokens and 12-18% at 1024
-# (results/kernels/h100/ws_s23 call 7), and it replaced the two-slot one.
+# a six-slot main ring of 32-deep k steps. With two 64-deep slots (session 21's config) Nsight had its
+# MMA warps waiting for operand loads half their time (session 23); six 32-deep slots, half as many
+# bytes again in flight, ran it 2.5-6% faster at 512 tokens and 12-18% at 1024, and four 32-deep
+# slots (the same bytes as two 64-deep ones) did not (results/kernels/h100/ws_s23 call 7).
 CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
               WsConfig(slab_m=32, slab_n=64, state_stages=4, group=1),
               WsConfig(slab_m=64, slab_n=64, group=1),
