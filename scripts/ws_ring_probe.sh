@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Deeper operand rings for the bf16 Gluon candidates, and a 16-deep ring for the int8 one: the
+# measurement session 24 prepared and could not run (no device time left). Why: ncu_stalls.py on
+# session 23's Nsight profile of the 128x128 bf16 candidate (results/kernels/h100/ws_s23/call6) has
+# its MMA warps waiting on the operand ring 64% of their time and the epilogue waiting for G 34% of
+# its; the int8 candidate gained 2.5-6% (512 tokens) and 12-18% (1024) from six 32-deep slots instead
+# of two 64-deep ones (ws_s23 call 7). With one wgmma in flight the MMA warps hold two slots, so three
+# 64-deep slots keep one 32 KB load in flight and six 32-deep slots four 16 KB loads, in the same
+# shared memory. Every config below compiles for sm_90 with Triton 3.6 without spills
+# (scripts/offline_sass.py --ws). Run on the H100 from the repo root, .whl carried:
+#   bash scripts/ws_ring_probe.sh <git-commit>      # ~7 minutes; everything lands under $OUT
+set -u
+source scripts/device_setup.sh "${1:-unknown}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw,power.limit --format=csv > "$OUT/gpu.txt"
+cp results/h100/run48/tune_cache.json /tmp/ring_tune_cache.json      # the Triton tiles: no re-tuning
+export FORGE_TUNE_CACHE=/tmp/ring_tune_cache.json
+T0=$(date +%s)
+progress() { echo "$1 rc=$2 t=$(( $(date +%s) - T0 ))s" | tee -a "$OUT/progress.txt"; }
+C0='{"slab_m":32,"slab_n":64,"state_stages":4,"group":1}'                                    # ws_choice.CANDIDATES[1]
+C1='{"block_k":32,"stages":6,"slab_m":32,"slab_n":64,"state_stages":4,"group":1}'
+C2='{"block_k":32,"stages":7,"slab_m":32,"slab_n":64,"state_stages":3,"group":1}'
+C3='{"block_k":16,"stages":12,"slab_m":32,"slab_n":64,"state_stages":4,"group":1}'
+B0='{"block_m":256,"stages":2,"slab_m":64,"slab_n":64,"state_stages":2,"group":1,"mma_warps":8,"max_registers":128,"mma_registers":168,"parked_halves":1}'   # BF16_ONLY[0]
+B1='{"block_m":256,"block_k":32,"stages":5,"slab_m":32,"slab_n":64,"state_stages":2,"group":1,"mma_warps":8,"max_registers":128,"mma_registers":168,"parked_halves":1}'
+I0='{"block_k":32,"stages":6,"slab_m":64,"slab_n":64,"state_stages":3,"group":1,"epilogue_warps":8,"max_registers":128}'   # CANDIDATES[4]
+I1='{"block_k":16,"stages":12,"slab_m":64,"slab_n":64,"state_stages":3,"group":1,"epilogue_warps":8,"max_registers":128}'
+mkdir -p "$OUT/check"
+for config in "$C1" "$C2" "$C3" "$B1"; do
+  python3 scripts/ws_bench.py --out "$OUT/check" --configs "[$config]" check q:520 k:1000 >> "$OUT/check/check.log" 2>&1
+  progress check $?
+done
+python3 scripts/ws_bench.py --out "$OUT/check" --state int8 --configs "[$I1]" check q:520 k:1000 >> "$OUT/check/check.log" 2>&1
+progress check_int8 $?
+python3 scripts/ws_bench.py --out "$OUT/b512" --rounds 3 --configs "[$C0,$C1,$C2,$C3,$B0,$B1]" time gate:512 down:512 q:512 k:512 > "$OUT/b512.log" 2>&1
+progress b512 $?
+python3 scripts/ws_bench.py --out "$OUT/b1024" --rounds 2 --configs "[$C0,$C1,$C2,$B0,$B1]" time gate:1024 q:1024 > "$OUT/b1024.log" 2>&1
+progress b1024 $?
+python3 scripts/ws_bench.py --out "$OUT/i512" --state int8 --rounds 3 --configs "[$I0,$I1]" time gate:512 down:512 q:512 > "$OUT/i512.log" 2>&1
+progress i512 $?
