@@ -31,6 +31,7 @@ from pathlib import Path
 _WAIT = re.compile(r"SYNCS\.PHASECHK\S*\s+(P\d),\s*\[([^\]]*)\]")
 _BRANCH = re.compile(r"^@!(P\d)\s+BRA\s+(0x[0-9a-f]+)")
 _LOOKBACK = 40
+"""Instructions searched back from a branch for its wait, and ahead of a wait for its hint."""
 SAMPLES = "Warp Stall Sampling (All Samples)"
 _HINTS = ("HGMMA", "UTMALDG", "STS", "LDS", "LDG", "STG")
 
@@ -96,7 +97,7 @@ def _barrier(operand: str) -> str:
 
 
 def _hint(sass: list[Instruction], index: int) -> str:
-    for ins in sass[index + 1:index + 40]:
+    for ins in sass[index + 1:index + _LOOKBACK]:
         op = ins.opcode.split(".")[0]
         if op in _HINTS:
             return op
@@ -121,14 +122,16 @@ def attribute(sass: list[Instruction]) -> dict:
         if branch is None:
             continue
         # the wait whose predicate this branch tests: the latest PHASECHK that set it
-        check = next((j for j in range(index - 1, max(index - _LOOKBACK, -1), -1)
+        found = next(((j, m) for j in range(index - 1, max(index - _LOOKBACK, -1), -1)
                       if (m := _WAIT.search(sass[j].text)) and m.group(1) == branch.group(1)), None)
-        if check is None:
+        if found is None:
             continue
-        barrier = _barrier(_WAIT.search(sass[check].text).group(2))
+        check, wait = found
+        barrier = _barrier(wait.group(2))
         samples = ins.samples + (sass[check].samples if check not in counted else 0)
         counted.add(check)
-        name, hint = owner(check), _hint(sass, index)
+        home = owner(check)
+        name, hint = home, _hint(sass, index)
         if name == "tail":
             # an out-of-line retry block (wait, branch to itself, branch back): it counts for the
             # partition it returns to
@@ -142,7 +145,7 @@ def attribute(sass: list[Instruction]) -> dict:
         entry = waits.setdefault((name, barrier), dict(partition=name, barrier=barrier, samples=0, sites=0,
                                                        next=hint))
         entry["samples"] += samples
-        entry["sites"] += owner(check) != "tail"
+        entry["sites"] += home != "tail"
     everything = sum(totals.values()) or 1
     parts = []
     for name in dict.fromkeys(n for n, _, _ in spans):

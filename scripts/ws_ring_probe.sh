@@ -16,17 +16,24 @@ cp results/h100/run48/tune_cache.json /tmp/ring_tune_cache.json      # the Trito
 export FORGE_TUNE_CACHE=/tmp/ring_tune_cache.json
 T0=$(date +%s)
 progress() { echo "$1 rc=$2 t=$(( $(date +%s) - T0 ))s" | tee -a "$OUT/progress.txt"; }
-C0='{"slab_m":32,"slab_n":64,"state_stages":4,"group":1}'                                    # ws_choice.CANDIDATES[1]
-C1='{"block_k":32,"stages":6,"slab_m":32,"slab_n":64,"state_stages":4,"group":1}'
-C2='{"block_k":32,"stages":7,"slab_m":32,"slab_n":64,"state_stages":3,"group":1}'
-C3='{"block_k":16,"stages":12,"slab_m":32,"slab_n":64,"state_stages":4,"group":1}'
-B0='{"block_m":256,"stages":2,"slab_m":64,"slab_n":64,"state_stages":2,"group":1,"mma_warps":8,"max_registers":128,"mma_registers":168,"parked_halves":1}'   # BF16_ONLY[0]
-B1='{"block_m":256,"block_k":32,"stages":5,"slab_m":32,"slab_n":64,"state_stages":2,"group":1,"mma_warps":8,"max_registers":128,"mma_registers":168,"parked_halves":1}'
-I0='{"block_k":32,"stages":6,"slab_m":64,"slab_n":64,"state_stages":3,"group":1,"epilogue_warps":8,"max_registers":128}'   # CANDIDATES[4]
-I1='{"block_k":16,"stages":12,"slab_m":64,"slab_n":64,"state_stages":3,"group":1,"epilogue_warps":8,"max_registers":128}'
+# A config as WsConfig JSON: one of ws_choice's candidates (the baselines on main), with fields changed.
+config() {
+  python3 -c 'import dataclasses, json, sys
+from forge_core.kernels import ws_choice
+base = getattr(ws_choice, sys.argv[1])[int(sys.argv[2])]
+print(json.dumps(dataclasses.asdict(dataclasses.replace(base, **json.loads(sys.argv[3] or "{}")))))' "$1" "$2" "${3-}"
+}
+C0=$(config CANDIDATES 1)                                        # 128x128, three 64-deep operand slots
+C1=$(config CANDIDATES 1 '{"block_k":32,"stages":6}')
+C2=$(config CANDIDATES 1 '{"block_k":32,"stages":7,"state_stages":3}')
+C3=$(config CANDIDATES 1 '{"block_k":16,"stages":12}')
+B0=$(config BF16_ONLY 0)                                         # 256x128, two 64-deep operand slots
+B1=$(config BF16_ONLY 0 '{"block_k":32,"stages":5,"slab_m":32}')
+I0=$(config CANDIDATES 4)                                        # int8: six 32-deep operand slots
+I1=$(config CANDIDATES 4 '{"block_k":16,"stages":12}')
 mkdir -p "$OUT/check"
-for config in "$C1" "$C2" "$C3" "$B1"; do
-  python3 scripts/ws_bench.py --out "$OUT/check" --configs "[$config]" check q:520 k:1000 >> "$OUT/check/check.log" 2>&1
+for variant in "$C1" "$C2" "$C3" "$B1"; do
+  python3 scripts/ws_bench.py --out "$OUT/check" --configs "[$variant]" check q:520 k:1000 >> "$OUT/check/check.log" 2>&1
   progress check $?
 done
 python3 scripts/ws_bench.py --out "$OUT/check" --state int8 --configs "[$I1]" check q:520 k:1000 >> "$OUT/check/check.log" 2>&1
