@@ -97,14 +97,15 @@ INT8_ONLY = [c for c in ws_choice.CANDIDATES if c not in BF16_CANDIDATES]
 
 
 def test_the_default_and_every_tuner_candidate_fit():
-    """Every candidate fits int8 states; all but the int8-only one (eight epilogue warps on 64x64
-    slabs three deep, a six-slot main ring) fit bf16 states too, so bf16 calls are not left without
-    candidates."""
+    """Every candidate fits int8 states; all but the int8-only ones (eight epilogue warps on 64x64
+    slabs three deep, six 32-deep or twelve 16-deep operand slots) fit bf16 states too, so bf16 calls
+    are not left without candidates."""
     assert config_problem(hopper_ws.DEFAULT_CONFIG) is None
     for config in ws_choice.CANDIDATES:
         assert config_problem(config, state_bytes=1) is None, config
-    assert len(BF16_CANDIDATES) == 4 and len(INT8_ONLY) == 1
-    assert "of shared memory, over" in config_problem(INT8_ONLY[0])
+    assert len(BF16_CANDIDATES) == 5 and len(INT8_ONLY) == 2
+    for config in INT8_ONLY:
+        assert "of shared memory, over" in config_problem(config)
     for config in ws_choice.BF16_ONLY:
         assert config_problem(config) is None, config
 
@@ -230,9 +231,10 @@ def _launch(x, dy, weight, state, hp, step, config, scalars=None):
                      sqrt_domain=tuple(state.is_sqrt_domain(n) for n in rule.state_names))
 
 
-# every rule on two candidates, and the two-state-only candidates on AdamW (the rules they are offered to)
+# every rule on three candidates (the seven-slot 32-deep operand ring among them), and the
+# two-state-only candidates on AdamW (the rules they are offered to)
 _RULE_CONFIGS = ([(rule, config) for rule in ("adamw", "lion", "sgd")
-                  for config in (ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3])]
+                  for config in (ws_choice.CANDIDATES[0], ws_choice.CANDIDATES[3], ws_choice.CANDIDATES[5])]
                  + [("adamw", config) for config in ws_choice.BF16_ONLY])
 
 
