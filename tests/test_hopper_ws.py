@@ -338,6 +338,7 @@ def test_a_capturable_call_is_decided_on_graph_timings(monkeypatch, tmp_path):
     monkeypatch.setattr(fused_module, "_TUNED", {})
     monkeypatch.setattr(ws_choice, "_CHOSEN", {})
     monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:1])
+    monkeypatch.setattr(ws_choice, "BF16_ONLY", ())          # one candidate: one timing, then the rounds
     graph_timings = []
     real = ws_choice.graph_time_ms
     monkeypatch.setattr(ws_choice, "graph_time_ms", lambda run: graph_timings.append(real(run)) or graph_timings[-1])
