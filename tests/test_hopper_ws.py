@@ -117,6 +117,14 @@ def test_one_parked_half_frees_the_shared_memory_of_a_256_row_tile():
     assert "of shared memory, over" in config_problem(two) and config_problem(one) is None
 
 
+def test_int8_states_need_slabs_one_block_scale_wide():
+    """Named before a compile: halving the slab to 32 columns takes 256x128 int8 tiles off the stack
+    offline (sm_90) but the codec keeps one scale per 64 columns of a row (session 25)."""
+    narrow = dataclasses.replace(ws_choice.BF16_ONLY[1], slab_n=32, state_stages=4)
+    assert config_problem(narrow) is None
+    assert "int8 states need 64-column slabs" in config_problem(narrow, state_bytes=1)
+
+
 def test_int8_states_leave_room_for_a_deeper_state_ring():
     deep = WsConfig(stages=2, slab_m=32, slab_n=64, state_stages=8, group=1, epilogue_warps=8, max_registers=128)
     assert "of shared memory, over" in config_problem(deep)              # bf16 states: 234496 B

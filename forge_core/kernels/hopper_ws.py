@@ -120,6 +120,8 @@ def config_problem(config: WsConfig, state_bytes: int = 2) -> str | None:
     if config.warps() * 32 * config.max_registers > REGISTER_FILE:
         return (f"config launches {config.warps()} warps at {config.max_registers} registers, over the "
                 f"{REGISTER_FILE}-register file of an SM")
+    if state_bytes == 1 and config.slab_n != QBLOCK:
+        return f"int8 states need {QBLOCK}-column slabs (one block scale per slab row), got {config.slab_n}"
     if config.shared_memory_bytes(state_bytes) > SHARED_MEMORY_BYTES:
         return (f"config needs {config.shared_memory_bytes(state_bytes)} B of shared memory, "
                 f"over {SHARED_MEMORY_BYTES}")
@@ -138,9 +140,7 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
         return f"inputs {x2.dtype} / {dy2.dtype} and weight {weight.dtype}; it takes bf16 only"
     if not 1 <= len(states) <= 2 or len({s.dtype for s in states}) != 1 or states[0].dtype not in _GL_DTYPES:
         return "it takes one or two bf16 states, or one or two int8 states"
-    if states[0].dtype == torch.int8:
-        if config.slab_n != QBLOCK:
-            return f"int8 states need {QBLOCK}-column slabs (one block scale per slab row), got {config.slab_n}"
+    if states[0].dtype == torch.int8:                   # (their 64-column slabs: config_problem)
         m, n = weight.shape
         if scales is None or len(scales) != len(states) or any(
                 t is None or t.dtype != torch.float32 or tuple(t.shape) != (m, n // QBLOCK) or t.stride(1) != 1
