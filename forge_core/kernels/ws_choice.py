@@ -6,7 +6,9 @@ the Llama-8B layer shapes with bf16 states, and draws ~10% fewer joules, but 2-3
 lm_head and 10-15% slower at 2048 tokens and more, where its one 128x128 wgmma warpgroup is no match
 for the Triton kernel's GEMM tiles (256x128 tiles on two warpgroups close part of that at 1024 tokens,
 session 22). With int8 states (eight epilogue warps) it is within a few percent of the Triton kernel
-either way at 512 tokens, depending on the shape and the boot, and 15-20% faster at 1024. So after the
+either way at 512 tokens, depending on the shape and the boot, and 15-20% faster at 1024. Deeper
+operand rings (session 25) made it the faster one for most weights at 2048 tokens too; at 4096 and
+more the Triton tile still wins the big weights, with int8 states always. So after the
 Triton tile is tuned, the Gluon kernel's candidates that can take the call are timed against it on
 the same scratch copies, and the faster one is kept (per tuning key, in the process and in
 ``FORGE_TUNE_CACHE`` beside the tile). ``FORGE_WS_KERNEL=0`` keeps every update on the Triton kernel
