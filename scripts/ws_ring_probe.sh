@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Deeper operand rings for the bf16 Gluon candidates, and a 16-deep ring for the int8 one: the
-# measurement session 24 prepared and could not run (no device time left). Why: ncu_stalls.py on
+# measurement session 24 prepared and could not run (no device time left); run in session 25
+# (results/kernels/h100/ws_s25/probe: C2, B1 and I1 became ws_choice candidates). Why: ncu_stalls.py on
 # session 23's Nsight profile of the 128x128 bf16 candidate (results/kernels/h100/ws_s23/call6) has
 # its MMA warps waiting on the operand ring 64% of their time and the epilogue waiting for G 34% of
 # its; the int8 candidate gained 2.5-6% (512 tokens) and 12-18% (1024) from six 32-deep slots instead
