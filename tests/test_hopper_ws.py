@@ -103,7 +103,7 @@ def test_the_default_and_every_tuner_candidate_fit():
     assert config_problem(hopper_ws.DEFAULT_CONFIG) is None
     for config in ws_choice.CANDIDATES:
         assert config_problem(config, state_bytes=1) is None, config
-    assert len(BF16_CANDIDATES) == 5 and len(INT8_ONLY) == 2
+    assert len(BF16_CANDIDATES) == 6 and len(INT8_ONLY) == 2
     for config in INT8_ONLY:
         assert "of shared memory, over" in config_problem(config)
     for config in ws_choice.BF16_ONLY:

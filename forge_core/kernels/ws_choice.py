@@ -40,6 +40,9 @@ ENV = "FORGE_WS_KERNEL"
 # 32-deep slots (three state slots) for the 32x64-slab candidate ran 8% faster than the Triton tile and
 # 11-12% faster than its three 64-deep slots at 1024 tokens (gate, q), and 5% faster at 512 for k; twelve
 # 16-deep slots for the int8 candidate ran 0.5-2% faster than its six 32-deep ones at 512 tokens.
+# The seven-slot config again in the grouped tile order (8 row-tiles share X's column tiles): walking
+# whole rows, the programs running at once read all of X once per row of tiles, which at 4096 tokens
+# is 117 MB per row for down (X is T x 14336), more than L2 holds (session 25, results/kernels/h100/ws_s25/group).
 CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
               WsConfig(slab_m=32, slab_n=64, state_stages=4, group=1),
               WsConfig(slab_m=64, slab_n=64, group=1),
@@ -48,17 +51,21 @@ CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
                        max_registers=128),
               WsConfig(block_k=32, stages=7, slab_m=32, slab_n=64, state_stages=3, group=1),
               WsConfig(block_k=16, stages=12, slab_m=64, slab_n=64, state_stages=3, group=1, epilogue_warps=8,
-                       max_registers=128))
+                       max_registers=128),
+              WsConfig(block_k=32, stages=7, slab_m=32, slab_n=64, state_stages=3, group=8))
 # For two bf16 states only (AdamW's family): 256x128 tiles on two MMA warpgroups with one parked half
 # of G (session 22, results/kernels/h100/ws_s22 call 3): at 1024 tokens 2.6% faster than the Triton
 # tile and 6% faster than the 128x128 candidates, level with them at 512. Offline sm_90 (Triton 3.6)
 # its epilogue spills with int8 states (216 B on four warps; eight do not fit the register file
 # beside two MMA warpgroups) and with SGD's one state (64 B), not with AdamW's or Lion's. The second:
 # five 32-deep operand slots on 32x64 slabs, 8% faster than the Triton tile and 11-13% faster than the
-# first at 1024 tokens (session 25), level with it at 512.
+# first at 1024 tokens (session 25), level with it at 512. The third: the second in the grouped tile
+# order (see the last of CANDIDATES).
 BF16_ONLY = (WsConfig(block_m=256, stages=2, slab_m=64, slab_n=64, state_stages=2, group=1, mma_warps=8,
                       max_registers=128, mma_registers=168, parked_halves=1),
              WsConfig(block_m=256, block_k=32, stages=5, slab_m=32, slab_n=64, state_stages=2, group=1, mma_warps=8,
+                      max_registers=128, mma_registers=168, parked_halves=1),
+             WsConfig(block_m=256, block_k=32, stages=5, slab_m=32, slab_n=64, state_stages=2, group=8, mma_warps=8,
                       max_registers=128, mma_registers=168, parked_halves=1))
 ROUNDS = 5
 """Round-robin re-timings of the Triton tile against the fastest Gluon candidate (a few percent
