@@ -42,7 +42,8 @@ ENV = "FORGE_WS_KERNEL"
 # 16-deep slots for the int8 candidate ran 0.5-2% faster than its six 32-deep ones at 512 tokens.
 # The seven-slot config again in the grouped tile order (8 row-tiles share X's column tiles): walking
 # whole rows, the programs running at once read all of X once per row of tiles, which at 4096 tokens
-# is 117 MB per row for down (X is T x 14336), more than L2 holds (session 25, results/kernels/h100/ws_s25/group).
+# is 117 MB per row for down (X is T x 14336), more than L2 holds. Grouped, it ran down 16-38% faster
+# at 2048-4096 tokens, level with the Triton tile (session 25, results/kernels/h100/ws_s25/group).
 CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
               WsConfig(slab_m=32, slab_n=64, state_stages=4, group=1),
               WsConfig(slab_m=64, slab_n=64, group=1),
@@ -60,7 +61,7 @@ CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
 # beside two MMA warpgroups) and with SGD's one state (64 B), not with AdamW's or Lion's. The second:
 # five 32-deep operand slots on 32x64 slabs, 8% faster than the Triton tile and 11-13% faster than the
 # first at 1024 tokens (session 25), level with it at 512. The third: the second in the grouped tile
-# order (see the last of CANDIDATES).
+# order (see the last of CANDIDATES): 1-4% faster than the Triton tile for gate and down at 2048-4096 tokens.
 BF16_ONLY = (WsConfig(block_m=256, stages=2, slab_m=64, slab_n=64, state_stages=2, group=1, mma_warps=8,
                       max_registers=128, mma_registers=168, parked_halves=1),
              WsConfig(block_m=256, block_k=32, stages=5, slab_m=32, slab_n=64, state_stages=2, group=1, mma_warps=8,
