@@ -8,15 +8,8 @@
 # Run on the H100 from the repo root, .whl carried:
 #   bash scripts/ws_group_probe.sh <git-commit> <tune-cache.json>   # ~2 minutes; output under $OUT
 set -u
-source scripts/device_setup.sh "${1:-unknown}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw,power.limit --format=csv > "$OUT/gpu.txt"
-cp "${2:-results/h100/run50/tune_cache.json}" /tmp/group_tune_cache.json      # the Triton tiles
-export FORGE_TUNE_CACHE=/tmp/group_tune_cache.json
-T0=$(date +%s)
-progress() { echo "$1 rc=$2 t=$(( $(date +%s) - T0 ))s" | tee -a "$OUT/progress.txt"; }
-config() { python3 -c 'import dataclasses, json, sys
-from forge_core.kernels import ws_choice
-print(json.dumps(dataclasses.asdict(getattr(ws_choice, sys.argv[1])[int(sys.argv[2])])))' "$1" "$2"; }
+source scripts/ws_probe_lib.sh
+ws_probe_start "${1:-unknown}" "${2:-results/h100/run50/tune_cache.json}" || exit 1
 C2=$(config CANDIDATES 5); C2G=$(config CANDIDATES 7); I1=$(config CANDIDATES 6)
 B1=$(config BF16_ONLY 1); B1G=$(config BF16_ONLY 2)
 python3 scripts/ws_bench.py --out "$OUT/check" --configs "[$C2G,$B1G]" check q:520 k:1000 > "$OUT/check.log" 2>&1

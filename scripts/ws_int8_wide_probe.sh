@@ -8,18 +8,8 @@
 # 2048 and 512 tokens. Run on the H100 from the repo root, .whl carried:
 #   bash scripts/ws_int8_wide_probe.sh <git-commit> <tune-cache.json>   # ~6 minutes; output under $OUT
 set -u
-source scripts/device_setup.sh "${1:-unknown}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw,power.limit --format=csv > "$OUT/gpu.txt"
-cp "${2:-results/kernels/h100/kernel_bench_dc52e16/tune_cache.json}" /tmp/wide_tune_cache.json   # the Triton tiles
-export FORGE_TUNE_CACHE=/tmp/wide_tune_cache.json
-T0=$(date +%s)
-progress() { echo "$1 rc=$2 t=$(( $(date +%s) - T0 ))s" | tee -a "$OUT/progress.txt"; }
-config() {   # one of ws_choice's configs as WsConfig JSON, with fields changed
-  python3 -c 'import dataclasses, json, sys
-from forge_core.kernels import ws_choice
-base = getattr(ws_choice, sys.argv[1])[int(sys.argv[2])]
-print(json.dumps(dataclasses.asdict(dataclasses.replace(base, **json.loads(sys.argv[3] or "{}")))))' "$1" "$2" "${3-}"
-}
+source scripts/ws_probe_lib.sh
+ws_probe_start "${1:-unknown}" "${2:-results/kernels/h100/kernel_bench_dc52e16/tune_cache.json}" || exit 1
 I0=$(config CANDIDATES 4)                                           # int8: eight epilogue warps, six 32-deep slots
 C2=$(config CANDIDATES 5)                                           # 32x64 slabs, seven 32-deep slots
 # Run in session 25 (results/kernels/h100/ws_s25/wide, 12bb03e) with two more configs on 32x32 slabs,

@@ -9,21 +9,10 @@
 # 64-deep slots keep one 32 KB load in flight and six 32-deep slots four 16 KB loads, in the same
 # shared memory. Every config below compiles for sm_90 with Triton 3.6 without spills
 # (scripts/offline_sass.py --ws). Run on the H100 from the repo root, .whl carried:
-#   bash scripts/ws_ring_probe.sh <git-commit>      # ~7 minutes; everything lands under $OUT
+#   bash scripts/ws_ring_probe.sh <git-commit> [tune-cache.json]   # ~5 minutes; everything lands under $OUT
 set -u
-source scripts/device_setup.sh "${1:-unknown}"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw,power.limit --format=csv > "$OUT/gpu.txt"
-cp results/h100/run48/tune_cache.json /tmp/ring_tune_cache.json      # the Triton tiles: no re-tuning
-export FORGE_TUNE_CACHE=/tmp/ring_tune_cache.json
-T0=$(date +%s)
-progress() { echo "$1 rc=$2 t=$(( $(date +%s) - T0 ))s" | tee -a "$OUT/progress.txt"; }
-# A config as WsConfig JSON: one of ws_choice's candidates (the baselines on main), with fields changed.
-config() {
-  python3 -c 'import dataclasses, json, sys
-from forge_core.kernels import ws_choice
-base = getattr(ws_choice, sys.argv[1])[int(sys.argv[2])]
-print(json.dumps(dataclasses.asdict(dataclasses.replace(base, **json.loads(sys.argv[3] or "{}")))))' "$1" "$2" "${3-}"
-}
+source scripts/ws_probe_lib.sh
+ws_probe_start "${1:-unknown}" "${2:-results/h100/run48/tune_cache.json}" || exit 1
 C0=$(config CANDIDATES 1)                                        # 128x128, three 64-deep operand slots
 C1=$(config CANDIDATES 1 '{"block_k":32,"stages":6}')
 C2=$(config CANDIDATES 1 '{"block_k":32,"stages":7,"state_stages":3}')
