@@ -17,10 +17,8 @@ C2=$(config CANDIDATES 5)                                           # 32x64 slab
 # so before a compile). The 16x64 config was 1.4-3x slower than the Triton tile: not adopted.
 W2=$(config BF16_ONLY 1 '{"slab_m":16,"state_stages":4}')           # 256x128, 16x64 slabs four deep
 mkdir -p "$OUT/check"
-for variant in "$W2"; do
-  python3 scripts/ws_bench.py --out "$OUT/check" --state int8 --configs "[$variant]" check q:520 k:1000 >> "$OUT/check/check.log" 2>&1
-  progress check $?
-done
+python3 scripts/ws_bench.py --out "$OUT/check" --state int8 --configs "[$W2]" check q:520 k:1000 > "$OUT/check/check.log" 2>&1
+progress check $?
 python3 scripts/ws_bench.py --out "$OUT/t4096" --state int8 --rounds 3 --configs "[$I0,$C2,$W2]" time gate:4096 down:4096 q:4096 > "$OUT/t4096.log" 2>&1
 progress t4096 $?
 python3 scripts/ws_bench.py --out "$OUT/t2048" --state int8 --rounds 2 --configs "[$I0,$C2,$W2]" time gate:2048 down:2048 > "$OUT/t2048.log" 2>&1

@@ -7,8 +7,8 @@ lm_head and 10-15% slower at 2048 tokens and more, where its one 128x128 wgmma w
 for the Triton kernel's GEMM tiles (256x128 tiles on two warpgroups close part of that at 1024 tokens,
 session 22). With int8 states (eight epilogue warps) it is within a few percent of the Triton kernel
 either way at 512 tokens, depending on the shape and the boot, and 15-20% faster at 1024. Deeper
-operand rings (session 25) made it the faster one for most weights at 2048 tokens too; at 4096 and
-more the Triton tile still wins the big weights, with int8 states always. So after the
+operand rings (session 25) made it the faster one for most weights at 2048 tokens too, and with the
+grouped tile order it is level with the Triton tile or a few percent ahead at 4096. So after the
 Triton tile is tuned, the Gluon kernel's candidates that can take the call are timed against it on
 the same scratch copies, and the faster one is kept (per tuning key, in the process and in
 ``FORGE_TUNE_CACHE`` beside the tile). ``FORGE_WS_KERNEL=0`` keeps every update on the Triton kernel
@@ -36,24 +36,25 @@ ENV = "FORGE_WS_KERNEL"
 # MMA warps waiting for operand loads half their time (session 23); six 32-deep slots, half as many
 # bytes again in flight, ran it 2.5-6% faster at 512 tokens and 12-18% at 1024, and four 32-deep
 # slots (the same bytes as two 64-deep ones) did not (results/kernels/h100/ws_s23 call 7).
-# The last two (session 25, results/kernels/h100/ws_s25): deeper operand rings of small k steps. Seven
+# The next two (session 25, results/kernels/h100/ws_s25): deeper operand rings of small k steps. Seven
 # 32-deep slots (three state slots) for the 32x64-slab candidate ran 8% faster than the Triton tile and
 # 11-12% faster than its three 64-deep slots at 1024 tokens (gate, q), and 5% faster at 512 for k; twelve
 # 16-deep slots for the int8 candidate ran 0.5-2% faster than its six 32-deep ones at 512 tokens.
-# The seven-slot config again in the grouped tile order (8 row-tiles share X's column tiles): walking
+# The last: the seven-slot config in the grouped tile order (8 row-tiles share X's column tiles). Walking
 # whole rows, the programs running at once read all of X once per row of tiles, which at 4096 tokens
 # is 117 MB per row for down (X is T x 14336), more than L2 holds. Grouped, it ran down 16-38% faster
 # at 2048-4096 tokens, level with the Triton tile (session 25, results/kernels/h100/ws_s25/group).
+_SEVEN_SLOTS = WsConfig(block_k=32, stages=7, slab_m=32, slab_n=64, state_stages=3, group=1)
 CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
               WsConfig(slab_m=32, slab_n=64, state_stages=4, group=1),
               WsConfig(slab_m=64, slab_n=64, group=1),
               WsConfig(stages=2, slab_m=32, slab_n=64, state_stages=6, group=1),
               WsConfig(block_k=32, stages=6, slab_m=64, slab_n=64, state_stages=3, group=1, epilogue_warps=8,
                        max_registers=128),
-              WsConfig(block_k=32, stages=7, slab_m=32, slab_n=64, state_stages=3, group=1),
+              _SEVEN_SLOTS,
               WsConfig(block_k=16, stages=12, slab_m=64, slab_n=64, state_stages=3, group=1, epilogue_warps=8,
                        max_registers=128),
-              WsConfig(block_k=32, stages=7, slab_m=32, slab_n=64, state_stages=3, group=8))
+              dataclasses.replace(_SEVEN_SLOTS, group=8))
 # For two bf16 states only (AdamW's family): 256x128 tiles on two MMA warpgroups with one parked half
 # of G (session 22, results/kernels/h100/ws_s22 call 3): at 1024 tokens 2.6% faster than the Triton
 # tile and 6% faster than the 128x128 candidates, level with them at 512. Offline sm_90 (Triton 3.6)
@@ -62,12 +63,10 @@ CANDIDATES = (WsConfig(slab_m=32, slab_n=64, state_stages=4),
 # five 32-deep operand slots on 32x64 slabs, 8% faster than the Triton tile and 11-13% faster than the
 # first at 1024 tokens (session 25), level with it at 512. The third: the second in the grouped tile
 # order (see the last of CANDIDATES): 1-4% faster than the Triton tile for gate and down at 2048-4096 tokens.
-BF16_ONLY = (WsConfig(block_m=256, stages=2, slab_m=64, slab_n=64, state_stages=2, group=1, mma_warps=8,
-                      max_registers=128, mma_registers=168, parked_halves=1),
-             WsConfig(block_m=256, block_k=32, stages=5, slab_m=32, slab_n=64, state_stages=2, group=1, mma_warps=8,
-                      max_registers=128, mma_registers=168, parked_halves=1),
-             WsConfig(block_m=256, block_k=32, stages=5, slab_m=32, slab_n=64, state_stages=2, group=8, mma_warps=8,
-                      max_registers=128, mma_registers=168, parked_halves=1))
+_WIDE = WsConfig(block_m=256, stages=2, slab_m=64, slab_n=64, state_stages=2, group=1, mma_warps=8,
+                 max_registers=128, mma_registers=168, parked_halves=1)
+_WIDE_FIVE_SLOTS = dataclasses.replace(_WIDE, block_k=32, stages=5, slab_m=32)
+BF16_ONLY = (_WIDE, _WIDE_FIVE_SLOTS, dataclasses.replace(_WIDE_FIVE_SLOTS, group=8))
 ROUNDS = 5
 """Round-robin re-timings of the Triton tile against the fastest Gluon candidate (a few percent
 apart under the power cap; see fused.FINAL_ROUNDS)."""
