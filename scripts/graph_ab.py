@@ -8,7 +8,9 @@ Arms: ``tuned`` (the step as a sweep cell captures it); ``priority`` (captured o
 stream: the fused updates' side stream keeps the default priority, so the critical path's CTAs are
 dispatched first; torch >= 2.10 instantiates graphs with cudaGraphInstantiateFlagUseNodePriority);
 ``pin:SHAPES=SPEC`` (the fused kernel of those weight shapes, at this cell's tokens, pinned to the
-tile ``SPEC`` of scripts/kernel_variants.py instead of the tuner's pick). Why: across boots the step
+tile ``SPEC`` of scripts/kernel_variants.py instead of the tuner's pick); ``sms:N`` (the Gluon kernel's
+persistent grid capped at N programs, ``hopper_ws.PROGRAM_CAP``, so that the backward's kernels find
+free SMs beside the side-stream updates). Why: across boots the step
 moves by more than a kernel change, and a kernel timed alone is not timed at the power cap where
 the whole step runs (~700 W on the H100, docs/kernel_notes.md session 13); rounds of 20 replays of
 each graph in turn, with NVML's energy counter read around each round, compare arms at one clock.
@@ -35,6 +37,11 @@ def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | Non
 
     if spec in ("tuned", "priority"):
         return spec, None, None
+    if spec.startswith("sms:"):
+        programs = spec[4:]
+        if not programs.isdigit() or int(programs) < 1:
+            raise SystemExit(f"graph_ab: arm {spec!r} needs a program count >= 1 (e.g. sms:120)")
+        return "sms", None, int(programs)
     if spec.startswith("pin:") and "=" in spec:
         shapes_text, config_text = spec[4:].split("=", 1)
         try:
@@ -44,7 +51,7 @@ def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | Non
         if not shapes or any(len(shape) != 2 for shape in shapes):
             raise SystemExit(f"graph_ab: cannot read the weight shapes of arm {spec!r} (e.g. 14336x4096,4096x14336)")
         return "pin", shapes, parse_config(config_text)
-    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC)")
+    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC, sms:N)")
 
 
 def capture_arm(spec: str, arm, batches: list):
@@ -76,6 +83,17 @@ def capture_arm(spec: str, arm, batches: list):
         finally:
             fused_module._TUNED.clear()
             fused_module._TUNED.update(saved)
+            fused_module._PLANS.clear()
+    if kind == "sms":
+        from forge_core.kernels import hopper_ws
+        hopper_ws.PROGRAM_CAP = config
+        fused_module._PLANS.clear()
+        try:
+            cell_mod._eager_steps(arm, batches, 2, side_stream=True)  # plans re-made: their direct launch keeps the capped grid
+            torch.cuda.synchronize()
+            return cell_mod.GraphedStep(arm, batches[0])
+        finally:
+            hopper_ws.PROGRAM_CAP = None
             fused_module._PLANS.clear()
     raise AssertionError(kind)
 
@@ -147,7 +165,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC")
+    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC, sms:N")
     args = parser.parse_args()
     for spec in args.arms:
         parse_arm(spec)

@@ -304,6 +304,37 @@ def test_scalars_from_device_memory_give_the_same_step():
         assert torch.equal(sa.values[name], sb.values[name])
 
 
+def test_the_program_cap_bounds_the_persistent_grid(monkeypatch):
+    monkeypatch.setattr(hopper_ws, "_sm_count", lambda device_index: 132)
+    weight = torch.empty(1024, 4096)                        # 8 x 32 = 256 tiles of 128x128
+    config = ws_choice.CANDIDATES[0]
+    assert hopper_ws._grid_size(weight, config, 0) == 132
+    monkeypatch.setattr(hopper_ws, "PROGRAM_CAP", 100)
+    assert hopper_ws._grid_size(weight, config, 0) == 100
+    assert hopper_ws._grid_size(torch.empty(128, 512), config, 0) == 4     # fewer tiles than programs
+    monkeypatch.setattr(hopper_ws, "PROGRAM_CAP", 0)
+    assert hopper_ws._grid_size(weight, config, 0) == 1
+
+
+@needs_hopper
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_a_capped_grid_gives_the_same_step(state_dtype, monkeypatch):
+    """Each program walks the tiles from its id in strides of the program count: fewer programs
+    (7, so they end on different tiles) update every tile exactly as one per SM does."""
+    x, dy, weight, state = _problem("adamw", 1024, 4096, 520, state_dtype=state_dtype)
+    a, sa = _copy(weight, state)
+    b, sb = _copy(weight, state)
+    config = ws_choice.CANDIDATES[0] if state_dtype == "bf16" else INT8_ONLY[0]
+    _launch(x, dy, a, sa, HP["adamw"], 7, config)
+    monkeypatch.setattr(hopper_ws, "PROGRAM_CAP", 7)
+    _launch(x, dy, b, sb, HP["adamw"], 7, config)
+    assert torch.equal(a, b)
+    for name in state.rule.state_names:
+        assert torch.equal(sa.values[name], sb.values[name])
+        if sa.scales[name] is not None:
+            assert torch.equal(sa.scales[name], sb.scales[name])
+
+
 @needs_hopper
 def test_a_launch_outside_the_scope_raises_one_line():
     x, dy, weight, state = _problem("adamw", 1024, 4096, 512)

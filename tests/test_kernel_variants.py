@@ -78,6 +78,7 @@ def test_graph_ab_reads_arm_specs_before_building_anything():
     kind, shapes, config = graph_ab.parse_arm("pin:14336x4096,4096x14336=64x128x64/w8/s4/sp2/r128")
     assert kind == "pin" and shapes == {(14336, 4096), (4096, 14336)}
     assert config == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2, max_registers=128)
+    assert graph_ab.parse_arm("sms:120") == ("sms", None, 120)
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -86,6 +87,8 @@ def test_graph_ab_reads_arm_specs_before_building_anything():
     ("pin:14336=64x128x64/w8/s4", "cannot read the weight shapes"),
     ("pin:axb=64x128x64/w8/s4", "cannot read the weight shapes"),
     ("pin:14336x4096=64x128/w8/s4", "cannot read tile config"),
+    ("sms:0", "needs a program count >= 1"),
+    ("sms:all", "needs a program count >= 1"),
 ])
 def test_graph_ab_refuses_a_bad_arm_in_one_line(spec, message, monkeypatch):
     import graph_ab

@@ -493,10 +493,20 @@ def _scalar_args(scalars: tuple[float, ...] | torch.Tensor, weight: torch.Tensor
     return (*scalars, *_NO_VALUES[len(scalars):], weight)
 
 
+PROGRAM_CAP: int | None = None
+"""At most this many persistent programs per launch (None: one per SM). Why: a program holds a whole
+SM, so with one per SM an update on the side stream (``forge_core.overlap``) leaves the backward's
+next kernels no SM until its last tile; fewer programs leave SMs to them. Read at each plan's first
+launch (``direct_launcher`` keeps the grid it saw): clear ``fused._PLANS`` after changing it."""
+
+
 def _grid_size(weight: torch.Tensor, config: WsConfig, device_index: int) -> int:
-    """One persistent program per SM, or per tile where there are fewer tiles."""
+    """One persistent program per SM (at most ``PROGRAM_CAP``), or per tile where there are fewer tiles."""
     tiles = (weight.shape[0] // config.block_m) * (weight.shape[1] // config.block_n)
-    return min(tiles, _sm_count(device_index))
+    programs = _sm_count(device_index)
+    if PROGRAM_CAP is not None:
+        programs = max(1, min(programs, PROGRAM_CAP))
+    return min(tiles, programs)
 
 
 def _kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
