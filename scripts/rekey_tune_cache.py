@@ -7,7 +7,9 @@ tuner's pick among candidates a few percent apart moves between runs (docs/kerne
 13): an old-vs-new step A/B would then measure the tuner as well as the code. This writes the same
 choices under the fingerprints this tree computes (each entry keeps its own Triton version and GPU
 name); ``--check`` only counts the entries this tree would already accept. Use the output for A/Bs,
-not as a tuning result: its tiles were chosen for the other kernel.
+not as a tuning result: its tiles were chosen for the other kernel. Gluon-or-Triton choices
+(``ws_choice``, keys ending in ``'hopper_ws'``) are re-keyed too, with the candidates their weight shape
+is offered on a contiguous, aligned call.
 
     python scripts/rekey_tune_cache.py results/h100/run35/tune_cache.json /tmp/rekeyed.json
 """
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from forge_core.kernels import fused, tune_cache  # noqa: E402
+from forge_core.kernels import fused, tune_cache, ws_choice  # noqa: E402
 from forge_core.rules import get_rule  # noqa: E402
 
 
@@ -37,9 +39,19 @@ def rekey(entries: dict) -> tuple[dict, int]:
             epilogue = get_rule(rule_name).epilogue
         except Exception as exc:  # noqa: BLE001
             raise SystemExit(f"rekey_tune_cache: cannot read entry key {key!r} ({exc})") from None
-        input_bytes = torch.empty((), dtype=input_dtype).element_size()
-        candidates = fused.tuning_candidates(m, n, tokens, input_bytes, state_dtype)
-        fingerprint = fused.tuning_fingerprint(epilogue, candidates, entry["triton"], entry["device"])
+        if tuning_key[-1] == "hopper_ws":          # a Gluon-or-Triton choice (ws_choice.chosen)
+            try:
+                triton_tile = fused.TileConfig(**entry["triton_tile"])
+            except (KeyError, TypeError) as exc:
+                raise SystemExit(f"rekey_tune_cache: entry {key!r} names no Triton tile ({exc})") from None
+            identity = fused.ws_identity(epilogue, triton_tile, entry["triton"], entry["device"],
+                                         graphed=tuning_key[-2] == "graph")
+            candidates = ws_choice.shape_candidates(m, n, state_dtype, len(get_rule(rule_name).state_names))
+            fingerprint = ws_choice.disk_fingerprint(identity, candidates)
+        else:
+            input_bytes = torch.empty((), dtype=input_dtype).element_size()
+            candidates = fused.tuning_candidates(m, n, tokens, input_bytes, state_dtype)
+            fingerprint = fused.tuning_fingerprint(epilogue, candidates, entry["triton"], entry["device"])
         changed += fingerprint != old_fingerprint
         out[tune_cache.entry_key(tuning_key, fingerprint)] = entry
     return out, changed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import forge_core.kernels.fused as fused_module
-from forge_core.kernels import fused_wgrad_update, tune_cache
+from forge_core.kernels import fused_wgrad_update, hopper_ws, tune_cache
 from forge_core.kernels.fused import TileConfig
 from forge_core.rules import get_rule
 from forge_core.state import ParamState
@@ -261,9 +261,12 @@ def test_rekey_names_a_file_that_is_not_a_tune_cache(tmp_path, capsys):
         rekey_tune_cache.main([str(bad), str(tmp_path / "out.json")])
 
 
-GPU_CI_BASELINE_CACHE = "results/h100/gpu_smoke_deb57b9/tune_cache.json"     # README, "A GPU regression check"
+GPU_CI_BASELINE_CACHE = "results/h100/gpu_smoke_1f57283/tune_cache.json"     # README, "A GPU regression check"
+needs_gluon = pytest.mark.skipif(hopper_ws.GLUON_IMPORT_ERROR is not None,
+                                 reason=f"the Gluon choices' fingerprints name the Gluon kernel: {hopper_ws.GLUON_IMPORT_ERROR}")
 
 
+@needs_gluon
 def test_the_gpu_ci_baselines_tile_choices_match_this_kernel():
     """The README's GPU-CI command hands the smoke cells this cache; if the kernel's identity moved,
     every FORGE cell tunes again and the suite no longer fits its 5 minutes (session 17). A kernel
@@ -271,6 +274,20 @@ def test_the_gpu_ci_baselines_tile_choices_match_this_kernel():
     entries = json.loads((ROOT / GPU_CI_BASELINE_CACHE).read_text())["entries"]
     _, changed = rekey_tune_cache.rekey(entries)
     assert entries and changed == 0, f"{changed} of {len(entries)} entries of {GPU_CI_BASELINE_CACHE} miss this kernel"
+
+
+@needs_gluon
+def test_rekey_restores_the_fingerprints_of_gluon_choices():
+    """A Gluon-or-Triton choice (key ending in 'hopper_ws') under a stale fingerprint gets the one this
+    tree's ws_choice.chosen would look up; one already current stays as it is."""
+    entries = json.loads((ROOT / GPU_CI_BASELINE_CACHE).read_text())["entries"]
+    gluon = {k: v for k, v in entries.items() if k.endswith("'hopper_ws')")}
+    assert any("'graph'" in k for k in gluon) and any("'eager'" in k for k in gluon)
+    current_key, entry = next(iter(gluon.items()))
+    _, key_text = tune_cache.split_entry_key(current_key)
+    rekeyed, changed = rekey_tune_cache.rekey({f"0000000000000000|{key_text}": entry})
+    assert changed == 1 and list(rekeyed) == [current_key]
+    assert rekey_tune_cache.rekey({current_key: entry})[1] == 0
 
 
 def test_the_identity_text_does_not_move_when_python_adds_an_empty_field(monkeypatch):

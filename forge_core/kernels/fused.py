@@ -1058,6 +1058,17 @@ def tuning_fingerprint(epilogue: Any, candidates: list[TileConfig], triton_versi
                                   device_name, list(search))
 
 
+def ws_identity(epilogue: Any, triton_config: TileConfig, triton_version: str, device_name: str, graphed: bool) -> str:
+    """What a Gluon-or-Triton choice (``ws_choice.chosen``) depends on besides its key: both kernels'
+    sources, the rule's epilogue, the Triton tile it was timed against, Triton and the GPU; an eager
+    choice also weighs the host's launch cost, so which launch paths were timed."""
+    identity = (tune_cache.source_identity(hopper_ws._ws_fused_kernel)
+                + tuning_fingerprint(epilogue, [triton_config], triton_version, device_name))
+    if not graphed:
+        identity += "|eager launches: " + ("direct, both kernels" if _direct_launch_enabled() else "jit")
+    return identity
+
+
 def tuning_candidates(m: int, n: int, k: int, input_bytes: int, state_dtype: str) -> list[TileConfig]:
     """The tiles the tuner times for one weight shape and state format (part of its fingerprint)."""
     return [c for c in candidate_configs(m, n, k, input_bytes) if supports(c, state_dtype)]
@@ -1238,10 +1249,7 @@ def _ws_plan(key: tuple, state_dtype: str, x2, dy2, weight, states, scales, grad
     def run_ws(config: hopper_ws.WsConfig) -> None:
         candidate_plans[config].run(x2, dy2, scalars)
 
-    identity = (tune_cache.source_identity(hopper_ws._ws_fused_kernel)
-                + _tuning_fingerprint(weight, meta, [triton_config]))
-    if not graphed:     # an eager choice weighs the host's launch cost: which launch paths were timed
-        identity += "|eager launches: " + ("direct, both kernels" if _direct_launch_enabled() else "jit")
+    identity = ws_identity(meta["EPILOGUE"], triton_config, triton.__version__, _device_name(weight), graphed)
     m, n = weight.shape
     config = ws_choice.chosen(choice_key, candidates, run_triton, run_ws,
                               ws_choice.graph_time_ms if graphed else _bench_ms, identity, {

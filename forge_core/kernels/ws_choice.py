@@ -87,8 +87,28 @@ def candidates_for(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, st
     rounding)."""
     if state_dtype not in ("bf16", "int8") or grad_accum is not None or stochastic or not enabled():
         return []
-    pool = CANDIDATES + (BF16_ONLY if state_dtype == "bf16" and len(states) == 2 else ())
-    return [c for c in pool if hopper_ws.unsupported_reason(x2, dy2, weight, states, c, scales) is None]
+    return [c for c in _pool(state_dtype, len(states))
+            if hopper_ws.unsupported_reason(x2, dy2, weight, states, c, scales) is None]
+
+
+def _pool(state_dtype: str, num_states: int) -> tuple[WsConfig, ...]:
+    return CANDIDATES + (BF16_ONLY if state_dtype == "bf16" and num_states == 2 else ())
+
+
+def shape_candidates(m: int, n: int, state_dtype: str, num_states: int) -> list[WsConfig]:
+    """The candidates ``candidates_for`` offers a contiguous, aligned CUDA call on an ``m x n`` weight,
+    from the shape alone: what a tune cache's Gluon choice was made among (``scripts/rekey_tune_cache.py``
+    recomputes its fingerprint on a machine without a GPU)."""
+    if state_dtype not in ("bf16", "int8") or hopper_ws.GLUON_IMPORT_ERROR is not None:
+        return []
+    state_bytes = 1 if state_dtype == "int8" else 2
+    return [c for c in _pool(state_dtype, num_states)
+            if hopper_ws.config_problem(c, state_bytes) is None and m % c.block_m == 0 and n % c.block_n == 0]
+
+
+def disk_fingerprint(identity: str, candidates: list[WsConfig]) -> str:
+    """The tune-cache fingerprint of a choice among ``candidates`` (``identity``: ``fused.ws_identity``)."""
+    return tune_cache.fingerprint(identity, "", "", [candidates, ROUNDS])
 
 
 def choose(run_triton: Callable[[], None], run_ws: Mapping[WsConfig, Callable[[], None]],
@@ -136,8 +156,7 @@ def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None
     path = tune_cache.cache_path()
     disk_key = None
     if path is not None:
-        disk_key = tune_cache.entry_key(key + ("hopper_ws",), tune_cache.fingerprint(
-            identity, "", "", [candidates, ROUNDS]))
+        disk_key = tune_cache.entry_key(key + ("hopper_ws",), disk_fingerprint(identity, candidates))
         cached = tune_cache.lookup(path, disk_key, _Decision)
         if cached is not None:
             config = WsConfig(**cached.hopper_ws) if cached.hopper_ws is not None else None
