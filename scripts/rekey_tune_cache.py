@@ -36,7 +36,7 @@ def rekey(entries: dict) -> tuple[dict, int]:
         try:
             tuning_key = eval(key_text, {"__builtins__": {}}, {"torch": torch})      # noqa: S307 - our own repr
             (m, n), tokens, input_dtype, _, rule_name, state_dtype = tuning_key[:6]
-            epilogue = get_rule(rule_name).epilogue
+            rule = get_rule(rule_name)
         except Exception as exc:  # noqa: BLE001
             raise SystemExit(f"rekey_tune_cache: cannot read entry key {key!r} ({exc})") from None
         if tuning_key[-1] == "hopper_ws":          # a Gluon-or-Triton choice (ws_choice.chosen)
@@ -44,14 +44,14 @@ def rekey(entries: dict) -> tuple[dict, int]:
                 triton_tile = fused.TileConfig(**entry["triton_tile"])
             except (KeyError, TypeError) as exc:
                 raise SystemExit(f"rekey_tune_cache: entry {key!r} names no Triton tile ({exc})") from None
-            identity = fused.ws_identity(epilogue, triton_tile, entry["triton"], entry["device"],
+            identity = fused.ws_identity(rule.epilogue, triton_tile, entry["triton"], entry["device"],
                                          graphed=tuning_key[-2] == "graph")
-            candidates = ws_choice.shape_candidates(m, n, state_dtype, len(get_rule(rule_name).state_names))
+            candidates = ws_choice.shape_candidates(m, n, state_dtype, len(rule.state_names))
             fingerprint = ws_choice.disk_fingerprint(identity, candidates)
         else:
             input_bytes = torch.empty((), dtype=input_dtype).element_size()
             candidates = fused.tuning_candidates(m, n, tokens, input_bytes, state_dtype)
-            fingerprint = fused.tuning_fingerprint(epilogue, candidates, entry["triton"], entry["device"])
+            fingerprint = fused.tuning_fingerprint(rule.epilogue, candidates, entry["triton"], entry["device"])
         changed += fingerprint != old_fingerprint
         out[tune_cache.entry_key(tuning_key, fingerprint)] = entry
     return out, changed

@@ -128,6 +128,13 @@ def config_problem(config: WsConfig, state_bytes: int = 2) -> str | None:
     return None
 
 
+def tile_problem(config: WsConfig, m: int, n: int) -> str | None:
+    """Why ``config``'s tiles cannot cover an ``m x n`` weight (None: they can)."""
+    if m % config.block_m or n % config.block_n:
+        return f"weight {m}x{n} is not a multiple of the {config.block_m}x{config.block_n} tile"
+    return None
+
+
 def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
                        config: WsConfig = DEFAULT_CONFIG, scales: list[torch.Tensor | None] | None = None) -> str | None:
     """Why this kernel cannot take the call (None: it can). One line, naming the problem."""
@@ -147,8 +154,9 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
                 or t.stride() != scales[0].stride() for t in scales):
             return f"int8 states need fp32 block scales of shape ({m}, {n // QBLOCK}), one per state"
     m, n = weight.shape
-    if m % config.block_m or n % config.block_n:
-        return f"weight {m}x{n} is not a multiple of the {config.block_m}x{config.block_n} tile"
+    problem = tile_problem(config, m, n)
+    if problem is not None:
+        return problem
     if x2.shape[0] != dy2.shape[0] or x2.shape[1] != n or dy2.shape[1] != m:
         return f"x {tuple(x2.shape)} and dy {tuple(dy2.shape)} do not match the {m}x{n} weight"
     for name, t in (("x", x2), ("dy", dy2), ("weight", weight), *((f"state{i}", s) for i, s in enumerate(states))):

@@ -103,7 +103,7 @@ def shape_candidates(m: int, n: int, state_dtype: str, num_states: int) -> list[
         return []
     state_bytes = 1 if state_dtype == "int8" else 2
     return [c for c in _pool(state_dtype, num_states)
-            if hopper_ws.config_problem(c, state_bytes) is None and m % c.block_m == 0 and n % c.block_n == 0]
+            if hopper_ws.config_problem(c, state_bytes) is None and hopper_ws.tile_problem(c, m, n) is None]
 
 
 def disk_fingerprint(identity: str, candidates: list[WsConfig]) -> str:
