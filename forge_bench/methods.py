@@ -247,6 +247,9 @@ def _forge_builder(state_dtype: str, overlap: bool = True) -> Callable[[nn.Modul
                     "backend": getattr(optimizer, "backend", "auto")}
         if cfg.capturable:
             settings["capturable"] = True
+        row_embeddings = optimizer.row_gradient_names()
+        if row_embeddings:
+            settings["row_gradient_embeddings"] = row_embeddings   # no dense .grad (forge_core.embedding)
         return ForgeArm(model, optimizer, settings)
     return build
 

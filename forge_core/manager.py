@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
 from .rules import get_rule
@@ -240,7 +241,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
          state_dtype: str = "fp32", stochastic_rounding: bool = False, accumulate_steps: int = 1,
          max_grad_norm: Optional[float] = None, backend: str = "auto",
          probe_inputs: Any = None, capturable: bool = False, overlap: bool = True, dense_2d: bool = True,
-         **other_hyperparameters: Any) -> ForgeOptimizer:
+         embedding_rows: bool = True, **other_hyperparameters: Any) -> ForgeOptimizer:
     """Fuse the optimizer ``optimizer`` into the backward of ``model``'s eligible Linear layers.
 
     Swaps eligible ``nn.Linear`` modules in place (see the module docstring for what is excluded
@@ -280,6 +281,11 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     in ``step()`` with the fused kernel from their ``.grad``, in the same ``state_dtype`` as the fused
     weights (``forge_core.optimizer.DenseWeight``); False leaves them to the torch optimizer (moments
     in the weight's dtype). A state dict loads only into an optimizer with the same setting.
+    ``embedding_rows``: with ``dense_2d``, a plain ``nn.Embedding`` whose weight it steps (not tied, not
+    sparse, no ``max_norm`` / ``scale_grad_by_freq``) becomes a ``ForgeEmbedding``: its backward hands
+    the token ids and output gradient to the optimizer and the weight gets no ``.grad``, so the
+    vocabulary-sized gradient is never written (``forge_core.embedding``); the update is the same.
+    ``opt.zero_grad()`` drops what was recorded, as it drops a ``.grad``. False keeps the dense ``.grad``.
     """
     if max_grad_norm is not None:
         raise ValueError(_CLIPPING_ERROR)
@@ -356,21 +362,40 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     devices = {binding.weight.device for binding in bindings.values()}
     try:
         chosen_backend = resolve_backend(backend, devices)
-        return ForgeOptimizer(
+        forge_optimizer = ForgeOptimizer(
             trainable, list(bindings.values()), rule=rule, hyperparameters=hyperparameters,
             state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
             accumulate_steps=accumulate_steps, backend=chosen_backend,
             excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
             fused_ids=fused_ids, capturable=capturable, dense_2d=dense_2d,
             parameter_names={id(p): name for name, p in model.named_parameters()})
+        if embedding_rows:
+            _install_row_embeddings(model, forge_optimizer)
+        return forge_optimizer
     except BaseException:
         for binding in bindings.values():
             remove_forge_linear(binding.module)
         raise
 
 
+def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:
+    """Make each plain embedding whose weight the optimizer steps as a ``DenseWeight`` (and that no
+    other module holds) record its gradient as rows."""
+    dense_of = {id(dense.weight): dense for dense in optimizer._dense}
+    use_counts = _parameter_use_counts(model)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        dense = dense_of.get(id(weight))
+        if dense is None or use_counts[id(weight)] != 1 or row_gradient_unsupported(module) is not None:
+            continue
+        install_forge_embedding(module, dense)
+        dense.records_rows = True
+        dense.padding_idx = module.padding_idx
+
+
 def unfuse(model: nn.Module) -> nn.Module:
-    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` (same module objects,
+    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` and every ForgeEmbedding into
+    a plain ``nn.Embedding`` (same module objects,
     same Parameters, weights as trained). The optimizer returned by ``fuse`` must not be stepped
     afterwards (it raises if a fused weight has grown a ``.grad``). Returns ``model``."""
     pending = []
@@ -382,6 +407,10 @@ def unfuse(model: nn.Module) -> nn.Module:
             if isinstance(binding, FusedWeight):
                 binding.detach_from_module()
             remove_forge_linear(module)
+        elif isinstance(module, ForgeEmbedding):
+            if getattr(module.forge_row_sink, "recorded_rows", None):
+                pending.append(name or "<root>")
+            remove_forge_embedding(module)
     if pending:
         warnings.warn(f"forge_core.unfuse: {len(pending)} fused weight(s) had accumulated micro-batch gradients "
                       f"that were never applied (opt.step() not reached): {pending}", stacklevel=2)

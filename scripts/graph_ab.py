@@ -10,7 +10,8 @@ dispatched first; torch >= 2.10 instantiates graphs with cudaGraphInstantiateFla
 ``pin:SHAPES=SPEC`` (the fused kernel of those weight shapes, at this cell's tokens, pinned to the
 tile ``SPEC`` of scripts/kernel_variants.py instead of the tuner's pick); ``sms:N`` (the Gluon kernel's
 persistent grid capped at N programs, ``hopper_ws.PROGRAM_CAP``, so that the backward's kernels find
-free SMs beside the side-stream updates). Why: across boots the step
+free SMs beside the side-stream updates); ``dense_embedding`` (the vocabulary embedding back on its dense
+``.grad``, as ``fuse(embedding_rows=False)``, against the row-gradient embedding of the other arms). Why: across boots the step
 moves by more than a kernel change, and a kernel timed alone is not timed at the power cap where
 the whole step runs (~700 W on the H100, docs/kernel_notes.md session 13); rounds of 20 replays of
 each graph in turn, with NVML's energy counter read around each round, compare arms at one clock.
@@ -35,7 +36,7 @@ def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | Non
     before the 8B model is built, so a typo costs no device time."""
     from kernel_variants import parse_config
 
-    if spec in ("tuned", "priority"):
+    if spec in ("tuned", "priority", "dense_embedding"):
         return spec, None, None
     if spec.startswith("sms:"):
         programs = spec[4:]
@@ -51,7 +52,7 @@ def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | Non
         if not shapes or any(len(shape) != 2 for shape in shapes):
             raise SystemExit(f"graph_ab: cannot read the weight shapes of arm {spec!r} (e.g. 14336x4096,4096x14336)")
         return "pin", shapes, parse_config(config_text)
-    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC, sms:N)")
+    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC, sms:N, dense_embedding)")
 
 
 def capture_arm(spec: str, arm, batches: list):
@@ -84,6 +85,21 @@ def capture_arm(spec: str, arm, batches: list):
             fused_module._TUNED.clear()
             fused_module._TUNED.update(saved)
             fused_module._PLANS.clear()
+    if kind == "dense_embedding":
+        from forge_core.embedding import ForgeEmbedding
+        row_embeddings = [m for m in arm.model.modules() if isinstance(m, ForgeEmbedding)]
+        if not row_embeddings:
+            raise SystemExit("graph_ab: arm dense_embedding needs a FORGE method whose embedding records rows")
+        sinks = [m.forge_row_sink for m in row_embeddings]
+        for module in row_embeddings:
+            module.forge_row_sink = None          # a plain embedding forward: autograd writes the dense .grad
+        try:
+            cell_mod._eager_steps(arm, batches, 2, side_stream=True)  # tune the dense-gradient update outside the capture
+            torch.cuda.synchronize()
+            return cell_mod.GraphedStep(arm, batches[0])
+        finally:
+            for module, sink in zip(row_embeddings, sinks):
+                module.forge_row_sink = sink
     if kind == "sms":
         from forge_core.kernels import hopper_ws
         hopper_ws.PROGRAM_CAP = config
@@ -165,7 +181,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC, sms:N")
+    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC, sms:N, dense_embedding")
     args = parser.parse_args()
     for spec in args.arms:
         parse_arm(spec)

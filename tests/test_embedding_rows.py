@@ -1,0 +1,250 @@
+"""The row-gradient embedding (``forge_core.embedding``, ``kernels.row_gradient``): the Triton segment
+sum against its torch spec, which embeddings ``fuse`` converts, and the row-gradient step against
+the dense-gradient step it replaces (bit for bit), with padding, micro-batches, ``zero_grad``, a
+weight also read outside its embedding, state formats and ``unfuse``."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import forge_core
+from forge_core.embedding import ForgeEmbedding, row_gradient_unsupported
+from forge_core.kernels.row_gradient import row_gradient, row_gradient_reference
+
+BACKENDS = ["reference", "triton"]
+HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+VOCAB, WIDTH = 37, 70
+
+
+def _device(backend: str) -> str:
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _exact_values(shape: tuple[int, ...], seed: int, device: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Multiples of 1/16 in [-2, 2]: any sum of a few of them is exact in bf16 / fp32, whatever the
+    order, so a dense backward and the row sum agree bit for bit on any device."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(-32, 33, shape, generator=generator).float() / 16).to(device=device, dtype=dtype)
+
+
+# ---- the segment sum ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_the_kernel_sums_like_its_torch_spec(dtype: torch.dtype, padding_idx) -> None:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 9, (4, 13), generator=generator)       # many repeats, ragged width below
+    dy = torch.randn(4, 13, WIDTH, generator=generator).to(dtype)
+    touched, rows = row_gradient(ids, dy, dtype, padding_idx)
+    spec_touched, spec_rows = row_gradient_reference(ids, dy, dtype, padding_idx)
+    assert torch.equal(touched, spec_touched) and torch.equal(rows, spec_rows)
+    assert rows.dtype == dtype and rows.shape == (ids.numel(), WIDTH)
+
+
+def test_the_rows_are_the_dense_gradient_rows() -> None:
+    ids = torch.tensor([[5, 1, 5, 0], [1, 5, 2, 2]])
+    dy = _exact_values((2, 4, WIDTH), 2, "cpu", torch.bfloat16)
+    weight = torch.zeros(VOCAB, WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    F.embedding(ids, weight, padding_idx=2).backward(dy)
+    touched, rows = row_gradient(ids, dy, torch.bfloat16, padding_idx=2)
+    assert touched.tolist() == [0, 1, 1, 2, 2, 5, 5, 5]
+    assert torch.equal(rows, weight.grad[touched])               # repeats: the same summed row each time
+    assert not rows[3:5].any()                                    # the padding id gets no gradient
+
+
+def test_a_single_token_and_a_wide_row() -> None:
+    dy = torch.randn(1, 1, 3000)
+    touched, rows = row_gradient(torch.tensor([[7]]), dy, torch.float32)
+    assert touched.tolist() == [7] and torch.equal(rows, dy.reshape(1, 3000))
+
+
+def test_bad_ids_are_refused() -> None:
+    with pytest.raises(ValueError, match="token ids must be int32 / int64"):
+        row_gradient(torch.zeros(3), torch.zeros(3, 4), torch.float32)
+
+
+# ---- which embeddings fuse converts -----------------------------------------------------------
+
+class EmbedLM(nn.Module):
+    """An embedding whose output gradient the test sets exactly (``forward`` returns it), and a fused
+    Linear on a detached copy (so ``fuse`` has a Linear to fuse)."""
+
+    def __init__(self, padding_idx=None, **embedding_options) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=padding_idx, **embedding_options)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.embed(ids)
+        return embedded + 0.0 * self.proj(embedded.detach()).sum()
+
+
+def _model(device: str, dtype: torch.dtype = torch.float32, **options) -> EmbedLM:
+    torch.manual_seed(0)
+    return EmbedLM(**options).to(device=device, dtype=dtype)
+
+
+def _fuse(model: nn.Module, backend: str, **kwargs) -> forge_core.ForgeOptimizer:
+    ids = torch.zeros(1, 8, dtype=torch.long, device=next(model.parameters()).device)
+    return forge_core.fuse(model, probe_inputs=ids, backend=backend, **{**HP, **kwargs})
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(sparse=True), "sparse=True"),
+    (dict(max_norm=1.0), "max_norm"),
+    (dict(scale_grad_by_freq=True), "scale_grad_by_freq"),
+])
+def test_embeddings_whose_gradient_is_not_a_row_sum_stay_plain(options, reason) -> None:
+    model = _model("cpu", **options)
+    assert reason in row_gradient_unsupported(model.embed)
+    _fuse(model, "reference")
+    assert type(model.embed) is nn.Embedding
+
+
+def test_a_tied_embedding_stays_plain() -> None:
+    model = _model("cpu")
+    model.head = nn.Linear(WIDTH, VOCAB, bias=False)
+    model.head.weight = model.embed.weight
+    opt = _fuse(model, "reference")
+    assert type(model.embed) is nn.Embedding and not any(d.records_rows for d in opt._dense)
+
+
+def test_fuse_converts_a_plain_embedding_and_unfuse_restores_it() -> None:
+    model = _model("cpu")
+    _fuse(model, "reference")
+    assert type(model.embed) is ForgeEmbedding and "forge_row_gradient=True" in repr(model.embed)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert model.embed.weight.grad is None
+    with pytest.warns(UserWarning, match="never applied"):
+        forge_core.unfuse(model)
+    assert type(model.embed) is nn.Embedding 
+    kept = _model("cpu")
+    _fuse(kept, "reference", embedding_rows=False)
+    assert type(kept.embed) is nn.Embedding
+
+
+# ---- the row-gradient step equals the dense step ------------------------------------------------
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, batches, micro_batches: int = 1) -> None:
+    for step, ids in enumerate(batches):
+        for micro in range(micro_batches):
+            out = model(ids)
+            out.backward(_exact_values(tuple(out.shape), 100 * step + micro, str(ids.device), out.dtype))
+        opt.step()
+        opt.zero_grad()
+
+
+def _batches(device: str, count: int = 3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 20, (2, 9), generator=generator).to(device) for _ in range(count)]
+
+
+def _assert_same_training(rows_model, rows_opt, dense_model, dense_opt) -> None:
+    assert torch.equal(rows_model.embed.weight, dense_model.embed.weight)
+    ours, theirs = rows_opt._dense[0].state, dense_opt._dense[0].state
+    for name in ours.values:
+        assert torch.equal(ours.values[name], theirs.values[name]), name
+        if ours.scales[name] is not None:
+            assert torch.equal(ours.scales[name], theirs.scales[name]), name
+    assert rows_opt._dense[0].steps_done == dense_opt._dense[0].steps_done
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("state_dtype, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                                ("int8", torch.bfloat16)])
+def test_the_row_step_equals_the_dense_step(backend: str, state_dtype: str, dtype: torch.dtype) -> None:
+    device = _device(backend)
+    rows_model = _model(device, dtype, padding_idx=4)
+    dense_model = copy.deepcopy(rows_model)
+    rows_opt = _fuse(rows_model, backend, state_dtype=state_dtype)
+    dense_opt = _fuse(dense_model, backend, state_dtype=state_dtype, embedding_rows=False)
+    assert rows_opt._dense[0].records_rows and not dense_opt._dense[0].records_rows
+    batches = _batches(device)
+    batches[0][0, :3] = 4                                           # padding tokens: no gradient, still decay
+    _steps(rows_model, rows_opt, batches)
+    _steps(dense_model, dense_opt, batches)
+    _assert_same_training(rows_model, rows_opt, dense_model, dense_opt)
+    assert rows_model.embed.weight.grad is None
+    embedding_bytes = rows_model.embed.weight.numel() * rows_model.embed.weight.element_size()
+    assert (dense_opt.memory_breakdown()["gradients"] - rows_opt.memory_breakdown()["gradients"]) == embedding_bytes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_micro_batches_add_up_and_zero_grad_drops_rows(backend: str) -> None:
+    device = _device(backend)
+    rows_model = _model(device)
+    dense_model = copy.deepcopy(rows_model)
+    rows_opt = _fuse(rows_model, backend, accumulate_steps=2)
+    dense_opt = _fuse(dense_model, backend, accumulate_steps=2, embedding_rows=False)
+    for model, opt in ((rows_model, rows_opt), (dense_model, dense_opt)):
+        model.embed(torch.tensor([[3, 3]], device=device)).sum().backward()
+        opt.zero_grad()                                             # this backward must not count
+    batches = _batches(device, 2)
+    _steps(rows_model, rows_opt, batches, micro_batches=2)
+    _steps(dense_model, dense_opt, batches, micro_batches=2)
+    _assert_same_training(rows_model, rows_opt, dense_model, dense_opt)
+
+
+class ReadsWeightToo(EmbedLM):
+    """Uses ``embed.weight`` directly as well (an untied head reading the tensor): the weight gets a
+    ``.grad`` beside the recorded rows, and the step must add both."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.embed(ids)
+        return embedded + 0.25 * self.embed.weight.sum(0)          # every row gets a dense gradient
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_read_outside_its_embedding_gets_both_gradients(backend: str) -> None:
+    device = _device(backend)
+    torch.manual_seed(0)
+    rows_model = ReadsWeightToo().to(device)
+    dense_model = copy.deepcopy(rows_model)
+    rows_opt = _fuse(rows_model, backend)
+    dense_opt = _fuse(dense_model, backend, embedding_rows=False)
+    batches = _batches(device, 2)
+    _steps(rows_model, rows_opt, batches)
+    _steps(dense_model, dense_opt, batches)
+    torch.testing.assert_close(rows_model.embed.weight, dense_model.embed.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_a_captured_row_step_replays_like_eager_dense_steps(state_dtype: str) -> None:
+    """forward + backward + step() with the row-gradient embedding, captured once and replayed, equals
+    eager steps of the dense-gradient embedding bit for bit (sort, segment sum, gather, both update
+    passes and the scatter all replay; the step count advances on the device)."""
+    graphed, eager = _model("cuda", torch.bfloat16, padding_idx=4), _model("cuda", torch.bfloat16, padding_idx=4)
+    graph_opt = _fuse(graphed, "triton", state_dtype=state_dtype, capturable=True)
+    eager_opt = _fuse(eager, "triton", state_dtype=state_dtype, capturable=True, embedding_rows=False)
+    assert graph_opt.row_gradient_names() == ["embed.weight"] and eager_opt.row_gradient_names() == []
+    batches = _batches("cuda", 7)
+    upstream = _exact_values((2, 9, WIDTH), 3, "cuda", torch.bfloat16)
+
+    def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+        (model(ids) * upstream).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for ids in batches[:3]:                   # warm-up: tuning, compilation, the compact buffers
+            train_step(graphed, graph_opt, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    static_ids = batches[3].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step(graphed, graph_opt, static_ids)
+    for ids in batches[3:]:
+        static_ids.copy_(ids)
+        graph.replay()
+    for ids in batches:
+        train_step(eager, eager_opt, ids)
+    torch.cuda.synchronize()
+    assert graph_opt.steps_taken == eager_opt.steps_taken == 7        # syncs the host step counts
+    _assert_same_training(graphed, graph_opt, eager, eager_opt)
