@@ -547,8 +547,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The dense update of ``dense`` from recorded rows, without its dense gradient: the touched
         rows are gathered (before anything moves), every row is stepped with a zero gradient, the
         gathered copy is stepped with the touched rows' gradient and written back over them. Each
-        element sees exactly the arithmetic of the dense step (the rule is elementwise), and the
-        dense pass reads no gradient (12 instead of 14 bytes per element with bf16 states)."""
+        element sees the arithmetic of the dense step (the rule is elementwise; bit for bit in the
+        interpreter, on the GPU up to how the compiler contracts multiply-adds on each pass's tile),
+        and the pass over every row reads no gradient (12 instead of 14 bytes per element with bf16
+        states)."""
         ids = torch.cat([r[0] for r in rows]) if len(rows) > 1 else rows[0][0]
         grad_output = torch.cat([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
         weight = dense.weight.detach()

@@ -84,6 +84,9 @@ def row_gradient(ids: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype,
 
     ``ids``: any shape, T elements; ``dy``: the embedding output's gradient, ``ids.shape + (width,)``."""
     ids, dy = _check(ids, dy, dtype)
+    if not usable_for(dy):
+        raise RuntimeError(f"row_gradient: tensors on {dy.device}; the Triton kernel needs CUDA or TRITON_INTERPRET=1 "
+                           "(row_gradient_reference runs anywhere)")
     sorted_ids, order, segment_end = _sorted_segments(ids)
     count, width = dy.shape
     out = torch.empty((count, width), dtype=dtype, device=dy.device)
