@@ -37,6 +37,7 @@ def _call(m=256, n=256, k=64, device="cpu", dtype=bf16):
 @pytest.mark.parametrize("change, message", [
     (dict(dtype=torch.float32), "it takes bf16 only"),
     (dict(m=200), "is not a multiple of the 128x128 tile"),
+    (dict(k=0), "no tokens: its main loop's TMA descriptors need at least one row"),
 ])
 def test_the_scope_check_names_the_problem(change, message):
     assert message in unsupported_reason(*_call(**change))

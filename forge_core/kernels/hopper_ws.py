@@ -159,6 +159,10 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
         return problem
     if x2.shape[0] != dy2.shape[0] or x2.shape[1] != n or dy2.shape[1] != m:
         return f"x {tuple(x2.shape)} and dy {tuple(dy2.shape)} do not match the {m}x{n} weight"
+    if x2.shape[0] == 0:
+        # (a DenseWeight's or a row-gradient embedding's pass; each candidate used to fail its
+        # descriptor's shape assertion at the first step, with a warning per candidate)
+        return "no tokens: its main loop's TMA descriptors need at least one row (the Triton kernel takes it)"
     for name, t in (("x", x2), ("dy", dy2), ("weight", weight), *((f"state{i}", s) for i, s in enumerate(states))):
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} is not TMA-compatible (last dim contiguous, 16-byte aligned rows and base)"
