@@ -531,6 +531,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         if rows:                  # the weight was also read outside its embedding: fold the rows in
             for ids, grad_output in rows:
+                if dense.padding_idx is not None:          # as torch's backward: no gradient for padding
+                    grad_output = grad_output * (ids != dense.padding_idx).unsqueeze(1).to(grad_output.dtype)
                 grad.index_add_(0, ids, grad_output.to(grad.dtype))
         if grad.is_sparse:
             raise RuntimeError(f"{dense.name!r} has a sparse gradient (nn.Embedding(sparse=True)); the "
