@@ -88,6 +88,9 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
             loud[label] = ("transformers Conv1D (GPT-2 style, weight stored as (Din, Dout)) is not fused; "
                            "its weight is stepped by the fallback optimizer")
             continue
+        if isinstance(module, ForgeEmbedding):
+            raise ValueError(f"module {label!r} is already a row-gradient embedding of an earlier fuse(): call "
+                             "forge_core.unfuse(model) before fusing again")
         if not isinstance(module, nn.Linear):
             continue
         if isinstance(module, ForgeLinear):

@@ -134,6 +134,15 @@ def test_fuse_converts_a_plain_embedding_and_unfuse_restores_it() -> None:
     assert type(kept.embed) is nn.Embedding
 
 
+def test_fusing_twice_is_refused() -> None:
+    model = EmbedLM().to("cpu")
+    model.proj = nn.Identity()                           # only the embedding is converted
+    with pytest.warns(UserWarning, match="no Linear weight was fused"):
+        _fuse(model, "reference")
+    with pytest.raises(ValueError, match="'embed' is already a row-gradient embedding of an earlier fuse"):
+        _fuse(model, "reference")
+
+
 # ---- the row-gradient step equals the dense step ------------------------------------------------
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, batches, micro_batches: int = 1) -> None:
