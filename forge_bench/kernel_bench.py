@@ -234,6 +234,8 @@ def plot(frame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from forge_bench.report.figures import compact_png
+
     energy = "energy_ratio_to_roofline" in frame and frame["energy_ratio_to_roofline"].notna().any()
     fig, axes = plt.subplots(3 if energy else 2, 1, figsize=(14, 12 if energy else 8))
     # one slot per (shape, BT) that any state dtype has (a frame merged from runs of different
@@ -265,6 +267,7 @@ def plot(frame, path: Path) -> None:
     fig.suptitle(f"FORGE fused wgrad + AdamW, Llama-3.1-8B Linear shapes ({device})")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
+    compact_png(path)
     plt.close(fig)
 
 

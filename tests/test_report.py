@@ -582,3 +582,42 @@ def test_lean_rows_are_grouped_apart_from_hf_rows(tmp_path):
     for title in lean_titles:
         assert any(line["Speed-up"] == "baseline" for line in tables[title])
     assert any("lean" in p.name for p in (out / "figures").iterdir())
+
+
+def test_report_pngs_are_palette_images_of_the_same_picture(tmp_path):
+    """figures.save writes the PNG with a 256-colour palette when that is smaller (committed reports
+    travel to the GPU machine, whose copy is capped): same size, nearly the same pixels; a PNG with
+    transparency is left alone."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from forge_bench.report import figures
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1, 2], [0, 1, 4], label="a line")
+    ax.imshow([[0.0, 0.5], [0.7, 1.0]], extent=(0, 2, 0, 4), cmap="RdYlGn", alpha=0.5)
+    ax.legend()
+    path = figures.save(fig, tmp_path, "chart", ("png",))[0]
+    plt.close(fig)
+    with Image.open(path) as image:
+        assert image.mode == "P"
+        palette_rgb = image.convert("RGB")
+    fig2, ax2 = plt.subplots(figsize=(4, 3))
+    ax2.plot([0, 1, 2], [0, 1, 4], label="a line")
+    ax2.imshow([[0.0, 0.5], [0.7, 1.0]], extent=(0, 2, 0, 4), cmap="RdYlGn", alpha=0.5)
+    ax2.legend()
+    raw = tmp_path / "raw.png"
+    fig2.savefig(raw, dpi=figures.PNG_DPI, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig2)
+    with Image.open(raw) as original:
+        assert original.size == palette_rgb.size
+        difference = [abs(a - b) for a, b in zip(original.convert("RGB").tobytes(), palette_rgb.tobytes())]
+    assert max(difference) <= 48 and sum(difference) / len(difference) < 1.0
+    assert path.stat().st_size < raw.stat().st_size
+    transparent = Image.new("RGBA", (8, 8), (255, 0, 0, 0))
+    transparent.save(tmp_path / "clear.png")
+    before = (tmp_path / "clear.png").read_bytes()
+    figures.compact_png(tmp_path / "clear.png")
+    assert (tmp_path / "clear.png").read_bytes() == before
