@@ -60,8 +60,12 @@ def compact_png(path: Path) -> None:
     Why: matplotlib writes RGBA; a chart holds a few dozen colours plus their anti-aliased edges, so
     a palette keeps it visually the same at about a third of the bytes. Committed reports travel with
     the tree to the GPU machine, whose copy is capped (64 MiB with the wheels). Deterministic, so the
-    report's bytes stay reproducible. A PNG with any transparent pixel is left as it is."""
-    from PIL import Image
+    report's bytes stay reproducible. A PNG with any transparent pixel is left as it is, and so is
+    every PNG where Pillow is missing (matplotlib needs it, so it should not be)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
 
     with Image.open(path) as image:
         image.load()
