@@ -61,6 +61,12 @@ def capture_arm(spec: str, arm, batches: list):
     from forge_bench import cell as cell_mod
     from forge_core.kernels import fused as fused_module
 
+    def warmed_graph(eager_steps: int):
+        """Eager steps outside the capture (they compile, tune and re-make launch plans), then the graph."""
+        cell_mod._eager_steps(arm, batches, eager_steps, side_stream=True)
+        torch.cuda.synchronize()
+        return cell_mod.GraphedStep(arm, batches[0])
+
     tokens = batches[0]["input_ids"].numel()
     kind, shapes, config = parse_arm(spec)
     if kind == "tuned":
@@ -77,10 +83,8 @@ def capture_arm(spec: str, arm, batches: list):
             fused_module.check_config(config, key[5])
             fused_module._TUNED[key] = config
         fused_module._PLANS.clear()
-        cell_mod._eager_steps(arm, batches, 1, side_stream=True)     # compile the pinned tile outside the capture
-        torch.cuda.synchronize()
         try:
-            return cell_mod.GraphedStep(arm, batches[0])
+            return warmed_graph(1)                                     # the pinned tile compiled outside the capture
         finally:
             fused_module._TUNED.clear()
             fused_module._TUNED.update(saved)
@@ -94,9 +98,7 @@ def capture_arm(spec: str, arm, batches: list):
         for module in row_embeddings:
             module.forge_row_sink = None          # a plain embedding forward: autograd writes the dense .grad
         try:
-            cell_mod._eager_steps(arm, batches, 2, side_stream=True)  # tune the dense-gradient update outside the capture
-            torch.cuda.synchronize()
-            return cell_mod.GraphedStep(arm, batches[0])
+            return warmed_graph(2)                                     # the dense-gradient update tuned first
         finally:
             for module, sink in zip(row_embeddings, sinks):
                 module.forge_row_sink = sink
@@ -105,9 +107,7 @@ def capture_arm(spec: str, arm, batches: list):
         hopper_ws.PROGRAM_CAP = config
         fused_module._PLANS.clear()
         try:
-            cell_mod._eager_steps(arm, batches, 2, side_stream=True)  # plans re-made: their direct launch keeps the capped grid
-            torch.cuda.synchronize()
-            return cell_mod.GraphedStep(arm, batches[0])
+            return warmed_graph(2)                 # plans re-made first: their direct launch keeps the capped grid
         finally:
             hopper_ws.PROGRAM_CAP = None
             fused_module._PLANS.clear()
