@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from .lean import LeanActivationsError, lean_activations
 from .linear import ForgeLinear
-from .lm_head_loss import chunked_lm_head_cross_entropy, default_chunk_size
+from .lm_head_loss import chunked_lm_head_cross_entropy, default_chunk_size, keeps_logits
 from .manager import fuse, unfuse
 from .optimizer import ForgeOptimizer
 from .rules import RULES, get_rule
 from .state import STATE_DTYPES
 
 __all__ = ["fuse", "unfuse", "ForgeOptimizer", "ForgeLinear", "RULES", "get_rule", "STATE_DTYPES",
-           "chunked_lm_head_cross_entropy", "default_chunk_size", "lean_activations", "LeanActivationsError"]
+           "chunked_lm_head_cross_entropy", "default_chunk_size", "keeps_logits", "lean_activations",
+           "LeanActivationsError"]

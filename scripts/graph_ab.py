@@ -11,7 +11,9 @@ dispatched first; torch >= 2.10 instantiates graphs with cudaGraphInstantiateFla
 tile ``SPEC`` of scripts/kernel_variants.py instead of the tuner's pick); ``sms:N`` (the Gluon kernel's
 persistent grid capped at N programs, ``hopper_ws.PROGRAM_CAP``, so that the backward's kernels find
 free SMs beside the side-stream updates); ``dense_embedding`` (the vocabulary embedding back on its dense
-``.grad``, as ``fuse(embedding_rows=False)``, against the row-gradient embedding of the other arms). Why: across boots the step
+``.grad``, as ``fuse(embedding_rows=False)``, against the row-gradient embedding of the other arms);
+``recompute_logits`` (the chunked loss's backward recomputes the logits, as with ``keep_logits_bytes=0``,
+against the kept logits of the other arms at small token counts). Why: across boots the step
 moves by more than a kernel change, and a kernel timed alone is not timed at the power cap where
 the whole step runs (~700 W on the H100, docs/kernel_notes.md session 13); rounds of 20 replays of
 each graph in turn, with NVML's energy counter read around each round, compare arms at one clock.
@@ -36,7 +38,7 @@ def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | Non
     before the 8B model is built, so a typo costs no device time."""
     from kernel_variants import parse_config
 
-    if spec in ("tuned", "priority", "dense_embedding"):
+    if spec in ("tuned", "priority", "dense_embedding", "recompute_logits"):
         return spec, None, None
     if spec.startswith("sms:"):
         programs = spec[4:]
@@ -52,7 +54,8 @@ def parse_arm(spec: str) -> tuple[str, set[tuple[int, int]] | None, object | Non
         if not shapes or any(len(shape) != 2 for shape in shapes):
             raise SystemExit(f"graph_ab: cannot read the weight shapes of arm {spec!r} (e.g. 14336x4096,4096x14336)")
         return "pin", shapes, parse_config(config_text)
-    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC, sms:N, dense_embedding)")
+    raise SystemExit(f"graph_ab: unknown arm {spec!r} (tuned, priority, pin:SHAPES=SPEC, sms:N, dense_embedding, "
+                     "recompute_logits)")
 
 
 def capture_arm(spec: str, arm, batches: list):
@@ -102,6 +105,14 @@ def capture_arm(spec: str, arm, batches: list):
         finally:
             for module, sink in zip(row_embeddings, sinks):
                 module.forge_row_sink = sink
+    if kind == "recompute_logits":
+        from forge_core import lm_head_loss
+        budget = lm_head_loss.DEFAULT_KEEP_LOGITS_BYTES
+        lm_head_loss.DEFAULT_KEEP_LOGITS_BYTES = 0
+        try:
+            return warmed_graph(1)
+        finally:
+            lm_head_loss.DEFAULT_KEEP_LOGITS_BYTES = budget
     if kind == "sms":
         from forge_core.kernels import hopper_ws
         hopper_ws.PROGRAM_CAP = config
@@ -181,7 +192,8 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC, sms:N, dense_embedding")
+    parser.add_argument("arms", nargs="+", help="tuned, priority, pin:SHAPES=SPEC, sms:N, dense_embedding, "
+                        "recompute_logits")
     args = parser.parse_args()
     for spec in args.arms:
         parse_arm(spec)

@@ -174,6 +174,71 @@ def test_a_tied_head_gets_ordinary_gradients_from_both_uses() -> None:
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+def _loss_and_grads(dtype: torch.dtype, bias: bool, chunk_size, keep_logits_bytes, backwards: int = 1):
+    """(loss, d hidden, d weight, d bias) of the chunked loss from one fixed start."""
+    head = _head(dtype, bias)
+    torch.manual_seed(7)
+    hidden = torch.randn(3, 11, WIDTH).to(dtype).requires_grad_()
+    loss = chunked_lm_head_cross_entropy(hidden, head, _labels("some_ignored", (3, 11), VOCAB),
+                                         chunk_size=chunk_size, keep_logits_bytes=keep_logits_bytes)
+    for index in range(backwards):
+        loss.backward(retain_graph=index + 1 < backwards)
+    return loss, hidden.grad, head.weight.grad, head.bias.grad if bias else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_size", [7, None])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_kept_logits_give_the_recomputed_backward_bit_for_bit(dtype, chunk_size, bias) -> None:
+    """The forward's logits kept for the backward are what its recomputation gives: the same GEMM of
+    the same rows, so loss and every gradient are identical (keep_logits_bytes=0 recomputes)."""
+    kept = _loss_and_grads(dtype, bias, chunk_size, None)
+    recomputed = _loss_and_grads(dtype, bias, chunk_size, 0)
+    for name, got, want in zip(("loss", "d hidden", "d weight", "d bias"), kept, recomputed):
+        if want is not None:
+            assert torch.equal(got, want), name
+
+
+def test_the_backward_consumes_the_kept_logits_and_a_second_backward_recomputes() -> None:
+    head = _head(torch.float32, False)
+    hidden = torch.randn(3, 11, WIDTH, requires_grad=True)
+    labels = _labels("random", (3, 11), VOCAB)
+    loss = chunked_lm_head_cross_entropy(hidden, head, labels, chunk_size=CHUNK)
+    kept = loss.grad_fn.kept_logits
+    assert [tuple(t.shape) for t in kept] == [(33, c1 - c0) for c0, c1 in _chunk_bounds(VOCAB, CHUNK)]
+    loss.backward(retain_graph=True)
+    assert loss.grad_fn.kept_logits is None and all(t is None for t in kept)     # freed chunk by chunk
+    once = hidden.grad.clone()
+    loss.backward()                                      # recomputes: the same gradient again
+    torch.testing.assert_close(hidden.grad, 2 * once, rtol=0, atol=0)
+    twice = _loss_and_grads(torch.float32, True, CHUNK, None, backwards=2)
+    twice_recomputed = _loss_and_grads(torch.float32, True, CHUNK, 0, backwards=2)
+    for got, want in zip(twice[1:], twice_recomputed[1:]):
+        assert torch.equal(got, want)
+
+
+def test_nothing_is_kept_without_a_backward_to_read_it() -> None:
+    head = _head(torch.float32, False).requires_grad_(False)
+    labels = _labels("random", (3, 11), VOCAB)
+    loss = chunked_lm_head_cross_entropy(torch.randn(3, 11, WIDTH, requires_grad=True), head, labels)
+    assert loss.grad_fn.kept_logits is not None                  # hidden still needs its gradient
+    constant = chunked_lm_head_cross_entropy(torch.randn(3, 11, WIDTH), head, labels)
+    assert constant.grad_fn is None
+    over_budget = chunked_lm_head_cross_entropy(torch.randn(3, 11, WIDTH, requires_grad=True), head, labels,
+                                                keep_logits_bytes=33 * VOCAB * 4 - 1)
+    assert over_budget.grad_fn.kept_logits is None
+
+
+def test_keeps_logits_up_to_its_budget() -> None:
+    llama_vocab = 128256
+    assert forge_core.keeps_logits(512, llama_vocab, torch.bfloat16)           # 125 MiB
+    assert forge_core.keeps_logits(1024, llama_vocab, torch.bfloat16)          # 250.5 MiB
+    assert not forge_core.keeps_logits(2048, llama_vocab, torch.bfloat16)
+    assert not forge_core.keeps_logits(1024, llama_vocab, torch.float32)
+    assert not forge_core.keeps_logits(1, 10, torch.bfloat16, keep_logits_bytes=0)
+    assert forge_core.keeps_logits(512, llama_vocab, torch.bfloat16, keep_logits_bytes=512 * llama_vocab * 2)
+
+
 def test_default_chunk_size_bounds_the_fp32_chunk_and_keeps_two_shapes_at_most() -> None:
     llama_vocab = 128256
     assert default_chunk_size(512, llama_vocab) == 32256         # 3 x 32256 + 31488
@@ -195,6 +260,8 @@ def test_default_chunk_size_bounds_the_fp32_chunk_and_keeps_two_shapes_at_most()
     (lambda h, head, y: chunked_lm_head_cross_entropy(h, head, y.float()), TypeError, "integer token ids"),
     (lambda h, head, y: chunked_lm_head_cross_entropy(h, head, y + VOCAB), ValueError, "outside"),
     (lambda h, head, y: chunked_lm_head_cross_entropy(h, head, y, chunk_size=0), ValueError, "chunk_size"),
+    (lambda h, head, y: chunked_lm_head_cross_entropy(h, head, y, keep_logits_bytes=-1), ValueError,
+     "keep_logits_bytes"),
     (lambda h, head, y: chunked_lm_head_cross_entropy(h.double(), head, y), TypeError, "outside autocast"),
     (lambda h, head, y: chunked_lm_head_cross_entropy(h, nn.Identity(), y), TypeError, "nn.Linear"),
 ])

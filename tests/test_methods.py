@@ -130,6 +130,7 @@ def test_chunked_loss_arms_train_with_the_hf_loss_value(name, model_name):
     loss = arm.step(batch)
     assert float(loss) == pytest.approx(float(reference(**batch).loss), rel=1e-6)
     assert arm.settings["loss"] == "chunked_ce" and arm.settings["chunk_size"] == 512    # resolved, recorded
+    assert arm.settings["keep_logits"] is True              # 32 tokens: the backward reads the forward's logits
     assert all(p.grad is None for p in model.parameters()), "grads must be freed after each step"
     assert not torch.equal(head_before, model.get_output_embeddings().weight.detach())
     if name.startswith("forge"):
