@@ -44,6 +44,7 @@ from torch import nn
 
 from . import kernels
 from .kernels.row_gradient import row_gradient, row_gradient_reference
+from .kernels.row_update import row_update
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
@@ -171,39 +172,31 @@ class DenseWeight:
         self.no_dy = weight.detach().new_zeros((0, weight.shape[0]))
         self.records_rows = False
         """Set by ``fuse`` when the weight is a ``ForgeEmbedding``'s: its backward calls ``record_rows``
-        and the weight gets no ``.grad``."""
+        and the weight gets no ``.grad``; ``step()`` then updates it with ``kernels.row_update``."""
         self.padding_idx: Optional[int] = None
         self.recorded_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(token ids, output gradient) of each backward since the last step (micro-batches add up)."""
-        self._compact: dict[int, _CompactRows] = {}
+        self.slots: Optional[torch.Tensor] = None
+        """Row r's index in the step's gradient rows, or -1 (``kernels.row_update``); made at the first
+        row step and rewritten in place by every later one."""
 
     def record_rows(self, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
         """The ForgeEmbedding backward: keep this use's ids and output gradient for ``step()``."""
         self.recorded_rows.append((ids.reshape(-1), grad_output.reshape(-1, grad_output.shape[-1])))
 
-    def compact_rows(self, count: int) -> "_CompactRows":
-        """Buffers for ``count`` gathered rows of the weight and its state, made once per count: the
-        kernel's launch plans are cached per state, and a CUDA graph replays the same buffers."""
-        compact = self._compact.get(count)
-        if compact is None:
-            weight = self.weight.detach().new_empty((count, self.weight.shape[1]))
-            compact = _CompactRows(weight, ParamState(weight, self.state.rule, self.state.state_dtype),
-                                   weight.new_zeros((0, weight.shape[1])), weight.new_zeros((0, count)))
-            self._compact[count] = compact
-        return compact
+    def slot_table(self) -> torch.Tensor:
+        """The int32 slot table (one entry per row), made once: a CUDA graph captured around ``step()``
+        replays the same buffer, and no step allocates a row-sized tensor."""
+        if self.slots is None:
+            self.slots = torch.empty(self.weight.shape[0], dtype=torch.int32, device=self.weight.device)
+        return self.slots
+
+    def slot_table_bytes(self, backend: str) -> int:
+        """Bytes of the slot table a row step on ``backend`` keeps (the reference backend builds none)."""
+        return 4 * self.weight.shape[0] if self.records_rows and backend == "triton" else 0
 
     def __repr__(self) -> str:
         return f"DenseWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-@dataclasses.dataclass
-class _CompactRows:
-    """A gathered copy of some rows of a ``DenseWeight`` and of their state, with the zero-token
-    activations of a kernel call on them."""
-    weight: torch.Tensor
-    state: ParamState
-    no_x: torch.Tensor
-    no_dy: torch.Tensor
 
 
 def steppable_by_kernel(parameter: nn.Parameter, rule: Rule, backend: str) -> bool:
@@ -241,9 +234,6 @@ class _RowPart:
     parent_state: Optional[ParamState]
     parent_accum: Optional[torch.Tensor]
 
-
-# The stochastic-rounding seed of a row-gradient step's gathered rows differs from its dense pass's.
-_ROWS_SEED_OFFSET = 0x2545F491
 
 # Mixes the block index into the stochastic-rounding seed: blocks of one step get distinct seeds
 # (each kernel numbers its elements from 0, so equal seeds would repeat the noise block to block).
@@ -429,8 +419,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fused weights' states (+ int8 scales; allocated at ``fuse``) and the fallback optimizer's
         state tensors as currently allocated (torch allocates them at the first step: call this
         after one step for the steady-state figure). gradients: the ``.grad`` of every fallback
-        parameter after a backward (one parameter-sized tensor each; fused weights have none) plus
-        the fp32 micro-batch accumulators (4 bytes per fused parameter when accumulate_steps > 1)."""
+        parameter after a backward (one parameter-sized tensor each; fused weights have none), except
+        a row-gradient embedding's, which counts its slot table instead (4 bytes per row, kept from its
+        first step; its recorded output gradients are activation-sized and not counted), plus the
+        fp32 micro-batch accumulators (4 bytes per fused parameter when accumulate_steps > 1)."""
         weights = sum(_tensor_bytes(p) for p in self._model_parameters)
         states = sum(binding.state.nbytes() for binding in self._bindings)
         states += sum(dense.state.nbytes() for dense in self._dense)
@@ -438,6 +430,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             states += sum(_tensor_bytes(t) for t in parameter_state.values() if isinstance(t, torch.Tensor))
         row_recorded = {id(dense.weight) for dense in self._dense if dense.records_rows}
         gradients = sum(_tensor_bytes(p) for p in self._fallback_params if id(p) not in row_recorded)
+        gradients += sum(dense.slot_table_bytes(self.backend) for dense in self._dense)
         gradients += sum(_tensor_bytes(b.grad_accum) for b in self._bindings if b.grad_accum is not None)
         return {"weights": int(weights), "optimizer_states": int(states), "gradients": int(gradients)}
 
@@ -499,23 +492,27 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if grad_accum is not None:
             grad_accum.zero_()
 
-    def _launch_update(self, owner: "FusedWeight | DenseWeight", x: torch.Tensor, grad_output: torch.Tensor,
-                       weight: torch.Tensor, state: ParamState, grad_accum: Optional[torch.Tensor],
-                       seed_offset: int = 0) -> None:
-        """One fused-kernel (or reference) update at ``owner``'s next step: with the device scalars
-        of its group in capturable mode, else with the group's hyper-parameters and a seed."""
+    def _update_arguments(self, owner: "FusedWeight | DenseWeight",
+                          seed_offset: int = 0) -> tuple[Mapping[str, Any], int, dict[str, Any]]:
+        """(hyper-parameters, step, keyword arguments) of an update at ``owner``'s next step: the
+        device scalars of its group in capturable mode (written first when stale), else the group's
+        hyper-parameters and a seed. Shared by the fused kernel's and ``row_update``'s launches."""
         step = owner.steps_done + 1
         if self.capturable:
             group = owner.group_index
             if self._scalars_stale[group]:
                 self._write_device_scalars(group)
-            self._update_function(x, grad_output, weight, state, {}, step, grad_accum=grad_accum,
-                                  device_scalars=self._device_scalars[group])
-            return
-        self._update_function(
-            x, grad_output, weight, state, self._kernel_hyperparameters(owner.group_index), step,
-            grad_accum=grad_accum, stochastic_rounding=self.stochastic_rounding,
-            seed=(owner.index * 1_000_003 + step + seed_offset) & 0x7FFFFFFF)
+            return {}, step, {"device_scalars": self._device_scalars[group]}
+        return self._kernel_hyperparameters(owner.group_index), step, {
+            "stochastic_rounding": self.stochastic_rounding,
+            "seed": (owner.index * 1_000_003 + step + seed_offset) & 0x7FFFFFFF}
+
+    def _launch_update(self, owner: "FusedWeight | DenseWeight", x: torch.Tensor, grad_output: torch.Tensor,
+                       weight: torch.Tensor, state: ParamState, grad_accum: Optional[torch.Tensor],
+                       seed_offset: int = 0) -> None:
+        """One fused-kernel (or reference) update at ``owner``'s next step (``_update_arguments``)."""
+        hp, step, arguments = self._update_arguments(owner, seed_offset)
+        self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
         """``step()``'s update of one 2-D fallback parameter from its ``.grad`` or its recorded rows
@@ -546,27 +543,30 @@ class ForgeOptimizer(torch.optim.Optimizer):
         dense.steps_done += 1
 
     def _step_rows(self, dense: DenseWeight, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The dense update of ``dense`` from recorded rows, without its dense gradient: the touched
-        rows are gathered (before anything moves), every row is stepped with a zero gradient, the
-        gathered copy is stepped with the touched rows' gradient and written back over them. Each
-        element sees the arithmetic of the dense step (the rule is elementwise; bit for bit in the
-        interpreter, on the GPU up to how the compiler contracts multiply-adds on each pass's tile),
-        and the pass over every row reads no gradient (12 instead of 14 bytes per element with bf16
-        states)."""
+        """The dense update of ``dense`` from recorded rows, without its dense gradient: one
+        ``row_update`` pass over every row, reading each touched row's gradient through the slot
+        table (row r -> its index among the T sorted ids; a repeated id's copies are equal, so any one
+        will do). Each element sees the dense step's arithmetic at the dense step's seed (bit for bit
+        in the interpreter; on the GPU up to how the compiler contracts multiply-adds in each kernel),
+        and rows without a gradient read none (12 instead of 14 bytes per element with bf16 states).
+        The slot table is built by device ops only (no host sync), so the step can be captured.
+        The reference backend (the spec) scatters the rows into a dense gradient and steps that."""
         ids = torch.cat([r[0] for r in rows]) if len(rows) > 1 else rows[0][0]
         grad_output = torch.cat([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
         weight = dense.weight.detach()
-        summed = row_gradient if self.backend == "triton" else row_gradient_reference
         with torch.no_grad():
-            touched, row_grads = summed(ids, grad_output, weight.dtype, dense.padding_idx)
-            compact = dense.compact_rows(touched.numel())
-            torch.index_select(weight, 0, touched, out=compact.weight)
-            compact.state.gather_rows(dense.state, touched)
-            self._launch_update(dense, dense.no_x, dense.no_dy, weight, dense.state, None)
-            self._launch_update(dense, compact.no_x, compact.no_dy, compact.weight, compact.state, row_grads,
-                                seed_offset=_ROWS_SEED_OFFSET)
-            weight.index_copy_(0, touched, compact.weight)
-            compact.state.scatter_rows(dense.state, touched)
+            if self.backend != "triton":
+                touched, row_grads = row_gradient_reference(ids, grad_output, weight.dtype, dense.padding_idx)
+                grad = torch.zeros_like(weight)
+                grad[touched] = row_grads
+                self._launch_update(dense, dense.no_x, dense.no_dy, weight, dense.state, grad)
+                return
+            touched, row_grads = row_gradient(ids, grad_output, weight.dtype, dense.padding_idx)
+            slots = dense.slot_table()
+            slots.fill_(-1)
+            slots[touched] = torch.arange(touched.numel(), dtype=torch.int32, device=slots.device)
+            hp, step, arguments = self._update_arguments(dense)
+            row_update(weight, dense.state, hp, step, slots=slots, row_grads=row_grads, **arguments)
 
     def _write_device_scalars(self, group: int) -> None:
         """The group's kernel scalars for step (device count + 1), by device ops only (a fill per

@@ -180,24 +180,6 @@ class ParamState:
         view.scales = {name: (scale[start:stop] if scale is not None else None) for name, scale in self.scales.items()}
         return view
 
-    def gather_rows(self, source: "ParamState", index: torch.Tensor) -> None:
-        """Row i of this state := row ``index[i]`` of ``source`` (values and int8 scales; same rule,
-        format and width). Why: an embedding's update of the rows a batch touched runs on a compact
-        copy of them (``forge_core.optimizer.DenseWeight``); int8 blocks run along a row, so rows carry
-        their scales with them."""
-        for name, value in self.values.items():
-            torch.index_select(source.values[name], 0, index, out=value)
-            if value.dtype == torch.int8:
-                torch.index_select(source.scales[name], 0, index, out=self.scales[name])
-
-    def scatter_rows(self, target: "ParamState", index: torch.Tensor) -> None:
-        """Row ``index[i]`` of ``target`` := row i of this state (the inverse of ``gather_rows``; a
-        repeated index must carry equal rows, which then land whichever copy is written last)."""
-        for name, value in self.values.items():
-            target.values[name].index_copy_(0, index, value)
-            if value.dtype == torch.int8:
-                target.scales[name].index_copy_(0, index, self.scales[name])
-
     def nbytes(self) -> int:
         """Bytes held by the states and their scales."""
         total = sum(v.numel() * v.element_size() for v in self.values.values())

@@ -1,7 +1,9 @@
-"""The row-gradient embedding (``forge_core.embedding``, ``kernels.row_gradient``): the Triton segment
-sum against its torch spec, which embeddings ``fuse`` converts, and the row-gradient step against
-the dense-gradient step it replaces (bit for bit), with padding, micro-batches, ``zero_grad``, a
-weight also read outside its embedding, state formats and ``unfuse``."""
+"""The row-gradient embedding (``forge_core.embedding``, ``kernels.row_gradient``, ``kernels.row_update``):
+the Triton segment sum against its torch spec, which embeddings ``fuse`` converts, and the row-gradient
+step (one ``row_update`` pass through the slot table) against the dense-gradient step it replaces (bit
+for bit), with padding, repeated ids, micro-batches, ``zero_grad``, a weight also read outside its
+embedding, every rule and state format, stochastic rounding, capturable mode, the slot table's reuse
+and ``unfuse``."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +16,7 @@ from torch import nn
 import forge_core
 from forge_core.embedding import ForgeEmbedding, row_gradient_unsupported
 from forge_core.kernels.row_gradient import row_gradient, row_gradient_reference
+from same_update import assert_same_update
 
 BACKENDS = ["reference", "triton"]
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
@@ -160,19 +163,11 @@ def _batches(device: str, count: int = 3) -> list[torch.Tensor]:
 
 
 def _assert_same_training(rows_model, rows_opt, dense_model, dense_opt) -> None:
-    """Bit for bit on the CPU. On the GPU the two passes run on other tiles than the dense update, and
-    the compiler may contract a multiply-add into an FMA differently per tile (as between any two
-    tiles of the fused kernel): values then agree to an ulp or two, int8 codes to one step."""
+    """Bit for bit on the CPU; on the GPU to an ulp (``assert_same_update``)."""
     exact = rows_model.embed.weight.device.type == "cpu"
 
     def same(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
-        if exact:
-            assert torch.equal(ours, theirs), what
-        elif ours.dtype == torch.int8:
-            assert (ours.int() - theirs.int()).abs().max() <= 1, what
-        else:
-            torch.testing.assert_close(ours, theirs, rtol=4e-6 if ours.dtype == torch.float32 else 1e-2,
-                                       atol=1e-7, msg=lambda m: f"{what}: {m}")
+        assert_same_update(ours, theirs, what, exact)
 
     same(rows_model.embed.weight, dense_model.embed.weight, "weight")
     ours, theirs = rows_opt._dense[0].state, dense_opt._dense[0].state
@@ -200,7 +195,69 @@ def test_the_row_step_equals_the_dense_step(backend: str, state_dtype: str, dtyp
     _assert_same_training(rows_model, rows_opt, dense_model, dense_opt)
     assert rows_model.embed.weight.grad is None
     embedding_bytes = rows_model.embed.weight.numel() * rows_model.embed.weight.element_size()
-    assert (dense_opt.memory_breakdown()["gradients"] - rows_opt.memory_breakdown()["gradients"]) == embedding_bytes
+    slot_bytes = 4 * VOCAB if backend == "triton" else 0             # the slot table replaces the dense .grad
+    assert (dense_opt.memory_breakdown()["gradients"] - rows_opt.memory_breakdown()["gradients"]) == \
+        embedding_bytes - slot_bytes
+
+
+def _trained_pair(backend: str, dtype: torch.dtype = torch.bfloat16, count: int = 3, **fuse_options):
+    """A row-gradient and a dense-gradient copy of one model, trained on the same batches (with
+    padding tokens); returns both (model, optimizer) pairs."""
+    device = _device(backend)
+    rows_model = _model(device, dtype, padding_idx=4)
+    dense_model = copy.deepcopy(rows_model)
+    rows_opt = _fuse(rows_model, backend, **fuse_options)
+    dense_opt = _fuse(dense_model, backend, embedding_rows=False, **fuse_options)
+    batches = _batches(device, count)
+    batches[0][0, :3] = 4
+    _steps(rows_model, rows_opt, batches)
+    _steps(dense_model, dense_opt, batches)
+    return rows_model, rows_opt, dense_model, dense_opt
+
+
+RULE_OPTIONS = {"lion": dict(optimizer="lion", lr=1e-3, betas=(0.9, 0.99)),
+                "sgd": dict(optimizer="sgd", lr=5e-2, betas=None, momentum=0.9, nesterov=True)}   # None: unset
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rule", sorted(RULE_OPTIONS))
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_other_rules_step_rows_like_the_dense_step(backend: str, rule: str, state_dtype: str) -> None:
+    _assert_same_training(*_trained_pair(backend, state_dtype=state_dtype, **RULE_OPTIONS[rule]))
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_stochastic_rounding_uses_the_dense_steps_seed(state_dtype: str) -> None:
+    """Same seed and same per-element stream as the dense step: the rounding noise matches bit for bit."""
+    _assert_same_training(*_trained_pair("triton", state_dtype=state_dtype, stochastic_rounding=True))
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_capturable_row_steps_equal_capturable_dense_steps(state_dtype: str) -> None:
+    """Device scalars (``capturable=True``), eagerly: on the CPU the interpreter reads them from memory."""
+    _assert_same_training(*_trained_pair("triton", torch.float32 if state_dtype == "fp32" else torch.bfloat16,
+                                         state_dtype=state_dtype, capturable=True))
+
+
+def test_the_slot_table_is_one_buffer_rewritten_every_step() -> None:
+    device = _device("triton")
+    model = _model(device, padding_idx=4)
+    opt = _fuse(model, "triton")
+    dense = opt._dense[0]
+    assert dense.slots is None                                        # made at the first row step
+    tables = []
+    for ids in (torch.tensor([[3, 7, 7, 1]]), torch.tensor([[5, 5, 5, 5, 5, 2, 9, 4, 0]]), torch.tensor([[11]])):
+        ids = ids.to(device)
+        model(ids).sum().backward()
+        opt.step()
+        tables.append((dense.slots, dense.slots.data_ptr()))
+        sorted_ids = torch.sort(ids.reshape(-1)).values
+        slots = dense.slots.cpu()
+        touched = slots >= 0
+        assert set(torch.nonzero(touched).reshape(-1).tolist()) == set(sorted_ids.tolist())
+        assert torch.equal(sorted_ids.cpu()[slots[touched].long()], torch.nonzero(touched).reshape(-1))
+    assert all(table is tables[0][0] and pointer == tables[0][1] for table, pointer in tables)
+    assert dense.slots.dtype == torch.int32 and dense.slots.shape == (VOCAB,)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -247,8 +304,8 @@ def test_a_weight_read_outside_its_embedding_gets_both_gradients(backend: str) -
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_a_captured_row_step_replays_like_eager_dense_steps(state_dtype: str) -> None:
     """forward + backward + step() with the row-gradient embedding, captured once and replayed, equals
-    eager steps of the dense-gradient embedding (sort, segment sum, gather, both update passes and the
-    scatter all replay; the step count advances on the device)."""
+    eager steps of the dense-gradient embedding (sort, segment sum, slot table and the row update all
+    replay into the same slot-table buffer; the step count advances on the device)."""
     graphed, eager = _model("cuda", torch.bfloat16, padding_idx=4), _model("cuda", torch.bfloat16, padding_idx=4)
     graph_opt = _fuse(graphed, "triton", state_dtype=state_dtype, capturable=True)
     eager_opt = _fuse(eager, "triton", state_dtype=state_dtype, capturable=True, embedding_rows=False)
@@ -264,16 +321,18 @@ def test_a_captured_row_step_replays_like_eager_dense_steps(state_dtype: str) ->
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for ids in batches[:3]:                   # warm-up: tuning, compilation, the compact buffers
+        for ids in batches[:3]:                   # warm-up: tuning, compilation, the slot table
             train_step(graphed, graph_opt, ids)
     torch.cuda.current_stream().wait_stream(side)
     static_ids = batches[3].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         train_step(graphed, graph_opt, static_ids)
+    slot_table = graph_opt._dense[0].slots
     for ids in batches[3:]:
         static_ids.copy_(ids)
         graph.replay()
+    assert graph_opt._dense[0].slots is slot_table
     for ids in batches:
         train_step(eager, eager_opt, ids)
     torch.cuda.synchronize()

@@ -3,7 +3,8 @@
 ``fused_wgrad_update(x, dy, weight, state, hp, step, *, grad_accum=None,
 stochastic_rounding=False, seed=0)`` updates ``weight`` and ``state`` in place with one optimizer
 step on G = dY^T X without ever writing G to memory; ``reference_wgrad_update`` has the same
-signature and materializes G (see docs/CONTRACTS.md).
+signature and materializes G (see docs/CONTRACTS.md). The modules ``row_gradient`` and ``row_update`` step an
+embedding from the rows its batch touched (``forge_core.embedding``).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..rules.base import KERNEL_SCALARS, check_scalar_count
+from ..rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from ..state import QBLOCK, ParamState
 from . import hopper_ws, tune_cache, ws_choice
 from .reference import check_arguments, flatten_tokens
@@ -318,6 +318,23 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
 
 
 @triton.jit
+def rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY: tl.constexpr):
+    """The rule's eight kernel scalars: the launch arguments, or (``SCALARS_IN_MEMORY``, capturable
+    mode) the device buffer ``SCALARS``: a CUDA graph replays the launch with whatever the buffer
+    holds, so a new step or lr needs no new launch arguments. (Also ``row_update``'s.)"""
+    if SCALARS_IN_MEMORY:
+        c0 = tl.load(SCALARS + 0)
+        c1 = tl.load(SCALARS + 1)
+        c2 = tl.load(SCALARS + 2)
+        c3 = tl.load(SCALARS + 3)
+        c4 = tl.load(SCALARS + 4)
+        c5 = tl.load(SCALARS + 5)
+        c6 = tl.load(SCALARS + 6)
+        c7 = tl.load(SCALARS + 7)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
     """Program ``pid``'s (row, column) tile in grouped order: GROUP consecutive row-tiles share the
     same column tiles of X in L2. (Also used by scripts/mainloop_bench.py, to time the same order.)"""
@@ -404,17 +421,7 @@ def _fused_wgrad_update_kernel(
             dy_ptrs += BK * stride_dyk
             x_ptrs += BK * stride_xk
 
-    if SCALARS_IN_MEMORY:
-        # The rule's scalars from a device buffer (capturable mode): a CUDA graph replays this
-        # launch with whatever the buffer holds, so a new step or lr needs no new launch arguments.
-        c0 = tl.load(SCALARS + 0)
-        c1 = tl.load(SCALARS + 1)
-        c2 = tl.load(SCALARS + 2)
-        c3 = tl.load(SCALARS + 3)
-        c4 = tl.load(SCALARS + 4)
-        c5 = tl.load(SCALARS + 5)
-        c6 = tl.load(SCALARS + 6)
-        c7 = tl.load(SCALARS + 7)
+    c0, c1, c2, c3, c4, c5, c6, c7 = rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY)
 
     # Epilogue, in SPLIT column slabs of CN columns, one after the other: only one slab's W and
     # states are live in registers at a time (two with PREFETCH), so large tiles need not spill.
@@ -764,16 +771,23 @@ class _LaunchPlan:
 _PLANS: "weakref.WeakKeyDictionary[ParamState, dict]" = weakref.WeakKeyDictionary()
 
 
+def state_pointers(weight: torch.Tensor, states: list[torch.Tensor],
+                   scales: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """(S0, S1, SCALE0, SCALE1) as the kernels take them: the weight stands in for a state or scale
+    the rule or format lacks (never read: NUM_STATES / STATE_KIND rule it out)."""
+    s0 = states[0] if len(states) > 0 else weight
+    s1 = states[1] if len(states) > 1 else weight
+    scale0 = scales[0] if len(scales) > 0 and scales[0] is not None else weight
+    scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else weight
+    return s0, s1, scale0, scale1
+
+
 def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
           scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None, meta: Mapping[str, Any]) -> _LaunchPlan:
     m, n = weight.shape
     k = x2.shape[0]
-    placeholder = weight
-    s0 = states[0] if len(states) > 0 else placeholder
-    s1 = states[1] if len(states) > 1 else placeholder
-    scale0 = scales[0] if len(scales) > 0 and scales[0] is not None else placeholder
-    scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else placeholder
-    accum = grad_accum if grad_accum is not None else placeholder
+    s0, s1, scale0, scale1 = state_pointers(weight, states, scales)
+    accum = grad_accum if grad_accum is not None else weight
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
                       for t in (weight, s0, accum) if t.dim() == 2)
@@ -1134,22 +1148,8 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     if weight.device.type != "cuda" and not interpreting():
         raise RuntimeError(f"fused_wgrad_update: tensors are on {weight.device}, the Triton kernel needs CUDA")
     rule = state.rule
-    if rule.epilogue is None or rule.kernel_scalars is None:
-        raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
-    if len(rule.state_names) > MAX_STATES:
-        raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
-    if in_memory:
-        _check_device_scalars(device_scalars, weight)
-        if stochastic_rounding and weight.dtype == torch.bfloat16:
-            raise ValueError("fused_wgrad_update: stochastic rounding draws a new seed every step, which a "
-                             "replayed launch cannot; use device_scalars=None with stochastic_rounding")
-        scalars: tuple[float, ...] | torch.Tensor = device_scalars
-    else:
-        scalars = _kernel_scalars(rule, hp, step)
-    states = [state.values[name] for name in rule.state_names]
-    scales = [state.scales[name] for name in rule.state_names]
-    if any(s.stride() != states[0].stride() for s in states):
-        raise ValueError("all state tensors of one weight must share strides")
+    states, scales = kernel_states(state)
+    scalars = launch_scalars("fused_wgrad_update", rule, hp, step, device_scalars, weight, stochastic_rounding)
     stochastic = bool(stochastic_rounding) and weight.dtype == torch.bfloat16
     ieee = x2.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     meta = kernel_meta(state, x2.dtype, grad_accum=grad_accum is not None, stochastic=stochastic, ieee=ieee,
@@ -1279,6 +1279,34 @@ def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{tuple(getattr(buffer, 'shape', ()))}")
     if buffer.device != weight.device:
         raise ValueError(f"device_scalars is on {buffer.device}, the weight on {weight.device}")
+
+
+def kernel_states(state: ParamState) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The state tensors and int8 scales a launch takes, in the epilogue's order, once the rule is
+    known to have a Triton epilogue the kernels can run."""
+    rule = state.rule
+    if rule.epilogue is None or rule.kernel_scalars is None:
+        raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
+    if len(rule.state_names) > MAX_STATES:
+        raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
+    states = [state.values[name] for name in rule.state_names]
+    scales = [state.scales[name] for name in rule.state_names]
+    if any(s.stride() != states[0].stride() for s in states):
+        raise ValueError("all state tensors of one weight must share strides")
+    return states, scales
+
+
+def launch_scalars(caller: str, rule: Rule, hp: Mapping[str, Any], step: int, device_scalars: torch.Tensor | None,
+                   weight: torch.Tensor, stochastic_rounding: bool) -> tuple[float, ...] | torch.Tensor:
+    """What a launch passes for the rule's scalars: the checked ``device_scalars`` buffer (capturable
+    mode, read by ``rule_scalars`` in the kernel), else the floats of ``_kernel_scalars``."""
+    if device_scalars is None:
+        return _kernel_scalars(rule, hp, step)
+    _check_device_scalars(device_scalars, weight)
+    if stochastic_rounding and weight.dtype == torch.bfloat16:
+        raise ValueError(f"{caller}: stochastic rounding draws a new seed every step, which a "
+                         "replayed launch cannot; use device_scalars=None with stochastic_rounding")
+    return device_scalars
 
 
 _SCALARS: dict[tuple, tuple[float, ...]] = {}

@@ -1,0 +1,182 @@
+"""One optimizer step over every row of a weight whose gradient is a few rows: a vocabulary
+embedding's (``forge_core.embedding``), given as a slot table into the summed gradient rows.
+
+Why: a batch of T tokens touches at most T of an embedding's rows (Llama-3.1-8B: 512 of 128256),
+yet every row must be stepped (weight decay and the moments' decay move untouched rows too, as
+under torch). Reading a dense gradient costs 2 bytes per element of a bf16 weight that are almost
+all zero; the two passes this replaced (every row with no gradient on the GEMM kernel, then the
+gathered touched rows with theirs, then a scatter) cost a second launch, the gather and scatter of
+W and the states, and ran the int8 pass on the GEMM kernel's tiles at low occupancy. Here each
+program owns a ``BM x CN`` block of the weight, loads the ``BM`` slots of its rows
+(``slots[r]``: -1 for no gradient, else the index of row r's gradient in ``row_grads``), reads
+those gradient rows (masked loads: rows without one issue no traffic) and runs the rule through
+the fused kernel's own device helpers (``fused._update_columns``: the same loads, epilogue, state
+codecs, stores and stochastic-rounding stream, which is keyed by the element's position in the
+weight and the seed). So each element sees the dense step's arithmetic: the fused kernel with zero
+tokens on a dense gradient holding ``row_grads[slots[r]]`` in row r and zeros elsewhere, bit for
+bit in the interpreter. On the GPU it is another kernel than the dense update, and the compiler
+may contract multiply-adds differently (an ulp; the GPU tests allow it); at Llama-3.1-8B's size every
+element came out equal on an H100 and an H200 (fp32 / bf16 / int8 states, AdamW).
+
+Memory-bound: 12 bytes per element with bf16 W and bf16 states (8 with int8 states, plus scales),
+plus the T gradient rows and 4 bytes per row of slots. The block shape is a ``RowUpdateConfig``;
+small blocks on few warps keep registers low and occupancy high (``scripts/row_update_bench.py``
+times alternatives).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..state import QBLOCK, ParamState
+from . import fused
+
+_DECORATED_FOR_INTERPRETER = fused.interpreting()
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdateConfig:
+    """The launch shape of ``row_update``: ``block_m`` rows x ``block_n`` columns per program."""
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    def check(self, state_dtype: str) -> None:
+        """A clear error for a shape the kernel cannot run with this state format."""
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"row_update: {name} must be a power of two, got {value}")
+        if state_dtype == "int8" and self.block_n % QBLOCK:
+            raise ValueError(f"row_update: int8 states need block_n a multiple of {QBLOCK} (whole scale blocks), "
+                             f"got {self.block_n}")
+
+
+DEFAULT_CONFIGS: Mapping[str, RowUpdateConfig] = {
+    "fp32": RowUpdateConfig(8, 256, 4),
+    "bf16": RowUpdateConfig(8, 256, 4),
+    "int8": RowUpdateConfig(8, 256, 4),
+}
+"""Per state format: 8 x 256 on 4 warps, 16 elements of each tensor per thread. Llama-3.1-8B's embedding
+at 512 tokens (scripts/row_update_bench.py, 19 shapes, two rounds agreeing within 0.3%; every element
+equal to the dense step's on both GPUs): on an H100
+bf16 states 2.106 ms (2.99 TB/s; 16 x 128: 2.119, the old two passes 2.271, the dense step 2.540),
+int8 states 1.487 ms (16 x 256: 1.481, 16 x 128: 1.545, two passes 1.965, dense 2.110); on an H200
+bf16 1.516 ms (16 x 128: 1.520), int8 1.137 (16 x 256: 1.167, 16 x 128: 1.208). fp32 states on the H100:
+3.508 ms (3.00 TB/s; 16 x 128: 3.504). Raw: results/kernels/{h100,h200}/row_update_onepass."""
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _row_update_kernel(W, S0, S1, SCALE0, SCALE1, SLOTS, ROW_GRADS, M, N,
+                       stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm,
+                       c0, c1, c2, c3, c4, c5, c6, c7, seed, SCALARS,
+                       EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
+                       S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
+                       STOCHASTIC_ROUNDING: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr,
+                       EVEN_MN: tl.constexpr, WIDE_INDEX: tl.constexpr, HW_MATH: tl.constexpr,
+                       BM: tl.constexpr, CN: tl.constexpr, QB: tl.constexpr):
+    # Consecutive programs walk the columns of one row block: BM whole rows, contiguous in memory.
+    tiles_n = tl.cdiv(N, CN)
+    pid = tl.program_id(0)
+    offs_m = (pid // tiles_n) * BM + tl.arange(0, BM)
+    col0 = (pid % tiles_n) * CN
+    row_mask = offs_m < M
+    slot = tl.load(SLOTS + offs_m, mask=row_mask, other=-1)
+    if WIDE_INDEX:
+        rows = offs_m.to(tl.int64)
+        slot_row = slot.to(tl.int64)
+    else:
+        rows = offs_m
+        slot_row = slot
+    offs_n = col0 + tl.arange(0, CN)
+    grad_mask = (slot >= 0)[:, None] & (offs_n < N)[None, :]
+    # zeros + the gradient row, as the fused kernel's zero-token accumulator + its dense gradient
+    # (a -0.0 gradient becomes +0.0 there too)
+    grad = tl.zeros((BM, CN), dtype=tl.float32) + tl.load(
+        ROW_GRADS + slot_row[:, None] * stride_gm + offs_n[None, :], mask=grad_mask, other=0.0).to(tl.float32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = fused.rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY)
+    fused._update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, ROW_GRADS, M, N,
+                          stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, 1,
+                          c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                          EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                          EVEN_MN, HW_MATH, BM, CN, QB)
+
+
+def usable_for(tensor: torch.Tensor) -> bool:
+    """Whether the kernel runs on ``tensor``'s device (CUDA, or the CPU under the interpreter)."""
+    return fused.runs_on_device_of(tensor, _DECORATED_FOR_INTERPRETER)
+
+
+def _check(weight: torch.Tensor, state: ParamState, slots: torch.Tensor, row_grads: torch.Tensor) -> None:
+    """One-line errors for arguments the kernel would misread."""
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"row_update: weight must be a 2-D fp32 / bf16 tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    m, n = weight.shape
+    if tuple(state.shape) != (m, n):
+        raise ValueError(f"row_update: state shape {tuple(state.shape)} does not match the weight's {(m, n)}")
+    if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int32 or slots.shape != (m,) \
+            or not slots.is_contiguous():
+        raise ValueError(f"row_update: slots must be a contiguous int32 tensor of shape ({m},) (one per weight row), "
+                         f"got {getattr(slots, 'dtype', type(slots).__name__)} {tuple(getattr(slots, 'shape', ()))}")
+    if not isinstance(row_grads, torch.Tensor) or row_grads.dim() != 2 or row_grads.shape[1] != n:
+        raise ValueError(f"row_update: row_grads must be (T, {n}) (the weight's width), "
+                         f"got {tuple(getattr(row_grads, 'shape', ()))}")
+    if row_grads.dtype != weight.dtype:
+        raise ValueError(f"row_update: row_grads must have the weight's dtype {weight.dtype}, got {row_grads.dtype}")
+    devices = {t.device for t in (weight, slots, row_grads, *state.values.values())}
+    if len(devices) != 1:
+        raise ValueError(f"row_update: weight, state, slots and row_grads must share a device, got "
+                         f"{sorted(map(str, devices))}")
+    if not usable_for(weight):
+        raise RuntimeError(f"row_update: tensors on {weight.device}; the Triton kernel needs CUDA or "
+                           "TRITON_INTERPRET=1")
+
+
+def row_update(weight: torch.Tensor, state: ParamState, hp: Mapping[str, Any], step: int, *,
+               slots: torch.Tensor, row_grads: torch.Tensor, stochastic_rounding: bool = False, seed: int = 0,
+               device_scalars: Optional[torch.Tensor] = None, config: Optional[RowUpdateConfig] = None) -> None:
+    """One step of ``state.rule`` on every row of ``weight`` (in place, with ``state``), row r's
+    gradient being ``row_grads[slots[r]]`` where ``slots[r] >= 0`` and zero where it is -1.
+
+    ``slots``: int32 (M,), values in [-1, T) (not checked: that would sync with the device);
+    ``row_grads``: (T, N) in the weight's dtype. ``hp`` / ``step`` / ``stochastic_rounding`` / ``seed`` /
+    ``device_scalars`` as ``fused_wgrad_update``'s: the result is that kernel's with zero tokens and the
+    dense gradient as ``grad_accum``, at the same seed. ``config``: the block shape (default
+    ``DEFAULT_CONFIGS[state.state_dtype]``)."""
+    _check(weight, state, slots, row_grads)
+    states, scales = fused.kernel_states(state)
+    scalars = fused.launch_scalars("row_update", state.rule, hp, step, device_scalars, weight, stochastic_rounding)
+    config = config if config is not None else DEFAULT_CONFIGS[state.state_dtype]
+    config.check(state.state_dtype)
+    m, n = weight.shape
+    if row_grads.shape[0] == 0:
+        row_grads = weight                  # no slot points into it; any valid pointer of the dtype
+    elif row_grads.stride(1) != 1:
+        row_grads = row_grads.contiguous()
+    s0, s1, scale0, scale1 = fused.state_pointers(weight, states, scales)
+    in_memory = isinstance(scalars, torch.Tensor)
+    values = fused._NO_SCALARS if in_memory else scalars
+    buffer = scalars if in_memory else weight
+    meta = fused.kernel_meta(state, weight.dtype, grad_accum=False,
+                             stochastic=bool(stochastic_rounding) and weight.dtype == torch.bfloat16, ieee=False,
+                             scalars_in_memory=in_memory)
+    for name in ("IEEE_DOT", "UPCAST_DOT"):            # the GEMM's; this kernel has none
+        del meta[name]
+    last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) for t in (weight, s0, row_grads))
+    options = {} if fused.interpreting() else {"enable_fp_fusion": True}    # as the fused kernel (_int8_codes)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _row_update_kernel[grid](
+        weight, s0, s1, scale0, scale1, slots, row_grads, m, n,
+        weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0), row_grads.stride(0),
+        *values, int(seed) & 0x7FFFFFFF, buffer,
+        EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, WIDE_INDEX=last_offset >= 2 ** 31 - 1,
+        HW_MATH=not fused.interpreting(), BM=config.block_m, CN=config.block_n, QB=QBLOCK,
+        num_warps=config.num_warps, **options, **meta)
+
+
+__all__ = ["DEFAULT_CONFIGS", "RowUpdateConfig", "row_update", "usable_for"]
