@@ -109,7 +109,7 @@ def chunk_stats_reference(logits: torch.Tensor, hit_targets: torch.Tensor, first
     """The spec of ``kernels.cross_entropy.chunk_stats``: fold a chunk of logits (model dtype, upcast
     to fp32 as HF does) into the per-token running max and sum of exponentials, in place, and take
     the target logit of tokens whose target (``hit_targets``, -1 for none) is in the chunk."""
-    logits32 = logits.float()
+    logits32 = logits.to(torch.float32, copy=True)      # fp32 logits too: the backward may read them (kept)
     in_chunk, index = _target_columns(hit_targets, first_col, logits32.shape[1])
     target_logit.copy_(torch.where(in_chunk, logits32.gather(1, index).squeeze(1), target_logit))
     new_max = torch.maximum(running_max, logits32.amax(dim=1))

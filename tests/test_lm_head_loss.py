@@ -189,9 +189,15 @@ def _loss_and_grads(dtype: torch.dtype, bias: bool, chunk_size, keep_logits_byte
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk_size", [7, None])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_kept_logits_give_the_recomputed_backward_bit_for_bit(dtype, chunk_size, bias) -> None:
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_kept_logits_give_the_recomputed_backward_bit_for_bit(dtype, chunk_size, bias, path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward's logits kept for the backward are what its recomputation gives: the same GEMM of
-    the same rows, so loss and every gradient are identical (keep_logits_bytes=0 recomputes)."""
+    the same rows, so loss and every gradient are identical (keep_logits_bytes=0 recomputes). On the
+    plain-torch path too, whose statistics must leave fp32 logits as they were."""
+    if path == "torch":
+        from forge_core.kernels import cross_entropy
+        monkeypatch.setattr(cross_entropy, "usable_for", lambda tensor: False)
     kept = _loss_and_grads(dtype, bias, chunk_size, None)
     recomputed = _loss_and_grads(dtype, bias, chunk_size, 0)
     for name, got, want in zip(("loss", "d hidden", "d weight", "d bias"), kept, recomputed):
