@@ -782,6 +782,28 @@ def state_pointers(weight: torch.Tensor, states: list[torch.Tensor],
     return s0, s1, scale0, scale1
 
 
+def wide_index(*matrices: torch.Tensor) -> bool:
+    """Whether a kernel's weight-shaped offsets need 64 bits: some 2-D operand's last element lies at
+    or past 2^31 - 1 elements from its base (Llama's 128256 x 4096 embedding does not; larger ones may)."""
+    return max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
+               for t in matrices if t.dim() == 2) >= 2 ** 31 - 1
+
+
+def compile_options() -> dict[str, Any]:
+    """The compile options every launch of the update kernels asks for on the GPU: FMA contraction,
+    which the int8 codes' FFMA relies on (``_int8_codes``) and Triton 3.10 stops defaulting to."""
+    return {} if interpreting() else {"enable_fp_fusion": True}
+
+
+def scalar_arguments(scalars: tuple[float, ...] | torch.Tensor,
+                     placeholder: torch.Tensor) -> tuple[tuple[float, ...], torch.Tensor]:
+    """(c0..c7, SCALARS) as a launch passes them: the floats and any pointer, or (capturable mode) zeros
+    and the device buffer the kernel reads them from (``rule_scalars``)."""
+    if isinstance(scalars, torch.Tensor):
+        return _NO_SCALARS, scalars
+    return scalars, placeholder
+
+
 def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
           scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None, meta: Mapping[str, Any]) -> _LaunchPlan:
     m, n = weight.shape
@@ -789,17 +811,13 @@ def _plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch
     s0, s1, scale0, scale1 = state_pointers(weight, states, scales)
     accum = grad_accum if grad_accum is not None else weight
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
-                      for t in (weight, s0, accum) if t.dim() == 2)
     tma = config.tma and tma_inputs(x2, dy2)
     layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
-                  WIDE_INDEX=last_offset >= 2 ** 31 - 1, PREFETCH=config.prefetch, SPLIT=config.split_n,
+                  WIDE_INDEX=wide_index(weight, s0, accum), PREFETCH=config.prefetch, SPLIT=config.split_n,
                   HW_MATH=not interpreting(), TMA=tma)
-    options = {}
-    if not interpreting():
-        options["enable_fp_fusion"] = True            # the int8 codes' FFMA (_int8_codes)
-        if config.max_registers is not None:
-            options["maxnreg"] = config.max_registers
+    options = compile_options()
+    if not interpreting() and config.max_registers is not None:
+        options["maxnreg"] = config.max_registers
     # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
     # and a cached plan holding the old one would keep a weight-sized tensor alive.
     fixed = (weight, s0, s1, scale0, scale1, m, n, k)
@@ -831,10 +849,7 @@ def kernel_args(plan: _LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars:
     """The kernel's runtime arguments after X, DY and their two descriptors (see ``_run``)."""
     weight, s0, s1, scale0, scale1, m, n, k = plan.fixed_args[:8]
     accum = grad_accum if grad_accum is not None else weight
-    if isinstance(scalars, torch.Tensor):
-        values, buffer = _NO_SCALARS, scalars
-    else:
-        values, buffer = scalars, weight
+    values, buffer = scalar_arguments(scalars, weight)
     return (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             *plan.fixed_args[8:], *values, seed, buffer)
 

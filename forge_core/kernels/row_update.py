@@ -159,24 +159,20 @@ def row_update(weight: torch.Tensor, state: ParamState, hp: Mapping[str, Any], s
     elif row_grads.stride(1) != 1:
         row_grads = row_grads.contiguous()
     s0, s1, scale0, scale1 = fused.state_pointers(weight, states, scales)
-    in_memory = isinstance(scalars, torch.Tensor)
-    values = fused._NO_SCALARS if in_memory else scalars
-    buffer = scalars if in_memory else weight
+    values, buffer = fused.scalar_arguments(scalars, weight)
     meta = fused.kernel_meta(state, weight.dtype, grad_accum=False,
                              stochastic=bool(stochastic_rounding) and weight.dtype == torch.bfloat16, ieee=False,
-                             scalars_in_memory=in_memory)
+                             scalars_in_memory=isinstance(scalars, torch.Tensor))
     for name in ("IEEE_DOT", "UPCAST_DOT"):            # the GEMM's; this kernel has none
         del meta[name]
-    last_offset = max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) for t in (weight, s0, row_grads))
-    options = {} if fused.interpreting() else {"enable_fp_fusion": True}    # as the fused kernel (_int8_codes)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _row_update_kernel[grid](
         weight, s0, s1, scale0, scale1, slots, row_grads, m, n,
         weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0), row_grads.stride(0),
         *values, int(seed) & 0x7FFFFFFF, buffer,
-        EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, WIDE_INDEX=last_offset >= 2 ** 31 - 1,
+        EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, WIDE_INDEX=fused.wide_index(weight, s0, row_grads),
         HW_MATH=not fused.interpreting(), BM=config.block_m, CN=config.block_n, QB=QBLOCK,
-        num_warps=config.num_warps, **options, **meta)
+        num_warps=config.num_warps, **fused.compile_options(), **meta)
 
 
 __all__ = ["DEFAULT_CONFIGS", "RowUpdateConfig", "row_update", "usable_for"]
