@@ -295,6 +295,7 @@ class ChunkedCausalLMLoss:
 
     def __call__(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         import forge_core
+        from forge_core import lm_head_loss
 
         labels = batch["labels"]
         inputs = {name: value for name, value in batch.items() if name != "labels"}
@@ -302,10 +303,9 @@ class ChunkedCausalLMLoss:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         chunk = self.chunk_size or forge_core.default_chunk_size(labels.numel(), self.head.weight.shape[0])
         self.settings["chunk_size"] = chunk     # the resolved width, recorded in the row
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.head.weight.dtype
         # whether the backward reads the forward's logits or recomputes them (one more vocab GEMM)
-        self.settings["keep_logits"] = forge_core.keeps_logits(labels.numel(), self.head.weight.shape[0], dtype)
+        self.settings["keep_logits"] = forge_core.keeps_logits(labels.numel(), self.head.weight.shape[0],
+                                                               lm_head_loss.logits_dtype(hidden, self.head))
         return forge_core.chunked_lm_head_cross_entropy(hidden, self.head, labels, chunk_size=chunk)
 
 

@@ -314,9 +314,8 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
             raise ValueError(f"labels hold {int(bad.sum())} ids outside [0, {vocab}) that are not "
                              f"ignore_index={ignore_index}")
 
-    autocast_dtype = _autocast_dtype(hidden.device.type)
-    compute_dtype = autocast_dtype or weight.dtype
-    if autocast_dtype is None and hidden.dtype != weight.dtype:
+    compute_dtype = logits_dtype(hidden, lm_head)
+    if _autocast_dtype(hidden.device.type) is None and hidden.dtype != weight.dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the LM head's weight is {weight.dtype} (outside autocast)")
     if num_items_in_batch is None:
         denominator = (targets != ignore_index).sum().to(torch.float32)
@@ -330,11 +329,17 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
                                             keeps_logits(tokens, vocab, compute_dtype, keep_logits_bytes))
 
 
+def logits_dtype(hidden: torch.Tensor, lm_head: nn.Linear) -> torch.dtype:
+    """The dtype the loss computes (and may keep) the logits in: autocast's where it is on for
+    ``hidden``'s device, else the head's weight dtype (as HF's ``lm_head(hidden)``)."""
+    return _autocast_dtype(hidden.device.type) or lm_head.weight.dtype
+
+
 def keeps_logits(tokens: int, vocab_size: int, dtype: torch.dtype, keep_logits_bytes: Optional[int] = None) -> bool:
     """Whether the loss keeps the forward's logits for the backward (instead of recomputing them)."""
     budget = DEFAULT_KEEP_LOGITS_BYTES if keep_logits_bytes is None else keep_logits_bytes
     return int(tokens) * int(vocab_size) * dtype.itemsize <= budget
 
 
-__all__ = ["chunked_lm_head_cross_entropy", "default_chunk_size", "keeps_logits", "DEFAULT_CHUNK_BYTES",
-           "DEFAULT_KEEP_LOGITS_BYTES", "CHUNK_ALIGN"]
+__all__ = ["chunked_lm_head_cross_entropy", "default_chunk_size", "keeps_logits", "logits_dtype",
+           "DEFAULT_CHUNK_BYTES", "DEFAULT_KEEP_LOGITS_BYTES", "CHUNK_ALIGN"]
