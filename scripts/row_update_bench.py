@@ -35,7 +35,8 @@ from forge_core.kernels import fused_wgrad_update  # noqa: E402
 from forge_core.kernels.row_gradient import row_gradient  # noqa: E402
 from forge_core.kernels.row_update import DEFAULT_CONFIGS, RowUpdateConfig, row_update  # noqa: E402
 from forge_core.rules import get_rule  # noqa: E402
-from forge_core.state import QBLOCK, STATE_DTYPES, ParamState, num_blocks  # noqa: E402
+from forge_bench.floor import state_traffic_bytes  # noqa: E402
+from forge_core.state import QBLOCK, STATE_DTYPES, ParamState  # noqa: E402
 
 ROWS, WIDTH, TOKENS = 128256, 4096, 512
 HP = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -71,11 +72,10 @@ def configs_for(state_dtype: str, configs: list[RowUpdateConfig]) -> list[RowUpd
 
 
 def traffic_bytes(state_dtype: str, rows: int, width: int, distinct: int, weight_bytes: int = 2) -> int:
-    """Bytes a single pass must move: W and two AdamW states read and written (int8: codes and scales),
-    the distinct gradient rows and the slot table read."""
-    state_bytes = {"fp32": 4, "bf16": 2, "int8": 1}[state_dtype]
-    per_state = rows * width * state_bytes + (rows * num_blocks(width) * 4 if state_dtype == "int8" else 0)
-    return 2 * (rows * width * weight_bytes + 2 * per_state) + distinct * width * weight_bytes + rows * 4
+    """Bytes a single pass must move: W and two AdamW states read and written (int8: codes and scales;
+    the floor's ``state_traffic_bytes``), the distinct gradient rows and the slot table read."""
+    return round(state_traffic_bytes([(rows, width)], weight_bytes, state_dtype)) \
+        + distinct * width * weight_bytes + rows * 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
