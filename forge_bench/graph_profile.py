@@ -33,7 +33,8 @@ TOP = 15                       # kernels listed by name per arm
 REPLAY_PAUSE_S = 0.02          # idle between recorded replays; the split below looks for it
 REPLAY_SPLIT_US = 10_000.0     # a kernel gap this long starts a new replay
 KERNEL_CLASSES = (             # first match wins; the name is lower-cased
-    ("fused update", ("_fused_wgrad_update", "_ws_fused_kernel")),     # the Triton and the Gluon kernel
+    # the Triton and the Gluon kernel, and the row-gradient embedding's one-pass update (row_update.py)
+    ("fused update", ("_fused_wgrad_update", "_ws_fused_kernel", "_row_update_kernel")),
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("norm", ("rms_norm",)),

@@ -52,6 +52,7 @@ def test_a_trace_without_kernels_is_refused():
 def test_kernel_classes():
     assert gp.kernel_class("_fused_wgrad_update_kernel") == "fused update"
     assert gp.kernel_class("_ws_fused_kernel") == "fused update"          # the Gluon kernel (hopper_ws)
+    assert gp.kernel_class("_row_update_kernel") == "fused update"        # the embedding's row update
     assert gp.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM"
     assert gp.kernel_class("flash_bwd_kernel") == "attention"
     assert gp.kernel_class("void at::native::vectorized_elementwise_kernel") == "other"
