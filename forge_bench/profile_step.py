@@ -53,7 +53,10 @@ def warmed_up_arm(tool: str, model_name: str, batch: int, seq: int, method_name:
 
 def each_method_in_its_own_process(module: str, methods: list[str], child_args: list[str], out: Path) -> list[dict]:
     """Run ``python -m module --one --methods M ... --out TMP`` per method (a fresh process each,
-    as a sweep cell); returns the JSON each wrote, skipping (and reporting) the ones that failed."""
+    as a sweep cell); returns the JSON each wrote, skipping (and reporting) the ones that failed.
+    The children write beside ``out``, so its folder is made first (a new folder would otherwise
+    fail every arm after its whole warm-up)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for method in methods:
         tmp = out.with_suffix(f".{method}.json")

@@ -21,3 +21,20 @@ def test_without_cuda_the_child_refuses_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="profile_step: needs a CUDA device"):
         profile_step.main(["--one", "--methods", "adamw_fused", "--activations", "lean", "--out",
                            str(tmp_path / "x.json")])
+
+
+def test_each_method_writes_into_a_folder_that_does_not_exist_yet(tmp_path, monkeypatch):
+    """The per-method children write their JSON beside ``out``; a new output folder must not fail them."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    def fake_child(cmd, **_):
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"method": cmd[cmd.index("--methods") + 1]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(profile_step.subprocess, "run", fake_child)
+    out = tmp_path / "new" / "deeper" / "profile.md"
+    results = profile_step.each_method_in_its_own_process("forge_bench.graph_profile", ["a", "b"], [], out)
+    assert [r["method"] for r in results] == ["a", "b"]
+    assert not list(out.parent.glob("*.json"))            # the per-method files are consumed
