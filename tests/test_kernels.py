@@ -768,27 +768,3 @@ def test_a_gpu_launch_asks_for_fp_fusion_and_keeps_its_register_cap(monkeypatch)
     assert capped.kwargs["enable_fp_fusion"] is True and capped.kwargs["maxnreg"] == 128
     uncapped = fused_module._plan(TileConfig(64, 64, 32, 8, 4, 2), x2, dy2, weight, states, scales, None, meta)
     assert uncapped.kwargs["enable_fp_fusion"] is True and "maxnreg" not in uncapped.kwargs
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed int8 decode is inline PTX: CUDA only")
-@pytest.mark.parametrize("count", [1024, 1000])
-def test_the_packed_int8_decode_gives_every_code_exactly(count):
-    """The Gluon epilogue's PRMT decode (four codes per packed word) against the plain conversion, for
-    every int8 code in every position of its word, and a length that is not a multiple of the block."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def decode_both(CODES, PACKED, PLAIN, N, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < N
-        codes = tl.load(CODES + offsets, mask=mask, other=0)
-        tl.store(PACKED + offsets, fused_module._int8_to_float_packed(codes), mask=mask)
-        tl.store(PLAIN + offsets, fused_module._int8_to_float(codes, False), mask=mask)
-
-    index = torch.arange(count, device="cuda")
-    codes = ((index * 37 + index // 256) % 256 - 128).to(torch.int8)   # 1024: each code at each word position
-    packed, plain = (torch.empty(count, device="cuda") for _ in range(2))
-    decode_both[(triton.cdiv(count, 512),)](codes, packed, plain, count, BLOCK=512)
-    assert torch.equal(plain, codes.float())
-    assert torch.equal(packed, plain)

@@ -108,28 +108,6 @@ def _int8_to_float(codes, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def _int8_to_float_packed(codes):
-    """``_int8_to_float(codes, True)``, the same fp32 values, four codes per PRMT-only decode (GPU
-    only: inline PTX). The bias trick there costs a sign-extending PRMT and an integer add per code;
-    here one XOR of each packed word with 0x80808080 turns the codes into code + 128 as unsigned
-    bytes, and one PRMT per code places that byte under a 0x4B000000 exponent: 2^23 + code + 128 as
-    an fp32 bit pattern. -2.5 SASS instructions per weight element in the int8 Gluon epilogue
-    (offline, sm_90, Triton 3.6); the Triton tile keeps the integer add, with which ptxas fits it in
-    128 registers (this one spills 16 B there)."""
-    biased = tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 unsigned_codes;
-        xor.b32 unsigned_codes, $4, 0x80808080;
-        prmt.b32 $0, unsigned_codes, 0x4B000000, 0x7540;
-        prmt.b32 $1, unsigned_codes, 0x4B000000, 0x7541;
-        prmt.b32 $2, unsigned_codes, 0x4B000000, 0x7542;
-        prmt.b32 $3, unsigned_codes, 0x4B000000, 0x7543;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[codes], dtype=tl.int32, is_pure=True, pack=4)
-    return biased.to(tl.float32, bitcast=True) - 8388736.0
-
-
-@triton.jit
 def _decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """A raw state tile as fp32: fp32 / bf16 as is, int8 codes times their block scale."""

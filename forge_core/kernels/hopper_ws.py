@@ -293,7 +293,7 @@ if GLUON_IMPORT_ERROR is None:
         """A state slab as fp32: bf16 as is, int8 codes times their row's block scale (squared for
         a sqrt-domain state), with the Triton kernel's exact steps (fused._decode_state)."""
         if KIND == 2:
-            value = _codec._int8_to_float_packed(raw) * gl.expand_dims(scales, 1)
+            value = _codec._int8_to_float(raw, True) * gl.expand_dims(scales, 1)
             if SQRT_DOMAIN:
                 value = value * value
         else:
