@@ -321,7 +321,8 @@ def _update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE
 def rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY: tl.constexpr):
     """The rule's eight kernel scalars: the launch arguments, or (``SCALARS_IN_MEMORY``, capturable
     mode) the device buffer ``SCALARS``: a CUDA graph replays the launch with whatever the buffer
-    holds, so a new step or lr needs no new launch arguments. (Also ``row_update``'s.)"""
+    holds, so a new step or lr needs no new launch arguments. (Also ``row_update``'s and the Gluon
+    epilogue's in hopper_ws: the same loads, the same SASS.)"""
     if SCALARS_IN_MEMORY:
         c0 = tl.load(SCALARS + 0)
         c1 = tl.load(SCALARS + 1)

@@ -352,15 +352,8 @@ if GLUON_IMPORT_ERROR is None:
         ROW_SLABS: gl.constexpr = BM // RM
         HALF_SLABS: gl.constexpr = (HALF // CN) * ROW_SLABS
         PARKED: gl.constexpr = acc_smem.type.shape[0]
-        if SCALARS_IN_MEMORY:
-            c0 = gl.load(SCALARS + 0)
-            c1 = gl.load(SCALARS + 1)
-            c2 = gl.load(SCALARS + 2)
-            c3 = gl.load(SCALARS + 3)
-            c4 = gl.load(SCALARS + 4)
-            c5 = gl.load(SCALARS + 5)
-            c6 = gl.load(SCALARS + 6)
-            c7 = gl.load(SCALARS + 7)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codec.rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7,
+                                                             SCALARS_IN_MEMORY)
         slab_rows = gl.arange(0, RM, layout=gl.SliceLayout(1, layout))
         slab_cols = gl.arange(0, CN, layout=gl.SliceLayout(0, layout))
         total_tiles = tiles_m * tiles_n
