@@ -261,7 +261,7 @@ def test_rekey_names_a_file_that_is_not_a_tune_cache(tmp_path, capsys):
         rekey_tune_cache.main([str(bad), str(tmp_path / "out.json")])
 
 
-GPU_CI_BASELINE_CACHE = "results/h100/gpu_smoke_1f57283/tune_cache.json"     # README, "A GPU regression check"
+GPU_CI_BASELINE_CACHE = "results/h100/gpu_ci_1f57283/tune_cache.json"     # README, "A GPU regression check"
 needs_gluon = pytest.mark.skipif(hopper_ws.GLUON_IMPORT_ERROR is not None,
                                  reason=f"the Gluon choices' fingerprints name the Gluon kernel: {hopper_ws.GLUON_IMPORT_ERROR}")
 
