@@ -7,7 +7,7 @@ optimizer and held from the backward's end to ``step()``, although a batch of T 
 most T of its rows. ``step()`` instead rebuilds the touched rows' gradient from what this backward
 recorded (``forge_core.kernels.row_gradient``) and updates every row in one pass that reads the
 touched rows' gradient through a slot table and equals the dense update
-(``forge_core.kernels.row_update``, ``forge_core.optimizer.DenseWeight``). The rest of FORGE already never
+(``forge_core.kernels.row_update``, ``forge_core.dense.DenseWeight``). The rest of FORGE already never
 forms G; with this, no weight-gradient tensor remains for a plain embedding either.
 
 ``ForgeEmbedding`` is installed the way ``ForgeLinear`` is: ``module.__class__`` changes in place

@@ -94,7 +94,7 @@ class _Packed:
         return full.as_strided(self.size, self.stride, self.offset)
 
 
-class _Scope:
+class SavedTensorScope:
     """The registered outputs of one decoder-layer forward (storage pointer -> output, recipe)."""
 
     def __init__(self) -> None:
@@ -124,15 +124,17 @@ class _Scope:
 _active = threading.local()
 
 
-def _current_scope() -> Optional[_Scope]:
+def _current_scope() -> Optional[SavedTensorScope]:
     stack = getattr(_active, "scopes", None)
     return stack[-1] if stack else None
 
 
-def _run_in_scope(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def run_in_scope(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)`` with the tensors autograd saves packed by a new scope: a saved
+    output registered in it is kept as its recipe, not as its storage."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    scope = _Scope()
+    scope = SavedTensorScope()
     stack = getattr(_active, "scopes", None)
     if stack is None:
         stack = _active.scopes = []
@@ -155,7 +157,7 @@ def _register(output: torch.Tensor, build: Callable[[], torch.Tensor], inputs: t
 # The plain-torch functions below are the spec (and the CPU path); on CUDA the Triton kernels of
 # ``forge_core.kernels.rowwise`` do the same in one kernel per direction.
 
-def _normalize(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """transformers' RMSNorm output, given its rstd (the same ops, so the same bits)."""
     return weight * (x.to(torch.float32) * rstd).to(x.dtype)
 
@@ -167,7 +169,7 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, rstd) as transformers computes them."""
     rstd = _rstd(x, eps)
-    return _normalize(x, weight, rstd), rstd
+    return rms_normalize(x, weight, rstd), rstd
 
 
 def rms_norm_backward_reference(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -218,7 +220,7 @@ def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
             return rowwise.rms_norm_forward(x, weight, eps, rstd)[0]
     else:
         def rebuild() -> torch.Tensor:
-            return _normalize(x, weight, rstd)
+            return rms_normalize(x, weight, rstd)
     _register(output, rebuild, (x, weight, rstd), "RMSNorm")
     return output
 
@@ -276,7 +278,7 @@ def _is_silu(act: Any) -> bool:
 
 def _scoped_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     def forward_in_scope(*args: Any, **kwargs: Any) -> Any:
-        return _run_in_scope(forward, *args, **kwargs)
+        return run_in_scope(forward, *args, **kwargs)
     forward_in_scope.forge_lean_scope = True  # type: ignore[attr-defined]
     return forward_in_scope
 

@@ -35,7 +35,7 @@ class WeightUpdater(Protocol):
         ...
 
 
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     """The dtype autocast would run a linear in on ``device_type``, or None when it is off."""
     try:
         if torch.is_autocast_enabled(device_type):
@@ -51,7 +51,7 @@ class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 updater: WeightUpdater) -> torch.Tensor:
-        compute_dtype = _autocast_dtype(x.device.type)
+        compute_dtype = autocast_dtype(x.device.type)
         if compute_dtype is not None and x.is_floating_point():
             # Do what autocast does to F.linear, and save the cast x (half the bytes of fp32).
             x = x.to(compute_dtype)

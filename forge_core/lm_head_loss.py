@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels import cross_entropy as chunk_kernels
-from .linear import ForgeLinear, _autocast_dtype
+from .linear import ForgeLinear, autocast_dtype
 from .overlap import run_beside, wants_overlap
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
@@ -83,7 +83,8 @@ def default_chunk_size(num_tokens: int, vocab_size: int, budget_bytes: int = DEF
     return int(min(vocab_size, math.ceil(per_chunk / CHUNK_ALIGN) * CHUNK_ALIGN))
 
 
-def _chunk_bounds(vocab_size: int, chunk_size: int) -> list[tuple[int, int]]:
+def chunk_bounds(vocab_size: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The vocab chunks ``[c0, c1)`` of ``chunk_size`` columns (the last one shorter)."""
     return [(c0, min(vocab_size, c0 + chunk_size)) for c0 in range(0, vocab_size, chunk_size)]
 
 
@@ -184,7 +185,7 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
             # kept only where a backward will read them (not under no_grad, nor for constants)
             kept: Optional[list[Optional[torch.Tensor]]] = [] if keep_logits and any(ctx.needs_input_grad[:3]) \
                 else None
-            for c0, c1 in _chunk_bounds(weight.shape[0], chunk_size):
+            for c0, c1 in chunk_bounds(weight.shape[0], chunk_size):
                 logits = _chunk_logits(hidden_c, weight, bias, c0, c1, compute_dtype)
                 stats(logits, hit_targets, c0, running_max, running_sum, target_logit)
                 if kept is not None:
@@ -223,7 +224,7 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
             grad_bias = torch.empty_like(bias) if (bias is not None and needs_bias) else None
             rows = updater.begin_row_updates(hidden) if (updater is not None and needs_weight) else None
             overlap = rows is not None and wants_overlap(updater, hidden)
-            for block, (c0, c1) in enumerate(_chunk_bounds(vocab, ctx.chunk_size)):
+            for block, (c0, c1) in enumerate(chunk_bounds(vocab, ctx.chunk_size)):
                 if kept is not None:
                     logits, kept[block] = kept[block], None          # freed once its dlogits are done
                 else:
@@ -315,7 +316,7 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
                              f"ignore_index={ignore_index}")
 
     compute_dtype = logits_dtype(hidden, lm_head)
-    if _autocast_dtype(hidden.device.type) is None and hidden.dtype != weight.dtype:
+    if autocast_dtype(hidden.device.type) is None and hidden.dtype != weight.dtype:
         raise TypeError(f"hidden is {hidden.dtype} but the LM head's weight is {weight.dtype} (outside autocast)")
     if num_items_in_batch is None:
         denominator = (targets != ignore_index).sum().to(torch.float32)
@@ -332,7 +333,7 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
 def logits_dtype(hidden: torch.Tensor, lm_head: nn.Linear) -> torch.dtype:
     """The dtype the loss computes (and may keep) the logits in: autocast's where it is on for
     ``hidden``'s device, else the head's weight dtype (as HF's ``lm_head(hidden)``)."""
-    return _autocast_dtype(hidden.device.type) or lm_head.weight.dtype
+    return autocast_dtype(hidden.device.type) or lm_head.weight.dtype
 
 
 def keeps_logits(tokens: int, vocab_size: int, dtype: torch.dtype, keep_logits_bytes: Optional[int] = None) -> bool:

@@ -282,7 +282,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     weights are updated when ``backward()`` returns, as without it. False: updates run in line.
     ``dense_2d``: step the 2-D fallback parameters (a vocabulary embedding, tied or excluded weights)
     in ``step()`` with the fused kernel from their ``.grad``, in the same ``state_dtype`` as the fused
-    weights (``forge_core.optimizer.DenseWeight``); False leaves them to the torch optimizer (moments
+    weights (``forge_core.dense.DenseWeight``); False leaves them to the torch optimizer (moments
     in the weight's dtype). A state dict loads only into an optimizer with the same setting.
     ``embedding_rows``: with ``dense_2d``, a plain ``nn.Embedding`` whose weight it steps (not tied, not
     sparse, no ``max_norm`` / ``scale_grad_by_freq``) becomes a ``ForgeEmbedding``: its backward hands
@@ -384,7 +384,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:
     """Make each plain embedding whose weight the optimizer steps as a ``DenseWeight`` (and that no
     other module holds) record its gradient as rows."""
-    dense_of = {id(dense.weight): dense for dense in optimizer._dense}
+    dense_of = {id(dense.weight): dense for dense in optimizer.dense_weights()}
     use_counts = _parameter_use_counts(model)
     for module in model.modules():
         weight = getattr(module, "weight", None)

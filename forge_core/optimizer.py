@@ -36,24 +36,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from . import kernels
-from .kernels.row_gradient import row_gradient, row_gradient_reference
-from .kernels.row_update import row_update
+from .dense import DenseWeight, step_dense, steppable_by_kernel
+from .kernels.device import interpreting
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
 BACKENDS = ("auto", "triton", "reference")
-
-
-def _interpreter_on() -> bool:
-    """Whether Triton kernels run in the CPU interpreter (read at call time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
@@ -62,14 +56,14 @@ def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     devices = set(devices)
     needs_interpreter = any(device.type != "cuda" for device in devices)
-    interpreting = _interpreter_on()
+    interpreter_on = interpreting()
     if backend == "reference":
         return "reference"
     if backend == "auto":
         if not kernels.triton_available():
             return "reference"
-        return "triton" if (interpreting or not needs_interpreter) else "reference"
-    if needs_interpreter and not interpreting or not kernels.triton_available():
+        return "triton" if (interpreter_on or not needs_interpreter) else "reference"
+    if needs_interpreter and not interpreter_on or not kernels.triton_available():
         where = sorted({str(device) for device in devices}) or ["no fused weights"]
         raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
                          "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
@@ -147,69 +141,6 @@ class FusedWeight:
 
     def __repr__(self) -> str:
         return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-class DenseWeight:
-    """A 2-D fallback parameter (a vocabulary embedding, a tied or excluded weight) that
-    ``step()`` updates with the fused kernel from its ``.grad``: zero tokens, the gradient as the
-    kernel's accumulator input.
-
-    Why: torch's optimizer keeps such a weight's moments in the weight's dtype, so
-    ``state_dtype="int8"`` would leave Llama-3.1-8B's embedding (6.5% of the model) with bf16
-    moments, and on an H100 torch's fused AdamW took 4.5 ms per step for that embedding and the
-    norms (1.6 TB/s); the kernel streams W and the moments once, in the chosen state format."""
-
-    def __init__(self, name: str, weight: nn.Parameter) -> None:
-        self.name = name
-        self.weight = weight
-        self.group_index = 0
-        self.index = 0
-        self.state: Optional[ParamState] = None
-        self.steps_done = 0
-        """Optimizer steps in which this weight had a gradient; the next update uses steps_done + 1."""
-        # Zero-token activations for the kernel call, made once (the launch plan is cached per layout).
-        self.no_x = weight.detach().new_zeros((0, weight.shape[1]))
-        self.no_dy = weight.detach().new_zeros((0, weight.shape[0]))
-        self.records_rows = False
-        """Set by ``fuse`` when the weight is a ``ForgeEmbedding``'s: its backward calls ``record_rows``
-        and the weight gets no ``.grad``; ``step()`` then updates it with ``kernels.row_update``."""
-        self.padding_idx: Optional[int] = None
-        self.recorded_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(token ids, output gradient) of each backward since the last step (micro-batches add up)."""
-        self.slots: Optional[torch.Tensor] = None
-        """Row r's index in the step's gradient rows, or -1 (``kernels.row_update``); made at the first
-        row step and rewritten in place by every later one."""
-
-    def record_rows(self, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
-        """The ForgeEmbedding backward: keep this use's ids and output gradient for ``step()``."""
-        self.recorded_rows.append((ids.reshape(-1), grad_output.reshape(-1, grad_output.shape[-1])))
-
-    def slot_table(self) -> torch.Tensor:
-        """The int32 slot table (one entry per row), made once: a CUDA graph captured around ``step()``
-        replays the same buffer, and no step allocates a row-sized tensor."""
-        if self.slots is None:
-            self.slots = torch.empty(self.weight.shape[0], dtype=torch.int32, device=self.weight.device)
-        return self.slots
-
-    def slot_table_bytes(self, backend: str) -> int:
-        """Bytes of the slot table a row step on ``backend`` keeps (the reference backend builds none)."""
-        return 4 * self.weight.shape[0] if self.records_rows and backend == "triton" else 0
-
-    def __repr__(self) -> str:
-        return f"DenseWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-def steppable_by_kernel(parameter: nn.Parameter, rule: Rule, backend: str) -> bool:
-    """Whether a fallback parameter can be a ``DenseWeight``: 2-D, fp32 / bf16, contiguous, on a
-    device the backend runs on, and a rule with a Triton epilogue (the reference backend runs the
-    same rule's torch reference)."""
-    if parameter.dim() != 2 or parameter.numel() == 0 or not parameter.is_contiguous():
-        return False
-    if parameter.dtype not in (torch.float32, torch.bfloat16) or rule.epilogue is None:
-        return False
-    if backend == "triton" and parameter.device.type != "cuda" and not _interpreter_on():
-        return False
-    return True
 
 
 def _saved_entry(owner: "FusedWeight | DenseWeight") -> dict[str, Any]:
@@ -379,6 +310,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The 2-D fallback parameters ``step()`` updates with the fused kernel (``DenseWeight``)."""
         return [dense.weight for dense in self._dense]
 
+    def dense_weights(self) -> list[DenseWeight]:
+        """The ``DenseWeight`` of each of ``dense_parameters`` (``fuse`` makes embeddings record rows into them)."""
+        return list(self._dense)
+
     def row_gradient_names(self) -> list[str]:
         """The dense weights whose embedding records its gradient as rows (``forge_core.embedding``):
         they never get a ``.grad``."""
@@ -515,58 +450,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
-        """``step()``'s update of one 2-D fallback parameter from its ``.grad`` or its recorded rows
-        (skipped without either, as torch skips a parameter without a gradient; its step count then
-        stays)."""
-        rows, dense.recorded_rows = dense.recorded_rows, []
-        grad = dense.weight.grad
-        if rows and grad is None:
-            self._step_rows(dense, rows)
-            dense.steps_done += 1
-            return
-        if grad is None:
-            return
-        if rows:                  # the weight was also read outside its embedding: fold the rows in
-            for ids, grad_output in rows:
-                if dense.padding_idx is not None:          # as torch's backward: no gradient for padding
-                    grad_output = grad_output * (ids != dense.padding_idx).unsqueeze(1).to(grad_output.dtype)
-                grad.index_add_(0, ids, grad_output.to(grad.dtype))
-        if grad.is_sparse:
-            raise RuntimeError(f"{dense.name!r} has a sparse gradient (nn.Embedding(sparse=True)); the "
-                               f"{self.rule.name} update needs a dense one")
-        if grad.dtype not in (torch.float32, torch.bfloat16):
-            grad = grad.float()
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
-        with torch.no_grad():
-            self._launch_update(dense, dense.no_x, dense.no_dy, dense.weight, dense.state, grad)
-        dense.steps_done += 1
-
-    def _step_rows(self, dense: DenseWeight, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The dense update of ``dense`` from recorded rows, without its dense gradient: one
-        ``row_update`` pass over every row, reading each touched row's gradient through the slot
-        table (row r -> its index among the T sorted ids; a repeated id's copies are equal, so any one
-        will do). Each element sees the dense step's arithmetic at the dense step's seed (bit for bit
-        in the interpreter; on the GPU up to how the compiler contracts multiply-adds in each kernel),
-        and rows without a gradient read none (12 instead of 14 bytes per element with bf16 states).
-        The slot table is built by device ops only (no host sync), so the step can be captured.
-        The reference backend (the spec) scatters the rows into a dense gradient and steps that."""
-        ids = torch.cat([r[0] for r in rows]) if len(rows) > 1 else rows[0][0]
-        grad_output = torch.cat([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
-        weight = dense.weight.detach()
-        with torch.no_grad():
-            if self.backend != "triton":
-                touched, row_grads = row_gradient_reference(ids, grad_output, weight.dtype, dense.padding_idx)
-                grad = torch.zeros_like(weight)
-                grad[touched] = row_grads
-                self._launch_update(dense, dense.no_x, dense.no_dy, weight, dense.state, grad)
-                return
-            touched, row_grads = row_gradient(ids, grad_output, weight.dtype, dense.padding_idx)
-            slots = dense.slot_table()
-            slots.fill_(-1)
-            slots[touched] = torch.arange(touched.numel(), dtype=torch.int32, device=slots.device)
-            hp, step, arguments = self._update_arguments(dense)
-            row_update(weight, dense.state, hp, step, slots=slots, row_grads=row_grads, **arguments)
+        """``step()``'s update of one 2-D fallback parameter (``forge_core.dense.step_dense``)."""
+        step_dense(dense, rule_name=self.rule.name, backend=self.backend, launch_update=self._launch_update,
+                   update_arguments=self._update_arguments)
 
     def _write_device_scalars(self, group: int) -> None:
         """The group's kernel scalars for step (device count + 1), by device ops only (a fill per

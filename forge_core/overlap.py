@@ -54,7 +54,7 @@ def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[
 
     An eager Llama-8B backward is bound by the host, and this runs once per fused layer (226 times a
     step), so the eager path avoids the public stream API's per-call work (resolving the device,
-    building Stream and Event objects: about 20 us a layer on the H100 hosts, ``scripts/host_cost.py``):
+    building Stream and Event objects: about 20 us a layer on the H100 hosts):
     the current stream comes from its ids through a cache, and the fork re-records one event per
     backward stream (a stream's wait orders after the event's record at the time of the wait, so a
     later record does not disturb an earlier wait). A graph capture runs the public API (it runs once)."""

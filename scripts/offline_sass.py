@@ -33,8 +33,10 @@ import torch
 def _compile(args: argparse.Namespace):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from forge_core.kernels import fused
+    from forge_core.kernels import launch
     from forge_core.kernels.offline_compile import compile_for_gpu
+    from forge_core.kernels.tile_config import TileConfig
+    from forge_core.kernels.tile_kernel import fused_wgrad_update_kernel
     from forge_core.rules import get_rule
     from forge_core.state import ParamState
 
@@ -48,19 +50,20 @@ def _compile(args: argparse.Namespace):
               for _ in rule.state_names]
     x2 = torch.empty((args.tokens, n), dtype=torch.bfloat16)
     dy2 = torch.empty((args.tokens, m), dtype=torch.bfloat16)
-    config = fused.TileConfig(bm, bn, bk, args.group, args.warps, args.stages, prefetch=args.prefetch,
-                              split_n=args.split, max_registers=args.maxnreg, tma=args.tma)
-    meta = fused.kernel_meta(state, x2.dtype, grad_accum=False, stochastic=False, ieee=False,
-                             scalars_in_memory=args.scalars_in_memory)
-    plan = fused._plan(config, x2, dy2, weight, states, scales, None, meta)
+    config = TileConfig(bm, bn, bk, args.group, args.warps, args.stages, prefetch=args.prefetch,
+                        split_n=args.split, max_registers=args.maxnreg, tma=args.tma)
+    meta = launch.kernel_meta(state, x2.dtype, grad_accum=False, stochastic=False, ieee=False,
+                              scalars_in_memory=args.scalars_in_memory)
+    plan = launch.make_plan(config, x2, dy2, weight, states, scales, None, meta)
     kwargs = dict(plan.kwargs, TMA=args.tma)        # the plan says no TMA: its tensors are not on a GPU
     descriptors = ((TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bk, bn]),
                     TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [bk, bm])) if args.tma else (None, None))
-    scalars = torch.empty(fused.NUM_SCALARS, dtype=torch.float32) if args.scalars_in_memory else (0.5,) * fused.NUM_SCALARS
-    call = (x2, dy2, *descriptors, *fused.kernel_args(plan, x2, dy2, scalars, 1))
+    scalars = (torch.empty(launch.NUM_SCALARS, dtype=torch.float32) if args.scalars_in_memory
+               else (0.5,) * launch.NUM_SCALARS)
+    call = (x2, dy2, *descriptors, *launch.kernel_args(plan, x2, dy2, scalars, 1))
 
     overrides = {} if args.fp_fusion is None else {"enable_fp_fusion": args.fp_fusion}
-    compiled = compile_for_gpu(fused._fused_wgrad_update_kernel, call, kwargs, 90, **overrides)
+    compiled = compile_for_gpu(fused_wgrad_update_kernel, call, kwargs, 90, **overrides)
     threads = 32 * args.warps
     return compiled, bm * bn // threads
 

@@ -15,6 +15,6 @@ if not torch.cuda.is_available():
 # decorate them for the GPU, and a later test in the same process would run them in a half-set-up
 # interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel"; seen running
 # tests/test_cell.py alone).
-import forge_core.kernels.fused  # noqa: E402,F401
+import forge_core.kernels.dispatch  # noqa: E402,F401
 import forge_core.kernels.rowwise  # noqa: E402,F401
 import forge_core.lm_head_loss  # noqa: E402,F401

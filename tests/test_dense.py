@@ -110,7 +110,7 @@ def test_a_weight_without_gradient_is_skipped_and_keeps_its_step_count() -> None
     _train(model, opt, _batches(1, "cpu"))
     model.embed.weight.requires_grad_(True)
     assert torch.equal(model.embed.weight, before)
-    assert "DenseWeight('embed.weight'" in repr(opt._dense[0]) and opt._dense[0].steps_done == 0
+    assert "DenseWeight('embed.weight'" in repr(opt.dense_weights()[0]) and opt.dense_weights()[0].steps_done == 0
     _train(model, opt, _batches(1, "cpu"))
     assert opt._dense[0].steps_done == 1
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_core.kernels import fused_wgrad_update, hopper_ws, ws_choice
+from forge_core.kernels import fused_wgrad_update, hopper_ws, tile_kernel, tuning, ws_choice
+from forge_core.kernels.dispatch import WsPlan
+from forge_core.kernels.launch import kernel_scalars
 from forge_core.kernels.hopper_ws import WsConfig, config_problem, unsupported_reason
 from forge_core.rules import get_rule
 from forge_core.state import ParamState
@@ -165,40 +167,40 @@ def test_the_direct_launch_encodes_w_and_states_once_and_the_activations_per_lau
     """With Triton 3.6's launcher layout, a later launch of a chosen plan hands the raw launcher what
     the JIT would: the base arguments, the five tensor maps (x2's and dy2's encoded per launch, W's
     and the states' once, when the launcher is built), then the kernel's other arguments in
-    ``_kernel_call``'s order, then its constexprs. It steps aside (False) for calls the compiled
+    ``kernel_call``'s order, then its constexprs. It steps aside (False) for calls the compiled
     kernel was not specialised for."""
     import triton
 
     from fake_triton_launch import descriptor_meta, install
-    from forge_core.kernels import fused as fused_module
+    from forge_core.kernels.direct_launch import constexpr_tail
 
     config = ws_choice.CANDIDATES[1]
     fake = install(monkeypatch, set(range(5)), [descriptor_meta([config.block_k, config.block_n]),
                                                 descriptor_meta([config.block_k, config.block_m])]
                    + [descriptor_meta([config.slab_m, config.slab_n])] * 3)
-    monkeypatch.setattr(hopper_ws, "_sm_count", lambda index: 6)
+    monkeypatch.setattr(hopper_ws, "sm_count", lambda index: 6)
     x2, dy2, weight, states = _call(m=256, n=512, k=64)
     epilogue = get_rule("adamw").epilogue
     scalars = tuple(float(i) / 8 for i in range(8))
-    launch = hopper_ws.direct_launcher(fake.compiled, x2, dy2, weight, states, None, epilogue, scalars, config,
+    direct = hopper_ws.direct_launcher(fake.compiled, x2, dy2, weight, states, None, epilogue, scalars, config,
                                        (False, True))
     assert [e[2] for e in fake.encoded] == [(config.slab_m, config.slab_n)] * 3, "W and the states, once"
     x_next = torch.ones_like(x2)
-    assert launch(x_next, dy2, scalars) is True
+    assert direct(x_next, dy2, scalars) is True
     (call,) = fake.calls
     hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
     assert call[:13] == (6, 1, 1, 99, "function-handle", False, True, None, None, "packed", None, *hooks)
     maps = [call[13 + 5 * i: 18 + 5 * i] for i in range(5)]
     for tensor, encoded in zip((x_next, dy2, weight, *states), maps):
         assert encoded == (f"map@{tensor.data_ptr()}", *tensor.shape, *tensor.stride())
-    args, kwargs = hopper_ws._kernel_call(x_next, dy2, weight, states, None, epilogue, scalars, config, (False, True))
-    names = fused_module._constexpr_tail(hopper_ws._ws_fused_kernel)
+    args, kwargs = hopper_ws.kernel_call(x_next, dy2, weight, states, None, epilogue, scalars, config, (False, True))
+    names = constexpr_tail(hopper_ws.ws_fused_kernel)
     assert names[0] == "EPILOGUE" and names[-1] == "PREFETCH_SCALES"
     assert call[38:] == args[5:] + tuple(kwargs[name] for name in names)
     assert len(fake.encoded) == 5, "x2 and dy2 per launch"
-    assert launch(x2, dy2, torch.zeros(8)) is False, "compiled for scalars as arguments"
+    assert direct(x2, dy2, torch.zeros(8)) is False, "compiled for scalars as arguments"
     states[1].set_(torch.zeros_like(states[1]))
-    assert launch(x2, dy2, scalars) is False, "a state tensor moved: its tensor map is stale"
+    assert direct(x2, dy2, scalars) is False, "a state tensor moved: its tensor map is stale"
     assert len(fake.calls) == 1
     fake.driver._BASE_ARGS_FORMAT = "another layout"
     assert hopper_ws.direct_launcher(fake.compiled, x2, dy2, weight, states, None, epilogue, scalars, config,
@@ -232,10 +234,9 @@ def _copy(weight, state):
 
 
 def _launch(x, dy, weight, state, hp, step, config, scalars=None):
-    from forge_core.kernels.fused import _kernel_scalars
     rule = state.rule
     hopper_ws.launch(x, dy, weight, [state.values[n] for n in rule.state_names], rule.epilogue,
-                     _kernel_scalars(rule, hp, step) if scalars is None else scalars, config,
+                     kernel_scalars(rule, hp, step) if scalars is None else scalars, config,
                      scales=[state.scales[n] for n in rule.state_names],
                      sqrt_domain=tuple(state.is_sqrt_domain(n) for n in rule.state_names))
 
@@ -290,12 +291,11 @@ def test_int8_states_are_requantized_as_the_triton_kernel_does(rule_name, config
 
 @needs_hopper
 def test_scalars_from_device_memory_give_the_same_step():
-    from forge_core.kernels.fused import _kernel_scalars
     x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
     a, sa = _copy(weight, state)
     b, sb = _copy(weight, state)
     rule = state.rule
-    scalars = _kernel_scalars(rule, HP["adamw"], 3)
+    scalars = kernel_scalars(rule, HP["adamw"], 3)
     config = ws_choice.CANDIDATES[1]
     hopper_ws.launch(x, dy, a, [sa.values[n] for n in rule.state_names], rule.epilogue, scalars, config)
     buffer = torch.tensor(scalars, dtype=torch.float32, device="cuda")
@@ -306,15 +306,15 @@ def test_scalars_from_device_memory_give_the_same_step():
 
 
 def test_the_program_cap_bounds_the_persistent_grid(monkeypatch):
-    monkeypatch.setattr(hopper_ws, "_sm_count", lambda device_index: 132)
+    monkeypatch.setattr(hopper_ws, "sm_count", lambda device_index: 132)
     weight = torch.empty(1024, 4096)                        # 8 x 32 = 256 tiles of 128x128
     config = ws_choice.CANDIDATES[0]
-    assert hopper_ws._grid_size(weight, config, 0) == 132
+    assert hopper_ws.grid_size(weight, config, 0) == 132
     monkeypatch.setattr(hopper_ws, "PROGRAM_CAP", 100)
-    assert hopper_ws._grid_size(weight, config, 0) == 100
-    assert hopper_ws._grid_size(torch.empty(128, 512), config, 0) == 4     # fewer tiles than programs
+    assert hopper_ws.grid_size(weight, config, 0) == 100
+    assert hopper_ws.grid_size(torch.empty(128, 512), config, 0) == 4     # fewer tiles than programs
     monkeypatch.setattr(hopper_ws, "PROGRAM_CAP", 0)
-    assert hopper_ws._grid_size(weight, config, 0) == 1
+    assert hopper_ws.grid_size(weight, config, 0) == 1
 
 
 @needs_hopper
@@ -349,10 +349,9 @@ def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch,
     """fused_wgrad_update with tuning on: whichever kernel ws_choice picks, the step matches the
     reference, and the choice is recorded (tune cache entry, describe_tuned_configs)."""
     import json
-    import forge_core.kernels.fused as fused_module
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
-    monkeypatch.setattr(fused_module, "_TUNED", {})
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(tuning, "TUNED", {})
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})
     monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:2])
     x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
     before = weight.float()
@@ -363,8 +362,8 @@ def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch,
     torch.testing.assert_close(weight.float(), w32, rtol=1e-2, atol=(w32 - before).abs().max().item() * 0.05)
     entries = json.loads((tmp_path / "tc.json").read_text())["entries"]
     assert any("hopper_ws" in key for key in entries)
-    described = fused_module.describe_tuned_configs()["1024x4096/bt512/adamw/bf16"]
-    chosen = ws_choice._CHOSEN[next(iter(ws_choice._CHOSEN))]
+    described = tuning.describe_tuned_configs()["1024x4096/bt512/adamw/bf16"]
+    chosen = ws_choice.CHOSEN[next(iter(ws_choice.CHOSEN))]
     assert described.startswith("hopper_ws") == (chosen is not None)
 
 
@@ -372,11 +371,9 @@ def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch,
 def test_a_capturable_call_is_decided_on_graph_timings(monkeypatch, tmp_path):
     """Scalars in device memory (a step made to be captured): both kernels are timed in CUDA graphs,
     and the step still matches the reference."""
-    import forge_core.kernels.fused as fused_module
-    from forge_core.kernels.fused import _kernel_scalars
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
-    monkeypatch.setattr(fused_module, "_TUNED", {})
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(tuning, "TUNED", {})
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})
     monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:1])
     monkeypatch.setattr(ws_choice, "BF16_ONLY", ())          # one candidate: one timing, then the rounds
     graph_timings = []
@@ -385,10 +382,10 @@ def test_a_capturable_call_is_decided_on_graph_timings(monkeypatch, tmp_path):
     x, dy, weight, state = _problem("adamw", 4096, 4096, 512)
     before = weight.float()
     states32 = {n: state.values[n].float() for n in state.rule.state_names}
-    buffer = torch.tensor(_kernel_scalars(state.rule, HP["adamw"], 4), dtype=torch.float32, device="cuda")
+    buffer = torch.tensor(kernel_scalars(state.rule, HP["adamw"], 4), dtype=torch.float32, device="cuda")
     fused_wgrad_update(x, dy, weight, state, HP["adamw"], 4, device_scalars=buffer)
     assert len(graph_timings) == 1 + 2 * ws_choice.ROUNDS and all(t > 0 for t in graph_timings)
-    assert all(key[-1] == "graph" for key in ws_choice._CHOSEN)
+    assert all(key[-1] == "graph" for key in ws_choice.CHOSEN)
     w32 = before.clone()
     state.rule.reference(w32, dy.float().t() @ x.float(), states32, HP["adamw"], 4)
     torch.testing.assert_close(weight.float(), w32, rtol=1e-2, atol=(w32 - before).abs().max().item() * 0.05)
@@ -403,21 +400,19 @@ def test_direct_launches_give_the_jit_launch_bits(monkeypatch, state_dtype, conf
     step), with the scalars as arguments and in device memory."""
     import triton
 
-    from forge_core.kernels.fused import _kernel_scalars, _WsPlan
-
-    kernel = hopper_ws._ws_fused_kernel
+    kernel = hopper_ws.ws_fused_kernel
     _, _, weight, state = _problem("adamw", 1024, 4096, 520, state_dtype=state_dtype)
     (w_direct, s_direct), (w_jit, s_jit) = _copy(weight, state), _copy(weight, state)
     rule = state.rule
 
     def plan(w, s):
-        return _WsPlan(config, w, [s.values[n] for n in rule.state_names], [s.scales[n] for n in rule.state_names],
+        return WsPlan(config, w, [s.values[n] for n in rule.state_names], [s.scales[n] for n in rule.state_names],
                        rule.epilogue, tuple(s.is_sqrt_domain(n) for n in rule.state_names))
 
     direct_plan = plan(w_direct, s_direct)
     buffer = torch.zeros(8, dtype=torch.float32, device="cuda")
     for step in range(1, 4):
-        scalars = _kernel_scalars(rule, dict(HP["adamw"], lr=1e-3 * step), step)
+        scalars = kernel_scalars(rule, dict(HP["adamw"], lr=1e-3 * step), step)
         if device_scalars:
             buffer.copy_(torch.tensor(scalars))
             scalars = buffer
@@ -427,7 +422,7 @@ def test_direct_launches_give_the_jit_launch_bits(monkeypatch, state_dtype, conf
         monkeypatch.setattr(kernel, "run", lambda *a, **k: (jit_calls.append(1), real_run(*a, **k))[1])
         direct_plan.run(x, dy, scalars)
         monkeypatch.setattr(kernel, "run", real_run)
-        if triton.__version__.startswith("3.6."):       # the launcher layout fused._raw_tma_launch knows
+        if triton.__version__.startswith("3.6."):       # the launcher layout raw_tma_launch knows
             assert direct_plan.direct is not None
             assert len(jit_calls) == (1 if step == 1 else 0), f"step {step}: the plan must skip the JIT"
         monkeypatch.setenv("FORGE_DIRECT_LAUNCH", "0")
@@ -444,22 +439,20 @@ def test_direct_launches_give_the_jit_launch_bits(monkeypatch, state_dtype, conf
 def test_an_eager_choice_times_both_kernels_through_direct_launches(monkeypatch, tmp_path):
     """Scalars as arguments (an eager step): the choice's do_bench timings of the Triton tile and of
     the Gluon candidate launch without either JIT after each plan's first launch, as the eager steps
-    after the choice do (a JIT launch costs 100-240 us of host time, session 21)."""
+    after the choice do (a JIT launch costs 100-240 us of host time)."""
     import triton
-
-    import forge_core.kernels.fused as fused_module
 
     if not triton.__version__.startswith("3.6."):
         pytest.skip("the direct launches need Triton 3.6's launcher layout")
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
-    monkeypatch.setattr(fused_module, "_TUNED", {})
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(tuning, "TUNED", {})
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})
     monkeypatch.setattr(ws_choice, "CANDIDATES", ws_choice.CANDIDATES[:1])
     jit_launches = []
-    for kernel in (fused_module._fused_wgrad_update_kernel, hopper_ws._ws_fused_kernel):
+    for kernel in (tile_kernel.fused_wgrad_update_kernel, hopper_ws.ws_fused_kernel):
         monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **k: (jit_launches.append(1), _run(*a, **k))[1])
     through_jit = []
-    real_bench = fused_module._bench_ms
+    real_bench = tuning.bench_ms
 
     def bench(fn):
         fn()                                   # a plan's first launch is the JIT's
@@ -468,7 +461,7 @@ def test_an_eager_choice_times_both_kernels_through_direct_launches(monkeypatch,
         through_jit.append(len(jit_launches) - before)
         return ms
 
-    monkeypatch.setattr(fused_module, "_bench_ms", bench)
+    monkeypatch.setattr(tuning, "bench_ms", bench)
     x, dy, weight, state = _problem("adamw", 1024, 4096, 512)
     fused_wgrad_update(x, dy, weight, state, HP["adamw"], 5)
     choice_timings = through_jit[-(1 + 2 * ws_choice.ROUNDS):]     # the candidate, then the round-robin

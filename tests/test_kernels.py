@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import forge_core.kernels.fused as fused_module
-from forge_core.kernels import fused_wgrad_update, reference_wgrad_update
-from forge_core.kernels.fused import (TileConfig, candidate_configs, config_space, default_config, fits,
-                                      tune_config)
+from forge_core.kernels import (dispatch, fused_wgrad_update, launch, reference_wgrad_update, tile_config,
+                                tile_kernel, tuning)
+from forge_core.kernels.direct_launch import constexpr_tail
+from forge_core.kernels.tile_config import TileConfig, candidate_configs, config_space, default_config, fits
+from forge_core.kernels.tuning import tune_config
 from forge_core.kernels.reference import flatten_tokens
 from forge_core.rules import get_rule
 from forge_core.state import QBLOCK, STATE_DTYPES, ParamState
@@ -330,9 +331,9 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     candidates = [TileConfig(32, 64, 32, 8, 4, 1), TileConfig(64, 64, 32, 8, 4, 1)]
     launched = []
     timed = []
-    original_run = fused_module._run
+    original_run = launch.run_plan
 
-    def tracking_run(plan, *args):                       # every launch, tuning or real, goes through _run
+    def tracking_run(plan, *args):                       # every launch, tuning or real, goes through run_plan
         launched.append((plan.config, plan.fixed_args[0].data_ptr()))   # fixed_args[0]: the weight written
         return original_run(plan, *args)
 
@@ -347,11 +348,11 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
         return ({32: 2.0, 64: 1.0}[config.block_m] - (0.5 if config.group == 32 else 0.0)
                 - (0.25 if config.prefetch and config.block_m == 64 else 0.0))
 
-    monkeypatch.setattr(fused_module, "candidate_configs", lambda m, n, k, b: candidates)
-    monkeypatch.setattr(fused_module, "_bench_ms", fake_bench)
-    monkeypatch.setattr(fused_module, "_run", tracking_run)
-    monkeypatch.setattr(fused_module, "use_fixed_config", lambda: False)
-    monkeypatch.setattr(fused_module, "_TUNED", {})
+    monkeypatch.setattr(tuning, "candidate_configs", lambda m, n, k, b: candidates)
+    monkeypatch.setattr(tuning, "bench_ms", fake_bench)
+    monkeypatch.setattr(launch, "run_plan", tracking_run)
+    monkeypatch.setattr(tuning, "use_fixed_config", lambda: False)
+    monkeypatch.setattr(tuning, "TUNED", {})
     monkeypatch.setenv("FORGE_AUTOTUNE", "1")
     fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 1)
     reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 1)
@@ -366,7 +367,7 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
         (16, True, None, True), (32, True, None, True)]
     real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
     assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1, prefetch=True)], "one real launch, with the winner"
-    assert list(fused_module.tuned_configs().values()) == real_launches
+    assert list(tuning.tuned_configs().values()) == real_launches
     _assert_storage_close(w_real, w_ref, "weight after tuned step")
     for name in s_ref.values:
         _assert_storage_close(s_real.values[name], s_ref.values[name], name)
@@ -377,20 +378,20 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
 
 def test_register_cap_keeps_sixteen_warps_per_sm():
     config = TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
-    assert fused_module.sixteen_warps_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,
+    assert tuning.sixteen_warps_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,
                                                                    max_registers=128)     # two programs
-    assert fused_module.sixteen_warps_per_sm(TileConfig(64, 64, 32, 8, 4, 6)) == TileConfig(
+    assert tuning.sixteen_warps_per_sm(TileConfig(64, 64, 32, 8, 4, 6)) == TileConfig(
         64, 64, 32, 8, 4, 6, max_registers=128)                                           # four programs
-    assert fused_module.sixteen_warps_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
+    assert tuning.sixteen_warps_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
 
 
 def test_prefetch_variants_are_what_the_tuner_and_the_sweep_time():
     config = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
-    assert fused_module.prefetch_variants(config) == [
+    assert tuning.prefetch_variants(config) == [
         config, dataclasses.replace(config, prefetch=True), dataclasses.replace(config, prefetch=True, max_registers=128)]
     capped = TileConfig(64, 64, 32, 8, 4, 6, max_registers=96)      # already capped: no second cap
-    assert fused_module.prefetch_variants(capped) == [capped, dataclasses.replace(capped, prefetch=True)]
-    assert fused_module.prefetch_variants(config, ()) == []
+    assert tuning.prefetch_variants(capped) == [capped, dataclasses.replace(capped, prefetch=True)]
+    assert tuning.prefetch_variants(config, ()) == []
 
 
 def _fake_timing(cost):
@@ -516,7 +517,7 @@ def test_gpu_changing_lr_does_not_recompile():
     state = ParamState(weight, get_rule("adamw"), "bf16")
     config = default_config(256, 256, 128, 2)
     fused_wgrad_update(x, dy, weight, state, dict(HP["adamw"], lr=1e-3), 1, config=config)
-    kernel = fused_module._fused_wgrad_update_kernel
+    kernel = tile_kernel.fused_wgrad_update_kernel
     compiled = sum(len(c) for c in kernel.device_caches.values()) if hasattr(kernel, "device_caches") else None
     for step, lr in enumerate([2e-3, 5e-4, 1e-5], start=2):
         fused_wgrad_update(x, dy, weight, state, dict(HP["adamw"], lr=lr), step, config=config)
@@ -538,8 +539,8 @@ def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
     """The per-weight launch plan (host-overhead cache) must never serve stale arguments: a new lr
     and step, a new token count and a replaced state tensor all reach the kernel."""
     launches = []
-    real_run = fused_module._run
-    monkeypatch.setattr(fused_module, "_run", lambda plan, *a: (launches.append(plan), real_run(plan, *a))[1])
+    real_run = launch.run_plan
+    monkeypatch.setattr(launch, "run_plan", lambda plan, *a: (launches.append(plan), real_run(plan, *a))[1])
     (w_ours, s_ours), (w_ref, s_ref) = _pair(torch.randn(70, 90), "adamw", "fp32")
     hp = dict(HP["adamw"])
     cached = []
@@ -551,12 +552,12 @@ def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
                 state.values["exp_avg"] = state.values["exp_avg"].clone()
         # a pinned config: plans are cached for tuned and pinned configs, not for the untuned
         # default this file's GPU runs use (FORGE_AUTOTUNE=0)
-        fused_wgrad_update(x, dy, w_ours, s_ours, hp, step, config=fused_module.INTERPRETER_CONFIG)
+        fused_wgrad_update(x, dy, w_ours, s_ours, hp, step, config=tile_config.INTERPRETER_CONFIG)
         reference_wgrad_update(x, dy, w_ref, s_ref, hp, step)
         _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
         for name in s_ref.values:
             _assert_storage_close(s_ours.values[name], s_ref.values[name], f"{name}, step {step}")
-        (plan,) = fused_module._PLANS[s_ours].values()
+        (plan,) = dispatch.PLANS[s_ours].values()
         cached.append(plan)
     assert launches[1] is cached[0] and cached[1] is cached[0], "the same layout must reuse its plan"
     assert cached[2] is not cached[1] and launches[2] is not cached[1], "a new token count needs a new plan"
@@ -594,28 +595,28 @@ def test_direct_launcher_passes_runtime_arguments_then_constexprs(monkeypatch):
 
     active = FakeActive()
     monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": active})())
-    names = fused_module._constexpr_tail()
+    names = constexpr_tail(tile_kernel.fused_wgrad_update_kernel)
     assert names[0] == "EPILOGUE" and names[-1] == "QB" and "seed" not in names
     kwargs = {name: f"value-of-{name}" for name in names}
     kwargs.update(num_warps=4, num_stages=2)          # launch options, not kernel parameters
-    plan = fused_module._LaunchPlan(TileConfig(32, 64, 32, 8, 4, 1), (7,), (), kwargs)
-    launch = fused_module._direct_launcher(FakeCompiled(), plan)
+    plan = launch.LaunchPlan(TileConfig(32, 64, 32, 8, 4, 1), (7,), (), kwargs)
+    direct = launch.direct_launcher(FakeCompiled(), plan)
     runtime_args = ("x2", "dy2", 5, 0.5)
-    assert launch(runtime_args) is True
+    assert direct(runtime_args) is True
     (call,) = calls
     constexprs = tuple(f"value-of-{name}" for name in names)
     assert call[:7] == (7, 1, 1, 1003, "function-handle", "packed", ("metadata", (7,), 1003, 4 + len(names)))
     assert call[9:] == runtime_args + constexprs
     active.device = 0
-    assert launch(runtime_args) is False and len(calls) == 1, "another current device: the JIT path must run"
-    assert fused_module._direct_launcher(object(), plan) is None
+    assert direct(runtime_args) is False and len(calls) == 1, "another current device: the JIT path must run"
+    assert launch.direct_launcher(object(), plan) is None
 
 
 def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     """With Triton 3.6's launcher layout, a TMA plan's direct launch hands the raw launcher what
     Triton's descriptor wrapper would: the base arguments, then x2 and dy2, each descriptor as
     (tensor map from the kernel's own descriptor metadata, shape, strides), the rest, the constexprs;
-    and ``_run`` builds no TensorDescriptor for it. Another layout keeps the plain direct launch."""
+    and ``run_plan`` builds no TensorDescriptor for it. Another layout keeps the plain direct launch."""
     import triton
 
     from fake_triton_launch import descriptor_meta, install
@@ -623,17 +624,17 @@ def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     fake = install(monkeypatch, {2, 3}, [descriptor_meta([32, 64]), descriptor_meta([32, 128], swizzle=64)])
     FakeCompiled = type(fake.compiled)
     calls, encoded = fake.calls, fake.encoded
-    names = fused_module._constexpr_tail()
+    names = constexpr_tail(tile_kernel.fused_wgrad_update_kernel)
     kwargs = {name: f"value-of-{name}" for name in names}
     kwargs["TMA"] = True
-    plan = fused_module._LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
-    plan.direct = fused_module._direct_launcher(FakeCompiled(), plan)
+    plan = launch.LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
+    plan.direct = launch.direct_launcher(FakeCompiled(), plan)
     assert plan.direct_builds_descriptors
     x2, dy2 = torch.zeros(48, 200, dtype=torch.bfloat16), torch.zeros(48, 136, dtype=torch.bfloat16)
     weight = torch.zeros(136, 200, dtype=torch.bfloat16)
     plan.fixed_args = (weight, weight, weight, weight, weight, 136, 200, 48, 200, 1, 200, 1, 1, 200, 1)
-    monkeypatch.setattr(fused_module, "TensorDescriptor", lambda *a, **k: pytest.fail("no descriptor objects"))
-    assert fused_module._run(plan, x2, dy2, (0.5,) * fused_module.NUM_SCALARS, 7) is None
+    monkeypatch.setattr(launch, "TensorDescriptor", lambda *a, **k: pytest.fail("no descriptor objects"))
+    assert launch.run_plan(plan, x2, dy2, (0.5,) * launch.NUM_SCALARS, 7) is None
     (call,) = calls
     hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
     assert call[:13] == (5, 1, 1, 99, "function-handle", False, True, None, None, "packed", None, *hooks)
@@ -643,8 +644,8 @@ def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     assert call[25] is weight and call[-len(names):] == tuple(kwargs[name] for name in names)
     assert encoded == [(128, 6, (32, 64), 0), (64, 6, (32, 128), 0)]
     fake.driver._BASE_ARGS_FORMAT = "another layout"
-    other = fused_module._LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
-    assert fused_module._direct_launcher(FakeCompiled(), other) is not None
+    other = launch.LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
+    assert launch.direct_launcher(FakeCompiled(), other) is not None
     assert not other.direct_builds_descriptors
 
 
@@ -655,10 +656,10 @@ def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
     """A cached plan launches without the JIT from its second step: the weights and states must be
     bit-identical to launches through the JIT at every step, for seeds that the JIT used to specialise
     on (divisible by 16, equal to 1), with stochastic rounding drawing from them. On Triton 3.6 a TMA
-    plan's direct launch encodes its own tensor maps (``_raw_tma_launch``): the same bits again."""
+    plan's direct launch encodes its own tensor maps (``raw_tma_launch``): the same bits again."""
     import triton
 
-    kernel = fused_module._fused_wgrad_update_kernel
+    kernel = tile_kernel.fused_wgrad_update_kernel
     config = TileConfig(64, 128, 32, 8, 4, 3, split_n=2, tma=tma)       # int8: slabs of whole 64-blocks
     (w_direct, s_direct), (w_jit, s_jit) = _pair(torch.randn(136, 200).bfloat16(), "adamw", state_dtype)
     hp = dict(HP["adamw"])
@@ -671,13 +672,13 @@ def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
         fused_wgrad_update(x, dy, w_direct, s_direct, hp, step, config=config, stochastic_rounding=True, seed=seed)
         assert len(jit_calls) == (1 if step == 1 else 0), f"step {step}: the cached plan must skip the JIT"
         monkeypatch.setenv("FORGE_DIRECT_LAUNCH", "0")
-        fused_module._PLANS.pop(s_jit, None)        # a fresh plan: its first (JIT) launch is the one compared
+        dispatch.PLANS.pop(s_jit, None)        # a fresh plan: its first (JIT) launch is the one compared
         fused_wgrad_update(x, dy, w_jit, s_jit, hp, step, config=config, stochastic_rounding=True, seed=seed)
         monkeypatch.delenv("FORGE_DIRECT_LAUNCH")
         monkeypatch.setattr(kernel, "run", real_run)
-        (plan,) = fused_module._PLANS[s_direct].values()
+        (plan,) = dispatch.PLANS[s_direct].values()
         assert plan.direct is not None
-        if tma and triton.__version__.startswith("3.6."):      # the layout _raw_tma_launch knows
+        if tma and triton.__version__.startswith("3.6."):      # the layout raw_tma_launch knows
             assert plan.direct_builds_descriptors
         assert torch.equal(w_direct, w_jit), f"weight, step {step}"
         for name in s_jit.values:
@@ -687,12 +688,12 @@ def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
 def test_tuned_configs_are_described_per_weight_shape(monkeypatch):
     """A benchmark row names the tile that ran each shape, so two timings can be told apart."""
     key = ((4096, 1024), 512, torch.bfloat16, torch.bfloat16, "adamw", "int8", False, False, False, "cuda:0")
-    config = fused_module.TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
-    monkeypatch.setattr(fused_module, "_TUNED", {key: config})
-    assert fused_module.describe_tuned_configs() == {"4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch"}
+    config = TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
+    monkeypatch.setattr(tuning, "TUNED", {key: config})
+    assert tuning.describe_tuned_configs() == {"4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch"}
     # a winner that loads its main loop through pointers instead of TMA says so
-    monkeypatch.setattr(fused_module, "_TUNED", {key: dataclasses.replace(config, tma=False, max_registers=128)})
-    assert fused_module.describe_tuned_configs() == {
+    monkeypatch.setattr(tuning, "TUNED", {key: dataclasses.replace(config, tma=False, max_registers=128)})
+    assert tuning.describe_tuned_configs() == {
         "4096x1024/bt512/adamw/int8": "64x128x64 w8 s4 g8 split2 prefetch maxnreg128 pointers"}
 
 
@@ -710,7 +711,7 @@ def test_tma_and_pointer_main_loops_give_the_same_bits(shape, state_dtype):
         (weight, state), _ = _pair(torch.randn(dout, din, generator=torch.Generator().manual_seed(3),
                                                device="cpu").to(DEVICE, torch.bfloat16), "adamw", state_dtype)
         fused_wgrad_update(x, dy, weight, state, HP["adamw"], 2, config=config)
-        (plan,) = fused_module._PLANS[state].values()
+        (plan,) = dispatch.PLANS[state].values()
         if DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9:
             assert plan.tma == tma, "the plan must take the TMA path exactly when asked"
             assert plan.kwargs["TMA"] == tma
@@ -725,13 +726,13 @@ def test_tma_needs_sixteen_bit_unit_stride_aligned_inputs():
     """Inputs the TMA hardware cannot take fall back to pointer loads instead of failing."""
     x = torch.randn(64, 96).bfloat16()
     dy = torch.randn(64, 40).bfloat16()
-    assert fused_module.tma_inputs(x, dy) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
-    assert not fused_module.tma_inputs(x.float(), dy.float()), "fp32 inputs keep the pointer path"
-    assert not fused_module.tma_inputs(x[:0], dy[:0]), "no tokens: nothing to describe"
-    assert not fused_module.tma_inputs(x[:, 1:], dy[:, 1:]), "a base off the 16-byte grid"
-    assert not fused_module.tma_inputs(x[:, ::2], dy[:, ::2]), "a feature stride other than 1"
+    assert launch.tma_inputs(x, dy) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not launch.tma_inputs(x.float(), dy.float()), "fp32 inputs keep the pointer path"
+    assert not launch.tma_inputs(x[:0], dy[:0]), "no tokens: nothing to describe"
+    assert not launch.tma_inputs(x[:, 1:], dy[:, 1:]), "a base off the 16-byte grid"
+    assert not launch.tma_inputs(x[:, ::2], dy[:, ::2]), "a feature stride other than 1"
     wide = torch.randn(64, 97).bfloat16()
-    assert not fused_module.tma_inputs(wide[:, :96], dy), "a row stride of 194 bytes"
+    assert not launch.tma_inputs(wide[:, :96], dy), "a row stride of 194 bytes"
 
 
 def test_misaligned_activations_take_the_pointer_path_and_stay_right():
@@ -746,7 +747,7 @@ def test_misaligned_activations_take_the_pointer_path_and_stay_right():
         dy = base_dy[:, offset:offset + 70]
         fused_wgrad_update(x, dy, w_ours, s_ours, HP["adamw"], step, config=config)
         reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], step)
-        (plan,) = fused_module._PLANS[s_ours].values()
+        (plan,) = dispatch.PLANS[s_ours].values()
         assert plan.tma == (tma_expected and offset == 0), f"offset {offset}"
         _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
         w_ref.copy_(w_ours)
@@ -754,17 +755,17 @@ def test_misaligned_activations_take_the_pointer_path_and_stay_right():
 
 
 def test_a_gpu_launch_asks_for_fp_fusion_and_keeps_its_register_cap(monkeypatch):
-    """The int8 codes are one FFMA (y * inverse + 1.5 * 2^23, _int8_codes): Triton 3.10 turns FP fusion
+    """The int8 codes are one FFMA (y * inverse + 1.5 * 2^23, codec.int8_codes): Triton 3.10 turns FP fusion
     off by default, so the launch asks for it rather than inherit the default."""
-    monkeypatch.setattr(fused_module, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
     weight = torch.zeros(64, 64)
     state = ParamState(weight, get_rule("adamw"), "int8")
     x2, dy2 = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
     meta = dict(EPILOGUE=get_rule("adamw").epilogue)
     states = list(state.values.values())
     scales = list(state.scales.values())
-    capped = fused_module._plan(TileConfig(64, 64, 32, 8, 4, 2, max_registers=128), x2, dy2, weight, states, scales,
-                                None, meta)
+    capped = launch.make_plan(TileConfig(64, 64, 32, 8, 4, 2, max_registers=128), x2, dy2, weight, states, scales,
+                              None, meta)
     assert capped.kwargs["enable_fp_fusion"] is True and capped.kwargs["maxnreg"] == 128
-    uncapped = fused_module._plan(TileConfig(64, 64, 32, 8, 4, 2), x2, dy2, weight, states, scales, None, meta)
+    uncapped = launch.make_plan(TileConfig(64, 64, 32, 8, 4, 2), x2, dy2, weight, states, scales, None, meta)
     assert uncapped.kwargs["enable_fp_fusion"] is True and "maxnreg" not in uncapped.kwargs

@@ -83,7 +83,7 @@ def test_rms_norm_kernels_match_the_reference(dtype, width, path):
     torch.testing.assert_close(rstd, rstd_ref, rtol=1e-6, atol=0)
     if CUDA:   # the same rstd gives the same bits (the interpreter's bf16 casts truncate instead of rounding)
         assert torch.equal(lean.rowwise.rms_norm_forward(x, weight, eps, rstd_ref)[0],
-                           lean._normalize(x, weight, rstd_ref))
+                           lean.rms_normalize(x, weight, rstd_ref))
     torch.testing.assert_close(y, y_ref, rtol=BF16_RTOL if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
     assert torch.equal(lean.rowwise.rms_norm_forward(x, weight, eps, rstd)[0], y)   # recomputation: same bits
     dx_ref, dw_ref = lean.rms_norm_backward_reference(x, weight, rstd_ref, dy)
@@ -146,13 +146,13 @@ class _CountPacked:
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
-        original = lean._Scope.pack
+        original = lean.SavedTensorScope.pack
 
         def pack(scope, saved):
             stored = original(scope, saved)
             self.count += isinstance(stored, lean._Packed)
             return stored
-        monkeypatch.setattr(lean._Scope, "pack", pack)
+        monkeypatch.setattr(lean.SavedTensorScope, "pack", pack)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -215,7 +215,7 @@ def test_recipe_input_changed_in_place_is_an_error():
     def block(gate, up):
         return (lean.lean_swiglu(gate, up) * weight).sum()     # the mul saves the product: a recipe
     gate = torch.randn(4, 8, requires_grad=True) * 1
-    loss = lean._run_in_scope(block, gate, torch.randn(4, 8, requires_grad=True) * 1)
+    loss = lean.run_in_scope(block, gate, torch.randn(4, 8, requires_grad=True) * 1)
     with torch.no_grad():
         gate.add_(1)
     with pytest.raises(RuntimeError, match="SwiGLU was modified in place"):

@@ -17,7 +17,7 @@ from torch import nn
 import forge_core
 from forge_core import chunked_lm_head_cross_entropy, default_chunk_size
 from forge_core.kernels import triton_available
-from forge_core.lm_head_loss import CHUNK_ALIGN, _chunk_bounds
+from forge_core.lm_head_loss import CHUNK_ALIGN, chunk_bounds
 from forge_core.state import ParamState
 
 transformers = pytest.importorskip("transformers")
@@ -211,7 +211,7 @@ def test_the_backward_consumes_the_kept_logits_and_a_second_backward_recomputes(
     labels = _labels("random", (3, 11), VOCAB)
     loss = chunked_lm_head_cross_entropy(hidden, head, labels, chunk_size=CHUNK)
     kept = loss.grad_fn.kept_logits
-    assert [tuple(t.shape) for t in kept] == [(33, c1 - c0) for c0, c1 in _chunk_bounds(VOCAB, CHUNK)]
+    assert [tuple(t.shape) for t in kept] == [(33, c1 - c0) for c0, c1 in chunk_bounds(VOCAB, CHUNK)]
     loss.backward(retain_graph=True)
     assert loss.grad_fn.kept_logits is None and all(t is None for t in kept)     # freed chunk by chunk
     once = hidden.grad.clone()
@@ -256,7 +256,7 @@ def test_default_chunk_size_bounds_the_fp32_chunk_and_keeps_two_shapes_at_most()
             chunk = default_chunk_size(tokens, vocab)
             assert chunk == vocab or (chunk % CHUNK_ALIGN == 0 and tokens * chunk * 4 <= max(
                 forge_core.lm_head_loss.DEFAULT_CHUNK_BYTES, tokens * CHUNK_ALIGN * 4))
-            widths = {c1 - c0 for c0, c1 in _chunk_bounds(vocab, chunk)}
+            widths = {c1 - c0 for c0, c1 in chunk_bounds(vocab, chunk)}
             assert len(widths) <= 2 and max(widths) == chunk
 
 
@@ -456,7 +456,7 @@ def test_resume_from_checkpoint_into_a_used_optimizer_is_bit_identical(state_dty
 
 @needs_triton
 def test_row_views_and_launch_plans_are_built_once() -> None:
-    from forge_core.kernels import fused
+    from forge_core.kernels import dispatch
 
     device = _device("triton")
     model = _tiny_llama(device=device)
@@ -465,12 +465,12 @@ def test_row_views_and_launch_plans_are_built_once() -> None:
     _train_chunked(model, opt, batches[:1])
     head = opt._bindings[-1]
     parts = dict(head._row_parts)
-    plans = {key: dict(fused._PLANS[part.state]) for key, part in parts.items()}
+    plans = {key: dict(dispatch.PLANS[part.state]) for key, part in parts.items()}
     assert len(plans) == 4 and all(len(p) == 1 for p in plans.values())
     _train_chunked(model, opt, batches[1:])
     for key, part in parts.items():
         assert head._row_parts[key] is part
-        assert fused._PLANS[part.state] == plans[key], "a chunk's launch plan was rebuilt"
+        assert dispatch.PLANS[part.state] == plans[key], "a chunk's launch plan was rebuilt"
 
 
 @needs_triton

@@ -7,8 +7,6 @@ argument errors."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +17,6 @@ from forge_core.rules import RULES, get_rule
 from forge_core.state import STATE_DTYPES, ParamState
 
 from same_update import assert_same_update
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import row_update_bench as bench  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # the CPU runs the kernels interpreted
 HYPERPARAMETERS = {
@@ -157,31 +152,3 @@ def test_device_scalars_are_checked_as_the_fused_kernels() -> None:
     with pytest.raises(ValueError, match="device_scalars must be a contiguous 1-D float32 tensor"):
         row_update(arguments.pop("weight"), arguments.pop("state"), arguments.pop("hp"), arguments.pop("step"),
                    device_scalars=buffer[:4], **arguments)
-
-
-
-# ---- scripts/row_update_bench.py: its command line on a machine without a GPU --------------------
-
-def test_the_bench_reads_block_shapes_and_sweeps_sensible_ones() -> None:
-    assert bench.parse_config("16x128/w4") == RowUpdateConfig(16, 128, 4)
-    for spec, message in [("16x128", "cannot read block shape '16x128'"),
-                          ("16x96/w4", "block_n must be a power of two")]:
-        with pytest.raises(SystemExit) as raised:
-            bench.parse_config(spec)
-        assert message in str(raised.value) and "\n" not in str(raised.value)
-    configs = bench.sweep()
-    assert RowUpdateConfig(16, 128, 4) in configs and RowUpdateConfig(64, 256, 4) not in configs    # 128 per thread
-    int8 = bench.configs_for("int8", configs + [RowUpdateConfig(16, 32, 4)])
-    assert int8[0] == DEFAULT_CONFIGS["int8"] and all(c.block_n % 64 == 0 for c in int8) and len(set(int8)) == len(int8)
-    args = bench.parse_args(["--out", "x.jsonl", "--states", "int8", "--configs", "8x256/w8", "--rounds", "3"])
-    assert args.states == ["int8"] and args.configs == [RowUpdateConfig(8, 256, 8)] and args.rounds == 3
-    # bf16 W + two bf16 moments read and written, 500 gradient rows, the slot table
-    assert bench.traffic_bytes("bf16", 128256, 4096, 500) == 12 * 128256 * 4096 + 500 * 4096 * 2 + 128256 * 4
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
-def test_the_bench_says_it_needs_a_gpu(tmp_path) -> None:
-    with pytest.raises(SystemExit) as raised:
-        bench.main(["--out", str(tmp_path / "bench.jsonl")])
-    assert str(raised.value) == "row_update_bench: needs a CUDA GPU"
-    assert not (tmp_path / "bench.jsonl").exists()

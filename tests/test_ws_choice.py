@@ -5,8 +5,10 @@ import json
 import pytest
 import torch
 
-from forge_core.kernels import ws_choice
+from forge_core.kernels import dispatch, tuning, ws_choice
+from forge_core.kernels.device import interpreting
 from forge_core.kernels.hopper_ws import WsConfig
+from forge_core.kernels.tile_config import TileConfig
 
 A, B = WsConfig(slab_m=32, slab_n=64, state_stages=4), WsConfig(slab_m=64, slab_n=64, group=1)
 
@@ -47,8 +49,8 @@ def test_a_candidate_that_fails_is_skipped_with_a_warning():
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
-    monkeypatch.setattr(ws_choice, "_FROM_DISK", set())
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})
+    monkeypatch.setattr(ws_choice, "FROM_DISK", set())
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
     return tmp_path / "tc.json"
 
@@ -62,11 +64,11 @@ def test_a_later_process_reads_the_choice_from_the_tune_cache(fresh, monkeypatch
     timed = len(calls)
     entry = next(iter(json.loads(fresh.read_text())["entries"].values()))
     assert entry["shape"] == "1024x4096" and set(entry["medians_ms"]) == {"triton", "hopper_ws"}
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {})               # a new process
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})               # a new process
     assert ws_choice.chosen(*args) == expected and len(calls) == timed
-    assert (key in ws_choice._FROM_DISK)
+    assert (key in ws_choice.FROM_DISK)
     other = (key, [A], lambda: "triton", lambda config: "a", time_ms, "another-kernel", {})
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {})
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})
     ws_choice.chosen(*other)
     assert len(calls) > timed                                    # another kernel source: timed again
 
@@ -99,30 +101,28 @@ def test_a_choice_is_described_for_benchmark_rows():
 
 
 def test_chosen_configs_are_keyed_by_the_tuning_key(monkeypatch):
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {("k", "graph"): A, ("q", "eager"): None})
+    monkeypatch.setattr(ws_choice, "CHOSEN", {("k", "graph"): A, ("q", "eager"): None})
     assert ws_choice.chosen_configs() == {("k",): A}
 
 
 def test_a_gluon_choice_is_what_the_benchmark_rows_name(monkeypatch):
-    """fused.describe_tuned_configs / tuned_configs report the Gluon kernel where ws_choice kept it."""
-    import forge_core.kernels.fused as fused
+    """tuning.describe_tuned_configs / tuned_configs report the Gluon kernel where ws_choice kept it."""
     key = ((4096, 4096), 512, torch.bfloat16, torch.bfloat16, "adamw", "bf16", False, False, False, "cuda:0")
-    tile = fused.TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
-    monkeypatch.setattr(fused, "_TUNED", {key: tile})
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {key + ("graph",): A})
-    monkeypatch.setattr(ws_choice, "_FROM_DISK", set())
-    assert fused.describe_tuned_configs() == {"4096x4096/bt512/adamw/bf16": ws_choice.describe(A, False)}
-    assert fused.tuned_configs() == {key: A}
-    monkeypatch.setattr(ws_choice, "_CHOSEN", {key + ("graph",): None})          # the tile won
-    assert fused.describe_tuned_configs()["4096x4096/bt512/adamw/bf16"].startswith("64x128x64")
+    tile = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
+    monkeypatch.setattr(tuning, "TUNED", {key: tile})
+    monkeypatch.setattr(ws_choice, "CHOSEN", {key + ("graph",): A})
+    monkeypatch.setattr(ws_choice, "FROM_DISK", set())
+    assert tuning.describe_tuned_configs() == {"4096x4096/bt512/adamw/bf16": ws_choice.describe(A, False)}
+    assert tuning.tuned_configs() == {key: A}
+    monkeypatch.setattr(ws_choice, "CHOSEN", {key + ("graph",): None})          # the tile won
+    assert tuning.describe_tuned_configs()["4096x4096/bt512/adamw/bf16"].startswith("64x128x64")
 
 
-@pytest.mark.skipif(not __import__("forge_core.kernels.fused", fromlist=["x"]).interpreting(),
+@pytest.mark.skipif(not interpreting(),
                     reason="the interpreter's guard; on a GPU the choice is tested in test_hopper_ws")
 def test_no_gluon_timing_under_the_interpreter():
-    import forge_core.kernels.fused as fused
     w = torch.zeros(256, 256, dtype=torch.bfloat16)
     x = torch.zeros(64, 256, dtype=torch.bfloat16)
-    tile = fused.TileConfig(64, 64, 32, 8, 4, 1)
-    assert fused._ws_plan(("k",), "bf16", x, x, w, [w, w], [None, None], None, False, (0.0,) * 8, 0, {},
+    tile = TileConfig(64, 64, 32, 8, 4, 1)
+    assert dispatch.ws_plan(("k",), "bf16", x, x, w, [w, w], [None, None], None, False, (0.0,) * 8, 0, {},
                             tile) is None

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import _to_bf16_nearest_even, interpreting, runs_on_device_of
+from .codec import to_bf16_nearest_even
+from .device import interpreting, runs_on_device_of
 
 _DECORATED_FOR_INTERPRETER = interpreting()
 STATS_BLOCK = 1024
@@ -67,7 +68,7 @@ def _chunk_dlogits_kernel(logits_ptr, row_stride, n_cols, first_col, targets_ptr
     probs = tl.where(offsets == target, probs - 1.0, probs)
     dlogits = probs * tl.load(scale_ptr + row)
     if logits_ptr.dtype.element_ty == tl.bfloat16:     # round to nearest even, as torch's cast (also interpreted)
-        tl.store(pointers, _to_bf16_nearest_even(dlogits, HW_MATH), mask=mask)
+        tl.store(pointers, to_bf16_nearest_even(dlogits, HW_MATH), mask=mask)
     else:
         tl.store(pointers, dlogits.to(logits_ptr.dtype.element_ty), mask=mask)
 

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import _store_tile, interpreting, runs_on_device_of
+from .codec import store_tile
+from .device import interpreting, runs_on_device_of
 
 _DECORATED_FOR_INTERPRETER = interpreting()
 NO_PADDING = -1
@@ -52,7 +53,7 @@ def _segment_sum_kernel(sorted_ids, order, segment_end, dy, out, width, stride_d
         total = tl.where(token == padding_idx, 0.0, total)
         destination = out + position.to(tl.int64) * stride_out + cols       # 64-bit pointer arithmetic
         for _ in range(position, end):
-            _store_tile(destination, total, col_mask, False, HW_MATH)     # bf16: nearest even, as torch
+            store_tile(destination, total, col_mask, False, HW_MATH)     # bf16: nearest even, as torch
             destination += stride_out
 
 

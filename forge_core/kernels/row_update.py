@@ -4,13 +4,13 @@ embedding's (``forge_core.embedding``), given as a slot table into the summed gr
 Why: a batch of T tokens touches at most T of an embedding's rows (Llama-3.1-8B: 512 of 128256),
 yet every row must be stepped (weight decay and the moments' decay move untouched rows too, as
 under torch). Reading a dense gradient costs 2 bytes per element of a bf16 weight that are almost
-all zero; the two passes this replaced (every row with no gradient on the GEMM kernel, then the
-gathered touched rows with theirs, then a scatter) cost a second launch, the gather and scatter of
-W and the states, and ran the int8 pass on the GEMM kernel's tiles at low occupancy. Here each
+all zero; two passes (every row with no gradient on the GEMM kernel, then the gathered touched rows
+with theirs, then a scatter) cost a second launch, the gather and scatter of W and the states, and
+run the int8 pass on the GEMM kernel's tiles at low occupancy. Here each
 program owns a ``BM x CN`` block of the weight, loads the ``BM`` slots of its rows
 (``slots[r]``: -1 for no gradient, else the index of row r's gradient in ``row_grads``), reads
 those gradient rows (masked loads: rows without one issue no traffic) and runs the rule through
-the fused kernel's own device helpers (``fused._update_columns``: the same loads, epilogue, state
+the fused kernel's own device helpers (``tile_kernel.update_columns``: the same loads, epilogue, state
 codecs, stores and stochastic-rounding stream, which is keyed by the element's position in the
 weight and the seed). So each element sees the dense step's arithmetic: the fused kernel with zero
 tokens on a dense gradient holding ``row_grads[slots[r]]`` in row r and zeros elsewhere, bit for
@@ -20,8 +20,7 @@ element came out equal on an H100 and an H200 (fp32 / bf16 / int8 states, AdamW)
 
 Memory-bound: 12 bytes per element with bf16 W and bf16 states (8 with int8 states, plus scales),
 plus the T gradient rows and 4 bytes per row of slots. The block shape is a ``RowUpdateConfig``;
-small blocks on few warps keep registers low and occupancy high (``scripts/row_update_bench.py``
-times alternatives).
+small blocks on few warps keep registers low and occupancy high.
 """
 from __future__ import annotations
 
@@ -33,9 +32,13 @@ import triton
 import triton.language as tl
 
 from ..state import QBLOCK, ParamState
-from . import fused
+from .codec import rule_scalars
+from .device import interpreting, runs_on_device_of
+from .launch import (compile_options, kernel_meta, kernel_states, launch_scalars, scalar_arguments, state_pointers,
+                     wide_index)
+from .tile_kernel import update_columns
 
-_DECORATED_FOR_INTERPRETER = fused.interpreting()
+_DECORATED_FOR_INTERPRETER = interpreting()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +65,9 @@ DEFAULT_CONFIGS: Mapping[str, RowUpdateConfig] = {
     "int8": RowUpdateConfig(8, 256, 4),
 }
 """Per state format: 8 x 256 on 4 warps, 16 elements of each tensor per thread. Llama-3.1-8B's embedding
-at 512 tokens (scripts/row_update_bench.py, 19 shapes, two rounds agreeing within 0.3%; every element
+at 512 tokens (19 shapes, two rounds agreeing within 0.3%; every element
 equal to the dense step's on both GPUs): on an H100
-bf16 states 2.106 ms (2.99 TB/s; 16 x 128: 2.119, the old two passes 2.271, the dense step 2.540),
+bf16 states 2.106 ms (2.99 TB/s; 16 x 128: 2.119, two passes 2.271, the dense step 2.540),
 int8 states 1.487 ms (16 x 256: 1.481, 16 x 128: 1.545, two passes 1.965, dense 2.110); on an H200
 bf16 1.516 ms (16 x 128: 1.520), int8 1.137 (16 x 256: 1.167, 16 x 128: 1.208). fp32 states on the H100:
 3.508 ms (3.00 TB/s; 16 x 128: 3.504). Raw: results/kernels/{h100,h200}/row_update_onepass."""
@@ -98,17 +101,17 @@ def _row_update_kernel(W, S0, S1, SCALE0, SCALE1, SLOTS, ROW_GRADS, M, N,
     # (a -0.0 gradient becomes +0.0 there too)
     grad = tl.zeros((BM, CN), dtype=tl.float32) + tl.load(
         ROW_GRADS + slot_row[:, None] * stride_gm + offs_n[None, :], mask=grad_mask, other=0.0).to(tl.float32)
-    c0, c1, c2, c3, c4, c5, c6, c7 = fused.rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY)
-    fused._update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, ROW_GRADS, M, N,
-                          stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, 1,
-                          c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
-                          EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
-                          EVEN_MN, HW_MATH, BM, CN, QB)
+    c0, c1, c2, c3, c4, c5, c6, c7 = rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY)
+    update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, ROW_GRADS, M, N,
+                   stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, 1,
+                   c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                   EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
+                   EVEN_MN, HW_MATH, BM, CN, QB)
 
 
 def usable_for(tensor: torch.Tensor) -> bool:
     """Whether the kernel runs on ``tensor``'s device (CUDA, or the CPU under the interpreter)."""
-    return fused.runs_on_device_of(tensor, _DECORATED_FOR_INTERPRETER)
+    return runs_on_device_of(tensor, _DECORATED_FOR_INTERPRETER)
 
 
 def _check(weight: torch.Tensor, state: ParamState, slots: torch.Tensor, row_grads: torch.Tensor) -> None:
@@ -149,8 +152,8 @@ def row_update(weight: torch.Tensor, state: ParamState, hp: Mapping[str, Any], s
     dense gradient as ``grad_accum``, at the same seed. ``config``: the block shape (default
     ``DEFAULT_CONFIGS[state.state_dtype]``)."""
     _check(weight, state, slots, row_grads)
-    states, scales = fused.kernel_states(state)
-    scalars = fused.launch_scalars("row_update", state.rule, hp, step, device_scalars, weight, stochastic_rounding)
+    states, scales = kernel_states(state)
+    scalars = launch_scalars("row_update", state.rule, hp, step, device_scalars, weight, stochastic_rounding)
     config = config if config is not None else DEFAULT_CONFIGS[state.state_dtype]
     config.check(state.state_dtype)
     m, n = weight.shape
@@ -158,11 +161,11 @@ def row_update(weight: torch.Tensor, state: ParamState, hp: Mapping[str, Any], s
         row_grads = weight                  # no slot points into it; any valid pointer of the dtype
     elif row_grads.stride(1) != 1:
         row_grads = row_grads.contiguous()
-    s0, s1, scale0, scale1 = fused.state_pointers(weight, states, scales)
-    values, buffer = fused.scalar_arguments(scalars, weight)
-    meta = fused.kernel_meta(state, weight.dtype, grad_accum=False,
-                             stochastic=bool(stochastic_rounding) and weight.dtype == torch.bfloat16, ieee=False,
-                             scalars_in_memory=isinstance(scalars, torch.Tensor))
+    s0, s1, scale0, scale1 = state_pointers(weight, states, scales)
+    values, buffer = scalar_arguments(scalars, weight)
+    meta = kernel_meta(state, weight.dtype, grad_accum=False,
+                       stochastic=bool(stochastic_rounding) and weight.dtype == torch.bfloat16, ieee=False,
+                       scalars_in_memory=isinstance(scalars, torch.Tensor))
     for name in ("IEEE_DOT", "UPCAST_DOT"):            # the GEMM's; this kernel has none
         del meta[name]
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
@@ -170,9 +173,9 @@ def row_update(weight: torch.Tensor, state: ParamState, hp: Mapping[str, Any], s
         weight, s0, s1, scale0, scale1, slots, row_grads, m, n,
         weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0), row_grads.stride(0),
         *values, int(seed) & 0x7FFFFFFF, buffer,
-        EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, WIDE_INDEX=fused.wide_index(weight, s0, row_grads),
-        HW_MATH=not fused.interpreting(), BM=config.block_m, CN=config.block_n, QB=QBLOCK,
-        num_warps=config.num_warps, **fused.compile_options(), **meta)
+        EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, WIDE_INDEX=wide_index(weight, s0, row_grads),
+        HW_MATH=not interpreting(), BM=config.block_m, CN=config.block_n, QB=QBLOCK,
+        num_warps=config.num_warps, **compile_options(), **meta)
 
 
 __all__ = ["DEFAULT_CONFIGS", "RowUpdateConfig", "row_update", "usable_for"]

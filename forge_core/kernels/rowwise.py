@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused import interpreting, runs_on_device_of
+from .device import interpreting, runs_on_device_of
 
 
 # triton.jit reads TRITON_INTERPRET when it decorates: what counts is the value at import

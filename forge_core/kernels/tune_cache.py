@@ -48,9 +48,8 @@ def source_identity(fn: Any) -> str:
     and without its docstrings and comments.
 
     Why not Triton's own ``cache_key``: that adds the function's starting line number, so an edit
-    anywhere above the kernel (an import) threw away every tile choice on disk although the kernel
-    had not changed (session 17: the committed H100 smoke cache stopped hitting after cb85441 added
-    ``import sys`` to fused.py, and each FORGE smoke cell tuned again for ~70 s)."""
+    anywhere above the kernel (an import) would throw away every tile choice on disk although the
+    kernel is the same, and each FORGE cell of the GPU smoke suite would tune again for ~70 s."""
     visited: set[int] = set()
     parts: list[str] = []
 
@@ -62,7 +61,7 @@ def source_identity(fn: Any) -> str:
         name = getattr(raw, "__qualname__", type(raw).__name__)       # not the module: files move
         code, scope = getattr(raw, "__code__", None), getattr(raw, "__globals__", {})
         try:
-            src = _code_only(inspect.getsource(raw))      # not Triton's copy: the interpreter keeps none
+            src = code_only(inspect.getsource(raw))      # not Triton's copy: the interpreter keeps none
         except (OSError, TypeError):              # no file (exec'd, or no function): still no address
             src = code.co_code.hex() if code is not None else type(raw).__name__
         parts.append(f"{name}\n{src}")
@@ -77,12 +76,12 @@ def source_identity(fn: Any) -> str:
     return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
 
 
-def _code_only(source: str) -> str:
+def code_only(source: str) -> str:
     """The function's syntax tree without docstrings, comments, layout or positions.
 
-    Why: a reworded docstring of a Triton helper the kernel calls changed the hash of the raw
-    source, so every committed tile choice would have been tuned again (session 18 caught one before
-    it landed) although the compiled kernel is the same."""
+    Why: with the raw source, a reworded docstring of a Triton helper the kernel calls would change
+    the hash, and every committed tile choice would be tuned again although the compiled kernel is
+    the same."""
     tree = ast.parse(textwrap.dedent(source))
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -109,6 +108,7 @@ def _dump(node: Any) -> str:
 
 
 def entry_key(tuning_key: tuple, fingerprint_hex: str) -> str:
+    """The file's key of a choice: its fingerprint, then the tuning key's repr."""
     return f"{fingerprint_hex}|{tuning_key!r}"
 
 

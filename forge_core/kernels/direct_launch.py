@@ -1,0 +1,95 @@
+"""Launching a compiled Triton kernel without its JIT's per-call work.
+
+Why: Triton's JIT binds and specialises every argument, hashes the key and reads its knobs on each
+call, about 100 us a launch on the H100 hosts, and an eager Llama step makes a few hundred fused
+launches. Once a plan's first launch returned its compiled kernel, the later launches of the same
+layout can call the compiled launcher directly (``launch.direct_launcher`` for the Triton tile
+kernel, ``hopper_ws.direct_launcher`` for the Gluon kernel). These helpers read what that needs
+from the compiled kernel, and return None wherever this Triton lays it out differently (the JIT
+path then runs, as it would have).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any, Mapping
+
+import torch
+import triton
+
+
+def direct_launch_enabled() -> bool:
+    """``FORGE_DIRECT_LAUNCH=0`` keeps every launch on Triton's JIT path (to A/B the host cost)."""
+    return os.environ.get("FORGE_DIRECT_LAUNCH", "1") != "0"
+
+
+def constexpr_tail(kernel: Any) -> tuple[str, ...] | None:
+    """``kernel``'s constexpr parameter names when they all follow its runtime parameters (the layout
+    the direct launchers rely on), else None."""
+    params = getattr(kernel, "params", None)
+    if params and all(hasattr(p, "is_constexpr") and hasattr(p, "name") for p in params):
+        flagged = [(p.name, bool(p.is_constexpr)) for p in params]
+    else:       # the interpreter's wrapper has no params: read the annotations (strings here)
+        signature = inspect.signature(kernel.fn)
+        flagged = [(name, str(p.annotation).endswith("constexpr")) for name, p in signature.parameters.items()]
+    flags = [flag for _, flag in flagged]
+    first = flags.index(True) if True in flags else len(flags)
+    if not all(flags[first:]):
+        return None
+    return tuple(name for name, _ in flagged[first:])
+
+
+TRITON_36_BASE_ARGS = "iiiKKppOOOOOO"      # grid xyz, stream, function, cooperative, pdl, 2 scratches, 4 objects
+
+
+def raw_tma_launch(compiled: Any, descriptor_indices: tuple[int, ...] = (2, 3)) -> tuple | None:
+    """What a TMA plan's launch needs to skip Triton's descriptor handling, or None when ``compiled``
+    is not laid out as in Triton 3.6 with descriptors at exactly ``descriptor_indices`` of its
+    parameters (x2's and dy2's for the Triton kernel; the Gluon kernel's five: ``hopper_ws``); the
+    ``launch.direct_launcher`` path with TensorDescriptor objects, or the JIT, then runs.
+
+    Why: Triton 3.6 turns each TensorDescriptor into the launcher's (tensor map, shape, strides)
+    arguments in Python, walking every one of the kernel's ~70 parameters per launch, after
+    ``TensorDescriptor`` itself validated shape, strides and block in Python: about 20 us a launch
+    on the H100 hosts, 226 launches per eager Llama-8B step. Here the
+    tensor maps come from the same encoder with the compiled kernel's own descriptor metadata
+    (swizzle, element type, block); the checks ``tma_inputs`` made when the plan was built hold
+    for every launch of it (the plan signature holds shapes, strides and alignment).
+
+    Returns (launcher, cooperative, pdl, one meta per descriptor in parameter order, encode)."""
+    nvidia_driver = sys.modules.get("triton.backends.nvidia.driver")
+    run = getattr(compiled, "run", None)
+    inner = getattr(run, "launch", None)
+    code, closure = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
+    if nvidia_driver is None or code is None or not closure or \
+            getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != TRITON_36_BASE_ARGS:
+        return None
+    try:
+        cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
+        launcher, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+        scratch = (run.global_scratch_size, run.profile_scratch_size)
+        cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+        fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+        device_types = nvidia_driver.TMA_DTYPE_DEVICE_TO_HOST
+    except (KeyError, AttributeError, ValueError):
+        return None
+    if sorted(indices) != sorted(descriptor_indices) or len(metas) != len(descriptor_indices) or any(scratch) \
+            or not callable(launcher):
+        return None
+    prepared = []
+    for meta in metas:
+        if not isinstance(meta, Mapping) or meta.get("fp4_padded") or meta.get("is_im2col"):
+            return None
+        try:
+            prepared.append((meta["swizzle"], meta["elem_size"], device_types[meta["elem_type"]],
+                             list(meta["block_size"])))
+        except (KeyError, IndexError, TypeError):
+            return None
+
+    def encode(t: torch.Tensor, meta: tuple) -> tuple:
+        swizzle, elem_size, elem_type, block = meta
+        shape, strides = list(t.shape), list(t.stride())
+        return (fill(t.data_ptr(), swizzle, elem_size, elem_type, block, shape, strides, 0), *shape, *strides)
+
+    return launcher, cooperative, pdl, tuple(prepared), encode

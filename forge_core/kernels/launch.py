@@ -1,0 +1,308 @@
+"""Launching the Triton tile kernel (``tile_kernel``): a launch plan per weight and activation
+layout, the kernel's arguments and compile options, the rule's scalars as it takes them, and the
+direct launch that skips Triton's JIT from a plan's second launch (``direct_launch``).
+
+Why plans: everything a launch needs but the activations, the step's scalars and the seed is built
+once per weight and layout and reused every step; on a host-bound eager Llama-8B step the per-layer
+Python of each fused launch counts (``dispatch`` keeps one plan per weight).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..rules.base import KERNEL_SCALARS, Rule, check_scalar_count
+from ..state import QBLOCK, ParamState
+from .device import interpreting
+from .direct_launch import constexpr_tail, direct_launch_enabled, raw_tma_launch
+from .tile_config import TileConfig
+from .tile_kernel import fused_wgrad_update_kernel
+
+STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
+"""The kernels' ``STATE_KIND`` constexpr per state format."""
+NUM_SCALARS = KERNEL_SCALARS
+MAX_STATES = 2
+
+
+def tma_inputs(x2: torch.Tensor, dy2: torch.Tensor) -> bool:
+    """Whether the main loop can load these (tokens, features) inputs through TMA descriptors:
+    16-bit floats (fp32 inputs keep the pointer path and its IEEE products), unit feature stride,
+    16-byte-aligned base and row stride (the hardware's rules), at least one token, and a Hopper or
+    newer GPU (or the interpreter, so the CPU tests run this path)."""
+    if x2.dtype not in (torch.bfloat16, torch.float16) or x2.shape[0] == 0:
+        return False
+    for t in (x2, dy2):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    if interpreting():
+        return True
+    return x2.is_cuda and torch.cuda.get_device_capability(x2.device)[0] >= 9
+
+
+@dataclasses.dataclass
+class LaunchPlan:
+    """Everything a launch needs but the activations, the step's scalars and the seed: built once per
+    weight and activation layout, then reused every step (the per-step host path is a signature
+    compare and one Triton call; on a host-bound Llama-8B step each fused layer's Python counts)."""
+    config: TileConfig
+    grid: tuple[int]
+    fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (not the
+                                 # accumulator: it is passed per launch, see run_plan)
+    kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
+    direct: Callable[[tuple], bool] | None = None
+    """Launches the kernel this plan compiled without Triton's per-call binding (``direct_launcher``);
+    set after the plan's first launch, for plans that are cached (their arguments keep the
+    specialisation the kernel was compiled for)."""
+    direct_builds_descriptors: bool = False
+    """``direct`` encodes the TMA descriptors of x2 and dy2 itself (``raw_tma_launch``): ``run_plan``
+    then passes no TensorDescriptor objects."""
+
+    @property
+    def tma(self) -> bool:
+        """Whether the main loop loads through TMA descriptors (built per launch by ``run_plan``)."""
+        return self.kwargs["TMA"]
+
+
+def state_pointers(weight: torch.Tensor, states: list[torch.Tensor],
+                   scales: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """(S0, S1, SCALE0, SCALE1) as the kernels take them: the weight stands in for a state or scale
+    the rule or format lacks (never read: NUM_STATES / STATE_KIND rule it out)."""
+    s0 = states[0] if len(states) > 0 else weight
+    s1 = states[1] if len(states) > 1 else weight
+    scale0 = scales[0] if len(scales) > 0 and scales[0] is not None else weight
+    scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else weight
+    return s0, s1, scale0, scale1
+
+
+def wide_index(*matrices: torch.Tensor) -> bool:
+    """Whether a kernel's weight-shaped offsets need 64 bits: some 2-D operand's last element lies at
+    or past 2^31 - 1 elements from its base (Llama's 128256 x 4096 embedding does not; larger ones may)."""
+    return max((t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
+               for t in matrices if t.dim() == 2) >= 2 ** 31 - 1
+
+
+def compile_options() -> dict[str, Any]:
+    """The compile options every launch of the update kernels asks for on the GPU: FMA contraction,
+    which the int8 codes' FFMA relies on (``codec.int8_codes``) and Triton 3.10 stops defaulting to."""
+    return {} if interpreting() else {"enable_fp_fusion": True}
+
+
+def scalar_arguments(scalars: tuple[float, ...] | torch.Tensor,
+                     placeholder: torch.Tensor) -> tuple[tuple[float, ...], torch.Tensor]:
+    """(c0..c7, SCALARS) as a launch passes them: the floats and any pointer, or (capturable mode) zeros
+    and the device buffer the kernel reads them from (``rule_scalars``)."""
+    if isinstance(scalars, torch.Tensor):
+        return _NO_SCALARS, scalars
+    return scalars, placeholder
+
+
+def make_plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
+              states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
+              meta: Mapping[str, Any]) -> LaunchPlan:
+    """The plan of ``config`` for these tensors (``meta``: ``kernel_meta``'s); ``grad_accum`` only
+    lends its layout (its strides), the tensor itself is passed per launch."""
+    m, n = weight.shape
+    k = x2.shape[0]
+    s0, s1, scale0, scale1 = state_pointers(weight, states, scales)
+    accum = grad_accum if grad_accum is not None else weight
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    tma = config.tma and tma_inputs(x2, dy2)
+    layout = dict(EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, EVEN_K=k % config.block_k == 0,
+                  WIDE_INDEX=wide_index(weight, s0, accum), PREFETCH=config.prefetch, SPLIT=config.split_n,
+                  HW_MATH=not interpreting(), TMA=tma)
+    options = compile_options()
+    if not interpreting() and config.max_registers is not None:
+        options["maxnreg"] = config.max_registers
+    # The accumulator is not kept in the plan: a dense .grad (DenseWeight) is a new tensor every step,
+    # and a cached plan holding the old one would keep a weight-sized tensor alive.
+    fixed = (weight, s0, s1, scale0, scale1, m, n, k)
+    strides = (weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
+               accum.stride(0), accum.stride(1))
+    kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
+                  num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
+    return LaunchPlan(config, grid, fixed + strides, kwargs)
+
+
+_NO_SCALARS = (0.0,) * NUM_SCALARS
+
+
+def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
+             seed: int, grad_accum: torch.Tensor | None = None):
+    """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
+    (the plan was then built with ``SCALARS_IN_MEMORY``). ``grad_accum``: the accumulator, of the
+    layout the plan was built with (or None, as the plan was)."""
+    tail = kernel_args(plan, x2, dy2, scalars, seed, grad_accum)
+    if plan.direct is not None:
+        descriptors = (None, None) if plan.direct_builds_descriptors else _tma_descriptors(plan, x2, dy2)
+        if plan.direct((x2, dy2, *descriptors, *tail)):
+            return None
+    return fused_wgrad_update_kernel[plan.grid](x2, dy2, *_tma_descriptors(plan, x2, dy2), *tail, **plan.kwargs)
+
+
+def kernel_args(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
+                seed: int, grad_accum: torch.Tensor | None = None) -> tuple:
+    """The kernel's runtime arguments after X, DY and their two descriptors (see ``run_plan``)."""
+    weight, s0, s1, scale0, scale1, m, n, k = plan.fixed_args[:8]
+    accum = grad_accum if grad_accum is not None else weight
+    values, buffer = scalar_arguments(scalars, weight)
+    return (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+            *plan.fixed_args[8:], *values, seed, buffer)
+
+
+def _tma_descriptors(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
+    """The main loop's TMA descriptors of x2 and dy2, or (None, None) for a pointer plan. A descriptor
+    holds the base address: a new one per launch (a graph captures it)."""
+    if not plan.tma:
+        return None, None
+    config = plan.config
+    return (TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [config.block_k, config.block_n]),
+            TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [config.block_k, config.block_m]))
+
+
+def direct_launcher(compiled: Any, plan: LaunchPlan) -> Callable[[tuple], bool] | None:
+    """A launch of ``compiled`` (what ``plan``'s first launch through the JIT returned) that skips the
+    JIT's per-call work: binding ~40 arguments, specialising each, hashing the key, reading its knobs
+    (about 100 us a launch on the H100 hosts; a 1B eager step makes 113). Only sound when the later
+    arguments specialise as the first did, which the plan signature guarantees for everything but
+    the seed (not specialised) and the scalar values (floats, never specialised). The launcher
+    returns False, launching nothing, when another device is current than at the first launch (the
+    JIT path then runs, as it would have: the compiled handle is loaded for that device).
+
+    None where this Triton lays out its compiled kernels differently (the JIT path then stays). For a
+    TMA plan whose compiled kernel ``raw_tma_launch`` understands, the launch encodes the descriptors
+    itself and ``plan.direct_builds_descriptors`` is set, so ``run_plan`` builds none for it."""
+    names = constexpr_tail(fused_wgrad_update_kernel)
+    runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    driver = getattr(getattr(triton, "runtime", None), "driver", None)
+    needed = ("run", "function", "packed_metadata", "launch_metadata")
+    if names is None or runtime_knobs is None or driver is None or not all(hasattr(compiled, a) for a in needed):
+        return None
+    try:
+        constexprs = tuple(plan.kwargs[name] for name in names)
+        current_stream, current_device = driver.active.get_current_stream, driver.active.get_current_device
+        device_index = current_device()
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    run, function, packed, metadata = compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata
+    grid = plan.grid
+    grid_x = grid[0]
+    raw = raw_tma_launch(compiled) if plan.tma else None
+    if raw is not None:
+        launcher, cooperative, pdl, (x_meta, dy_meta), encode = raw
+        plan.direct_builds_descriptors = True
+
+        def launch_encoding_descriptors(args: tuple) -> bool:
+            if current_device() != device_index:
+                return False
+            stream = current_stream(device_index)
+            x2, dy2 = args[0], args[1]
+            launcher(grid_x, 1, 1, stream, function, cooperative, pdl, None, None, packed,
+                     metadata(grid, stream, *args, *constexprs), runtime_knobs.launch_enter_hook,
+                     runtime_knobs.launch_exit_hook, x2, dy2, *encode(x2, x_meta), *encode(dy2, dy_meta),
+                     *args[4:], *constexprs)
+            return True
+
+        return launch_encoding_descriptors
+
+    def launch(args: tuple) -> bool:
+        if current_device() != device_index:
+            return False
+        stream = current_stream(device_index)
+        run(grid_x, 1, 1, stream, function, packed, metadata(grid, stream, *args, *constexprs),
+            runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook, *args, *constexprs)
+        return True
+
+    return launch
+
+
+def go_direct(plan: LaunchPlan, compiled: Any) -> None:
+    """After ``plan``'s launch through the JIT returned ``compiled``: its direct launcher, for the
+    launches that follow (unless launches stay on the JIT: the interpreter, ``FORGE_DIRECT_LAUNCH=0``)."""
+    if compiled is not None and not interpreting() and direct_launch_enabled():
+        plan.direct = direct_launcher(compiled, plan)
+
+
+def launch_tile(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
+                states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
+                scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any]):
+    """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
+    return run_plan(make_plan(config, x2, dy2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed,
+                    grad_accum)
+
+
+def kernel_meta(state: ParamState, input_dtype: torch.dtype, *, grad_accum: bool, stochastic: bool, ieee: bool,
+                scalars_in_memory: bool) -> dict[str, Any]:
+    """The rule's and the states' compile-time parameters of a launch (its plan adds the tile's)."""
+    rule = state.rule
+    names = rule.state_names
+    return dict(
+        EPILOGUE=rule.epilogue, NUM_STATES=len(names), STATE_KIND=STATE_KIND[state.state_dtype],
+        S0_SQRT=len(names) > 0 and state.is_sqrt_domain(names[0]),
+        S1_SQRT=len(names) > 1 and state.is_sqrt_domain(names[1]),
+        HAS_GRAD_ACCUM=grad_accum, STOCHASTIC_ROUNDING=stochastic, IEEE_DOT=ieee,
+        UPCAST_DOT=interpreting() and input_dtype == torch.bfloat16, SCALARS_IN_MEMORY=scalars_in_memory)
+
+
+def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.float32 or buffer.dim() != 1 \
+            or buffer.numel() < NUM_SCALARS or not buffer.is_contiguous():
+        raise ValueError(f"device_scalars must be a contiguous 1-D float32 tensor of at least {NUM_SCALARS} "
+                         f"elements, got {getattr(buffer, 'dtype', type(buffer))} of shape "
+                         f"{tuple(getattr(buffer, 'shape', ()))}")
+    if buffer.device != weight.device:
+        raise ValueError(f"device_scalars is on {buffer.device}, the weight on {weight.device}")
+
+
+def kernel_states(state: ParamState) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The state tensors and int8 scales a launch takes, in the epilogue's order, once the rule is
+    known to have a Triton epilogue the kernels can run."""
+    rule = state.rule
+    if rule.epilogue is None or rule.kernel_scalars is None:
+        raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
+    if len(rule.state_names) > MAX_STATES:
+        raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
+    states = [state.values[name] for name in rule.state_names]
+    scales = [state.scales[name] for name in rule.state_names]
+    if any(s.stride() != states[0].stride() for s in states):
+        raise ValueError("all state tensors of one weight must share strides")
+    return states, scales
+
+
+def launch_scalars(caller: str, rule: Rule, hp: Mapping[str, Any], step: int, device_scalars: torch.Tensor | None,
+                   weight: torch.Tensor, stochastic_rounding: bool) -> tuple[float, ...] | torch.Tensor:
+    """What a launch passes for the rule's scalars: the checked ``device_scalars`` buffer (capturable
+    mode, read by ``rule_scalars`` in the kernel), else the floats of ``kernel_scalars``."""
+    if device_scalars is None:
+        return kernel_scalars(rule, hp, step)
+    _check_device_scalars(device_scalars, weight)
+    if stochastic_rounding and weight.dtype == torch.bfloat16:
+        raise ValueError(f"{caller}: stochastic rounding draws a new seed every step, which a "
+                         "replayed launch cannot; use device_scalars=None with stochastic_rounding")
+    return device_scalars
+
+
+_SCALARS: dict[tuple, tuple[float, ...]] = {}
+
+
+def kernel_scalars(rule, hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
+    """The rule's kernel scalars, computed (and validated) once per step and hyper-parameters: every
+    fused layer of a model asks for the same ones in one backward."""
+    try:
+        key = (rule.name, int(step), tuple(hp.items()))
+        hash(key)
+    except TypeError:                            # an unhashable hyper-parameter value: no memo
+        key = None
+    if key is not None and key in _SCALARS:
+        return _SCALARS[key]
+    scalars = tuple(float(c) for c in rule.kernel_scalars(hp, int(step)))
+    check_scalar_count(rule.name, len(scalars))
+    scalars = scalars + (0.0,) * (NUM_SCALARS - len(scalars))
+    if key is not None:
+        if len(_SCALARS) >= 64:
+            _SCALARS.clear()
+        _SCALARS[key] = scalars
+    return scalars
