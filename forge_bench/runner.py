@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 from forge_bench import methods as methods_mod
 from forge_bench import results
+from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, base_row, run_cell
 from forge_bench.suite import Cell, Suite
 
 MANIFEST = "manifest.json"
@@ -217,8 +218,6 @@ def _load_row(out_dir: Path, cell_id: str) -> dict[str, Any] | None:
 
 def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str, reason: str,
                 tail: str | None, wall_s: float) -> dict[str, Any]:
-    from forge_bench.cell import base_row
-
     row = base_row(suite, cell, methods_mod.METHODS.get(cell.method), run_id, attempt)
     row.update(status=status, reason=reason, stderr_tail=tail, finished_at=_utc(), wall_s=wall_s)
     return row
@@ -227,8 +226,6 @@ def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str
 def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
             tune_cache: str | None = None) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
-    from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, run_cell
-
     method = methods_mod.METHODS.get(cell.method)
     if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph) is not None:
         run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing

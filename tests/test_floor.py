@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from forge_bench.floor import floor_ms, fused_linear_shapes, state_traffic_bytes
+from forge_bench.floor import floor_ms, state_traffic_bytes
+from forge_bench.gpu_measure import fused_linear_shapes
 
 LLAMA8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
 LLAMA8B = LLAMA8B_LAYER * 32 + [(128256, 4096)]

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from forge_bench.floor import floor_ms, power_floor_ms
+
 from . import ratios
 from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
                    group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
@@ -165,7 +167,8 @@ class _Notes:
                      f"{ratios.CLOCK_TOLERANCE:.0%} and one machine boot).")
 
 
-def _sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in reading order: by method (``data.method_sort_key``), then by run id."""
     return sorted(rows, key=lambda r: (method_sort_key(r["method"], r.get("method_family") or ""),
                                        as_text(r.get("run_id")) or ""))
 
@@ -177,7 +180,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
     tables = []
     for keys, group in frame.groupby(HEADLINE_KEYS, sort=True, dropna=False):
         key_map = dict(zip(HEADLINE_KEYS, keys))
-        rows = _sorted_rows(records(group))
+        rows = sorted_rows(records(group))
         base_method, base_note = choose_baseline(rows)
         several_runs = group["run_id"].nunique(dropna=False) > 1
         header = ["Method"] + (["Run"] if several_runs else []) + [
@@ -425,15 +428,13 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
     """Each FORGE arm against its floor, from the no_optimizer row of the same run and shape:
     floor = no_optimizer step - wgrad + max(wgrad, state bytes / copy bandwidth)
     (``forge_bench/floor.py``; the terms are measured in the no_optimizer cell)."""
-    from forge_bench.floor import floor_ms, power_floor_ms
-
     tables = []
     for keys, group in frame.groupby(FLOOR_KEYS, sort=True, dropna=False):
         key_map = dict(zip(FLOOR_KEYS, keys))
         rows = records(group[group["status"] == "ok"])
         floor_rows = [r for r in rows if r["method"] == FLOOR_METHOD]
         terms = ratios.json_field(floor_rows[0].get("extra")).get("floor_terms") if floor_rows else None
-        forge_rows = [r for r in _sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
+        forge_rows = [r for r in sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
         if not terms or not forge_rows:
             continue
         no_opt_ms = float(floor_rows[0]["step_ms_median"])
@@ -520,7 +521,7 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
     for keys, group in memory_groups(frame):
         body, recs = [], []
         notes = _Notes()
-        for row in _sorted_rows(records(group)):
+        for row in sorted_rows(records(group)):
             parts = memory_parts(row)
             rest = parts["Activations + rest"]
             if rest is None:

@@ -1,6 +1,6 @@
 """Is a training step host-bound, GPU-bound or stalled on a sync? Read it off a profiler timeline.
 
-    python -m forge_bench.step_timeline --model llama-3.1-8b --methods no_optimizer adamw_fused forge_bf16 \
+    forge-bench profile timeline --model llama-3.1-8b --methods no_optimizer,adamw_fused,forge_bf16 \
         --out reports/h100/timeline_llama8b_b1_s512.md [--trace-dir DIR]
 
 Each method runs in its own process, warms up, then records a few steps with torch.profiler (CPU
@@ -15,15 +15,20 @@ sweep's; the *shape* of the timeline (idle share, who causes the gaps, syncs) is
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import gzip
 import json
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from forge_bench.profile.common import BATCH_POOL, StepOptions, run_each_method, union_intervals, warmed_up_arm
 
 STEP_PREFIX = "forge_step_"
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -33,16 +38,8 @@ BLOCKING_CALLS = ("Synchronize", "cudaMemcpy", "cudaMalloc", "cudaFree", "cuMemA
                   "cudaHostAlloc", "cudaStreamWaitEvent", "cuStreamSynchronize", "cudaEventQuery")
 MIN_GAP_US = 5.0
 TOP_GAPS = 10
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
+DEFAULT_METHODS = ("no_optimizer", "adamw_fused", "forge_bf16")
+COMMAND = ["profile", "timeline"]
 
 
 def _stacks_at(cpu_ops: list[dict], probes: list[dict]) -> dict[int, list[str]]:
@@ -104,7 +101,7 @@ def analyse_trace(trace: dict) -> dict[str, Any]:
         work = [g for c in calls for g in gpu_by_corr.get(c.get("args", {}).get("correlation"), [])]
         if not work:
             continue
-        busy_intervals = _union([(g["ts"], g["ts"] + g["dur"]) for g in work])
+        busy_intervals = union_intervals([(g["ts"], g["ts"] + g["dur"]) for g in work])
         gpu_start, gpu_end = busy_intervals[0][0], busy_intervals[-1][1]
         busy = sum(b - a for a, b in busy_intervals)
         # Idle gaps inside the step's GPU span, and who launched the work that ended each one.
@@ -158,30 +155,27 @@ def analyse_trace(trace: dict) -> dict[str, Any]:
                                             "launch_ms_total")}}
 
 
-def record_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int, dtype: str,
-               trace_path: Path | None, activations: str = "hf") -> dict[str, Any]:
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from forge_bench.profile_step import warmed_up_arm
-
-    arm, batches = warmed_up_arm("step_timeline", model_name, batch, seq, method_name, warmup, dtype, activations)
+def record_one(options: StepOptions, method_name: str, trace_path: Path | None) -> dict[str, Any]:
+    """Record ``options.steps`` steps of one arm in this process; returns ``analyse_trace``'s summary
+    (and keeps the gzipped Chrome trace at ``trace_path`` when given)."""
+    arm, batches = warmed_up_arm("profile timeline", options, method_name)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
+        for i in range(options.steps):
             with record_function(f"{STEP_PREFIX}{i}"):
-                arm.step(batches[i % 4])
+                arm.step(batches[i % BATCH_POOL])
         torch.cuda.synchronize()
-    raw = Path(f"/tmp/step_timeline_{method_name}.json")
-    prof.export_chrome_trace(str(raw))
-    trace = json.loads(raw.read_text())
+    with tempfile.TemporaryDirectory() as folder:
+        raw = Path(folder) / f"step_timeline_{method_name}.json"
+        prof.export_chrome_trace(str(raw))
+        trace = json.loads(raw.read_text())
     if trace_path is not None:
         with gzip.open(trace_path, "wt") as fh:
             json.dump(trace, fh)
-    raw.unlink()
     return {"method": method_name, **analyse_trace(trace)}
 
 
 def to_markdown(results: Iterable[dict], title: str) -> str:
+    """The report: medians per arm, then the last recorded step's gaps and blocking calls per arm."""
     lines = [f"# Step timeline: {title}", "",
              "torch.profiler with CPU + CUDA activity (host times inflated by the profiler). Medians over "
              "the recorded steps. `idle` = GPU idle inside the step's GPU span; `enqueue slack` = how long "
@@ -208,34 +202,23 @@ def to_markdown(results: Iterable[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from forge_bench.profile_step import child_arguments, each_method_in_its_own_process, step_arguments
+def run_one(options: StepOptions, method: str, out: Path, trace_dir: Path | None) -> None:
+    """The per-arm child: record ``method`` and write its JSON to ``out``."""
+    trace = trace_dir / f"trace_{method}.json.gz" if trace_dir else None
+    out.write_text(json.dumps(record_one(options, method, trace)))
 
-    ap = step_arguments(__doc__.splitlines()[0], ["no_optimizer", "adamw_fused", "forge_bf16"],
-                        "Markdown file to write (JSON beside it)")
-    ap.add_argument("--trace-dir", type=Path, default=None, help="also keep each method's gzipped Chrome trace here")
-    args = ap.parse_args(argv)
-    if args.one:
-        trace = args.trace_dir / f"trace_{args.methods[0]}.json.gz" if args.trace_dir else None
-        res = record_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype, trace,
-                         args.activations)
-        args.out.write_text(json.dumps(res))
-        return 0
-    if args.trace_dir:
-        args.trace_dir.mkdir(parents=True, exist_ok=True)
-    child_args = child_arguments(args)
-    if args.trace_dir:
-        child_args += ["--trace-dir", str(args.trace_dir)]
-    results = each_method_in_its_own_process("forge_bench.step_timeline", args.methods, child_args, args.out)
+
+def run(options: StepOptions, methods: list[str], out: Path, trace_dir: Path | None) -> int:
+    """Every arm in its own process, then the Markdown report at ``out`` and its JSON beside it."""
+    if trace_dir:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    child_args = options.child_arguments() + (["--trace-dir", str(trace_dir)] if trace_dir else [])
+    results = run_each_method(COMMAND, methods, child_args, out)
     if not results:
-        print("step_timeline: no arm could be recorded; nothing written", file=sys.stderr)
+        print("forge-bench profile timeline: no arm could be recorded; nothing written", file=sys.stderr)
         return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    args.out.write_text(to_markdown(results, f"{args.model}, batch {args.batch}, seq {args.seq}"))
-    print(args.out.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.write_text(to_markdown(results, f"{options.model}, batch {options.batch}, seq {options.seq}"))
+    print(out.read_text())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Where the time of a CUDA-graph step goes, with both streams: what the sweep's graph cells time.
 
-    python -m forge_bench.graph_profile --activations lean --methods adamw_fused forge_bf16 forge_int8 \
+    forge-bench profile graph --activations lean --methods adamw_fused,forge_bf16,forge_int8 \
         --out reports/h100/graph_profile_llama8b_b1_s512_lean.md
 
-``profile_step`` profiles eager steps, whose host launch cost hides what the GPU does; a graph
+``profile step`` profiles eager steps, whose host launch cost hides what the GPU does; a graph
 replay has none, and with ``fuse(overlap=True)`` the fused updates run on a side stream beside the
 backward. Each method runs in its own process, is built capturable, warmed up and captured as a
 sweep's graph cell is (``cell.GraphedStep``); its step is timed without the profiler (CUDA events,
@@ -13,21 +13,30 @@ a synchronize and a pause so that replays can be told apart on the timeline.
 Per replay it reports the GPU span, the time any kernel ran (union over streams), the idle rest,
 each kernel class's summed time and how much of it ran beside another class's kernels, and for the
 fused update (one row per launch grid, i.e. per weight shape) the in-graph duration per launch, to
-hold against ``forge_bench.kernel_bench``'s time for the kernel alone.
+hold against ``forge-bench kernel``'s time for the kernel alone.
 """
 from __future__ import annotations
 
 import bisect
 import gc
+import gzip
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from forge_bench.step_timeline import _union
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from forge_bench.cell import GRAPH_EAGER_WARMUP, GraphedStep
+from forge_bench.profile.common import BATCH_POOL, StepOptions, run_each_method, union_intervals, warmed_up_arm
+
+DEFAULT_METHODS = ("adamw_fused", "forge_bf16", "forge_int8")
+COMMAND = ["profile", "graph"]
 
 TOP = 15                       # kernels listed by name per arm
 REPLAY_PAUSE_S = 0.02          # idle between recorded replays; the split below looks for it
@@ -80,19 +89,19 @@ def split_replays(kernels: list[dict]) -> list[list[dict]]:
 def analyse_replay(kernels: list[dict]) -> dict[str, Any]:
     """Span, busy union, idle, per-class time and overlap, per-stream busy, fused launches by grid."""
     span = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / 1000.0
-    busy = _union([_span(k) for k in kernels])
+    busy = union_intervals([_span(k) for k in kernels])
     busy_ms = sum(b - a for a, b in busy) / 1000.0
     by_class = _group(kernels, lambda k: kernel_class(k["name"]))
     classes = {}
     beside: dict[int, float] = {}            # id(kernel) -> us it ran beside another class's kernels
     for label, members in by_class.items():
-        others = _union([_span(k) for k in kernels if kernel_class(k["name"]) != label])
+        others = union_intervals([_span(k) for k in kernels if kernel_class(k["name"]) != label])
         starts = [a for a, _ in others]
         for k in members:
             beside[id(k)] = _overlap_us(_span(k), others, starts)
         classes[label] = {"ms": sum(k["dur"] for k in members) / 1000.0, "launches": len(members),
                           "beside_other_ms": sum(beside[id(k)] for k in members) / 1000.0}
-    streams = {stream: sum(b - a for a, b in _union([_span(k) for k in members])) / 1000.0
+    streams = {stream: sum(b - a for a, b in union_intervals([_span(k) for k in members])) / 1000.0
                for stream, members in _group(kernels, lambda k: str(k.get("args", {}).get("stream",
                                                                                         k.get("tid")))).items()}
     grids = []
@@ -132,21 +141,15 @@ def analyse_trace(trace: dict) -> list[dict[str, Any]]:
     return [analyse_replay(replay) for replay in split_replays(kernels)]
 
 
-def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: int, warmup: int, dtype: str,
-                activations: str, timed: int, trace_path: Path | None) -> dict[str, Any]:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from forge_bench import cell as cell_mod
-    from forge_bench.profile_step import warmed_up_arm
-
-    arm, batches = warmed_up_arm("graph_profile", model_name, batch, seq, method_name, cell_mod.GRAPH_EAGER_WARMUP,
-                                 dtype, activations, capturable=True)
+def profile_one(options: StepOptions, method_name: str, timed: int, trace_path: Path | None) -> dict[str, Any]:
+    """Capture one arm's step as a graph cell does, time ``timed`` replays, record ``options.steps``
+    more with the profiler; returns the per-replay analysis."""
+    arm, batches = warmed_up_arm("profile graph", options, method_name, GRAPH_EAGER_WARMUP, capturable=True)
     gc.collect()
     torch.cuda.empty_cache()      # the eager steps' blocks back before the capture's own pool (cell.run_timing)
-    step = cell_mod.GraphedStep(arm, batches[0])
-    for i in range(warmup):
-        step(batches[i % 4])
+    step = GraphedStep(arm, batches[0])
+    for i in range(options.warmup):
+        step(batches[i % BATCH_POOL])
     torch.cuda.synchronize()
 
     gc.collect()
@@ -155,23 +158,22 @@ def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: 
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(timed)]
     for i in range(timed):
         starts[i].record()
-        step(batches[i % 4])
+        step(batches[i % BATCH_POOL])
         ends[i].record()
     torch.cuda.synchronize()
     gc.enable()
     step_ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(batches[i % 4])
+        for i in range(options.steps):
+            step(batches[i % BATCH_POOL])
             torch.cuda.synchronize()
             time.sleep(REPLAY_PAUSE_S)
-    raw = Path(f"/tmp/graph_profile_{method_name}.json")
-    prof.export_chrome_trace(str(raw))
-    trace = json.loads(raw.read_text())
-    raw.unlink()
+    with tempfile.TemporaryDirectory() as folder:
+        raw = Path(folder) / f"graph_profile_{method_name}.json"
+        prof.export_chrome_trace(str(raw))
+        trace = json.loads(raw.read_text())
     if trace_path is not None:
-        import gzip
         with gzip.open(trace_path, "wt") as fh:
             json.dump(trace, fh)
     replays = analyse_trace(trace)
@@ -179,6 +181,7 @@ def profile_one(model_name: str, batch: int, seq: int, method_name: str, steps: 
 
 
 def to_markdown(results: list[dict], title: str) -> str:
+    """The report: the median replay per arm, then its kernel classes, top kernels, streams and fused grids."""
     lines = [f"# Graph-replay profile: {title}", "",
              "Each arm captured in a CUDA graph as a sweep's graph cell is, timed without the profiler "
              "(`step ms`: CUDA events, median of the timed replays), then replays recorded with CUDA activity. "
@@ -219,36 +222,24 @@ def to_markdown(results: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from forge_bench.profile_step import child_arguments, each_method_in_its_own_process, step_arguments
+def run_one(options: StepOptions, method: str, timed: int, out: Path, trace_dir: Path | None) -> None:
+    """The per-arm child: profile ``method`` and write its JSON to ``out``."""
+    trace = trace_dir / f"{method}.json.gz" if trace_dir else None
+    out.write_text(json.dumps(profile_one(options, method, timed, trace)))
 
-    ap = step_arguments(__doc__.splitlines()[0], ["adamw_fused", "forge_bf16", "forge_int8"], "Markdown file to write")
-    ap.add_argument("--timed", type=int, default=20, help="replays timed without the profiler")
-    ap.add_argument("--trace-dir", type=Path, default=None, help="also keep each arm's Chrome trace (gzip) here")
-    args = ap.parse_args(argv)
-    if args.one:
-        trace = args.trace_dir / f"{args.methods[0]}.json.gz" if args.trace_dir else None
-        res = profile_one(args.model, args.batch, args.seq, args.methods[0], args.steps, args.warmup, args.dtype,
-                          args.activations, args.timed, trace)
-        args.out.write_text(json.dumps(res))
-        return 0
-    if args.trace_dir:
-        args.trace_dir.mkdir(parents=True, exist_ok=True)
-    extra = ["--timed", str(args.timed)] + (["--trace-dir", str(args.trace_dir)] if args.trace_dir else [])
-    results = each_method_in_its_own_process("forge_bench.graph_profile", args.methods,
-                                             child_arguments(args) + extra, args.out)
+
+def run(options: StepOptions, methods: list[str], timed: int, out: Path, trace_dir: Path | None) -> int:
+    """Every arm in its own process, then the Markdown report at ``out`` and its JSON beside it."""
+    if trace_dir:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    extra = ["--timed", str(timed)] + (["--trace-dir", str(trace_dir)] if trace_dir else [])
+    results = run_each_method(COMMAND, methods, options.child_arguments() + extra, out)
     if not results:
-        print("graph_profile: no arm could be profiled; nothing written", file=sys.stderr)
+        print("forge-bench profile graph: no arm could be profiled; nothing written", file=sys.stderr)
         return 1
-    import torch
     device = torch.cuda.get_device_name(0)
-    lean = ", lean activations" if args.activations == "lean" else ""
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(to_markdown(results, f"{args.model}, batch {args.batch}, seq {args.seq}{lean} ({device})"))
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    print(args.out.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_markdown(results, f"{options.title()} ({device})"))
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print(out.read_text())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

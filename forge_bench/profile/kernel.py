@@ -1,4 +1,4 @@
-"""The kernel benchmark (issue 6): the fused wgrad + AdamW kernel per Llama-3.1-8B Linear shape.
+"""The kernel benchmark: the fused wgrad + AdamW kernel per Llama-3.1-8B Linear shape.
 
 For each shape, token count BT and state dtype it times, on one CUDA device:
 
@@ -18,26 +18,32 @@ of back-to-back replays, the copy's joules per byte and the idle board's power, 
 roofline ``gemm_j + state_bytes x copy_j_per_byte``. The Llama-8B step runs at the H100's 700 W
 cap, where a kernel's energy, not its time alone, is what it costs the step.
 
-``main(out_dir, shapes=None, bts=None, state_dtypes=None)`` writes ``kernel_bench.parquet`` and
-``kernel_bench.png`` and returns the DataFrame; ``python -m forge_bench.kernel_bench --out DIR
-[--quick]`` runs it from a shell.
+``run(out_dir, shapes=None, bts=None, state_dtypes=None, quick=False)`` writes ``kernel_bench.parquet``
+and ``kernel_bench.png`` and returns the DataFrame; ``forge-bench kernel --out DIR [--quick]`` runs it
+from a shell.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
+import pandas as pd
 import torch
+import triton
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-from forge_core.kernels.graph_timing import captured as _captured, replay_ms as _replay_ms
+from forge_core import kernels
+from forge_core.rules import get_rule
+from forge_core.state import ParamState
 
-from .floor import copy_dynamic_j_per_byte, copy_energy, measure_copy_bandwidth, state_traffic_bytes
-from .telemetry import EnergyCounter, open_energy_counter
+from forge_bench.floor import copy_dynamic_j_per_byte, state_traffic_bytes
+from forge_bench.gpu_measure import copy_energy, measure_copy_bandwidth, measure_graph
+from forge_bench.png import compact_png
+from forge_bench.telemetry import EnergyCounter, open_energy_counter
 
 LLAMA_8B_SHAPES: dict[str, tuple[int, int]] = {
     "q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096),
@@ -58,51 +64,6 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
-def time_graph_ms(call: Callable[[object], None], sets: Sequence[object], replays: int = 20) -> float:
-    """Median ms of one ``call(set)``: capture a CUDA graph running ``call`` once on each set,
-    replay it ``replays`` times between CUDA events, divide by the number of sets."""
-    graph = _captured(call, sets)
-    ms = _replay_ms(graph, len(sets), replays)
-    del graph
-    return ms
-
-
-def graph_energy(graph: "torch.cuda.CUDAGraph", calls_per_replay: int, ms_per_call: float,
-                 counter: "EnergyCounter", seconds: float = 0.5) -> dict:
-    """Joules per call, mean board power and median SM clock over back-to-back replays lasting about
-    ``seconds``. Why: the Llama-8B step runs at the board's 700 W cap, where a kernel costs the
-    step its energy, not its time alone (and sustained replays of one kernel reach the cap too)."""
-    replays = max(1, math.ceil(seconds * 1e3 / max(ms_per_call * calls_per_replay, 1e-3)))
-    done = torch.cuda.Event()
-    torch.cuda.synchronize()
-    started_j, started_s = counter.read_j(), time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    done.record()
-    clocks = []
-    while not done.query():                  # sample the SM clock while the replays run
-        clocks.append(counter.sm_clock_mhz())
-        time.sleep(0.01)
-    done.synchronize()
-    joules, elapsed = counter.read_j() - started_j, time.perf_counter() - started_s
-    return {"j": joules / (replays * calls_per_replay), "w": joules / elapsed,
-            "sm_mhz": statistics.median(clocks) if clocks else None}
-
-
-def measure_graph(call: Callable[[object], None], sets: Sequence[object], counter: "EnergyCounter | None" = None,
-                  replays: int = 20) -> dict:
-    """``time_graph_ms``'s median ms, plus ``graph_energy``'s columns when an NVML counter is given."""
-    graph = _captured(call, sets)
-    result = {"ms": _replay_ms(graph, len(sets), replays)}
-    if counter is not None:
-        try:
-            result.update(graph_energy(graph, len(sets), result["ms"], counter))
-        except Exception as exc:     # a counter that stops answering costs the joules, not the timing
-            result["energy_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    del graph
-    return result
-
-
 def _sets_needed(bytes_per_set: float) -> int:
     return max(1, min(16, math.ceil(L2_EVICT_BYTES / max(bytes_per_set, 1.0))))
 
@@ -119,11 +80,6 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
     With an NVML ``counter`` (``telemetry.open_energy_counter``) each operation's joules per call
     too, and with ``copy`` (``floor.copy_energy``) the energy roofline: the GEMM's joules plus the
     state bytes at the copy's joules per byte (energies add where times overlap)."""
-    from forge_core.kernels import NUM_SCALARS, fused_wgrad_update
-    from forge_core.kernels.fused import tuned_configs
-    from forge_core.rules import get_rule
-    from forge_core.state import ParamState
-
     bf16 = torch.bfloat16
     flops = 2.0 * tokens * dout * din
     activation_bytes = tokens * (dout + din) * 2
@@ -176,11 +132,11 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
         # benchmark replays CUDA graphs, and the kernel choice (forge_core.kernels.ws_choice) is
         # then made on graph timings, as it is for a captured training step
         values = rule.kernel_scalars(ADAMW_HP, 10)
-        scalars = torch.zeros(NUM_SCALARS, dtype=torch.float32, device=device)
+        scalars = torch.zeros(kernels.NUM_SCALARS, dtype=torch.float32, device=device)
         scalars[:len(values)] = torch.tensor(values, dtype=torch.float64)
 
         def fused(s, scalars=scalars):
-            fused_wgrad_update(s["x"], s["dy"], s["weight"], s["state"], ADAMW_HP, 10, device_scalars=scalars)
+            kernels.fused_wgrad_update(s["x"], s["dy"], s["weight"], s["state"], ADAMW_HP, 10, device_scalars=scalars)
 
         started = time.perf_counter()
         fused(sets[0])               # tunes (on scratch copies) for this key
@@ -188,7 +144,7 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
         tune_s = time.perf_counter() - started
         fused_m = measure_graph(fused, sets, counter)
         fused_ms = fused_m["ms"]
-        config = [c for k, c in tuned_configs().items() if k[0] == (dout, din) and k[1] == tokens
+        config = [c for k, c in kernels.tuned_configs().items() if k[0] == (dout, din) and k[1] == tokens
                   and k[5] == state_dtype]
         traffic_ms = state_bytes / copy_bytes_per_s * 1e3
         roofline_ms = max(gemm_ms, traffic_ms)
@@ -201,13 +157,13 @@ def bench_shape(dout: int, din: int, tokens: int, state_dtypes: Iterable[str], d
             fused_gbps=(state_bytes + activation_bytes) / (fused_ms * 1e-3) / 1e9,
             state_bytes=state_bytes, copy_gbps=copy_bytes_per_s / 1e9, tune_s=tune_s,
             config=str(config[-1]) if config else "", input_sets=n_sets,
-            **_energy_columns(fused_m, gemm_m, adamw_m, baseline_m, state_bytes, copy)))
+            **energy_columns(fused_m, gemm_m, adamw_m, baseline_m, state_bytes, copy)))
         del sets
         torch.cuda.empty_cache()
     return rows
 
 
-def _energy_columns(fused: dict, gemm: dict, adamw: dict, baseline: dict, state_bytes: float,
+def energy_columns(fused: dict, gemm: dict, adamw: dict, baseline: dict, state_bytes: float,
                     copy: Mapping[str, float] | None) -> dict:
     """Joules per call of each operation; with the copy's energy (``floor.copy_energy``) the fused
     kernel's ratio to its energy roofline and ``dynamic_energy_ratio``: its joules above idle power
@@ -229,15 +185,12 @@ def _energy_columns(fused: dict, gemm: dict, adamw: dict, baseline: dict, state_
 
 
 def plot(frame, path: Path) -> None:
-    """Ratio to roofline (left) and speed-up over cuBLAS + fused AdamW (right) per shape and BT."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from forge_bench.report.figures import compact_png
-
+    """Ratio to roofline (top), speed-up over cuBLAS + fused AdamW (middle) and, with energy columns,
+    the energy ratio (bottom) per shape and BT. Agg canvas, no pyplot state."""
     energy = "energy_ratio_to_roofline" in frame and frame["energy_ratio_to_roofline"].notna().any()
-    fig, axes = plt.subplots(3 if energy else 2, 1, figsize=(14, 12 if energy else 8))
+    fig = Figure(figsize=(14, 12 if energy else 8))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3 if energy else 2, 1)
     # one slot per (shape, BT) that any state dtype has (a frame merged from runs of different
     # --state-dtypes / --bts need not have every pair for every dtype), in first-seen order
     keys = list(dict.fromkeys(zip(frame["shape"], frame["tokens"])))
@@ -268,14 +221,14 @@ def plot(frame, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     compact_png(path)
-    plt.close(fig)
 
 
-def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None = None,
-         state_dtypes: Sequence[str] | None = None):
-    """Run the benchmark; write ``kernel_bench.parquet`` and ``kernel_bench.png`` under ``out_dir``."""
+def run(out_dir: str | Path, shapes: Sequence[str] | None = None, bts: Sequence[int] | None = None,
+        state_dtypes: Sequence[str] | None = None, quick: bool = False) -> pd.DataFrame:
+    """Run the benchmark; write ``kernel_bench.parquet`` and ``kernel_bench.png`` under ``out_dir``.
+    ``quick``: ``QUICK_SHAPES`` x ``QUICK_BTS`` where shapes / BTs are not given (CI)."""
     device = require_cuda()
-    shapes = list(shapes or LLAMA_8B_SHAPES)
+    shapes = list(shapes or (QUICK_SHAPES if quick else LLAMA_8B_SHAPES))
     unknown = [s for s in shapes if s not in LLAMA_8B_SHAPES]
     if unknown:
         raise ValueError(f"unknown shape names {unknown}; known: {list(LLAMA_8B_SHAPES)}")
@@ -283,7 +236,7 @@ def main(out_dir, shapes: Sequence[str] | None = None, bts: Sequence[int] | None
     bad = [s for s in state_dtypes if s not in STATE_DTYPES]
     if bad:
         raise ValueError(f"unknown state dtypes {bad}; known: {list(STATE_DTYPES)}")
-    bts = [int(b) for b in (bts or BTS)]
+    bts = [int(b) for b in (bts or (QUICK_BTS if quick else BTS))]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     copy_bytes_per_s = measure_copy_bandwidth(device)
@@ -335,10 +288,7 @@ def _bench_all(shapes: Sequence[str], bts: Sequence[int], state_dtypes: Sequence
     return rows
 
 
-def _frame(rows: list[dict], device: torch.device):
-    import pandas as pd
-    import triton
-
+def _frame(rows: list[dict], device: torch.device) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     frame["device"] = torch.cuda.get_device_name(device)
     frame["torch_version"] = torch.__version__
@@ -346,25 +296,3 @@ def _frame(rows: list[dict], device: torch.device):
     return frame[["shape"] + [c for c in frame.columns if c != "shape"]]
 
 
-def _cli(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder for kernel_bench.parquet / .png")
-    parser.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, BT {QUICK_BTS}")
-    parser.add_argument("--shapes", nargs="*", help=f"names from {list(LLAMA_8B_SHAPES)}")
-    parser.add_argument("--bts", nargs="*", type=int)
-    parser.add_argument("--state-dtypes", nargs="*")
-    args = parser.parse_args(argv)
-    shapes = args.shapes or (list(QUICK_SHAPES) if args.quick else None)
-    bts = args.bts or (list(QUICK_BTS) if args.quick else None)
-    try:
-        frame = main(args.out, shapes, bts, args.state_dtypes)
-    except (RuntimeError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(frame.to_string(index=False, columns=["shape", "tokens", "state_dtype", "fused_ms", "roofline_ms",
-                                                "ratio_to_roofline", "baseline_ms", "speedup_vs_baseline"]))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_cli())
