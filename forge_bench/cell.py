@@ -62,7 +62,7 @@ def _chain(exc: BaseException | None):
 def is_oom(exc: BaseException) -> bool:
     """An out-of-memory error, also when another error followed it: an allocation that fails inside a
     CUDA graph capture leaves the capture with unjoined side-stream work, and capture_end's error
-    is what reaches the cell (seen on Llama-3.1-8B b4 s2048, forge_bf16_cce: a 'crashed' row)."""
+    is what reaches the cell (Llama-3.1-8B b4 s2048 with forge_bf16_cce: without this, a 'crashed' row)."""
     return any(isinstance(e, torch.OutOfMemoryError)
                or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower()) for e in _chain(exc))
 

@@ -331,9 +331,9 @@ def _tiles(row: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _tiles_unlike_baseline(row: Mapping[str, Any], baseline_row: Mapping[str, Any]) -> list[str]:
-    """Weight shapes whose tile differs from the baseline row's. Why: a cell whose tune cache missed
-    (session 17: Triton's cache_key moved with the kernel's line number) tunes again and may pick
-    other tiles, and a --check then measures the tuner's choice against the baseline's."""
+    """Weight shapes whose tile differs from the baseline row's. Why: a cell whose tune cache misses
+    (a kernel change moves the cache's fingerprint) tunes again and may pick other tiles, and a
+    --check then measures the tuner's choice against the baseline's."""
     now, then = _tiles(row), _tiles(baseline_row)
     return sorted(shape for shape, tile in now.items() if shape in then and then[shape] != tile)
 
@@ -342,11 +342,11 @@ def check_against_baseline(current, baseline, tolerance: float, families: tuple[
                            eager_tolerance: float | None = None) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
     dtype, method, timing method (CUDA-graph replays only against replays) and activations. Returns (failures, notes); any failure means a regression (or a FORGE cell
-    that no longer measures), and having nothing to compare is a failure too.
+    that does not measure), and having nothing to compare is a failure too.
 
     ``eager_tolerance`` (default: ``tolerance``) applies to rows not timed as graph replays: a small
     model's eager step is bound by the host's Python, whose speed moves from process to process
-    (the same tree's Llama-3.2-1B eager FORGE step measured 91 and 115 ms in two processes of one
+    (the same tree's Llama-3.2-1B eager FORGE step takes 91 and 115 ms in two processes of one
     H100 boot), while its graph replays repeat to 0.5%."""
     failures: list[str] = []
     notes: list[str] = []

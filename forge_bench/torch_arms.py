@@ -6,7 +6,7 @@ Each ``build_*`` / ``*_builder`` here turns a model and the sweep's ``TrainConfi
 exists.
 
 ``forge_core`` is imported inside the FORGE builders, not here: a cell of a torch arm never imports
-Triton (its row then records no kernel tiles, and its process start stays what it was).
+Triton (its row records no kernel tiles, and its process starts without compiling anything).
 """
 from __future__ import annotations
 

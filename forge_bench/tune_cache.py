@@ -7,7 +7,7 @@ moves between runs: an old-vs-new step A/B (``scripts/step_ab.sh``) would then m
 well as the code. ``rekey`` writes the same choices under the fingerprints this tree computes (each
 entry keeps its own Triton version and GPU name); ``check`` counts the entries this tree accepts
 (a GPU CI baseline's cache must match the tree it checks). A re-keyed file is for A/Bs, not a
-tuning result: its tiles were chosen for the other kernel.
+tuning result: its tiles are the other kernel's choices.
 
 The fingerprints are forge_core's (``forge_core.kernels.rekey_tune_cache_entries`` and
 ``count_current_tune_cache_entries``); this module reads and writes the file.

@@ -96,6 +96,28 @@ def test_report_formats_option(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_report_skips_a_parquet_of_another_kind_in_one_line(tmp_path):
+    """`forge-bench report results/` on a folder that also holds the kernel benchmark's parquet: the
+    report is written, and the other file is named on stderr, not fatal."""
+    import shutil
+
+    import pandas as pd
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    rows = tmp_path / "results"
+    shutil.copytree(fixtures / "smoke", rows / "smoke")
+    (rows / "kernels").mkdir()
+    pd.DataFrame({"shape": ["q"], "fused_ms": [0.1]}).to_parquet(rows / "kernels" / "kernel_bench.parquet")
+    res = cli.invoke(app, ["report", str(rows), "-o", str(tmp_path / "r"), "--formats", "png"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"forge-bench report: skipping {rows / 'kernels' / 'kernel_bench.parquet'}: not a forge-bench v1 result "
+        "file (missing ['schema_version', 'run_id', 'suite_name', 'suite_hash', 'cell_id'])"]
+    assert (tmp_path / "r" / "README.md").is_file() and (tmp_path / "r" / "index.md").is_file()
+    res = cli.invoke(app, ["report", str(rows / "kernels"), "-o", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "no forge-bench v1 result files" in res.stderr
+
+
 def _run(args, env, timeout=600):
     return subprocess.run([sys.executable, "-m", "forge_bench.cli", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout)

@@ -3,7 +3,9 @@
 Every figure uses ``matplotlib.figure.Figure`` with an explicit Agg canvas: no pyplot global
 state, no GUI backend, safe in a headless sweep machine. Ratios come from ``ratios.py`` through
 the same helpers as the tables, so a figure can never show a ratio that a table refuses.
-Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason.
+Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason. Where
+several runs measured the same group, the scaling and memory figures draw the newest run only and the
+grid figures the widest grid (``data.one_per_key``): another run's figure repeats its table's numbers.
 Every builder takes ``formats``, the file types each figure is saved as (``FORMATS`` unless the
 caller asks for fewer, e.g. ``("png",)`` to skip the PDF twins).
 """
@@ -24,9 +26,9 @@ from forge_bench.png import compact_png
 
 from . import ratios
 from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, group_title, is_forge,
-                   ordered_methods, records, run_label, slug)
+                   one_per_key, ordered_methods, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
-from .tables import (ANALYTIC_PARTS, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
+from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
                      memory_groups, memory_parts, models_by_size, params_text, scaling_groups,
                      shapes_of, cell_row, sorted_rows)
 
@@ -185,6 +187,7 @@ def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
     if not groups:
         return [], "no run measured one model at two or more batch × seq shapes"
     paths = []
+    groups = one_per_key(groups, grid_coverage)     # the widest grid of each; the tables keep every run
     for keys, group in groups:
         stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
                     timing_slug(keys))
@@ -306,6 +309,7 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
     if not groups:
         return [], "no run measured two or more models at one shape"
     paths = []
+    groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
         models = models_by_size(group)
         fig = Figure(figsize=(9.0, 3.8))
@@ -365,6 +369,7 @@ def memory_figures(frame: pd.DataFrame, folder: Path,
     if not groups:
         return [], "no row ran ok"
     paths = []
+    groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
         rows = sorted_rows(records(group))
         fig = Figure(figsize=(max(5.5, 0.9 * len(rows) + 2.5), 3.8))

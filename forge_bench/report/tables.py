@@ -17,7 +17,8 @@ import pandas as pd
 from forge_bench.floor import floor_ms, power_floor_ms
 
 from . import ratios
-from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
+from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, finished_last, fmt_ms,
+                   fmt_number,
                    group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
                    slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
@@ -229,8 +230,8 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
         timing = {as_text(r.get("timing_method")) for r in rows if as_text(r.get("timing_method"))}
         caption = (f"{base_note} Δ peak: change of peak allocated memory (GiB = 2^30 bytes); "
                    f"speed-up: baseline step time / this step time. J/step and mean W: the board's "
-                   f"energy counter (NVML) over the timed window, per step and per second (— before it was "
-                   f"recorded, or on CPU). {SPREAD_NOTE}"
+                   f"energy counter (NVML) over the timed window, per step and per second (— where a row has "
+                   f"no energy reading, e.g. on a CPU). {SPREAD_NOTE}"
                    + (f" Timing: {', '.join(sorted(timing))}." if timing else ""))
         tables.append(Table(
             name=slug("headline", *key_parts(key_map)), title=group_title(key_map), caption=caption,
@@ -242,6 +243,11 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
 # --- batch x sequence grid ----------------------------------------------------------------------
 
 GRID_KEYS = ["run_id", "device_name", "model", "dtype", "timing", "activations"]
+
+
+def grid_coverage(group: pd.DataFrame) -> tuple[int, int, str]:
+    """How much a grid shows, for picking one run of a grid: shapes, ok rows, then the newest."""
+    return len(shapes_of(group)), int((group["status"] == "ok").sum()), finished_last(group)
 
 
 def grid_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -417,7 +423,7 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
     return tables
 
 
-# --- the floor of a FORGE step (issue 6) ----------------------------------------------------------
+# --- the floor of a FORGE step ------------------------------------------------------------------
 
 FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FLOOR_METHOD = "no_optimizer"
