@@ -27,13 +27,16 @@ import torch
 
 PROBE_TIMEOUT_S = 300
 
+
 @dataclass(frozen=True)
 class PeerPackage:
-    """A peer's Python package: import name, pip name, oldest version we accept, entry symbol."""
+    """A peer's Python package: import name, pip name, oldest version accepted, entry symbol, and the
+    other peer packages its own import loads (so a process that builds it must not hide them)."""
     module: str
     distribution: str
     min_version: str
     symbol: str          # dotted attribute of the module that the adapter calls
+    imports: tuple[str, ...] = ()
 
 
 PACKAGES: dict[str, PeerPackage] = {
@@ -42,8 +45,9 @@ PACKAGES: dict[str, PeerPackage] = {
     # torchao: low-bit optimizers left the prototype namespace for torchao.optim in 0.11.
     "torchao": PeerPackage("torchao", "torchao", "0.11.0", "optim.AdamWFp8"),
     "optimi": PeerPackage("optimi", "torch-optimi", "0.3.0", "AdamW"),
-    "galore_torch": PeerPackage("galore_torch", "galore-torch", "1.0", "GaLoreAdamW"),
-    "apollo_torch": PeerPackage("apollo_torch", "apollo-torch", "1.0.3", "APOLLOAdamW"),
+    # GaLore and APOLLO import bitsandbytes in their package __init__ (their 8-bit AdamW variants).
+    "galore_torch": PeerPackage("galore_torch", "galore-torch", "1.0", "GaLoreAdamW", imports=("bitsandbytes",)),
+    "apollo_torch": PeerPackage("apollo_torch", "apollo-torch", "1.0.3", "APOLLOAdamW", imports=("bitsandbytes",)),
     "lomo_optim": PeerPackage("lomo_optim", "lomo-optim", "0.1.1", "AdaLomo"),
     "flashoptim": PeerPackage("flashoptim", "flashoptim", "0.1.0", "FlashAdamW"),
 }
@@ -195,10 +199,12 @@ def hide_peer_packages_except(needed: Iterable[str]) -> list[str]:
     (its quantizer registry), so a cell of a baseline arm would load a peer's package, and torchao's
     import prints two "Failed to load ... _C_mxfp8 / _C_cutlass_90a" lines into every cell's log.
     ``sys.modules[name] = None`` makes ``import name`` fail and ``importlib.util.find_spec(name)``
-    answer None, so transformers takes the package as absent. Only a process that builds one arm
-    calls this (a cell, a profiler's per-arm child): a package already imported stays as it is.
+    answer None, so transformers takes the package as absent. A needed package's own peer imports
+    (``PeerPackage.imports``) stay importable. Only a process that builds one arm calls this (a cell,
+    a profiler's per-arm child): a package already imported stays as it is.
     """
     keep = set(needed)
+    keep |= {dep for package in PACKAGES.values() if package.module in keep for dep in package.imports}
     hidden = []
     for module in sorted({package.module for package in PACKAGES.values()}):
         if module not in keep and module not in sys.modules:

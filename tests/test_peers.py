@@ -339,6 +339,24 @@ def test_a_cell_process_imports_only_its_own_arms_peer_package():
     assert "Failed to load" not in done.stderr
 
 
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None, reason="galore-torch not installed")
+def test_hiding_keeps_what_a_peer_package_imports_itself():
+    """galore_torch imports bitsandbytes in its __init__: a GaLore cell keeps bitsandbytes importable."""
+    code = textwrap.dedent("""
+        import torch
+        from forge_bench import methods, models, peer_probes
+        hidden = peer_probes.hide_peer_packages_except(methods.METHODS["galore_adamw"].requires)
+        assert "bitsandbytes" not in hidden and "torchao" in hidden, hidden
+        assert methods.METHODS["galore_adamw"].unavailable_reason("cpu") is None
+        model = models.build_model("tiny-llama", "float32", "cpu", seed=0)
+        arm = methods.METHODS["galore_adamw"].build(model, methods.TrainConfig(device="cpu"))
+        print("LOSS", float(arm.step(models.make_batch("tiny-llama", 2, 8, "cpu"))))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LOSS" in done.stdout
+
+
 def test_hiding_keeps_the_arms_own_package_and_any_package_already_imported():
     code = textwrap.dedent("""
         import sys
