@@ -6,7 +6,8 @@ algorithm) -> build the full model -> warm-up -> ``repeats`` x ``timed_steps`` t
 the timed window and NVML read just before and after it.
 
 The runner (runner.py) starts this module as ``python -m forge_bench.cell`` in a fresh process
-per cell (``main``: the per-cell child's entry; ``forge-bench cell`` runs the same from a shell). An out-of-memory error on the first attempt exits with ``EXIT_OOM_RETRY`` and no row;
+per cell (``main``: the per-cell child's entry; ``forge-bench cell`` runs the same from a shell).
+An out-of-memory error on the first attempt exits with ``EXIT_OOM_RETRY`` and no row;
 the runner then retries once in a new process (the whole cache freed) and this module writes
 the ``oom`` row if the second attempt fails too. Any other exception propagates: the process
 dies with the traceback on stderr and the runner writes the ``crashed`` row.
@@ -584,7 +585,8 @@ def main(
     out: Annotated[Path, typer.Option(help="results folder")],
     run_id: Annotated[str, typer.Option(help="run id to record")],
     attempt: Annotated[int, typer.Option(help="attempt number (OOM retry)")] = 1,
-    parent_pid: Annotated[Optional[int], typer.Option(help="die with this process (the sweep): set by the runner")] = None,
+    parent_pid: Annotated[Optional[int],
+                          typer.Option(help="die with this process (the sweep): set by the runner")] = None,
 ) -> None:
     """Run one cell of a suite in this process and write its row: the sweep's per-cell child."""
     if parent_pid is not None:

@@ -52,7 +52,8 @@ def rekey(source: Path, target: Path) -> tuple[int, int]:
     try:
         rekeyed, changed = kernels.rekey_tune_cache_entries(entries)
     except (ValueError, KeyError, TypeError) as exc:
-        raise TuneCacheError(f"{source}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TuneCacheError(f"{source}: {first}") from None
     body = json.dumps({**data, "entries": rekeyed}, indent=1, sort_keys=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:

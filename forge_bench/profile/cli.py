@@ -17,7 +17,8 @@ profile_app = typer.Typer(
 
 ACTIVATIONS = ("hf", "lean")
 
-Out = Annotated[Path, typer.Option("--out", "-o", help="Markdown file to write (a JSON beside it for timeline and graph)")]
+Out = Annotated[Path, typer.Option("--out", "-o",
+                                   help="Markdown file to write (a JSON beside it for timeline and graph)")]
 Model = Annotated[str, typer.Option("--model", help="model zoo name (forge-bench list)")]
 Batch = Annotated[int, typer.Option("--batch", min=1, help="sequences per step")]
 Seq = Annotated[int, typer.Option("--seq", min=1, help="tokens per sequence")]

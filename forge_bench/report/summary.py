@@ -24,7 +24,8 @@ VARIANT_ORDER = [(EAGER_TIMING, "hf"), (GRAPH_TIMING, "hf"), (EAGER_TIMING, "lea
 
 def variant_label(timing: str, activations: str) -> str:
     """A column name for one timing of the headline cell."""
-    return ("CUDA graph" if timing == GRAPH_TIMING else "eager") + (", lean activations" if activations == "lean" else "")
+    lean = ", lean activations" if activations == "lean" else ""
+    return ("CUDA graph" if timing == GRAPH_TIMING else "eager") + lean
 
 
 def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
@@ -35,7 +36,8 @@ def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
         return None
     sizes = {model: max((as_number(n) or 0.0) for n in group["n_params"]) for model, group in ok.groupby("model")}
     model = max(sizes, key=lambda m: (sizes[m], m))
-    shapes = {(int(b), int(s)) for b, s in zip(ok.loc[ok["model"] == model, "batch"], ok.loc[ok["model"] == model, "seq"])}
+    of_model = ok[ok["model"] == model]
+    shapes = {(int(b), int(s)) for b, s in zip(of_model["batch"], of_model["seq"])}
     batch, seq = min(shapes, key=lambda shape: (shape[0] * shape[1], shape[0]))
     return model, batch, seq
 
@@ -102,9 +104,11 @@ def peers_section(frame: pd.DataFrame) -> list[str]:
     for row in rows:
         base = find_baseline_row(row, rows, base_method)
         is_base = base is row
-        lines.append(f"| `{row['method']}` | {row.get('method_family') or '—'} | {fmt_number(row.get('peak_allocated_gib'))} | "
-                     f"{'baseline' if is_base else ratios.peak_change(row, base).text} | {fmt_ms(row.get('step_ms_median'))} | "
-                     f"{'baseline' if is_base else ratios.speedup(row, base).text} | {as_text(row.get('status'))} |")
+        change = "baseline" if is_base else ratios.peak_change(row, base).text
+        speed = "baseline" if is_base else ratios.speedup(row, base).text
+        family, peak = row.get("method_family") or "—", fmt_number(row.get("peak_allocated_gib"))
+        lines.append(f"| `{row['method']}` | {family} | {peak} | {change} | {fmt_ms(row.get('step_ms_median'))} | "
+                     f"{speed} | {as_text(row.get('status'))} |")
     return lines + [""]
 
 
@@ -136,11 +140,12 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
         per_shape[(batch, seq)] = records(at_shape[at_shape["run_id"] == run])
     methods = dict.fromkeys(r["method"] for r in tables.sorted_rows([r for rows in per_shape.values() for r in rows])
                             if r.get("method_family") == "forge")
-    title = group_title({"model": name, "dtype": variant.iloc[0]["dtype"], "timing": timing, "activations": activations})
+    title = group_title({"model": name, "dtype": variant.iloc[0]["dtype"], "timing": timing,
+                         "activations": activations})
+    runs = ", ".join(f"b{b}×s{q} run {run_label(rows[0]['run_id'])}" for (b, q), rows in per_shape.items())
     lines = [f"### Batch × sequence grid: {title}", "",
              "FORGE's memory saving (share of the baseline's peak) / speed-up against the baseline of the same "
-             "run and shape. Each shape from the newest run that measured it: "
-             + ", ".join(f"b{b}×s{q} run {run_label(rows[0]['run_id'])}" for (b, q), rows in per_shape.items()) + ".", "",
+             f"run and shape. Each shape from the newest run that measured it: {runs}.", "",
              "| Method | " + " | ".join(f"b{b}×s{q}" for b, q in columns) + " |", "|:--|" + "--:|" * len(columns)]
     for method in methods:
         cells = []
