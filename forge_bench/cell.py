@@ -6,33 +6,38 @@ algorithm) -> build the full model -> warm-up -> ``repeats`` x ``timed_steps`` t
 the timed window and NVML read just before and after it.
 
 The runner (runner.py) starts this module as ``python -m forge_bench.cell`` in a fresh process
-per cell. An out-of-memory error on the first attempt exits with ``EXIT_OOM_RETRY`` and no row;
+per cell (``main``: the per-cell child's entry; ``forge-bench cell`` runs the same from a shell).
+An out-of-memory error on the first attempt exits with ``EXIT_OOM_RETRY`` and no row;
 the runner then retries once in a new process (the whole cache freed) and this module writes
 the ``oom`` row if the second attempt fails too. Any other exception propagates: the process
 dies with the traceback on stderr and the runner writes the ``crashed`` row.
 """
 from __future__ import annotations
 
-import argparse
 import copy
+import ctypes
 import datetime as dt
 import gc
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping, Optional
 
 import torch
+import typer
 
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
-from forge_bench import floor as floor_mod
 from forge_bench import results, telemetry
+from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
+from forge_bench.peer_probes import hide_peer_packages_except
 from forge_bench.suite import Cell, Suite, load_suite
 
 EXIT_OOM_RETRY = 75      # "out of memory, please retry me in a fresh process"
@@ -58,7 +63,7 @@ def _chain(exc: BaseException | None):
 def is_oom(exc: BaseException) -> bool:
     """An out-of-memory error, also when another error followed it: an allocation that fails inside a
     CUDA graph capture leaves the capture with unjoined side-stream work, and capture_end's error
-    is what reaches the cell (seen on Llama-3.1-8B b4 s2048, forge_bf16_cce: a 'crashed' row)."""
+    is what reaches the cell (Llama-3.1-8B b4 s2048 with forge_bf16_cce: without this, a 'crashed' row)."""
     return any(isinstance(e, torch.OutOfMemoryError)
                or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower()) for e in _chain(exc))
 
@@ -110,7 +115,7 @@ class ParityResult:
     steps: int
 
 
-def _reference_optimizer(kind: str, params, cfg: methods_mod.TrainConfig) -> torch.optim.Optimizer:
+def _reference_optimizer(kind: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                  foreach=False)
@@ -190,7 +195,7 @@ def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityRe
 
 # --- timing --------------------------------------------------------------------------------
 
-FLOOR_METHOD = "no_optimizer"  # its cell also measures the floor terms of issue 6
+FLOOR_METHOD = "no_optimizer"  # its cell also measures the floor terms (floor.py, gpu_measure.floor_terms)
 
 
 @dataclass
@@ -250,7 +255,7 @@ class GraphedStep:
     capturable and stepped eagerly (on a side stream) first, as torch's CUDA-graph docs require.
     """
 
-    def __init__(self, arm: methods_mod.Arm, example: Mapping[str, torch.Tensor],
+    def __init__(self, arm: Arm, example: Mapping[str, torch.Tensor],
                  capture_stream: torch.cuda.Stream | None = None) -> None:
         self.inputs = {name: tensor.clone() for name, tensor in example.items()}
         self.graph = torch.cuda.CUDAGraph()
@@ -267,7 +272,9 @@ class GraphedStep:
         return self.loss.clone()
 
 
-def _eager_steps(arm: methods_mod.Arm, batches: list, count: int, side_stream: bool) -> list[torch.Tensor]:
+def eager_steps(arm: Arm, batches: list, count: int, side_stream: bool) -> list[torch.Tensor]:
+    """``count`` eager steps over the batch pool; on a side stream when the step is captured next (a
+    CUDA graph capture must follow side-stream warm-up, as torch's CUDA-graph docs require)."""
     if not side_stream:
         return [arm.step(batches[i % BATCH_POOL]) for i in range(count)]
     side = torch.cuda.Stream()
@@ -291,7 +298,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
                for i in range(BATCH_POOL)]
 
     eager_warmup = GRAPH_EAGER_WARMUP if graphed else spec.warmup_steps
-    warm = _eager_steps(arm, batches, eager_warmup, side_stream=graphed)
+    warm = eager_steps(arm, batches, eager_warmup, side_stream=graphed)
     if warm:
         _check_finite(warm, "warm-up")
     del warm
@@ -322,9 +329,8 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     host_ms: list[float] = []
     losses: list[torch.Tensor] = []
     step_index = 0
-    # Python's cyclic GC pauses land inside steps at random: on the H100 they widened the IQR of a
-    # Llama-8B step by ~40% (scripts/noise_probe.py, docs/gpu_notes.md). Collect once, then keep
-    # it off for the timed window only.
+    # Python's cyclic GC pauses land inside steps at random: on the H100 they widen the IQR of a
+    # Llama-8B step by ~40%. Collect once, then keep it off for the timed window only.
     gc.collect()
     gc.disable()
     window_start = time.perf_counter()
@@ -371,7 +377,10 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     if on_cuda and method.name == FLOOR_METHOD:
         # The floor of a FORGE step needs the wgrad GEMM time and the copy bandwidth measured in
         # the same run as the no_optimizer step (forge_bench/floor.py); measured after the timed window.
-        terms = floor_mod.floor_terms(model, cell.batch * cell.seq, models_mod.torch_dtype(cell.dtype),
+        # Imported here: gpu_measure loads forge_core.kernels (Triton), which no other torch-arm cell loads.
+        from forge_bench import gpu_measure
+
+        terms = gpu_measure.floor_terms(model, cell.batch * cell.seq, models_mod.torch_dtype(cell.dtype),
                                       torch.device(device))
     return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
                   int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms, energy)
@@ -438,10 +447,13 @@ def _finish(row: dict[str, Any], t_start: float, extra: dict[str, Any]) -> dict[
 def _tuned_kernel_configs() -> tuple[dict[str, str], Path | None]:
     """The fused kernel's tile per weight shape in this cell process ({} when no FORGE kernel ran),
     and the FORGE_TUNE_CACHE file its cached tiles came from (None without one)."""
-    fused = sys.modules.get("forge_core.kernels.fused")   # never import Triton for a torch arm
-    if fused is None:
+    kernels = sys.modules.get("forge_core.kernels")   # only when already loaded: never import Triton for a torch arm
+    if kernels is None:
         return {}, None
-    return fused.describe_tuned_configs(), fused.tune_cache.cache_path()
+    from forge_core.kernels.tune_cache import ENV
+
+    cache_file = os.environ.get(ENV, "").strip()
+    return kernels.describe_tuned_configs(), Path(cache_file) if cache_file else None
 
 
 def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
@@ -491,7 +503,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
                 return 0
 
         timing = run_timing(suite, cell, method)
-    except methods_mod.ArmUnavailable as exc:
+    except ArmUnavailable as exc:
         # The arm cannot run on this model (a fact only its build can see): a row, not a crash.
         row.update(status="unavailable", reason=str(exc).strip().splitlines()[0][:1000])
         results.write_row(out_dir, _finish(row, t_start, extra))
@@ -545,11 +557,6 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
 def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when the sweep that spawned it dies (``kill -9`` of the
     sweep must not leave a cell running on the GPU); elsewhere a watchdog thread does it."""
-    import ctypes
-    import os
-    import signal
-    import threading
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
@@ -563,22 +570,33 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m forge_bench.cell",
-                                     description="Run one cell of a suite in this process and write its row.")
-    parser.add_argument("--suite", required=True, help="suite YAML file")
-    parser.add_argument("--cell-id", required=True)
-    parser.add_argument("--out", required=True, help="results folder")
-    parser.add_argument("--run-id", required=True)
-    parser.add_argument("--attempt", type=int, default=1)
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="die with this process (the sweep): set by the runner")
-    args = parser.parse_args(argv)
-    if args.parent_pid is not None:
-        die_with_parent(args.parent_pid)
-    suite = load_suite(args.suite)
-    return run_cell(suite, suite.cell(args.cell_id), args.out, args.run_id, args.attempt)
+def run_cell_process(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
+    """``run_cell`` in a process that runs this one cell: the peer packages other arms use are hidden
+    first (``peer_probes.hide_peer_packages_except``: transformers would import torchao for every
+    model otherwise). Never call it in a process that goes on to build other arms."""
+    method = methods_mod.METHODS.get(cell.method)
+    hide_peer_packages_except(method.requires if method is not None else ())
+    return run_cell(suite, cell, out_dir, run_id, attempt)
+
+
+def main(
+    suite: Annotated[Path, typer.Option(help="suite YAML file")],
+    cell_id: Annotated[str, typer.Option(help="the cell's id")],
+    out: Annotated[Path, typer.Option(help="results folder")],
+    run_id: Annotated[str, typer.Option(help="run id to record")],
+    attempt: Annotated[int, typer.Option(help="attempt number (OOM retry)")] = 1,
+    parent_pid: Annotated[Optional[int],
+                          typer.Option(help="die with this process (the sweep): set by the runner")] = None,
+) -> None:
+    """Run one cell of a suite in this process and write its row: the sweep's per-cell child."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    loaded = load_suite(suite)
+    raise typer.Exit(run_cell_process(loaded, loaded.cell(cell_id), out, run_id, attempt))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # plain Python tracebacks on stderr: the runner keeps their last lines in a crashed row
+    child = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    child.command()(main)
+    child()

@@ -16,11 +16,18 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from forge_bench.profile.cli import profile_app
+
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="FORGE benchmark harness: measure training-step time and peak memory of FORGE against "
          "every alternative, one process per cell, into atomic parquet rows.",
 )
+app.add_typer(profile_app, name="profile")
+tune_cache_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                             help="Check a FORGE_TUNE_CACHE file against this tree's kernel, or re-key its tile "
+                                  "choices to it (for old-vs-new A/Bs on the same tiles).")
+app.add_typer(tune_cache_app, name="tune-cache")
 out_console = Console()
 err_console = Console(stderr=True)
 
@@ -188,8 +195,8 @@ def cell(
     run_id: Annotated[str, typer.Option("--run-id", help="run id to record")] = "manual",
     attempt: Annotated[int, typer.Option("--attempt", help="attempt number (OOM retry)")] = 1,
 ) -> None:
-    """(internal) Run ONE cell in this process and write its row; the sweep calls this per cell."""
-    from forge_bench.cell import run_cell
+    """(internal) Run ONE cell in this process and write its row, as the sweep's per-cell process does."""
+    from forge_bench.cell import run_cell_process
     from forge_bench.suite import load_suite
 
     try:
@@ -197,7 +204,7 @@ def cell(
         target = loaded.cell(cell_id)
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
-    raise typer.Exit(run_cell(loaded, target, out, run_id, attempt))
+    raise typer.Exit(run_cell_process(loaded, target, out, run_id, attempt))
 
 
 @app.command("list")
@@ -297,27 +304,19 @@ def kernel(
     bts: Annotated[Optional[str], typer.Option("--bts", help="comma-separated token counts (batch x seq), e.g. 512,2048,8192")] = None,
     state_dtypes: Annotated[Optional[str], typer.Option("--state-dtypes", help="comma-separated: fp32,bf16,int8")] = None,
 ) -> None:
-    """Time the fused wgrad+update kernel per Llama-3.1-8B Linear shape against cuBLAS dY^T X + torch
-    fused AdamW and against its roofline; writes parquet + a figure under --out (needs a GPU)."""
-    import inspect
+    """Time the fused wgrad+update kernel per Llama-3.1-8B Linear shape (needs a GPU).
 
-    try:
-        from forge_bench import kernel_bench
-    except ImportError as exc:
-        raise _fail(f"the kernel benchmark is not available in this checkout ({exc})") from None
+    Against cuBLAS dY^T X + torch fused AdamW and against its roofline; writes parquet + a figure
+    under --out."""
+    from forge_bench.profile import kernel as kernel_bench
+
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None
     try:
         bt_list = [int(x) for x in split(bts)] if bts else None
     except ValueError:
         raise _fail(f"--bts expects comma-separated integers, got {bts!r}") from None
-    kwargs: dict[str, Any] = {"shapes": split(shapes), "bts": bt_list, "state_dtypes": split(state_dtypes)}
-    if "quick" in inspect.signature(kernel_bench.main).parameters:
-        kwargs["quick"] = quick
-    elif quick:
-        kwargs["shapes"] = kwargs["shapes"] or list(getattr(kernel_bench, "QUICK_SHAPES", ("q", "down")))
-        kwargs["bts"] = kwargs["bts"] or list(getattr(kernel_bench, "QUICK_BTS", (512,)))
     try:
-        frame = kernel_bench.main(out, **kwargs)
+        frame = kernel_bench.run(out, shapes=split(shapes), bts=bt_list, state_dtypes=split(state_dtypes), quick=quick)
     except (RuntimeError, ValueError) as exc:
         if "\n" in str(exc) or not str(exc):
             raise
@@ -330,6 +329,38 @@ def kernel(
         for _, row in frame.head(60).iterrows():
             table.add_row(*[_fmt(row[c], ".3g") if isinstance(row[c], float) else str(row[c]) for c in cols])
         out_console.print(table)
+
+
+@tune_cache_app.command("check")
+def tune_cache_check(
+    file: Annotated[Path, typer.Argument(help="a FORGE_TUNE_CACHE JSON file")],
+) -> None:
+    """Print how many entries this tree's kernel accepts; exit 1 when any entry would tune again."""
+    from forge_bench import tune_cache
+
+    try:
+        current, total = tune_cache.check(file)
+    except tune_cache.TuneCacheError as exc:
+        raise _fail(str(exc)) from None
+    out_console.print(f"{current} of {total} entries match this tree's kernel ({file})", highlight=False)
+    if current < total:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+@tune_cache_app.command("rekey")
+def tune_cache_rekey(
+    source: Annotated[Path, typer.Argument(help="the tune cache to read")],
+    target: Annotated[Path, typer.Argument(help="the file to write (the same choices under this tree's fingerprints)")],
+) -> None:
+    """Write SOURCE's tile choices under this tree's kernel fingerprints to TARGET."""
+    from forge_bench import tune_cache
+
+    try:
+        written, changed = tune_cache.rekey(source, target)
+    except tune_cache.TuneCacheError as exc:
+        raise _fail(str(exc)) from None
+    out_console.print(f"{written - changed} of {written} entries match this tree's kernel as they are; "
+                      f"wrote {written} entries to {target}", highlight=False)
 
 
 def main() -> None:

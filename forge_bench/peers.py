@@ -1,39 +1,24 @@
 """Peer arms: the memory-saving optimizers a practitioner would pick instead of FORGE.
 
-One builder per peer turns a model and the sweep's ``TrainConfig`` into an ``Arm`` (see
-``forge_bench/methods.py``): ``step(batch)`` runs forward, backward and the peer's update the
-way the peer's own documentation sets it up, ``memory_breakdown()`` counts the bytes the arm
-holds, and ``settings`` records every knob so a result row says exactly what ran.
+One builder per peer turns a model and the sweep's ``TrainConfig`` into an ``Arm`` (``arm.py``):
+``step(batch)`` runs forward, backward and the peer's update the way the peer's own documentation
+sets it up, ``memory_breakdown()`` counts the bytes the arm holds, and ``settings`` records every
+knob so a result row says exactly what ran. The registry entries that name these builders live in
+``methods.py``; whether a peer can run here is ``peer_probes.py``'s question.
 
-The registry entries themselves live at the end of ``methods.py``; this module holds the
-adapters and the availability probes. Each probe answers ``None`` (runs here) or one line
-saying what is missing: the package, its version, or the import error's first line.
-
-A probe imports the peer's package. Importing some of them (bitsandbytes, torchao) queries the
-GPU, and in a process that will not itself train (the sweep's parent) that could leave a CUDA
-context behind and skew the memory of every cell. So where CUDA is present but not yet
-initialised, the probe runs in a short child process (``python -m forge_bench.peers probe
-NAME``); elsewhere (CPU, a process that already uses the GPU, or a ``forge_bench.cell``
-process, which is about to) it runs in-process.
-
-Nothing here copies a peer's code: the adapters only call the peers' public APIs.
+Each builder imports its peer's package when it runs, never at module import: a process loads
+only the packages of the arms it builds. Nothing here copies a peer's code: the adapters only call
+the peers' public APIs.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.metadata
-import importlib.util
-import subprocess
-import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # methods.py imports this module at its end: no runtime import back
-    from forge_bench.methods import TrainConfig
+from forge_bench.arm import TrainConfig, parameter_bytes, trainable_parameters
+from forge_bench.peer_probes import installed_version
 
 GiB = 1 << 30
 # GaLore and APOLLO project the weights of the attention and MLP blocks (their scripts select
@@ -42,171 +27,6 @@ LOW_RANK_TARGET_WORDS = ("attn", "mlp")
 # bitsandbytes keeps a state tensor in CUDA managed memory only from this many elements up
 # (bitsandbytes.optim.optimizer.Optimizer8bit.get_state_buffer).
 BNB_PAGED_MIN_NUMEL = 100_000
-PROBE_TIMEOUT_S = 300
-
-
-# ----------------------------------------------------------------------------------------------
-# Availability: what each peer needs, checked without crashing
-# ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PeerPackage:
-    """A peer's Python package: import name, pip name, oldest version we accept, entry symbol."""
-    module: str
-    distribution: str
-    min_version: str
-    symbol: str          # dotted attribute of the module that the adapter calls
-
-
-PACKAGES: dict[str, PeerPackage] = {
-    # bitsandbytes: 0.48 is the first release whose wheel ships a CUDA 13 library (torch cu130).
-    "bitsandbytes": PeerPackage("bitsandbytes", "bitsandbytes", "0.48.0", "optim.PagedAdamW8bit"),
-    # torchao: low-bit optimizers left the prototype namespace for torchao.optim in 0.11.
-    "torchao": PeerPackage("torchao", "torchao", "0.11.0", "optim.AdamWFp8"),
-    "optimi": PeerPackage("optimi", "torch-optimi", "0.3.0", "AdamW"),
-    "galore_torch": PeerPackage("galore_torch", "galore-torch", "1.0", "GaLoreAdamW"),
-    "apollo_torch": PeerPackage("apollo_torch", "apollo-torch", "1.0.3", "APOLLOAdamW"),
-    "lomo_optim": PeerPackage("lomo_optim", "lomo-optim", "0.1.1", "AdaLomo"),
-    "flashoptim": PeerPackage("flashoptim", "flashoptim", "0.1.0", "FlashAdamW"),
-}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _version_problem(pkg: PeerPackage) -> str | None:
-    try:
-        found = importlib.metadata.version(pkg.distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None  # importable without metadata (a source checkout): the import check decides
-    try:
-        from packaging.version import Version
-        too_old = Version(found) < Version(pkg.min_version)
-    except Exception:  # no 'packaging' or an odd version string: do not guess
-        return None
-    if too_old:
-        return f"{pkg.distribution} {found} is too old (need >= {pkg.min_version})"
-    return None
-
-
-def _import_problem(pkg: PeerPackage) -> str | None:
-    """Import the package and resolve its entry symbol; None, or the failure in one line."""
-    if importlib.util.find_spec(pkg.module) is None:
-        return f"Python package '{pkg.module}' (pip: {pkg.distribution}) is not installed"
-    problem = _version_problem(pkg)
-    if problem:
-        return problem
-    try:
-        obj: Any = importlib.import_module(pkg.module)
-    except BaseException as exc:  # a broken wheel can raise anything, even SystemExit
-        return f"{pkg.distribution} failed to import: {_first_line(exc)}"
-    for part in pkg.symbol.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            try:  # a submodule that the package does not import eagerly
-                obj = importlib.import_module(f"{obj.__name__}.{part}")
-            except BaseException as exc:
-                return f"{pkg.distribution} has no {pkg.module}.{pkg.symbol}: {_first_line(exc)}"
-    return None
-
-
-def _bitsandbytes_native_problem() -> str | None:
-    """On a CUDA machine bitsandbytes must have loaded its CUDA library (else it defers the error)."""
-    if not torch.cuda.is_available():
-        return None
-    from bitsandbytes import cextension
-    lib = cextension.lib
-    if not getattr(lib, "compiled_with_cuda", False):
-        detail = getattr(lib, "error_msg", "") or "the CPU library was loaded"
-        return f"bitsandbytes has no CUDA library for torch CUDA {torch.version.cuda}: {detail.strip().splitlines()[0]}"
-    return None
-
-
-def _fp8_device_problem() -> str | None:
-    """torchao's FP8 states need float8 e4m3 support: compute capability 8.9 or newer on CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return f"torchao AdamWFp8 needs compute capability >= 8.9 (found {major}.{minor})"
-    return None
-
-
-# A probe is the package check plus, for some peers, a device check that needs the package.
-PROBES: dict[str, tuple[str, Callable[[], str | None] | None]] = {
-    "bitsandbytes": ("bitsandbytes", _bitsandbytes_native_problem),
-    "torchao": ("torchao", None),
-    "torchao_fp8": ("torchao", _fp8_device_problem),
-    "optimi": ("optimi", None),
-    "galore_torch": ("galore_torch", None),
-    "apollo_torch": ("apollo_torch", None),
-    "lomo_optim": ("lomo_optim", None),
-    "flashoptim": ("flashoptim", None),
-}
-
-
-def run_probe(name: str) -> str | None:
-    """The probe ``name`` in this process: None when the peer can be built here."""
-    package_name, device_check = PROBES[name]
-    problem = _import_problem(PACKAGES[package_name])
-    if problem is None and device_check is not None:
-        try:
-            problem = device_check()
-        except BaseException as exc:
-            problem = f"{package_name} device check failed: {_first_line(exc)}"
-    return problem
-
-
-def _probe_in_child(name: str) -> str | None:
-    cmd = [sys.executable, "-m", "forge_bench.peers", "probe", name]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"{name}: import check timed out after {PROBE_TIMEOUT_S} s"
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("PROBE-OK", "PROBE-FAIL "))]
-    if not lines:
-        err = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"{name}: import check process failed (exit {done.returncode}): {err}"
-    return None if lines[-1] == "PROBE-OK" else lines[-1][len("PROBE-FAIL "):]
-
-
-def _in_cell_process() -> bool:
-    """True in a ``python -m forge_bench.cell`` process: it trains on the GPU right after."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return getattr(spec, "name", None) == "forge_bench.cell"
-
-
-@functools.lru_cache(maxsize=None)
-def peer_problem(name: str) -> str | None:
-    """Cached probe; runs in a child process when this one has CUDA but has not touched it yet
-    (unless it is a cell process, which will use the GPU anyway)."""
-    if name not in PROBES:
-        raise KeyError(f"unknown peer probe {name!r}; known: {', '.join(sorted(PROBES))}")
-    if torch.cuda.is_available() and not torch.cuda.is_initialized() and not _in_cell_process():
-        return _probe_in_child(name)
-    return run_probe(name)
-
-
-def availability_check(name: str) -> Callable[[], str | None]:
-    """The ``extra_check`` of a registry entry: the peer probe ``name``."""
-    if name not in PROBES:
-        raise KeyError(f"unknown peer probe {name!r}; known: {', '.join(sorted(PROBES))}")
-
-    def check() -> str | None:
-        return peer_problem(name)
-
-    check.__name__ = f"check_{name}"
-    return check
-
-
-def installed_version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,16 +77,7 @@ def tensor_bytes(values: Iterable[Any], exclude: Iterable[torch.Tensor] = ()) ->
     return int(total)
 
 
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters, each once (tied weights appear once in ``parameters()``)."""
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def _param_bytes(params: Iterable[torch.Tensor]) -> int:
-    return int(sum(p.numel() * p.element_size() for p in params))
-
-
-def _largest_param_bytes(model: nn.Module, count: int) -> int:
+def _largestparameter_bytes(model: nn.Module, count: int) -> int:
     sizes = sorted((p.numel() * p.element_size() for p in trainable_parameters(model)), reverse=True)
     return int(sum(sizes[:count]))
 
@@ -308,7 +119,7 @@ class PeerArm:
         self.model = model
         self.optimizer = optimizer
         self.settings: dict[str, Any] = dict(settings)
-        self._gradient_bytes = (_param_bytes(trainable_parameters(model))
+        self._gradient_bytes = (parameter_bytes(trainable_parameters(model))
                                 if gradient_bytes is None else int(gradient_bytes))
         self._before_first_step = before_first_step
         self._after_first_step = after_first_step
@@ -331,7 +142,7 @@ class PeerArm:
 
     def memory_breakdown(self) -> Mapping[str, int]:
         return {
-            "weights": _param_bytes(self.model.parameters()),
+            "weights": parameter_bytes(self.model.parameters()),
             "optimizer_states": self.optimizer_state_bytes(),
             "gradients": self._gradient_bytes,
         }
@@ -348,7 +159,7 @@ class FusedBackwardArm(PeerArm):
 
     def __init__(self, model: nn.Module, optimizer: Any, settings: Mapping[str, Any], lr: float,
                  state_tensors: Callable[[], Iterable[Any]]):
-        super().__init__(model, optimizer, settings, gradient_bytes=_largest_param_bytes(model, 2))
+        super().__init__(model, optimizer, settings, gradient_bytes=_largestparameter_bytes(model, 2))
         self.lr = lr
         self._state_tensors = state_tensors
 
@@ -370,7 +181,7 @@ class GradientReleaseArm(PeerArm):
     """
 
     def __init__(self, model: nn.Module, optimizer: Any, settings: Mapping[str, Any]):
-        super().__init__(model, optimizer, settings, gradient_bytes=_largest_param_bytes(model, 1))
+        super().__init__(model, optimizer, settings, gradient_bytes=_largestparameter_bytes(model, 1))
 
 
 def _common_adam_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -384,7 +195,7 @@ def _settings(distribution: str, optimizer: str, model: nn.Module, **extra: Any)
 
 # --- bitsandbytes -------------------------------------------------------------------------------
 
-def _bnb_paged_bytes(params: Iterable[torch.Tensor]) -> int:
+def bnb_paged_bytes(params: Iterable[torch.Tensor]) -> int:
     """Managed-memory bytes PagedAdamW8bit asks for: two uint8 states per large tensor."""
     return int(sum(2 * p.numel() for p in params if p.numel() >= BNB_PAGED_MIN_NUMEL))
 
@@ -396,7 +207,7 @@ def _managed_memory_guard(params: list[nn.Parameter], margin_bytes: int = GiB) -
         device = next((p.device for p in params if p.device.type == "cuda"), None)
         if device is None:
             return
-        wanted = _bnb_paged_bytes(params)
+        wanted = bnb_paged_bytes(params)
         torch.cuda.synchronize(device)
         free, _total = torch.cuda.mem_get_info(device)
         if wanted + margin_bytes > free:
@@ -421,7 +232,7 @@ def build_bnb_adamw8bit(model: nn.Module, cfg: TrainConfig, *, paged: bool = Fal
     guard = None
     if paged:
         settings["paged_min_numel"] = BNB_PAGED_MIN_NUMEL
-        settings["paged_state_bytes"] = _bnb_paged_bytes(params)
+        settings["paged_state_bytes"] = bnb_paged_bytes(params)
         settings["note"] = ("paged states live in CUDA managed memory: torch.cuda.max_memory_allocated "
                             "does not see them; memory_breakdown counts them")
         guard = _managed_memory_guard(params)
@@ -535,7 +346,7 @@ def low_rank_targets(model: nn.Module, words: tuple[str, ...] = LOW_RANK_TARGET_
     return chosen
 
 
-def _low_rank_groups(model: nn.Module, extra: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+def low_rank_groups(model: nn.Module, extra: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     targets = low_rank_targets(model)
     if not targets:
         raise ValueError("no attention/MLP linear layer found (module names containing "
@@ -555,7 +366,7 @@ def build_galore_adamw(model: nn.Module, cfg: TrainConfig, *, rank: int = 128, u
     from galore_torch import GaLoreAdamW
 
     low_rank = {"rank": rank, "update_proj_gap": update_proj_gap, "scale": scale, "proj_type": proj_type}
-    groups, names = _low_rank_groups(model, low_rank)
+    groups, names = low_rank_groups(model, low_rank)
     optimizer = GaLoreAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                             weight_decay=cfg.weight_decay, no_deprecation_warning=True)
     settings = _settings("galore-torch", "galore_torch.GaLoreAdamW", model, **_common_adam_settings(cfg),
@@ -571,7 +382,7 @@ RSVD_OVERSAMPLING = 10   # extra columns of the randomized range finder (Halko e
 RSVD_ITERATIONS = 2      # power iterations (torch.svd_lowrank's default)
 
 
-def _randomized_orthogonal_matrix(projector: Any, weights: torch.Tensor, rank: int, type: str) -> Any:
+def randomized_orthogonal_matrix(projector: Any, weights: torch.Tensor, rank: int, type: str) -> Any:
     """galore_torch's ``GaLoreProjector.get_orthogonal_matrix`` contract (the rank-``rank`` left or
     right singular vectors of a gradient, in its dtype) from ``torch.svd_lowrank`` instead of a full
     ``torch.linalg.svd``."""
@@ -605,7 +416,7 @@ def build_galore_adamw_rsvd(model: nn.Module, cfg: TrainConfig) -> PeerArm:
         # The projector objects are created inside GaLoreAdamW.step: swap the SVD for the call only,
         # so any other GaLore optimizer in this process keeps the package's own.
         full_svd = projector_class.get_orthogonal_matrix
-        projector_class.get_orthogonal_matrix = _randomized_orthogonal_matrix
+        projector_class.get_orthogonal_matrix = randomized_orthogonal_matrix
         try:
             return package_step(*args, **kwargs)
         finally:
@@ -625,7 +436,7 @@ def build_apollo_adamw(model: nn.Module, cfg: TrainConfig, *, rank: int = 256, s
 
     low_rank = {"rank": rank, "proj": proj, "scale_type": scale_type, "scale": scale,
                 "update_proj_gap": update_proj_gap, "proj_type": proj_type}
-    groups, names = _low_rank_groups(model, low_rank)
+    groups, names = low_rank_groups(model, low_rank)
     optimizer = APOLLOAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
     settings = _settings("apollo-torch", "apollo_torch.APOLLOAdamW", model, **_common_adam_settings(cfg),
@@ -734,17 +545,3 @@ def bytes_flashoptim(weight_bytes: int) -> tuple[float, float]:
 
 def bytes_flashoptim_release(weight_bytes: int) -> tuple[float, float]:
     return 2.0 + 1.0, 0.0
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m forge_bench.peers probe NAME`` prints PROBE-OK or PROBE-FAIL <reason>."""
-    if len(argv) != 2 or argv[0] != "probe" or argv[1] not in PROBES:
-        print(f"usage: python -m forge_bench.peers probe {{{','.join(sorted(PROBES))}}}", file=sys.stderr)
-        return 2
-    problem = run_probe(argv[1])
-    print("PROBE-OK" if problem is None else f"PROBE-FAIL {problem}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))

@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,7 +168,7 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
     return final
 
 
-# columns added to schema v1 after rows were committed: older files read them as null
+# columns of schema v1 that some stored rows lack: they read as null there
 LATER_COLUMNS = ("activations",)
 
 
@@ -179,8 +179,12 @@ def iter_result_files(path: str | os.PathLike) -> list[Path]:
     return sorted(p for p in path.rglob("*.parquet") if not p.name.startswith(".tmp-"))
 
 
-def load_table(path: str | os.PathLike) -> pa.Table:
-    """Every row under ``path`` (a folder, searched recursively, or one parquet file)."""
+def load_table(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] | None = None) -> pa.Table:
+    """Every row under ``path`` (a folder, searched recursively, or one parquet file).
+
+    A parquet file of another kind (e.g. the kernel benchmark's) is a ResultsError, unless
+    ``on_foreign`` is given: then it is called with the file and why, and the file is skipped (a
+    results folder may hold both kinds; ``forge-bench report`` names and skips the others)."""
     path = Path(path)
     if not path.exists():
         raise ResultsError(f"{path}: no such file or folder")
@@ -191,12 +195,18 @@ def load_table(path: str | os.PathLike) -> pa.Table:
     for f in files:
         t = pq.read_table(f)
         for name in LATER_COLUMNS:
-            if name not in t.column_names:   # a row written before the column existed: null there
+            if name not in t.column_names:   # a row without the column: null there
                 t = t.append_column(name, pa.nulls(t.num_rows, SCHEMA.field(name).type))
         missing = [c for c in COLUMN_NAMES if c not in t.column_names]
         if missing:
-            raise ResultsError(f"{f}: not a forge-bench v{SCHEMA_VERSION} result file (missing {missing[:5]})")
+            reason = f"not a forge-bench v{SCHEMA_VERSION} result file (missing {missing[:5]})"
+            if on_foreign is None:
+                raise ResultsError(f"{f}: {reason}")
+            on_foreign(f, reason)
+            continue
         tables.append(t.select(COLUMN_NAMES).cast(SCHEMA))
+    if not tables:
+        raise ResultsError(f"{path}: no forge-bench v{SCHEMA_VERSION} result files among its {len(files)} parquet files")
     return pa.concat_tables(tables)
 
 
@@ -206,9 +216,9 @@ def with_activations(frame):
     return frame.assign(activations=values)
 
 
-def load_results(path: str | os.PathLike):
-    """The rows under ``path`` as a pandas DataFrame."""
-    return load_table(path).to_pandas()
+def load_results(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] | None = None):
+    """The rows under ``path`` as a pandas DataFrame (``on_foreign``: as in ``load_table``)."""
+    return load_table(path, on_foreign).to_pandas()
 
 
 def completed_cell_ids(results_dir: str | os.PathLike) -> set[str]:

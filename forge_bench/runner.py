@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 from forge_bench import methods as methods_mod
 from forge_bench import results
+from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, base_row, run_cell
 from forge_bench.suite import Cell, Suite
 
 MANIFEST = "manifest.json"
@@ -217,8 +218,6 @@ def _load_row(out_dir: Path, cell_id: str) -> dict[str, Any] | None:
 
 def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str, reason: str,
                 tail: str | None, wall_s: float) -> dict[str, Any]:
-    from forge_bench.cell import base_row
-
     row = base_row(suite, cell, methods_mod.METHODS.get(cell.method), run_id, attempt)
     row.update(status=status, reason=reason, stderr_tail=tail, finished_at=_utc(), wall_s=wall_s)
     return row
@@ -227,8 +226,6 @@ def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str
 def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
             tune_cache: str | None = None) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
-    from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, run_cell
-
     method = methods_mod.METHODS.get(cell.method)
     if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph) is not None:
         run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing
@@ -334,9 +331,9 @@ def _tiles(row: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _tiles_unlike_baseline(row: Mapping[str, Any], baseline_row: Mapping[str, Any]) -> list[str]:
-    """Weight shapes whose tile differs from the baseline row's. Why: a cell whose tune cache missed
-    (session 17: Triton's cache_key moved with the kernel's line number) tunes again and may pick
-    other tiles, and a --check then measures the tuner's choice against the baseline's."""
+    """Weight shapes whose tile differs from the baseline row's. Why: a cell whose tune cache misses
+    (a kernel change moves the cache's fingerprint) tunes again and may pick other tiles, and a
+    --check then measures the tuner's choice against the baseline's."""
     now, then = _tiles(row), _tiles(baseline_row)
     return sorted(shape for shape, tile in now.items() if shape in then and then[shape] != tile)
 
@@ -345,11 +342,11 @@ def check_against_baseline(current, baseline, tolerance: float, families: tuple[
                            eager_tolerance: float | None = None) -> tuple[list[str], list[str]]:
     """Compare FORGE rows' median step time with a baseline's rows of the same device, model, shape,
     dtype, method, timing method (CUDA-graph replays only against replays) and activations. Returns (failures, notes); any failure means a regression (or a FORGE cell
-    that no longer measures), and having nothing to compare is a failure too.
+    that does not measure), and having nothing to compare is a failure too.
 
     ``eager_tolerance`` (default: ``tolerance``) applies to rows not timed as graph replays: a small
     model's eager step is bound by the host's Python, whose speed moves from process to process
-    (the same tree's Llama-3.2-1B eager FORGE step measured 91 and 115 ms in two processes of one
+    (the same tree's Llama-3.2-1B eager FORGE step takes 91 and 115 ms in two processes of one
     H100 boot), while its graph replays repeat to 0.5%."""
     failures: list[str] = []
     notes: list[str] = []

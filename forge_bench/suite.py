@@ -222,7 +222,8 @@ def _safe(text: str) -> str:
 def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str,
                  cuda_graph: bool = False, activations: str = "hf") -> str:
     """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it
-    (a graph-timed cell is marked; eager ids are as they always were, so old runs resume)."""
+    (a graph-timed or lean cell is marked; an eager hf cell's fields carry no mark, so its id stays the
+    same whatever grid options exist, and a run of it resumes)."""
     fields: list = [suite_hash, model, batch, seq, method, dtype, device]
     if cuda_graph:
         fields.append("cuda_graph")

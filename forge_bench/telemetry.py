@@ -1,4 +1,4 @@
-"""What a row records about where it was measured: device, versions, source identity, NVML.
+"""What a row records about where it is measured: device, versions, source identity, NVML.
 
 Nothing here may crash a cell: a missing NVML library, a CPU-only machine or a tree outside
 git gives nulls plus a one-line reason.
@@ -73,9 +73,9 @@ def _git(*args: str) -> str | None:
 def git_info() -> dict[str, Any]:
     """HEAD and whether the library/harness sources differ from it (nulls outside git).
 
-    ``FORGE_BENCH_GIT_COMMIT``, when set, wins: a copied tree can carry a stale ``.git`` (the GPU
-    machine's copy reported the session's first commit while the sources were a later one), and
-    whoever sets the variable knows what they copied; ``source_hash`` on the row stays the check."""
+    ``FORGE_BENCH_GIT_COMMIT``, when set, wins: a copied tree can carry a stale ``.git`` whose HEAD
+    is not the commit of the sources beside it, and whoever sets the variable knows what they
+    copied; ``source_hash`` on the row stays the check."""
     explicit = os.environ.get(GIT_COMMIT_ENV)
     if explicit:
         return {"git_commit": explicit, "source_dirty": None}
@@ -103,8 +103,8 @@ BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 def boot_id(path: Path = BOOT_ID_FILE) -> str | None:
     """The kernel's id of this machine boot (Linux), or None.
 
-    Rented GPUs come as fresh virtual machines whose host speed differs between leases (the
-    eager Llama-8B step has moved by up to 64% between two leases of one H100 model), while every
+    Rented GPUs come as fresh virtual machines whose host speed differs from one to the next (the
+    eager Llama-8B step differs by up to 64% between two machines of one H100 model), while every
     other identity column (device, versions, hostname) stays the same. Rows with different boot
     ids therefore do not share a host; the report refuses eager time ratios between them.
     """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (repo root, `.whl` carried): optionally the GPU test files, then a sweep that
-# starts no new cell after the call's time box, resuming into OUT_DIR if it already holds rows.
-# The result folder comes back as $OUT/<name>.tgz (extract it in the checkout before the next call).
+# starts no new cell after the command's time box, resuming into OUT_DIR if it already holds rows.
+# The result folder comes back as $OUT/<name>.tgz (extract it in the checkout before the next command).
 #   scripts/device_sweep.sh COMMIT SUITE OUT_DIR ONLY BOX_S [TESTS...]
 # BOX_S: seconds this command may take in all; a cell takes up to ~100 s on Llama-8B, so the sweep
 # stops starting cells 110 s before the box ends. ONLY may hold several --only selections separated

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, for the GPU machine's Python (CPython 3.12, manylinux x86_64, no internet there),
-# every peer package of issue 7 and each dependency that machine lacks, plus pydantic (the
+# every peer package (forge_bench/peers.py) and each dependency that machine lacks, plus pydantic (the
 # harness needs it), into the git-ignored folder .whl/ . Then check every wheel's
 # Requires-Dist against what the GPU image already has, print the total size against the
 # 64 MiB carry limit, and print the install line a GPU command must start with.
@@ -45,7 +45,7 @@ HARNESS=(
   "typing-extensions==4.16.0"
 )
 
-# Python packages the GPU image already holds (.library/device/KINDS.md, read 2026-11-17),
+# Python packages the GPU image already holds (its installed-package list),
 # normalised (lower case, '_' and '.' as '-').
 GPU_HAS="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
 botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
@@ -81,7 +81,7 @@ if ! git check-ignore -q "$WHEEL_DIR/x.whl"; then
   exit 1
 fi
 
-# A bitsandbytes wheel slimmed by an earlier run has the original's name: fetch it afresh.
+# A slimmed bitsandbytes wheel keeps the original's name: fetch it afresh.
 rm -f "$WHEEL_DIR"/bitsandbytes-*.whl
 for spec in "${PEERS[@]}" "${HARNESS[@]}"; do
   name="${spec%%==*}"
@@ -170,10 +170,10 @@ for whl in "$WHEEL_DIR"/*.whl; do
   printf '%10d  %s\n' "$size" "$(basename "$whl")"
 done
 tree_bytes=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
-awk -v w="$total" -v t="$tree_bytes" 'BEGIN { printf "total wheels: %.1f MiB; tracked tree: %.1f MiB; carry limit: 64 MiB per device call\n", w / 1048576, t / 1048576 }'
+awk -v w="$total" -v t="$tree_bytes" 'BEGIN { printf "total wheels: %.1f MiB; tracked tree: %.1f MiB; carry limit: 64 MiB per GPU command\n", w / 1048576, t / 1048576 }'
 if (( total + tree_bytes > LIMIT_BYTES )); then
   echo "WARNING: wheels + tree exceed the 64 MiB carry limit: rerun with --slim-bitsandbytes," \
-       "or carry the bitsandbytes wheel in a second call (docs/peers.md)" >&2
+       "or carry the bitsandbytes wheel in a second GPU command (docs/peers.md)" >&2
 fi
 echo
 echo "GPU command prefix (carry: .whl):"

@@ -20,7 +20,7 @@ IFS=';' read -ra selections <<< "$only"
 for selection in "${selections[@]}"; do
   arm old tmp/ab_old "$old_commit" "$selection"
   arm new . "$new_commit" "$selection"
-  # after every pair: a call that runs out of its box still returns the pairs it finished
+  # after every pair: a command that runs out of its time box still returns the pairs it finished
   tar -czf "$OUT/$name.tgz" results/h100/${name}_old results/h100/${name}_new
 done
 grep -hE "^  [A-Za-z0-9_.-]+/" "$OUT/step_ab.log" | tail -n 20

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from forge_bench.methods import METHODS, Method, TorchArm, causal_lm_parts, register
+from forge_bench.methods import METHODS, Method, register
+from forge_bench.torch_arms import TorchArm, causal_lm_parts
 
 OOM_FLAG_ENV = "FORGE_BENCH_TEST_OOM_FLAG"   # a file path: the first OOM-once attempt creates it
 
@@ -60,21 +61,26 @@ def _wrong_adamw(model, cfg):
 
 
 _ENTRIES = [
-    Method("test_crash", "baseline", "raises inside step", lambda m, c: _CrashArm(m, None, {})),
-    Method("test_hang", "baseline", "sleeps forever inside step", lambda m, c: _HangArm(m, None, {})),
-    Method("test_oom_always", "baseline", "simulated CUDA OOM on every attempt",
-           lambda m, c: _OomArm(m, None, {}, once=False)),
-    Method("test_oom_once", "baseline", "simulated CUDA OOM on the first attempt only",
-           lambda m, c: _OomArm(m, _sgd(m, c), {}, once=True)),
-    Method("test_diverge", "baseline", "returns a NaN loss", lambda m, c: _DivergeArm(m, _sgd(m, c), {})),
-    Method("test_wrong_adamw", "baseline", "AdamW at 30x lr claiming AdamW parity", _wrong_adamw,
-           parity_reference="adamw"),
-    Method("test_unavailable", "baseline", "never available", lambda m, c: TorchArm(m, None, {}),
+    Method(name="test_crash", family="baseline", description="raises inside step",
+           build=lambda m, c: _CrashArm(m, None, {})),
+    Method(name="test_hang", family="baseline", description="sleeps forever inside step",
+           build=lambda m, c: _HangArm(m, None, {})),
+    Method(name="test_oom_always", family="baseline", description="simulated CUDA OOM on every attempt",
+           build=lambda m, c: _OomArm(m, None, {}, once=False)),
+    Method(name="test_oom_once", family="baseline", description="simulated CUDA OOM on the first attempt only",
+           build=lambda m, c: _OomArm(m, _sgd(m, c), {}, once=True)),
+    Method(name="test_diverge", family="baseline", description="returns a NaN loss",
+           build=lambda m, c: _DivergeArm(m, _sgd(m, c), {})),
+    Method(name="test_wrong_adamw", family="baseline", description="AdamW at 30x lr claiming AdamW parity",
+           build=_wrong_adamw, parity_reference="adamw"),
+    Method(name="test_unavailable", family="baseline", description="never available",
+           build=lambda m, c: TorchArm(m, None, {}),
            extra_check=lambda: "test_unavailable: needs hardware that does not exist"),
-    Method("test_no_lm_head", "baseline", "a build that finds no separable LM head (as the chunked-loss arms)",
-           lambda m, c: causal_lm_parts(torch.nn.Sequential())),
-    Method("test_forge_like", "forge", "plain SGD registered as a FORGE-family arm (for --check tests)",
-           lambda m, c: TorchArm(m, _sgd(m, c), {})),
+    Method(name="test_no_lm_head", family="baseline",
+           description="a build that finds no separable LM head (as the chunked-loss arms)",
+           build=lambda m, c: causal_lm_parts(torch.nn.Sequential())),
+    Method(name="test_forge_like", family="forge", description="plain SGD registered as a FORGE-family arm (for --check tests)",
+           build=lambda m, c: TorchArm(m, _sgd(m, c), {})),
 ]
 for _method in _ENTRIES:
     if _method.name not in METHODS:

@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 cli = CliRunner()
 
 
-@pytest.mark.parametrize("command", ["sweep", "cell", "list", "env", "report", "kernel"])
+@pytest.mark.parametrize("command", ["sweep", "cell", "list", "env", "report", "kernel", "profile step",
+                                     "profile timeline", "profile graph", "tune-cache check", "tune-cache rekey"])
 def test_help_explains_each_command(command):
-    res = cli.invoke(app, [command, "--help"])
+    res = cli.invoke(app, [*command.split(), "--help"])
     assert res.exit_code == 0
     assert len(res.output) > 200
 
@@ -28,7 +29,9 @@ def test_help_explains_each_command(command):
 def test_top_level_help_lists_commands():
     res = cli.invoke(app, ["--help"])
     assert res.exit_code == 0
-    assert all(c in res.output for c in ("sweep", "list", "env", "report", "kernel"))
+    assert all(c in res.output for c in ("sweep", "list", "env", "report", "kernel", "profile", "tune-cache"))
+    res = cli.invoke(app, ["profile", "--help"])
+    assert res.exit_code == 0 and all(c in res.output for c in ("step", "timeline", "graph"))
 
 
 def test_bad_suite_is_one_line_exit_2(tmp_path):
@@ -93,6 +96,28 @@ def test_report_formats_option(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_report_skips_a_parquet_of_another_kind_in_one_line(tmp_path):
+    """`forge-bench report results/` on a folder that also holds the kernel benchmark's parquet: the
+    report is written, and the other file is named on stderr, not fatal."""
+    import shutil
+
+    import pandas as pd
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    rows = tmp_path / "results"
+    shutil.copytree(fixtures / "smoke", rows / "smoke")
+    (rows / "kernels").mkdir()
+    pd.DataFrame({"shape": ["q"], "fused_ms": [0.1]}).to_parquet(rows / "kernels" / "kernel_bench.parquet")
+    res = cli.invoke(app, ["report", str(rows), "-o", str(tmp_path / "r"), "--formats", "png"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"forge-bench report: skipping {rows / 'kernels' / 'kernel_bench.parquet'}: not a forge-bench v1 result "
+        "file (missing ['schema_version', 'run_id', 'suite_name', 'suite_hash', 'cell_id'])"]
+    assert (tmp_path / "r" / "README.md").is_file() and (tmp_path / "r" / "index.md").is_file()
+    res = cli.invoke(app, ["report", str(rows / "kernels"), "-o", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "no forge-bench v1 result files" in res.stderr
+
+
 def _run(args, env, timeout=600):
     return subprocess.run([sys.executable, "-m", "forge_bench.cli", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout)
@@ -151,3 +176,91 @@ def test_kernel_without_a_gpu_is_a_clear_error(tmp_path):
     assert res.exit_code == 2 and "CUDA" in res.stderr
     res = cli.invoke(app, ["kernel", "--bts", "5x", "--out", str(tmp_path / "k")])
     assert res.exit_code == 2 and "--bts" in res.stderr
+
+
+# --- forge-bench profile -----------------------------------------------------------------------------
+
+def test_profile_child_options_reach_the_profiler(monkeypatch, tmp_path):
+    """The hidden --one flag runs one arm in this process with every option as given; --methods takes
+    a comma-separated list (or repeats); a bad --activations is refused before any work."""
+    from forge_bench.profile import step, timeline
+
+    seen = []
+    monkeypatch.setattr(step, "run_one", lambda options, method, out: seen.append((options, method, out)))
+    res = cli.invoke(app, ["profile", "step", "--one", "--methods", "forge_bf16", "--model", "tiny-llama",
+                           "--batch", "2", "--seq", "16", "--dtype", "float32", "--activations", "lean",
+                           "--steps", "4", "--warmup", "1", "--out", str(tmp_path / "x.json")])
+    assert res.exit_code == 0, res.output
+    [(options, method, out)] = seen
+    assert method == "forge_bf16" and out == tmp_path / "x.json"
+    assert (options.model, options.batch, options.seq, options.dtype, options.activations, options.steps,
+            options.warmup) == ("tiny-llama", 2, 16, "float32", "lean", 4, 1)
+    runs = []
+    monkeypatch.setattr(timeline, "run", lambda options, methods, out, trace_dir: runs.append((methods, trace_dir)) or 0)
+    res = cli.invoke(app, ["profile", "timeline", "--methods", "a,b", "--methods", "c", "--trace-dir", str(tmp_path),
+                           "--out", str(tmp_path / "t.md")])
+    assert res.exit_code == 0, res.output
+    assert runs == [(["a", "b", "c"], tmp_path)]
+    res = cli.invoke(app, ["profile", "graph", "--activations", "fat", "--out", str(tmp_path / "g.md")])
+    assert res.exit_code == 2 and "--activations" in res.output + res.stderr
+
+
+# --- forge-bench tune-cache --------------------------------------------------------------------------
+
+def _cache(path: Path, entries: dict) -> Path:
+    import json
+
+    path.write_text(json.dumps({"version": 1, "entries": entries}))
+    return path
+
+
+@pytest.fixture
+def kernel_keys(monkeypatch):
+    """Stand-ins for forge_core.kernels' re-keying (the fingerprints are forge_core's): an entry key is
+    current when it starts with "new|"; re-keying swaps "old|" for "new|"."""
+    import forge_core.kernels as kernels
+
+    def count(entries):
+        return sum(key.startswith("new|") for key in entries), len(entries)
+
+    def rekey(entries):
+        out = {"new|" + key.split("|", 1)[1]: value for key, value in entries.items()}
+        return out, sum(not key.startswith("new|") for key in entries)
+
+    monkeypatch.setattr(kernels, "count_current_tune_cache_entries", count, raising=False)
+    monkeypatch.setattr(kernels, "rekey_tune_cache_entries", rekey, raising=False)
+
+
+def test_tune_cache_check_counts_current_entries_and_fails_on_a_stale_one(tmp_path, kernel_keys):
+    current = _cache(tmp_path / "current.json", {"new|a": {"tile": 1}, "new|b": {"tile": 2}})
+    res = cli.invoke(app, ["tune-cache", "check", str(current)])
+    assert res.exit_code == 0 and "2 of 2 entries match this tree's kernel" in res.output
+    stale = _cache(tmp_path / "stale.json", {"new|a": {"tile": 1}, "old|b": {"tile": 2}})
+    res = cli.invoke(app, ["tune-cache", "check", str(stale)])
+    assert res.exit_code == 1 and "1 of 2 entries match" in res.output
+
+
+def test_tune_cache_rekey_writes_the_same_choices_under_current_keys(tmp_path, kernel_keys):
+    import json
+
+    source = _cache(tmp_path / "old.json", {"old|a": {"tile": 1}, "new|b": {"tile": 2}})
+    target = tmp_path / "deeper" / "rekeyed.json"
+    res = cli.invoke(app, ["tune-cache", "rekey", str(source), str(target)])
+    assert res.exit_code == 0, res.output
+    assert "1 of 2 entries match this tree's kernel as they are; wrote 2 entries" in " ".join(res.output.split())
+    written = json.loads(target.read_text())
+    assert written == {"version": 1, "entries": {"new|a": {"tile": 1}, "new|b": {"tile": 2}}}
+    assert not list(target.parent.glob(".*.tmp"))
+    res = cli.invoke(app, ["tune-cache", "check", str(target)])
+    assert res.exit_code == 0
+
+
+def test_tune_cache_names_a_file_that_is_not_a_tune_cache(tmp_path, kernel_keys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    for args in (["check", str(bad)], ["rekey", str(bad), str(tmp_path / "out.json")],
+                 ["check", str(tmp_path / "missing.json")]):
+        res = cli.invoke(app, ["tune-cache", *args])
+        assert res.exit_code == 2 and "is not a tune cache" in res.stderr, args
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "out.json").exists()

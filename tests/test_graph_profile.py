@@ -1,7 +1,7 @@
-"""graph_profile's trace analysis, on a hand-made trace whose answers are known."""
+"""``forge-bench profile graph``'s trace analysis, on a hand-made trace whose answers are known."""
 import pytest
 
-from forge_bench import graph_profile as gp
+from forge_bench.profile import graph as gp
 
 
 def _kernel(name, ts, dur, stream, grid="[1, 1, 1]"):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from forge_bench import methods, models
-from forge_bench.methods import METHODS, TrainConfig
+from forge_bench.arm import ArmUnavailable, TrainConfig
+from forge_bench.methods import METHODS
 
 CORE = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8")
 CHUNKED_LOSS_ARMS = ("forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce")
@@ -86,7 +87,8 @@ def test_plugins_register_and_bad_plugin_is_one_clear_error(monkeypatch):
 
 
 def test_missing_package_is_a_reason():
-    m = methods.Method("x", "peer", "needs a package", lambda m, c: None, requires=("surely_not_installed_pkg",))
+    m = methods.Method(name="x", family="peer", description="needs a package", build=lambda m, c: None,
+                       requires=("surely_not_installed_pkg",))
     assert "surely_not_installed_pkg" in m.unavailable_reason("cpu")
 
 
@@ -100,8 +102,6 @@ def test_only_capturable_arms_run_in_cuda_graph_grids():
 
 
 def test_capturable_config_reaches_the_torch_optimizer():
-    from forge_bench.methods import TrainConfig
-
     model = torch.nn.Linear(4, 4)
     arm = METHODS["adamw_foreach"].build(model, TrainConfig(device="cpu", capturable=True))
     assert arm.optimizer.param_groups[0]["capturable"] is True and arm.settings["capturable"] is True
@@ -146,23 +146,35 @@ def test_chunked_loss_arms_refuse_a_model_without_an_lm_head_in_one_line():
     from torch import nn
 
     for model in (nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4)):
-        with pytest.raises(methods.ArmUnavailable) as info:
+        with pytest.raises(ArmUnavailable) as info:
             METHODS["forge_bf16_cce"].build(model, TrainConfig(device="cpu"))
         assert "\n" not in str(info.value) and "LM head" in str(info.value)
     config = __import__("transformers").LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                     num_attention_heads=2, vocab_size=64)
     model = __import__("transformers").LlamaForCausalLM(config)
     model.config.logit_scale = 0.5          # e.g. Cohere: the logits are not lm_head(hidden)
-    with pytest.raises(methods.ArmUnavailable, match="logit_scale"):
+    with pytest.raises(ArmUnavailable, match="logit_scale"):
         METHODS["adamw_fused_cce"].build(model, TrainConfig(device="cpu"))
 
 
 def test_inline_arms_fuse_without_the_side_stream_and_say_so():
-    from forge_bench.methods import TrainConfig
-
     for name, overlap in (("forge_bf16", True), ("forge_bf16_inline", False)):
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         arm = METHODS[name].build(model, TrainConfig(device="cpu"))
         assert arm.settings["overlap"] is overlap
         assert all(getattr(m, "forge_updater").overlap_updates is overlap
                    for m in model.modules() if hasattr(m, "forge_updater"))
+
+
+def test_every_entry_is_a_keyword_method_with_a_family_and_a_description():
+    """The registry is a table of keyword ``Method(...)`` entries: positional ones are refused."""
+    with pytest.raises(TypeError):
+        methods.Method("x", "peer", "positional", lambda m, c: None)
+    assert [m.name for m in methods.ARMS] == list(METHODS)[:len(methods.ARMS)]
+    for m in methods.ARMS:
+        assert m.family in ("baseline", "forge", "peer") and m.description, m.name
+        assert m.bytes_per_param is not None, m.name
+    with pytest.raises(ValueError, match="registered twice"):
+        methods.register(methods.ARMS[0])
+    with pytest.raises(KeyError, match="unknown method 'nope'"):
+        methods.get_method("nope")

@@ -1,4 +1,4 @@
-"""Peer arms (forge_bench/peers.py and their registry entries in methods.py), on CPU.
+"""Peer arms (forge_bench/peers.py, their probes in peer_probes.py, their registry entries in methods.py), on CPU.
 
 Arms whose package runs on CPU take a few real steps on a tiny Llama; an arm whose package is
 missing must answer with a reason instead of crashing; CUDA-only arms must say so.
@@ -14,8 +14,9 @@ import textwrap
 import pytest
 import torch
 
-from forge_bench import peers
-from forge_bench.methods import METHODS, TrainConfig
+from forge_bench import peer_probes, peers
+from forge_bench.arm import TrainConfig
+from forge_bench.methods import METHODS
 
 PEER_NAMES = {
     "bnb_adamw8bit", "bnb_paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8",
@@ -89,15 +90,15 @@ def test_missing_package_gives_a_reason_not_a_crash(name, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda mod, *a, **k: None if mod.split(".")[0] in missing else real_find_spec(mod, *a, **k))
-    peers.peer_problem.cache_clear()
+    peer_probes.peer_problem.cache_clear()
     try:
         reason = method.unavailable_reason("cuda")
         assert reason is not None and "not installed" in reason and method.requires[0] in reason
         # the probe itself (what extra_check runs) says the same, with the pip name
-        probe_reason = peers.run_probe(method.extra_check.__name__.removeprefix("check_"))
+        probe_reason = peer_probes.run_probe(method.extra_check.__name__.removeprefix("check_"))
         assert probe_reason is not None and "not installed" in probe_reason
     finally:
-        peers.peer_problem.cache_clear()
+        peer_probes.peer_problem.cache_clear()
 
 
 @pytest.mark.parametrize("name", sorted(CUDA_ONLY_ARMS))
@@ -112,23 +113,23 @@ def test_import_failure_reports_the_first_line(tmp_path, monkeypatch):
         raise ImportError("libbroken.so.13: cannot open shared object file\\nsecond line never shown")
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    reason = peers._import_problem(peers.PeerPackage("forge_broken_peer", "forge-broken-peer", "0", "X"))
+    reason = peer_probes.import_problem(peer_probes.PeerPackage("forge_broken_peer", "forge-broken-peer", "0", "X"))
     assert reason == "forge-broken-peer failed to import: ImportError: libbroken.so.13: cannot open shared object file"
 
 
 def test_too_old_version_and_missing_symbol_are_reported():
-    too_old = peers._import_problem(peers.PeerPackage("torch", "torch", "999.0", "optim"))
+    too_old = peer_probes.import_problem(peer_probes.PeerPackage("torch", "torch", "999.0", "optim"))
     assert too_old is not None and "too old" in too_old and "999.0" in too_old
-    no_symbol = peers._import_problem(peers.PeerPackage("torch", "torch", "1.0", "optim.NoSuchOptimizer"))
+    no_symbol = peer_probes.import_problem(peer_probes.PeerPackage("torch", "torch", "1.0", "optim.NoSuchOptimizer"))
     assert no_symbol is not None and "no torch.optim.NoSuchOptimizer" in no_symbol
-    absent = peers._import_problem(peers.PeerPackage("forge_no_such_package", "forge-no-such", "0", "X"))
+    absent = peer_probes.import_problem(peer_probes.PeerPackage("forge_no_such_package", "forge-no-such", "0", "X"))
     assert absent == "Python package 'forge_no_such_package' (pip: forge-no-such) is not installed"
 
 
 def test_probe_runs_in_a_child_process():
-    expected = peers.run_probe("lomo_optim")
-    assert peers._probe_in_child("lomo_optim") == expected
-    usage = subprocess.run([sys.executable, "-m", "forge_bench.peers", "probe", "nope"],
+    expected = peer_probes.run_probe("lomo_optim")
+    assert peer_probes.probe_in_child("lomo_optim") == expected
+    usage = subprocess.run([sys.executable, "-m", "forge_bench.peer_probes", "probe", "nope"],
                            capture_output=True, text=True, timeout=120)
     assert usage.returncode == 2 and "usage" in usage.stderr
 
@@ -199,7 +200,7 @@ def test_low_rank_arms_project_attention_and_mlp_only():
     assert len(names) == 2 * 7                      # q, k, v, o, gate, up, down per layer
     assert not any("embed" in n or "lm_head" in n or "norm" in n for n in names)
     with pytest.raises(ValueError, match="no attention/MLP linear layer"):
-        peers._low_rank_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"rank": 2})
+        peers.low_rank_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"rank": 2})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None or importlib.util.find_spec("apollo_torch") is None,
@@ -229,7 +230,7 @@ def test_randomized_galore_projection_spans_the_same_subspace(shape, kind):
     grad = grad.to(torch.bfloat16)
     projector = GaLoreProjector(rank=3)
     full = projector.get_orthogonal_matrix(grad, 3, kind)
-    fast = peers._randomized_orthogonal_matrix(projector, grad, 3, kind)
+    fast = peers.randomized_orthogonal_matrix(projector, grad, 3, kind)
     assert fast.shape == full.shape and fast.dtype == full.dtype == torch.bfloat16
     operator = (lambda p: p.float().t() @ p.float()) if kind == "right" else (lambda p: p.float() @ p.float().t())
     torch.testing.assert_close(operator(fast), operator(full), atol=3e-2, rtol=0)
@@ -256,7 +257,7 @@ def test_lomo_refuses_clip_grad_norm():
 
 def test_paged_state_bytes_count_only_large_tensors():
     params = [torch.zeros(400, 400), torch.zeros(100, 100), torch.zeros(64)]
-    assert peers._bnb_paged_bytes(params) == 2 * 400 * 400
+    assert peers.bnb_paged_bytes(params) == 2 * 400 * 400
 
 
 def test_torchao_kind_is_checked():
@@ -294,21 +295,81 @@ def test_every_peer_trains_on_cuda(name):
 def test_probe_stays_in_process_without_cuda_or_in_a_cell(monkeypatch):
     """The child-process probe is only for a CUDA parent that has not touched the GPU."""
     calls = []
-    monkeypatch.setattr(peers, "_probe_in_child", lambda name: calls.append(name) or "child")
-    monkeypatch.setattr(peers, "run_probe", lambda name: "in-process")
+    monkeypatch.setattr(peer_probes, "probe_in_child", lambda name: calls.append(name) or "child")
+    monkeypatch.setattr(peer_probes, "run_probe", lambda name: "in-process")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    peers.peer_problem.cache_clear()
+    peer_probes.peer_problem.cache_clear()
     try:
-        assert peers.peer_problem("optimi") == "child" and calls == ["optimi"]
-        peers.peer_problem.cache_clear()
-        monkeypatch.setattr(peers, "_in_cell_process", lambda: True)
-        assert peers.peer_problem("optimi") == "in-process"
-        peers.peer_problem.cache_clear()
+        assert peer_probes.peer_problem("optimi") == "child" and calls == ["optimi"]
+        peer_probes.peer_problem.cache_clear()
+        monkeypatch.setattr(peer_probes, "in_cell_process", lambda: True)
+        assert peer_probes.peer_problem("optimi") == "in-process"
+        peer_probes.peer_problem.cache_clear()
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setattr(peers, "_in_cell_process", lambda: False)
-        assert peers.peer_problem("optimi") == "in-process"
+        monkeypatch.setattr(peer_probes, "in_cell_process", lambda: False)
+        assert peer_probes.peer_problem("optimi") == "in-process"
         with pytest.raises(KeyError, match="unknown peer probe"):
-            peers.peer_problem("nope")
+            peer_probes.peer_problem("nope")
     finally:
-        peers.peer_problem.cache_clear()
+        peer_probes.peer_problem.cache_clear()
+
+
+def test_a_cell_process_imports_only_its_own_arms_peer_package():
+    """transformers imports torchao while it loads any model class whenever torchao is installed; a
+    cell process hides the peer packages its arm does not use, so a baseline cell loads none of
+    them, and importing the registry loads none either."""
+    code = textwrap.dedent("""
+        import importlib.util, sys
+        from forge_bench import methods, models, peer_probes
+        peers = sorted({p.module for p in peer_probes.PACKAGES.values()})
+        assert not [m for m in peers if sys.modules.get(m) is not None], "the registry imported a peer package"
+        hidden = peer_probes.hide_peer_packages_except(methods.METHODS["adamw_foreach"].requires)
+        model = models.build_model("tiny-llama", "float32", "cpu", seed=0)
+        arm = methods.METHODS["adamw_foreach"].build(model, methods.TrainConfig(device="cpu"))
+        arm.step(models.make_batch("tiny-llama", 2, 8, "cpu"))
+        assert not [m for m in peers if sys.modules.get(m) is not None]
+        assert all(importlib.util.find_spec(m) is None for m in hidden)
+        print("HIDDEN", ",".join(hidden))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hidden = done.stdout.split("HIDDEN ", 1)[1].split()[0].split(",")
+    assert "torchao" in hidden or importlib.util.find_spec("torchao") is None
+    assert "Failed to load" not in done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("galore_torch") is None, reason="galore-torch not installed")
+def test_hiding_keeps_what_a_peer_package_imports_itself():
+    """galore_torch imports bitsandbytes in its __init__: a GaLore cell keeps bitsandbytes importable."""
+    code = textwrap.dedent("""
+        import torch
+        from forge_bench import methods, models, peer_probes
+        hidden = peer_probes.hide_peer_packages_except(methods.METHODS["galore_adamw"].requires)
+        assert "bitsandbytes" not in hidden and "torchao" in hidden, hidden
+        assert methods.METHODS["galore_adamw"].unavailable_reason("cpu") is None
+        model = models.build_model("tiny-llama", "float32", "cpu", seed=0)
+        arm = methods.METHODS["galore_adamw"].build(model, methods.TrainConfig(device="cpu"))
+        print("LOSS", float(arm.step(models.make_batch("tiny-llama", 2, 8, "cpu"))))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LOSS" in done.stdout
+
+
+def test_hiding_keeps_the_arms_own_package_and_any_package_already_imported():
+    code = textwrap.dedent("""
+        import sys
+        import torch   # imported before: never hidden
+        from forge_bench import peer_probes
+        hidden = peer_probes.hide_peer_packages_except(("lomo_optim",))
+        assert "lomo_optim" not in hidden and "torchao" in hidden, hidden
+        assert sys.modules["torchao"] is None and "lomo_optim" not in sys.modules
+        try:
+            import torchao
+        except ImportError:
+            print("REFUSED")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED" in done.stdout

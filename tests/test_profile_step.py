@@ -1,10 +1,18 @@
-"""forge_bench.profile_step: the table it writes and its refusal without a GPU."""
+"""``forge-bench profile step``: the table it writes, its refusal without a GPU, and the per-arm
+child processes every profiler shares (``forge_bench.profile.common``)."""
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from forge_bench import profile_step
+from forge_bench.profile import common
+from forge_bench.profile import step as profile_step
+from forge_bench.profile.common import StepOptions
 
 
 def test_markdown_names_the_activations_and_shares():
@@ -18,23 +26,50 @@ def test_markdown_names_the_activations_and_shares():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_the_child_refuses_in_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="profile_step: needs a CUDA device"):
-        profile_step.main(["--one", "--methods", "adamw_fused", "--activations", "lean", "--out",
-                           str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="profile step: needs a CUDA device"):
+        profile_step.run_one(StepOptions(activations="lean"), "adamw_fused", tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_each_method_writes_into_a_folder_that_does_not_exist_yet(tmp_path, monkeypatch):
     """The per-method children write their JSON beside ``out``; a new output folder must not fail them."""
-    import json
-    import subprocess
-    from pathlib import Path
+    commands = []
 
     def fake_child(cmd, **_):
+        commands.append(cmd)
         Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"method": cmd[cmd.index("--methods") + 1]}))
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(profile_step.subprocess, "run", fake_child)
+    monkeypatch.setattr(common.subprocess, "run", fake_child)
     out = tmp_path / "new" / "deeper" / "profile.md"
-    results = profile_step.each_method_in_its_own_process("forge_bench.graph_profile", ["a", "b"], [], out)
+    results = common.run_each_method(["profile", "graph"], ["a", "b"], [], out)
     assert [r["method"] for r in results] == ["a", "b"]
     assert not list(out.parent.glob("*.json"))            # the per-method files are consumed
+    # each child is this CLI's own subcommand in a fresh interpreter, one arm each
+    assert commands[0][:6] == [sys.executable, "-m", "forge_bench.cli", "profile", "graph", "--one"]
+
+
+def test_a_failed_child_is_reported_and_skipped(tmp_path, monkeypatch, capsys):
+    def fake_child(cmd, **_):
+        method = cmd[cmd.index("--methods") + 1]
+        if method == "bad":
+            return subprocess.CompletedProcess(cmd, 3)
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"method": method}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(common.subprocess, "run", fake_child)
+    results = common.run_each_method(["profile", "step"], ["bad", "good"], [], tmp_path / "p.md")
+    assert [r["method"] for r in results] == ["good"]
+    assert "profile step: bad failed (exit 3)" in capsys.readouterr().err
+
+
+def test_child_arguments_carry_every_option():
+    options = StepOptions(model="tiny-llama", batch=2, seq=16, dtype="float32", activations="lean", steps=4, warmup=1)
+    assert options.child_arguments() == ["--model", "tiny-llama", "--batch", "2", "--seq", "16", "--dtype", "float32",
+                                         "--activations", "lean", "--steps", "4", "--warmup", "1"]
+    assert options.title() == "tiny-llama, batch 2, seq 16, lean activations"
+
+
+def test_union_of_intervals_merges_overlaps_and_touching_ends():
+    assert common.union_intervals([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0)]) == [(0.0, 4.0), (5.0, 7.0)]
+    assert common.union_intervals([]) == []

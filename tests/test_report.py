@@ -1,15 +1,14 @@
-"""Tests of ``forge-bench report`` on committed parquet rows from real runs.
+"""Tests of ``forge-bench report`` on committed parquet rows from real runs (``tests/fixtures``).
 
-The fixture folders are listed in ``report_fixture_folders``; real GPU result sets
-(``results/h100``, ``results/h200``, ``results/b200``) join the parametrized tests automatically
-once they hold parquet files, and more can be named with ``FORGE_REPORT_FIXTURES`` (paths
-separated by ``os.pathsep``). Expected values are computed here straight from the parquet
-files with pyarrow, independently of the report's own pandas path.
+The fixture folders are listed in ``report_fixture_folders``: CPU smoke and grid runs, and rows
+copied unedited from H100 and H200 runs (eager, CUDA-graph and lean-activation cells, the peers,
+floor terms and energy); more can be named with ``FORGE_REPORT_FIXTURES`` (paths separated by
+``os.pathsep``), e.g. a whole results folder. Expected values are computed here straight from the
+parquet files with pyarrow, independently of the report's own pandas path.
 
-Figures: a folder of up to ``FULL_FORMATS_MAX_ROWS`` rows (the committed fixtures, results/h200) is
-reported as users get it, PNG + PDF; a larger one (results/h100: 300+ rows, 110 figures) with
-``formats=("png",)``, which runs every figure builder and renders every figure as PNG but
-skips the PDF twins (about 30% of that build's time). The PDF path itself is checked on the small folders.
+Figures: a folder of up to ``FULL_FORMATS_MAX_ROWS`` rows is reported as users get it, PNG + PDF; a
+larger one (a whole results folder) with ``formats=("png",)``, which runs every figure builder and
+renders every figure as PNG but skips the PDF twins (about 30% of that build's time).
 """
 from __future__ import annotations
 
@@ -35,6 +34,8 @@ FIXTURES = TESTS / "fixtures"
 SMOKE = FIXTURES / "smoke"
 GRID = FIXTURES / "grid"
 RERUN_PARTIAL = FIXTURES / "smoke_rerun_partial"
+H100 = FIXTURES / "h100"
+H200 = FIXTURES / "h200"
 
 
 def _has_parquet(folder: Path) -> bool:
@@ -42,8 +43,7 @@ def _has_parquet(folder: Path) -> bool:
 
 
 def report_fixture_folders() -> list[Path]:
-    folders = [SMOKE, GRID]
-    folders += [REPO / "results" / name for name in ("h100", "h200", "b200")]
+    folders = [SMOKE, GRID, H100, H200]
     folders += [Path(p) for p in os.environ.get("FORGE_REPORT_FIXTURES", "").split(os.pathsep) if p]
     return [f for f in folders if _has_parquet(f)]
 
@@ -92,12 +92,13 @@ def parse_markdown_tables(text: str) -> dict[str, list[dict[str, str]]]:
 @pytest.fixture(scope="module", params=FOLDERS, ids=FOLDER_IDS)
 def built(request, tmp_path_factory):
     """(folder, rows, out_dir, index) of one report built from one fixture folder (figures in
-    ``fixture_formats(rows)``)."""
+    ``fixture_formats(rows)``); ``index`` is the details page, ``out_dir / "README.md"`` the summary."""
     folder = request.param
     rows = raw_rows(folder)
     out = tmp_path_factory.mktemp("report")
-    index = build_report(folder, out, formats=fixture_formats(rows))
-    return folder, rows, out, index
+    summary = build_report(folder, out, formats=fixture_formats(rows))
+    assert summary == out / "README.md"
+    return folder, rows, out, out / "index.md"
 
 
 def _activations(row: dict) -> str:
@@ -136,6 +137,7 @@ def test_fixture_folders_exist():
     assert _has_parquet(SMOKE), f"committed fixture {SMOKE} is missing"
     assert _has_parquet(GRID), f"committed fixture {GRID} is missing"
     assert _has_parquet(RERUN_PARTIAL), f"committed fixture {RERUN_PARTIAL} is missing"
+    assert _has_parquet(H100) and _has_parquet(H200), "committed GPU fixtures are missing"
 
 
 def test_headline_values_equal_hand_computation(built):
@@ -280,20 +282,21 @@ def test_every_figure_written_and_linked(built):
     assert len(list((out / "figures").glob("*.pdf"))) == (len(pngs) if with_pdf else 0)
     ok = [r for r in rows if r["status"] == "ok"]
     expected_headline = len({_group_key(r) for r in ok})
-    expected_memory = len({(r["run_id"],) + _group_key(r) for r in ok})
+    # the memory, grid and scaling figures draw one run of each group (the tables keep every run)
+    expected_memory = len({_group_key(r) for r in ok})
     expected_fidelity = len({r["device_name"] for r in rows if r["status"] in ("ok", "parity_fail")
                              and r["parity_rms_rel"] is not None and r["parity_steps"] != 0})
     by_run_model = {}
     for r in rows:
         by_run_model.setdefault((r["run_id"], r["device_name"], r["model"], r["dtype"], _timing(r), _activations(r)),
                                 set()).add((r["batch"], r["seq"]))
-    expected_grid = sum(len(s) >= 2 for s in by_run_model.values())
+    expected_grid = len({key[1:] for key, shapes in by_run_model.items() if len(shapes) >= 2})
     by_run_shape = {}
     for r in rows:
         by_run_shape.setdefault((r["run_id"], r["device_name"], r["dtype"], r["batch"], r["seq"], _timing(r),
                                  _activations(r)),
                                 set()).add(r["model"])
-    expected_scaling = sum(len(s) >= 2 for s in by_run_shape.values())
+    expected_scaling = len({key[1:] for key, models in by_run_shape.items() if len(models) >= 2})
     names = [p.name for p in pngs]
     assert sum(n.startswith("headline-") for n in names) == expected_headline
     assert sum(n.startswith("memory-") for n in names) == expected_memory
@@ -315,8 +318,8 @@ def test_formats_write_only_the_file_types_asked_for(tmp_path):
     stems: list[str] = []
     headline = ""
     for formats, kept, gone in ((["png"], ".png", ".pdf"), (("pdf",), ".pdf", ".png")):
-        index = build_report(SMOKE, out, formats=formats)
-        text = index.read_text()
+        build_report(SMOKE, out, formats=formats)
+        text = (out / "index.md").read_text()
         stems = stems or sorted(p.stem for p in (out / "figures").glob(f"*{kept}"))
         headline = headline or (out / "tables" / "headline.md").read_text()
         assert stems and sorted(p.stem for p in (out / "figures").glob(f"*{kept}")) == stems
@@ -356,7 +359,7 @@ def test_rebuild_removes_stale_outputs(tmp_path):
 # --- the ratio rule ------------------------------------------------------------------------------
 
 def test_cross_run_ratios_are_refused(tmp_path):
-    """Run B (a second real smoke run whose baseline rows were removed) against run A's baseline."""
+    """Run B (a second real smoke run of forge_bf16 alone, no baseline row) against run A's baseline."""
     rows_a, rows_b = raw_rows(SMOKE), raw_rows(RERUN_PARTIAL)
     run_a = {r["run_id"] for r in rows_a}
     run_b = {r["run_id"] for r in rows_b}
@@ -446,10 +449,10 @@ def test_clocks_apart_give_a_bound_only_in_the_direction_that_narrows_the_gap(ca
 def test_time_ratio_needs_one_machine_boot_but_memory_does_not():
     cand, base = _real_pair()
     extra = ratios.json_field(base.get("extra"))
-    base["extra"] = json.dumps({**extra, "boot_id": "1111-lease-a"})
-    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "boot_id": "1111-lease-a"})
+    base["extra"] = json.dumps({**extra, "boot_id": "1111-machine-a"})
+    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "boot_id": "1111-machine-a"})
     assert ratios.speedup(cand, base).is_number
-    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "boot_id": "2222-lease-b"})
+    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "boot_id": "2222-machine-b"})
     refused = ratios.speedup(cand, base)
     assert refused.text == ratios.DIFFERENT_RUN and "different machine boots" in refused.refusal
     cand["peak_allocated_gib"], base["peak_allocated_gib"] = 30.0, 40.0   # CPU smoke rows record no peak
@@ -621,3 +624,114 @@ def test_report_pngs_are_palette_images_of_the_same_picture(tmp_path):
     before = (tmp_path / "clear.png").read_bytes()
     figures.compact_png(tmp_path / "clear.png")
     assert (tmp_path / "clear.png").read_bytes() == before
+
+
+# --- the summary page ---------------------------------------------------------------------------
+
+def test_summary_page_leads_and_links_the_details(built):
+    """README.md: one section per device, the headline cell, the peers, the grid; every link resolves;
+    the details page links back."""
+    _, rows, out, index = built
+    text = (out / "README.md").read_text()
+    assert text.startswith("# FORGE benchmark summary") and "[index.md](index.md)" in text
+    assert "(README.md)" in index.read_text()
+    for link in re.findall(r"\]\(([^)]+)\)", text):
+        assert (out / link).is_file(), f"README.md links a missing {link}"
+    devices = {r["device_name"] for r in rows}
+    assert text.count("\n## ") == len(devices) + 1          # one section per device, then the details
+    assert text.count("### Headline: ") == len({r["device_name"] for r in rows if r["status"] == "ok"
+                                                 and r["method_family"] in ("baseline", "forge")})
+    assert text.count("### Peers") == len(devices)
+    assert len(text.splitlines()) < 120, "the summary is one page"
+
+
+def test_summary_headline_equals_the_rows_of_the_runs_it_names(tmp_path):
+    """On the H100 rows: the eager column is the peers run, the CUDA-graph columns the graph run;
+    each cell is peak / step (speed-up against adamw_fused of the same run), recomputed here."""
+    rows = raw_rows(H100)
+    build_report(H100, tmp_path, formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "README.md").read_text())
+    [headline] = [t for t in tables if t.startswith("Headline")]
+    table = tables[headline]
+    assert "llama-3.1-8b" in headline and "batch 1 × seq 512" in headline
+    header = list(table[0])
+    columns = header[1:]
+    assert [c.split(" (run ")[0] for c in columns] == ["eager", "CUDA graph", "CUDA graph, lean activations"]
+    checked = 0
+    for column in columns:
+        run = column.split(" (run ")[1].rstrip(")")
+        graph = column.startswith("CUDA graph")
+        lean = "lean" in column
+        chosen = [r for r in rows if run_label(r["run_id"]) == run and (r.get("timing_method") == "cuda_graph_replay") == graph
+                  and _activations(r) == ("lean" if lean else "hf") and r["method_family"] in ("baseline", "forge")]
+        base = next(r for r in chosen if r["method"] == "adamw_fused")
+        for line in table:
+            method = line["Method"].strip("`")
+            row = next((r for r in chosen if r["method"] == method), None)
+            if row is None:
+                assert line[column] == "—"
+                continue
+            peak, rest = line[column].split(" / ")
+            step, speed = rest.split(" (", 1)
+            assert peak == f"{row['peak_allocated_gib']:.2f}"
+            assert _close_to_printed(step, row["step_ms_median"])
+            if row is base:
+                assert speed == "baseline)"
+            elif ratios.speedup(row, base).is_number:
+                assert _close_to_printed(speed.rstrip(")"), base["step_ms_median"] / row["step_ms_median"])
+                checked += 1
+    assert checked >= 5
+    peers = tables[next(t for t in tables if t.startswith("Peers"))]
+    assert {line["Method"].strip("`") for line in peers} == {r["method"] for r in rows
+                                                              if r["run_id"].endswith("82e611")}
+
+
+def test_summary_says_what_a_device_lacks(tmp_path):
+    build_report([SMOKE, H200], tmp_path, formats=("png",))
+    text = (tmp_path / "README.md").read_text()
+    assert "## H200" in text and "_No peer arm was measured on this device._" in text
+    assert "_No model was measured at two or more batch × seq shapes on this device._" in text
+
+
+def test_summary_grid_takes_each_shape_from_its_own_run(tmp_path):
+    """The grid fixture: tiny-llama at four shapes; each cell is FORGE's saving / speed-up against the
+    baseline of its own run and shape (adamw_foreach: adamw_fused cannot run on a CPU)."""
+    rows = raw_rows(GRID)
+    build_report(GRID, tmp_path, formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "README.md").read_text())
+    [title] = [t for t in tables if t.startswith("Batch × sequence grid")]
+    assert "tiny-llama" in title
+    [line] = tables[title]
+    assert line["Method"] == "`forge_bf16`"
+    shapes = sorted({(r["batch"], r["seq"]) for r in rows}, key=lambda s: (s[0] * s[1], s))
+    assert list(line)[1:] == [f"b{b}×s{q}" for b, q in shapes]
+    for batch, seq in shapes:
+        at = [r for r in rows if (r["batch"], r["seq"]) == (batch, seq)]
+        row = next(r for r in at if r["method"] == "forge_bf16")
+        base = next(r for r in at if r["method"] == "adamw_foreach")
+        assert line[f"b{batch}×s{seq}"] == f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}"
+
+
+# --- a results folder holding other parquet files -----------------------------------------------------
+
+def test_a_parquet_of_another_kind_is_named_and_skipped(tmp_path, capsys):
+    """A results folder may hold the kernel benchmark's parquet beside the sweep rows: the report
+    names it in one line on stderr and goes on; a folder with nothing else is a one-line error."""
+    import pandas as pd
+
+    rows = tmp_path / "results"
+    shutil.copytree(SMOKE, rows / "smoke")
+    (rows / "kernels").mkdir()
+    foreign = rows / "kernels" / "kernel_bench.parquet"
+    pd.DataFrame({"shape": ["q"], "tokens": [512], "fused_ms": [0.1]}).to_parquet(foreign, index=False)
+    build_report(rows, tmp_path / "out", formats=("png",))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"forge-bench report: skipping {foreign}: not a forge-bench v1 result file "
+                   "(missing ['schema_version', 'run_id', 'suite_name', 'suite_hash', 'cell_id'])"]
+    assert f"from {len(raw_rows(SMOKE))} rows" in (tmp_path / "out" / "index.md").read_text()
+    seen = []
+    build_report(rows, tmp_path / "quiet", formats=("png",), on_foreign=lambda path, why: seen.append(path))
+    assert seen == [foreign] and not capsys.readouterr().err
+    with pytest.raises(NoResultsError, match=re.escape(str(rows / "kernels"))):
+        build_report(rows / "kernels", tmp_path / "none")
+    assert not (tmp_path / "none").exists()

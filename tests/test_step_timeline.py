@@ -1,7 +1,7 @@
 """The timeline analysis on a hand-built Chrome trace: busy/idle, gap owners, blocking calls."""
 import pytest
 
-from forge_bench.step_timeline import analyse_trace, to_markdown
+from forge_bench.profile.timeline import analyse_trace, to_markdown
 
 
 def _x(name, cat, ts, dur, tid=1, corr=None):

@@ -6,8 +6,9 @@ which, and on the order and names in which methods and devices appear.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
@@ -39,9 +40,16 @@ def as_folders(results_dirs: str | Path | Sequence[str | Path]) -> list[Path]:
     return [Path(results_dirs)] if isinstance(results_dirs, (str, Path)) else [Path(p) for p in results_dirs]
 
 
-def load_rows(results_dirs: str | Path | Sequence[str | Path]) -> pd.DataFrame:
+def skip_on_stderr(path: Path, reason: str) -> None:
+    """Name a parquet file the report skips, in one line on stderr."""
+    print(f"forge-bench report: skipping {path}: {reason}", file=sys.stderr)
+
+
+def load_rows(results_dirs: str | Path | Sequence[str | Path],
+              on_foreign: Callable[[Path, str], None] | None = skip_on_stderr) -> pd.DataFrame:
     """Every row under ``results_dirs`` (one folder or parquet file, or several: e.g. one run per
-    GPU, for the hardware comparison) with a few derived display columns."""
+    GPU, for the hardware comparison) with a few derived display columns. A parquet file of
+    another kind goes to ``on_foreign`` and is skipped (None: it is an error)."""
     folders = as_folders(results_dirs)
     if not folders:
         raise NoResultsError("no results folder given")
@@ -51,7 +59,12 @@ def load_rows(results_dirs: str | Path | Sequence[str | Path]) -> pd.DataFrame:
             raise NoResultsError(f"results folder {folder} does not exist")
         if not iter_result_files(folder):
             raise NoResultsError(f"no forge-bench parquet result files under {folder}")
-        frames.append(load_results(folder))
+        try:
+            frames.append(load_results(folder, on_foreign))
+        except ResultsError as exc:
+            if on_foreign is None:
+                raise
+            raise NoResultsError(str(exc)) from None      # every parquet file there is of another kind
     frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
     duplicated = frame["cell_id"].astype(str) + "/" + frame["run_id"].astype(str)
     if duplicated.duplicated().any():
@@ -78,6 +91,34 @@ def run_label(run_id: Any) -> str:
     if tail != text and len(tail) >= 6:
         return tail
     return text
+
+
+def newest_run(frame: pd.DataFrame) -> Any:
+    """The run id of ``frame`` whose rows finished last (largest ``finished_at``; then the largest id)."""
+    return max(frame.groupby("run_id", dropna=False),
+               key=lambda item: (finished_last(item[1]), as_text(item[0]) or ""))[0]
+
+
+def finished_last(group: pd.DataFrame) -> str:
+    """The latest ``finished_at`` of a group of rows (ISO text; "" when none is recorded)."""
+    return max((as_text(t) or "" for t in group["finished_at"]), default="")
+
+
+def one_per_key(groups: list[tuple[dict[str, Any], pd.DataFrame]],
+                rank: Callable[[pd.DataFrame], tuple] = lambda group: (finished_last(group),)
+                ) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """Of groups whose keys differ only in ``run_id``, the one ``rank`` puts highest (default: the
+    newest run), in the input order. Why: a figure per run repeats its table's numbers; the figures
+    draw one run of each group and the tables keep every run."""
+    def key_of(keys: dict[str, Any]) -> tuple:
+        return tuple((k, str(v)) for k, v in keys.items() if k != "run_id")
+
+    best: dict[tuple, tuple] = {}
+    for keys, group in groups:
+        candidate = (*rank(group), as_text(keys.get("run_id")) or "")
+        if key_of(keys) not in best or candidate > best[key_of(keys)]:
+            best[key_of(keys)] = candidate
+    return [(keys, group) for keys, group in groups if best[key_of(keys)][-1] == (as_text(keys.get("run_id")) or "")]
 
 
 def device_label(name: Any) -> str:
@@ -180,14 +221,14 @@ def group_title(keys: Mapping[str, Any]) -> str:
 
 def timing_slug(keys: Mapping[str, Any]) -> str | None:
     """The file-name part that keeps a CUDA-graph (or lean-activations) group's outputs apart from
-    the eager ones (None for eager hf groups, whose names stay as they were)."""
+    the eager ones (None for eager hf groups, whose file names carry no mark)."""
     parts = (["graph"] if keys.get("timing") == GRAPH_TIMING else []) + \
         (["lean"] if keys.get("activations") == "lean" else [])
     return "-".join(parts) or None
 
 
 def key_parts(keys: Mapping[str, Any]) -> list[Any]:
-    """A group's key values for a file name: ``activations`` only when lean (hf names stay as they were)."""
+    """A group's key values for a file name: ``activations`` only when lean (hf names carry no mark)."""
     return [(value if value != "hf" else None) if name == "activations" else value for name, value in keys.items()]
 
 

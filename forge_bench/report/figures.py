@@ -3,13 +3,14 @@
 Every figure uses ``matplotlib.figure.Figure`` with an explicit Agg canvas: no pyplot global
 state, no GUI backend, safe in a headless sweep machine. Ratios come from ``ratios.py`` through
 the same helpers as the tables, so a figure can never show a ratio that a table refuses.
-Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason.
+Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason. Where
+several runs measured the same group, the scaling and memory figures draw the newest run only and the
+grid figures the widest grid (``data.one_per_key``): another run's figure repeats its table's numbers.
 Every builder takes ``formats``, the file types each figure is saved as (``FORMATS`` unless the
 caller asks for fewer, e.g. ``("png",)`` to skip the PDF twins).
 """
 from __future__ import annotations
 
-import io
 import textwrap
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -21,13 +22,15 @@ from matplotlib.figure import Figure
 import numpy as np
 import pandas as pd
 
+from forge_bench.png import compact_png
+
 from . import ratios
 from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, group_title, is_forge,
-                   ordered_methods, records, run_label, slug)
+                   one_per_key, ordered_methods, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
-from .tables import (ANALYTIC_PARTS, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
+from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
                      memory_groups, memory_parts, models_by_size, params_text, scaling_groups,
-                     shapes_of, cell_row, _sorted_rows)
+                     shapes_of, cell_row, sorted_rows)
 
 matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 10, "figure.dpi": 100})
 
@@ -52,32 +55,6 @@ def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"figure formats must be one or more of {', '.join(FORMATS)}; got "
                          f"{', '.join(map(repr, formats)) or 'none'}")
     return tuple(f for f in FORMATS if f in formats)
-
-
-def compact_png(path: Path) -> None:
-    """Re-write an opaque PNG with a 256-colour palette (no dithering) when that is smaller.
-
-    Why: matplotlib writes RGBA; a chart holds a few dozen colours plus their anti-aliased edges, so
-    a palette keeps it visually the same at about a third of the bytes. Committed reports travel with
-    the tree to the GPU machine, whose copy is capped (64 MiB with the wheels). Deterministic, so the
-    report's bytes stay reproducible. A PNG with any transparent pixel is left as it is, and so is
-    every PNG where Pillow is missing (matplotlib needs it, so it should not be)."""
-    try:
-        from PIL import Image
-    except ImportError:
-        return
-
-    with Image.open(path) as image:
-        image.load()
-    if image.mode == "P":
-        return
-    if "A" in image.getbands() and image.getchannel("A").getextrema()[0] < 255:
-        return
-    palette = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-    buffer = io.BytesIO()
-    palette.save(buffer, format="PNG", optimize=True)
-    if buffer.tell() < path.stat().st_size:
-        path.write_bytes(buffer.getvalue())
 
 
 def save(fig: Figure, folder: Path, stem: str, formats: Sequence[str] = FORMATS) -> list[Path]:
@@ -143,7 +120,7 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
             continue
         all_rows = records(group)
         # the same dict objects as all_rows: "is this row its own baseline" is an identity test
-        rows = _sorted_rows([r for r in all_rows if as_text(r.get("status")) == "ok"])
+        rows = sorted_rows([r for r in all_rows if as_text(r.get("status")) == "ok"])
         several_runs = ok["run_id"].nunique() > 1
         labels = [r["method"] + (f" · {run_label(r['run_id'])}" if several_runs else "") for r in rows]
         base_method, base_note = choose_baseline(all_rows)
@@ -210,6 +187,7 @@ def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
     if not groups:
         return [], "no run measured one model at two or more batch × seq shapes"
     paths = []
+    groups = one_per_key(groups, grid_coverage)     # the widest grid of each; the tables keep every run
     for keys, group in groups:
         stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
                     timing_slug(keys))
@@ -331,6 +309,7 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
     if not groups:
         return [], "no run measured two or more models at one shape"
     paths = []
+    groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
         models = models_by_size(group)
         fig = Figure(figsize=(9.0, 3.8))
@@ -390,8 +369,9 @@ def memory_figures(frame: pd.DataFrame, folder: Path,
     if not groups:
         return [], "no row ran ok"
     paths = []
+    groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
-        rows = _sorted_rows(records(group))
+        rows = sorted_rows(records(group))
         fig = Figure(figsize=(max(5.5, 0.9 * len(rows) + 2.5), 3.8))
         ax = fig.subplots()
         x = np.arange(len(rows))

@@ -1,11 +1,12 @@
 """The one rule for ratios, shared by every table and figure of the report.
 
-A speed-up or a memory saving is a number only when both rows were measured in the same sweep
-run on the same machine state: same ``run_id``, same ``device_name``, same torch / triton /
+A speed-up or a memory saving is a number only when both rows come from the same sweep run on
+the same machine state: same ``run_id``, same ``device_name``, same torch / triton /
 CUDA versions. A time ratio (not a memory one) also needs SM clocks (``sm_clock_mhz_after``)
 within ``CLOCK_TOLERANCE`` of each other and one machine boot where both rows recorded one
-(``extra.boot_id``): a sweep resumed on a freshly leased machine keeps its run id, but an eager
-step is bound by the host's launch speed, which changes from one lease to the next.
+(``extra.boot_id``): a sweep resumed on another machine (a rented GPU comes as a fresh virtual
+machine) keeps its run id, but an eager step is bound by the host's launch speed, which changes
+from one machine to the next.
 Anything else is printed as ``DIFFERENT_RUN`` instead of a number, because a ratio of two times
 taken under different software, silicon or clocks measures those differences, not the method.
 

@@ -14,8 +14,11 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from forge_bench.floor import floor_ms, power_floor_ms
+
 from . import ratios
-from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, fmt_ms, fmt_number,
+from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, finished_last, fmt_ms,
+                   fmt_number,
                    group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
                    slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
@@ -165,7 +168,8 @@ class _Notes:
                      f"{ratios.CLOCK_TOLERANCE:.0%} and one machine boot).")
 
 
-def _sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def sorted_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in reading order: by method (``data.method_sort_key``), then by run id."""
     return sorted(rows, key=lambda r: (method_sort_key(r["method"], r.get("method_family") or ""),
                                        as_text(r.get("run_id")) or ""))
 
@@ -177,7 +181,7 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
     tables = []
     for keys, group in frame.groupby(HEADLINE_KEYS, sort=True, dropna=False):
         key_map = dict(zip(HEADLINE_KEYS, keys))
-        rows = _sorted_rows(records(group))
+        rows = sorted_rows(records(group))
         base_method, base_note = choose_baseline(rows)
         several_runs = group["run_id"].nunique(dropna=False) > 1
         header = ["Method"] + (["Run"] if several_runs else []) + [
@@ -226,8 +230,8 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
         timing = {as_text(r.get("timing_method")) for r in rows if as_text(r.get("timing_method"))}
         caption = (f"{base_note} Δ peak: change of peak allocated memory (GiB = 2^30 bytes); "
                    f"speed-up: baseline step time / this step time. J/step and mean W: the board's "
-                   f"energy counter (NVML) over the timed window, per step and per second (— before it was "
-                   f"recorded, or on CPU). {SPREAD_NOTE}"
+                   f"energy counter (NVML) over the timed window, per step and per second (— where a row has "
+                   f"no energy reading, e.g. on a CPU). {SPREAD_NOTE}"
                    + (f" Timing: {', '.join(sorted(timing))}." if timing else ""))
         tables.append(Table(
             name=slug("headline", *key_parts(key_map)), title=group_title(key_map), caption=caption,
@@ -239,6 +243,11 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
 # --- batch x sequence grid ----------------------------------------------------------------------
 
 GRID_KEYS = ["run_id", "device_name", "model", "dtype", "timing", "activations"]
+
+
+def grid_coverage(group: pd.DataFrame) -> tuple[int, int, str]:
+    """How much a grid shows, for picking one run of a grid: shapes, ok rows, then the newest."""
+    return len(shapes_of(group)), int((group["status"] == "ok").sum()), finished_last(group)
 
 
 def grid_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
@@ -414,7 +423,7 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
     return tables
 
 
-# --- the floor of a FORGE step (issue 6) ----------------------------------------------------------
+# --- the floor of a FORGE step ------------------------------------------------------------------
 
 FLOOR_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FLOOR_METHOD = "no_optimizer"
@@ -425,15 +434,13 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
     """Each FORGE arm against its floor, from the no_optimizer row of the same run and shape:
     floor = no_optimizer step - wgrad + max(wgrad, state bytes / copy bandwidth)
     (``forge_bench/floor.py``; the terms are measured in the no_optimizer cell)."""
-    from forge_bench.floor import floor_ms, power_floor_ms
-
     tables = []
     for keys, group in frame.groupby(FLOOR_KEYS, sort=True, dropna=False):
         key_map = dict(zip(FLOOR_KEYS, keys))
         rows = records(group[group["status"] == "ok"])
         floor_rows = [r for r in rows if r["method"] == FLOOR_METHOD]
         terms = ratios.json_field(floor_rows[0].get("extra")).get("floor_terms") if floor_rows else None
-        forge_rows = [r for r in _sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
+        forge_rows = [r for r in sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
         if not terms or not forge_rows:
             continue
         no_opt_ms = float(floor_rows[0]["step_ms_median"])
@@ -520,7 +527,7 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
     for keys, group in memory_groups(frame):
         body, recs = [], []
         notes = _Notes()
-        for row in _sorted_rows(records(group)):
+        for row in sorted_rows(records(group)):
             parts = memory_parts(row)
             rest = parts["Activations + rest"]
             if rest is None:

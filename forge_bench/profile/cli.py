@@ -1,0 +1,103 @@
+"""``forge-bench profile``: the per-arm GPU profilers as Typer subcommands (``step``, ``timeline``,
+``graph``). Each runs every ``--methods`` arm in its own child process, started as this same
+command with the hidden ``--one`` flag; the profiler modules (torch, the model zoo) load only when
+a command runs, so ``forge-bench --help`` stays quick."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+profile_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Profile training steps on a GPU, one process per arm: top kernels (step), host/GPU timeline "
+         "(timeline), CUDA-graph replays on both streams (graph). Each writes a Markdown report.",
+)
+
+ACTIVATIONS = ("hf", "lean")
+
+Out = Annotated[Path, typer.Option("--out", "-o",
+                                   help="Markdown file to write (a JSON beside it for timeline and graph)")]
+Model = Annotated[str, typer.Option("--model", help="model zoo name (forge-bench list)")]
+Batch = Annotated[int, typer.Option("--batch", min=1, help="sequences per step")]
+Seq = Annotated[int, typer.Option("--seq", min=1, help="tokens per sequence")]
+Dtype = Annotated[str, typer.Option("--dtype", help="model weight dtype")]
+Activations = Annotated[str, typer.Option("--activations", help="hf, or lean: forge_core.lean_activations on the "
+                                                                  "model before the arm is built")]
+Methods = Annotated[Optional[list[str]], typer.Option("--methods", help="arms to profile, comma-separated or "
+                                                                          "repeated (default: see the command)")]
+Steps = Annotated[int, typer.Option("--steps", min=1, help="steps (replays for graph) recorded by the profiler")]
+Warmup = Annotated[int, typer.Option("--warmup", min=0, help="warm-up steps before the profiled ones")]
+TraceDir = Annotated[Optional[Path], typer.Option("--trace-dir", help="also keep each arm's gzipped Chrome trace here")]
+One = Annotated[bool, typer.Option("--one", hidden=True, help="child mode: one method, JSON to --out")]
+
+
+def _options(model: str, batch: int, seq: int, dtype: str, activations: str, steps: int, warmup: int):
+    from forge_bench.profile.common import StepOptions
+
+    if activations not in ACTIVATIONS:
+        raise typer.BadParameter(f"{activations!r} is not one of {', '.join(ACTIVATIONS)}", param_hint="--activations")
+    return StepOptions(model=model, batch=batch, seq=seq, dtype=dtype, activations=activations, steps=steps,
+                       warmup=warmup)
+
+
+def _methods(given: list[str] | None, default: tuple[str, ...], one: bool) -> list[str]:
+    names = [name.strip() for text in (given or []) for name in text.split(",") if name.strip()] or list(default)
+    if one and len(names) != 1:
+        raise typer.BadParameter(f"a child profiles exactly one arm, got {names}", param_hint="--methods")
+    return names
+
+
+@profile_app.command()
+def step(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 512, dtype: Dtype = "bfloat16",
+         activations: Activations = "hf", methods: Methods = None, steps: Steps = 3, warmup: Warmup = 10,
+         one: One = False) -> None:
+    """Where the time of an eager step goes: torch.profiler's top CUDA kernels per arm.
+
+    Default arms: adamw_fused, forge_bf16."""
+    from forge_bench.profile import step as step_mod
+
+    options = _options(model, batch, seq, dtype, activations, steps, warmup)
+    names = _methods(methods, step_mod.DEFAULT_METHODS, one)
+    if one:
+        step_mod.run_one(options, names[0], out)
+        return
+    raise typer.Exit(step_mod.run(options, names, out))
+
+
+@profile_app.command()
+def timeline(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 512, dtype: Dtype = "bfloat16",
+             activations: Activations = "hf", methods: Methods = None, steps: Steps = 3, warmup: Warmup = 10,
+             trace_dir: TraceDir = None, one: One = False) -> None:
+    """Is an eager step host-bound, GPU-bound or stalled on a sync? Read off a profiler timeline.
+
+    GPU busy and idle time, the host op that ends each idle gap, the runtime calls that block the
+    host. Default arms: no_optimizer, adamw_fused, forge_bf16."""
+    from forge_bench.profile import timeline as timeline_mod
+
+    options = _options(model, batch, seq, dtype, activations, steps, warmup)
+    names = _methods(methods, timeline_mod.DEFAULT_METHODS, one)
+    if one:
+        timeline_mod.run_one(options, names[0], out, trace_dir)
+        return
+    raise typer.Exit(timeline_mod.run(options, names, out, trace_dir))
+
+
+@profile_app.command()
+def graph(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 512, dtype: Dtype = "bfloat16",
+          activations: Activations = "hf", methods: Methods = None, steps: Steps = 3, warmup: Warmup = 10,
+          timed: Annotated[int, typer.Option("--timed", min=1, help="replays timed without the profiler")] = 20,
+          trace_dir: TraceDir = None, one: One = False) -> None:
+    """Where the time of a CUDA-graph step goes, on both streams (what a sweep's graph cells time).
+
+    Busy and idle time, kernel classes and their overlap, the fused update per launch grid.
+    Default arms: adamw_fused, forge_bf16, forge_int8."""
+    from forge_bench.profile import graph as graph_mod
+
+    options = _options(model, batch, seq, dtype, activations, steps, warmup)
+    names = _methods(methods, graph_mod.DEFAULT_METHODS, one)
+    if one:
+        graph_mod.run_one(options, names[0], timed, out, trace_dir)
+        return
+    raise typer.Exit(graph_mod.run(options, names, timed, out, trace_dir))

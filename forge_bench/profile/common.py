@@ -1,0 +1,99 @@
+"""What the per-arm profilers share: their options, one process per arm, an arm built and warmed
+up as a sweep cell builds it, and interval arithmetic on trace events."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge_bench import methods as methods_mod
+from forge_bench import models as models_mod
+from forge_bench.arm import TrainConfig
+from forge_bench.cell import BATCH_POOL, eager_steps
+from forge_bench.peer_probes import hide_peer_packages_except
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The cell every per-arm profiler measures, and how long it profiles it."""
+    model: str = "llama-3.1-8b"
+    batch: int = 1
+    seq: int = 512
+    dtype: str = "bfloat16"
+    activations: str = "hf"      # "lean": forge_core.lean_activations on the model before the arm is built
+    steps: int = 3
+    warmup: int = 10
+
+    def child_arguments(self) -> list[str]:
+        """These options as the command line of a per-arm child process."""
+        return ["--model", self.model, "--batch", str(self.batch), "--seq", str(self.seq), "--dtype", self.dtype,
+                "--activations", self.activations, "--steps", str(self.steps), "--warmup", str(self.warmup)]
+
+    def title(self) -> str:
+        lean = ", lean activations" if self.activations == "lean" else ""
+        return f"{self.model}, batch {self.batch}, seq {self.seq}{lean}"
+
+
+def run_each_method(command: list[str], methods: list[str], child_args: list[str], out: Path) -> list[dict]:
+    """Run ``forge-bench profile COMMAND --one --methods M ... --out TMP`` per method (a fresh process
+    each, as a sweep cell); returns the JSON each wrote, skipping (and reporting) the ones that failed.
+    The children write beside ``out``, so its folder is made first (a new folder would otherwise
+    fail every arm after its whole warm-up)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for method in methods:
+        tmp = out.with_suffix(f".{method}.json")
+        cmd = [sys.executable, "-m", "forge_bench.cli", *command, "--one", "--methods", method, *child_args,
+               "--out", str(tmp)]
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0:
+            print(f"forge-bench {' '.join(command)}: {method} failed (exit {proc.returncode})", file=sys.stderr)
+            continue
+        results.append(json.loads(tmp.read_text()))
+        tmp.unlink()
+    return results
+
+
+def warmed_up_arm(tool: str, options: StepOptions, method_name: str, warmup: int | None = None,
+                  capturable: bool = False) -> tuple[Any, list]:
+    """One arm built on the GPU as a sweep cell builds it, after ``warmup`` steps (default
+    ``options.warmup``; autotuners and the allocator settled); returns (arm, its batches). ``tool``
+    names the caller in errors. ``capturable``: built for a CUDA graph capture and warmed up on a
+    side stream, as a graph cell is before its capture (``cell.GraphedStep``).
+
+    Runs in a per-arm child process: the peer packages other arms use are hidden first
+    (``peer_probes.hide_peer_packages_except``), as in a sweep's cell process."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{tool}: needs a CUDA device (torch.cuda.is_available() is False)")
+    method = methods_mod.get_method(method_name)
+    hide_peer_packages_except(method.requires)
+    reason = method.unavailable_reason("cuda", capturable)
+    if reason:
+        raise SystemExit(f"{tool}: {method_name}: {reason}")
+    model = models_mod.build_model(options.model, options.dtype, "cuda", seed=0)
+    models_mod.apply_activations(model, options.activations)
+    torch.manual_seed(0)
+    arm = method.build(model, TrainConfig(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, device="cuda",
+                                          capturable=capturable))
+    batches = [models_mod.make_batch(options.model, options.batch, options.seq, "cuda", seed=i)
+               for i in range(BATCH_POOL)]
+    warm = eager_steps(arm, batches, options.warmup if warmup is None else warmup, side_stream=capturable)
+    del warm
+    torch.cuda.synchronize()
+    return arm, batches
+
+
+def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals (touching ones merge)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged

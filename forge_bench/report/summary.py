@@ -1,0 +1,191 @@
+"""The report's first page (``README.md`` of the report folder): what a reader takes in at a glance.
+
+Per device: the headline cell (the largest model measured, at its smallest batch x seq), one column
+per timing (eager, CUDA graph, lean activations) from the newest run that measured it; the peers at
+the cell where the newest run with peer arms measured them; FORGE's memory saving / speed-up at every
+batch x seq of that model (each shape from its newest run). Everything else, every run, table and
+figure, is in ``index.md``, which this page links. Ratios follow the one rule (``ratios.py``): only
+within one run on one device.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import pandas as pd
+
+from . import ratios, tables
+from .data import (EAGER_TIMING, GRAPH_TIMING, choose_baseline, device_label, find_baseline_row, fmt_ms,
+                   fmt_number, group_title, newest_run, records, run_label)
+from .ratios import as_number, as_text
+
+CORE_FAMILIES = ("baseline", "forge")
+VARIANT_ORDER = [(EAGER_TIMING, "hf"), (GRAPH_TIMING, "hf"), (EAGER_TIMING, "lean"), (GRAPH_TIMING, "lean")]
+
+
+def variant_label(timing: str, activations: str) -> str:
+    """A column name for one timing of the headline cell."""
+    lean = ", lean activations" if activations == "lean" else ""
+    return ("CUDA graph" if timing == GRAPH_TIMING else "eager") + lean
+
+
+def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
+    """(model, batch, seq) of one device's headline: the largest model with an ok baseline or FORGE
+    row, at its smallest tokens per step (then the smaller batch)."""
+    ok = frame[(frame["status"] == "ok") & frame["method_family"].isin(CORE_FAMILIES)]
+    if ok.empty:
+        return None
+    sizes = {model: max((as_number(n) or 0.0) for n in group["n_params"]) for model, group in ok.groupby("model")}
+    model = max(sizes, key=lambda m: (sizes[m], m))
+    of_model = ok[ok["model"] == model]
+    shapes = {(int(b), int(s)) for b, s in zip(of_model["batch"], of_model["seq"])}
+    batch, seq = min(shapes, key=lambda shape: (shape[0] * shape[1], shape[0]))
+    return model, batch, seq
+
+
+def _cell_text(row: Mapping[str, Any], base: Mapping[str, Any] | None) -> str:
+    status = as_text(row.get("status"))
+    if status != "ok":
+        return status or "—"
+    peak = as_number(row.get("peak_allocated_gib"))
+    speed = "baseline" if base is row else ratios.speedup(row, base).text
+    return (f"{fmt_number(peak)} / " if peak is not None else "") + f"{fmt_ms(row.get('step_ms_median'))} ({speed})"
+
+
+def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[str]:
+    """The headline cell of one device: one row per baseline / FORGE arm, one column per timing."""
+    model, batch, seq = cell
+    rows = frame[(frame["model"] == model) & (frame["batch"] == batch) & (frame["seq"] == seq)
+                 & frame["method_family"].isin(CORE_FAMILIES)]
+    columns: list[tuple[str, list[dict[str, Any]], str | None]] = []
+    for timing, activations in VARIANT_ORDER:
+        variant = rows[(rows["timing"] == timing) & (rows["activations"] == activations)]
+        if variant.empty:
+            continue
+        with_forge = variant[(variant["status"] == "ok") & (variant["method_family"] == "forge")]
+        run = newest_run(with_forge if not with_forge.empty else variant)
+        picked = records(variant[variant["run_id"] == run])
+        base_method, _ = choose_baseline(picked)
+        columns.append((f"{variant_label(timing, activations)} (run {run_label(run)})", picked, base_method))
+    first = frame[frame["model"] == model].iloc[0]
+    lines = [f"### Headline: {group_title({'model': model, 'dtype': first['dtype'], 'batch': batch, 'seq': seq})}", "",
+             "Peak GiB / median step ms (speed-up against torch fused AdamW, `adamw_fused`, of the same run; "
+             "`adamw_foreach` where the fused arm did not run). One column per timing, each from the newest "
+             "run that measured it.", "",
+             "| Method | " + " | ".join(label for label, _, _ in columns) + " |",
+             "|:--|" + "--:|" * len(columns)]
+    methods = tables.sorted_rows([r for _, picked, _ in columns for r in picked])
+    for method in dict.fromkeys(r["method"] for r in methods):
+        cells = []
+        for _, picked, base_method in columns:
+            row = next((r for r in picked if r["method"] == method), None)
+            cells.append("—" if row is None else _cell_text(row, find_baseline_row(row, picked, base_method)))
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def peers_section(frame: pd.DataFrame) -> list[str]:
+    """The newest run with peer arms on this device, at the cell where it measured the most of them:
+    every arm of that cell and run, against the same baseline."""
+    peers = frame[frame["method_family"] == "peer"]
+    if peers.empty:
+        return ["### Peers", "", "_No peer arm was measured on this device._", ""]
+    run = newest_run(peers)
+    in_run = peers[peers["run_id"] == run]
+    keys = ["model", "dtype", "batch", "seq", "timing", "activations"]
+    counts = in_run.groupby(keys, dropna=False).size()
+    key_map = dict(zip(keys, counts.idxmax()))
+    group = frame[(frame["run_id"] == run)]
+    for name, value in key_map.items():
+        group = group[group[name] == value]
+    rows = tables.sorted_rows(records(group))
+    base_method, base_note = choose_baseline(rows)
+    lines = [f"### Peers: {group_title({**key_map, 'run_id': run})}", "", base_note, "",
+             "| Method | Family | Peak GiB | Δ peak | Step ms | Speed-up | Status |", "|:--|:--|--:|--:|--:|--:|:--|"]
+    for row in rows:
+        base = find_baseline_row(row, rows, base_method)
+        is_base = base is row
+        change = "baseline" if is_base else ratios.peak_change(row, base).text
+        speed = "baseline" if is_base else ratios.speedup(row, base).text
+        family, peak = row.get("method_family") or "—", fmt_number(row.get("peak_allocated_gib"))
+        lines.append(f"| `{row['method']}` | {family} | {peak} | {change} | {fmt_ms(row.get('step_ms_median'))} | "
+                     f"{speed} | {as_text(row.get('status'))} |")
+    return lines + [""]
+
+
+def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
+    """FORGE's memory saving / speed-up at every batch x seq measured on this device, of ``model``
+    where it has two or more shapes (else of the model with the most): each shape from the newest
+    run that measured a FORGE arm there, each ratio within that run. The timing with the most shapes
+    is shown (then CUDA graph over eager, lean over hf)."""
+    core = frame[frame["method_family"].isin(CORE_FAMILIES)]
+    forge_ok = core[(core["status"] == "ok") & (core["method_family"] == "forge")]
+
+    def shapes(rows: pd.DataFrame) -> set[tuple[int, int]]:
+        return {(int(b), int(q)) for b, q in zip(rows["batch"], rows["seq"])}
+
+    variants = {(m, t, a): shapes(g) for (m, t, a), g in forge_ok.groupby(["model", "timing", "activations"])}
+    wide = {key: found for key, found in variants.items() if len(found) >= 2}
+    if not wide:
+        return ["### Batch × sequence grid", "", "_No model was measured at two or more batch × seq shapes on this "
+                "device._", ""]
+    preferred = [key for key in wide if key[0] == model] or list(wide)
+    chosen = max(preferred, key=lambda k: (len(wide[k]), k[1] == GRAPH_TIMING, k[2] == "lean", k[0] == model))
+    name, timing, activations = chosen
+    variant = core[(core["model"] == name) & (core["timing"] == timing) & (core["activations"] == activations)]
+    columns = sorted(wide[chosen], key=lambda shape: (shape[0] * shape[1], shape))
+    per_shape: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for batch, seq in columns:
+        at_shape = variant[(variant["batch"] == batch) & (variant["seq"] == seq)]
+        run = newest_run(at_shape[(at_shape["status"] == "ok") & (at_shape["method_family"] == "forge")])
+        per_shape[(batch, seq)] = records(at_shape[at_shape["run_id"] == run])
+    methods = dict.fromkeys(r["method"] for r in tables.sorted_rows([r for rows in per_shape.values() for r in rows])
+                            if r.get("method_family") == "forge")
+    title = group_title({"model": name, "dtype": variant.iloc[0]["dtype"], "timing": timing,
+                         "activations": activations})
+    runs = ", ".join(f"b{b}×s{q} run {run_label(rows[0]['run_id'])}" for (b, q), rows in per_shape.items())
+    lines = [f"### Batch × sequence grid: {title}", "",
+             "FORGE's memory saving (share of the baseline's peak) / speed-up against the baseline of the same "
+             f"run and shape. Each shape from the newest run that measured it: {runs}.", "",
+             "| Method | " + " | ".join(f"b{b}×s{q}" for b, q in columns) + " |", "|:--|" + "--:|" * len(columns)]
+    for method in methods:
+        cells = []
+        for shape in columns:
+            rows = per_shape[shape]
+            row = next((r for r in rows if r["method"] == method), None)
+            if row is None:
+                cells.append("—")
+                continue
+            if as_text(row.get("status")) != "ok":
+                cells.append(as_text(row.get("status")) or "—")
+                continue
+            base_method, _ = choose_baseline(rows)
+            base = find_baseline_row(row, rows, base_method)
+            cells.append(f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}")
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "index.md") -> str:
+    """The whole first page, as Markdown."""
+    ok = int((frame["status"] == "ok").sum())
+    devices = sorted({str(d) for d in frame["device_name"]}, key=lambda d: (device_label(d), d))
+    lines = ["# FORGE benchmark summary", "",
+             f"{len(frame)} rows ({ok} ok) from {results_text}: {frame['run_id'].nunique()} runs on "
+             f"{', '.join(device_label(d) for d in devices)}. Memory in GiB (2^30 bytes), times in ms. "
+             f"Ratios only between rows of one run on one device; {ratios.NOISE_MARK} = inside the step-time "
+             f"noise, ≥ / ≤ = a bound (the two cells ran at SM clocks apart). Every run, table and figure, and the "
+             f"rule for ratios: [{details}]({details}).", ""]
+    for device in devices:
+        on_device = frame[frame["device_name"] == device]
+        lines += [f"## {device_label(device)}" + (f" ({device})" if device_label(device) != device else ""), ""]
+        cell = headline_cell(on_device)
+        if cell is None:
+            lines += ["_No baseline or FORGE row ran ok on this device._", ""]
+        else:
+            lines += headline_section(on_device, cell)
+        lines += peers_section(on_device)
+        lines += grid_section(on_device, cell[0] if cell is not None else "")
+    lines += ["## Details", "", f"[{details}]({details}): the runs and the rule for ratios, every headline "
+              "table and figure, the floor, the grids, model scaling, where memory goes, the hardware "
+              "comparison, fidelity and what did not run.", ""]
+    return "\n".join(lines).rstrip() + "\n"
