@@ -124,7 +124,6 @@ def test_the_sweep_runner_names_the_same_variable():
     assert runner.TUNE_CACHE_ENV == tune_cache.ENV
 
 
-@pytest.mark.xfail(strict=False, reason="forge_bench rearrangement lands separately (cell reads the package names)")
 def test_a_cell_row_names_the_file_its_tiles_came_from(tuning):
     """forge_bench.cell records the tiles and, beside them, the cache file they were read from."""
     from forge_bench import cell

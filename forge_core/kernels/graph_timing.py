@@ -1,7 +1,7 @@
 """Timing a GPU call the way a captured training step pays for it: replays of a CUDA graph.
 
 Why here: the kernel choice (``ws_choice``) times the two fused kernels this way for a capturable
-step, and the kernel benchmark (``forge_bench.kernel_bench``) times every operation this way; both
+step, and the kernel benchmark (``forge-bench kernel``) times every operation this way; both
 must measure the same thing (no host launch cost, no first-call compile).
 """
 from __future__ import annotations
