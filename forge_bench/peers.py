@@ -404,7 +404,7 @@ def build_galore_adamw_rsvd(model: nn.Module, cfg: TrainConfig) -> PeerArm:
 
     galore-torch refreshes each projection with a full SVD of the gradient on step 0 and every
     ``update_proj_gap`` steps; on Llama-3.1-8B that is 224 SVDs of up to 14336 x 4096, minutes of GPU
-    time in one step (more than a device call allows). The steps in between, the ones a timing window
+    time in one step (longer than a whole benchmark cell). The steps in between, the ones a timing window
     after warm-up measures, do the same work whichever SVD made the projection."""
     from galore_torch import galore_projector
 

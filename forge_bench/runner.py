@@ -312,7 +312,7 @@ CHECK_KEYS = ("device_name", "model", "batch", "seq", "dtype", "method", "timing
 
 
 
-TUNE_CACHE_MARK = " (tune cache)"      # forge_core.kernels.fused.describe_tuned_configs' suffix
+TUNE_CACHE_MARK = " (tune cache)"      # forge_core.kernels.describe_tuned_configs' suffix
 
 
 def _tiles(row: Mapping[str, Any]) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 Why: at the H100's 700 W cap every instruction of the epilogue costs step time, and device time is
 scarce; this counts them per weight element on the CPU machine (the local Triton's ptxas and
-nvdisasm), so an instruction diet can be predicted before a device call measures it.
+nvdisasm), so an instruction diet can be predicted before a GPU run measures it.
 
 Use the device's Triton: `make offline-triton` puts triton==3.6.0 (the H100 machine's) in
 `.offline-triton/`, and `PYTHONPATH=.offline-triton python scripts/offline_sass.py ...` compiles with it.

@@ -122,7 +122,7 @@ def test_one_parked_half_frees_the_shared_memory_of_a_256_row_tile():
 
 def test_int8_states_need_slabs_one_block_scale_wide():
     """Named before a compile: halving the slab to 32 columns takes 256x128 int8 tiles off the stack
-    offline (sm_90) but the codec keeps one scale per 64 columns of a row (session 25)."""
+    offline (sm_90) but the codec keeps one scale per 64 columns of a row."""
     narrow = dataclasses.replace(ws_choice.BF16_ONLY[1], slab_n=32, state_stages=4)
     assert config_problem(narrow) is None
     assert "int8 states need 64-column slabs" in config_problem(narrow, state_bytes=1)

@@ -2,7 +2,7 @@
 
 Why a second kernel: the Triton kernel (``tile_kernel``) keeps the accumulator in registers through
 the epilogue, so its tiles stay small (64x128 bf16, 64x64 int8), and small tiles re-read X and dY
-from L2 24-32 B per weight element. Measured on the H100 (docs/kernel_notes.md) those
+from L2 24-32 B per weight element. Measured on the H100 (docs/design.md) those
 re-reads cost 28-63 mJ of a 210-230 mJ gate launch at 512 tokens, and at the 700 W limit joules are
 time. Here the roles are split across warps of one persistent program per SM:
 

@@ -82,7 +82,7 @@ def fits(config: TileConfig, input_bytes: int) -> bool:
     that would spill. Measured on an H100 (Triton 3.6): without a column split every config past 64
     accumulator registers per thread (estimate 256) spilled 400-660 registers and ran 3x slower;
     offline sm_90 compiles (Triton 3.9) put the split configs up to an estimate of 224 (128x256 on
-    8 warps in 4 slabs: 254 registers) spill-free with bf16 states (docs/kernel_notes.md)."""
+    8 warps in 4 slabs: 254 registers) spill-free with bf16 states (docs/design.md)."""
     return (config.shared_memory_bytes(input_bytes) <= SHARED_MEMORY_BYTES
             and epilogue_registers(config) <= MAX_EPILOGUE_REGISTERS)
 
@@ -96,7 +96,7 @@ def _pow2_at_least(value: int) -> int:
 # tiles, 12 B for 128x256), on top of 12 B of state traffic, so large tiles pay; the column split
 # keeps their epilogue in registers, and configs at <= 128 registers let two programs share an SM.
 # 16-warp entries are out: on the H100 (triton 3.6) 128x128 /2 and 128x256 /4 on 16 warps gave
-# wrong weights (8.3 and 6.9 bf16 steps off the reference; docs/kernel_notes.md).
+# wrong weights (8.3 and 6.9 bf16 steps off the reference; docs/decisions.md).
 SHORTLIST = ((64, 64, 64, 4, 1, 4),
              (64, 64, 32, 4, 1, 6),       # int8 at BT 512: four programs per SM under the register cap
              (64, 128, 64, 8, 2, 4),
