@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 
 from . import kernels
 from .dense import DenseWeight, step_dense, steppable_by_kernel
+from .dtensors import local_shard
 from .kernels.device import interpreting
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
@@ -80,6 +81,8 @@ class FusedWeight:
         self.name = name
         self.module: Optional[nn.Linear] = module
         self.weight: nn.Parameter = module.weight
+        self.local_weight: torch.Tensor = local_shard(module.weight)
+        """What the kernel updates: the weight, or its rank's shard when it is a DTensor (tensor parallel)."""
         self.optimizer: Optional["ForgeOptimizer"] = None
         self.group_index = 0
         self.index = 0
@@ -232,6 +235,22 @@ def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochasti
         raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
 
 
+RowBlockUpdate = Callable[[int, int, torch.Tensor, int], None]
+"""A row-block update, called as ``RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index)``."""
+
+
+class DistributedUpdates(Protocol):
+    """``ForgeOptimizer.distributed`` (set by ``forge_core.distributed``, data parallel): takes each fused
+    weight's last micro-batch (whole or in row blocks), reduces it across ranks and updates through
+    ``ForgeOptimizer.apply_gradient``; ``before_step`` runs first in ``step()``."""
+
+    def fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None: ...
+
+    def row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowBlockUpdate: ...
+
+    def before_step(self) -> None: ...
+
+
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -262,10 +281,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.weight, rule, state_dtype)
+            binding.state = ParamState(binding.local_weight, rule, state_dtype)
             if self.accumulate_steps > 1:
-                binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
-                                                 device=binding.weight.device)
+                binding.grad_accum = torch.zeros(binding.local_weight.shape, dtype=torch.float32,
+                                                 device=binding.local_weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
         self._dense: list[DenseWeight] = []
@@ -282,6 +301,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}],
                                                  capturable=self.capturable, **hyperparameters)
         self._steps_taken = 0
+        self.distributed: Optional[DistributedUpdates] = None
+        """Set by ``forge_core.distributed`` (data parallel): it takes each fused weight's last
+        micro-batch (x, dY) instead of the local update, and runs first in ``step()``."""
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
         # Capturable mode: per group, the step count and the kernel scalars on the device, and
         # whether the scalars must be recomputed at the next fused update (host flag).
@@ -402,26 +424,41 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
         if not self._count_backward(binding):
-            din = binding.weight.shape[1]
-            dout = binding.weight.shape[0]
+            dout, din = binding.local_weight.shape
             x2 = x.reshape(-1, din)
             dy2 = grad_output.reshape(-1, dout)
             binding.grad_accum.addmm_(dy2.t().float(), x2.float())
             return
+        if self.distributed is not None:
+            self.distributed.fused_backward(binding, x, grad_output)
+            return
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
+    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
-        return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
+        last = self._count_backward(binding)
+        if last and self.distributed is not None:
+            return self.distributed.row_updates(binding, x)
+        return RowSliceUpdate(binding, x, mode="update" if last else "accumulate")
+
+    def apply_gradient(self, owner: "FusedWeight | DenseWeight", grad: torch.Tensor) -> None:
+        """One update of ``owner``'s weight (its local shard) from its complete gradient ``grad`` (fp32 or
+        the weight's dtype, weight-shaped), at its next step: the kernel's zero-token path, as
+        ``step()`` steps a ``DenseWeight``. ``forge_core.distributed`` calls it with reduced gradients."""
+        weight = owner.local_weight if isinstance(owner, FusedWeight) else owner.weight
+        no_x = weight.new_zeros((0, weight.shape[1]))
+        no_dy = weight.new_zeros((0, weight.shape[0]))
+        with torch.no_grad():
+            self._launch_update(owner, no_x, no_dy, weight, owner.state, grad)
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
         if part is None:
-            weight, state, grad_accum = binding.weight, binding.state, binding.grad_accum
+            weight, state, grad_accum = binding.local_weight, binding.state, binding.grad_accum
         else:
-            weight = binding.weight.detach()[part.r0:part.r1]
+            weight = binding.local_weight.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
@@ -470,7 +507,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        weight = binding.weight
+        weight = binding.local_weight
         no_x = weight.new_zeros((0, weight.shape[1]))
         no_dy = weight.new_zeros((0, weight.shape[0]))
         with torch.no_grad():
@@ -514,6 +551,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     f"fused weight {binding.name!r} has a .grad: something used it outside its ForgeLinear "
                     "(forge_core.unfuse was called, or the model reads the weight directly). Its gradient would "
                     "be ignored; re-fuse the model (the fuse-time probe excludes such weights)")
+        if self.distributed is not None:
+            self.distributed.before_step()
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
@@ -645,4 +684,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["ForgeOptimizer", "FusedWeight", "DenseWeight", "RowSliceUpdate", "resolve_backend", "BACKENDS",
-           "steppable_by_kernel"]
+           "steppable_by_kernel", "DistributedUpdates", "RowBlockUpdate"]
