@@ -171,6 +171,24 @@ class FsdpForgeOptimizer(torch.optim.Optimizer):
         self._steps_taken += 1
         return loss
 
+    def initialize_state(self) -> None:
+        """Create the fallback optimizer's states (torch makes them at its first step) without moving
+        a weight, so that ``state_dict()`` has every tensor for ``torch.distributed.checkpoint.load``
+        to fill in place: call it on a fresh optimizer before loading. The sharded weights' states
+        exist from the start."""
+        if self._fallback.state:
+            return
+        saved_lrs = [group["lr"] for group in self._fallback.param_groups]
+        for parameter in self._torch_params:
+            parameter.grad = torch.zeros_like(parameter)
+        for group in self._fallback.param_groups:
+            group["lr"] = 0.0
+        self._fallback.step()
+        for group, lr in zip(self._fallback.param_groups, saved_lrs):
+            group["lr"] = lr
+        for parameter in self._torch_params:
+            parameter.grad = None
+
     def _parameter_order(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
 
