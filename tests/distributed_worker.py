@@ -27,6 +27,8 @@ VOCAB, DIM, HIDDEN = 11, 8, 24
 BATCH, SEQ = 4, 5
 GATE_STEPS = 20
 SHORT_STEPS = 10
+PLACE = {"device": torch.device("cpu"), "dtype": torch.float32}
+"""Where the models and batches live: the CPU in fp32 under gloo; a rank's GPU in bf16 under NCCL."""
 
 
 class TinyLM(nn.Module):
@@ -40,26 +42,36 @@ class TinyLM(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.emb(ids)
-        hidden = hidden + self.down(torch.relu(self.up(hidden)))
-        return self.head(self.norm(hidden))
+        return self.norm(hidden + self.down(torch.relu(self.up(hidden))))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(ids))
 
 
 def make_model(seed: int = 0) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM().to(PLACE["device"], PLACE["dtype"])
 
 
 def global_batches(steps: int, micro_batches: int = 1, seed: int = 1) -> list[torch.Tensor]:
     """``steps * micro_batches`` global batches of token ids (BATCH x SEQ each)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(steps * micro_batches)]
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(PLACE["device"])
+            for _ in range(steps * micro_batches)]
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids)
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids.roll(1, 1).reshape(-1))
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), ids.roll(1, 1).reshape(-1))
+
+
+def chunked_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``lm_loss`` through the vocab-chunked LM-head loss, 4 vocabulary rows a chunk: a fused head
+    is updated (or, under data parallel, its gradient gathered) row block by row block."""
+    return forge_core.chunked_lm_head_cross_entropy(model.hidden(ids), model.head, ids.roll(1, 1), shift=False,
+                                                   chunk_size=4)
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
@@ -67,7 +79,7 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
     parts = []
     for parameter in model.parameters():
         value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
-        parts.append(value.detach().float().reshape(-1))
+        parts.append(value.detach().float().reshape(-1).cpu())
     return torch.cat(parts)
 
 
@@ -80,11 +92,12 @@ def flat_states(optimizer: torch.optim.Optimizer) -> torch.Tensor:
             value = state[index][key]
             if isinstance(value, torch.Tensor):
                 value = value.to_local() if hasattr(value, "to_local") else value
-                parts.append(value.detach().float().reshape(-1))
+                parts.append(value.detach().float().reshape(-1).cpu())
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
-def single_run(optimizer: str, steps: int, *, micro_batches: int = 1, **fuse_options: Any) -> dict[str, Any]:
+def single_run(optimizer: str, steps: int, *, micro_batches: int = 1, loss_fn: Callable[..., torch.Tensor] = lm_loss,
+               **fuse_options: Any) -> dict[str, Any]:
     """The single-process reference: FORGE on the global batches."""
     model = make_model()
     opt = forge_core.fuse(model, optimizer, probe_inputs=False, accumulate_steps=micro_batches, **fuse_options)
@@ -93,7 +106,7 @@ def single_run(optimizer: str, steps: int, *, micro_batches: int = 1, **fuse_opt
     for step in range(steps):
         total = 0.0
         for micro in range(micro_batches):
-            loss = lm_loss(model, batches[step * micro_batches + micro]) / micro_batches
+            loss = loss_fn(model, batches[step * micro_batches + micro]) / micro_batches
             loss.backward()
             total += float(loss.detach())
         opt.step()
@@ -107,7 +120,8 @@ def single_run(optimizer: str, steps: int, *, micro_batches: int = 1, **fuse_opt
 # ----------------------------------------------------------------------------------------------
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], steps: int,
-           micro_batches: int = 1, split: bool = True, after_backward: Callable[[], None] | None = None) -> list[float]:
+           micro_batches: int = 1, split: bool = True, after_backward: Callable[[], None] | None = None,
+           loss_fn: Callable[..., torch.Tensor] = lm_loss) -> list[float]:
     """Steps on the global batches; with ``split`` each rank takes its rows. Returns the global batches'
     losses (the ranks' mean, gathered once at the end: one collective fewer per step)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,7 +131,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Ten
         for micro in range(micro_batches):
             ids = batches[step * micro_batches + micro]
             local = ids.chunk(world)[rank] if split else ids
-            loss = lm_loss(model, local) / micro_batches
+            loss = loss_fn(model, local) / micro_batches
             loss.backward()
             total += float(loss.detach())
         if after_backward is not None:
@@ -127,18 +141,19 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Ten
         losses.append(total)
     if not split:
         return losses
-    summed = torch.tensor(losses, dtype=torch.float64)
+    summed = torch.tensor(losses, dtype=torch.float64, device=PLACE["device"])
     dist.all_reduce(summed)
     return (summed / world).tolist()
 
 
-def scenario_dp_adamw(out: dict[str, Any], backend: str = "reference", steps: int = GATE_STEPS, **options: Any) -> None:
+def scenario_dp_adamw(out: dict[str, Any], backend: str = "reference", steps: int = GATE_STEPS,
+                      loss_fn: Callable[..., torch.Tensor] = lm_loss, **options: Any) -> None:
     from forge_core.distributed import fuse_data_parallel
     model = make_model(seed=0 if dist.get_rank() == 0 else 7)      # rank 0's weights are broadcast
     opt = fuse_data_parallel(model, "adamw", lr=1e-2, weight_decay=0.1, probe_inputs=False, backend=backend,
                              **options)
     out["row_embeddings"] = opt.row_gradient_names()
-    out["losses"] = _train(model, opt, global_batches(steps), steps)
+    out["losses"] = _train(model, opt, global_batches(steps), steps, loss_fn=loss_fn)
     out["params"] = flat_parameters(model)
     out["states"] = flat_states(opt)
     out["reductions"] = opt.distributed.reductions_started
@@ -237,7 +252,7 @@ def scenario_fsdp_checkpoint(out: dict[str, Any], folder: Path) -> None:
 def _tensor_parallel_model() -> tuple[TinyLM, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(PLACE["device"].type, (dist.get_world_size(),))
     model = make_model()
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model, mesh
@@ -296,6 +311,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
     "dp_adamw": scenario_dp_adamw,
     "dp_adamw_buckets": lambda out: scenario_dp_adamw(out, steps=4, bucket_cap_mb=400 / 2**20, buckets_in_flight=1),
     "dp_adamw_kernel": lambda out: scenario_dp_adamw(out, backend="auto", steps=3),
+    "dp_chunked_loss": lambda out: scenario_dp_adamw(out, steps=4, loss_fn=chunked_loss),
     "dp_accumulate": scenario_dp_accumulate,
     "dp_sgd": scenario_dp_sgd,
     "dp_sgd_kernel_accumulate": lambda out: scenario_dp_sgd(out, backend="auto", steps=3, micro_batches=2),
@@ -306,14 +322,34 @@ SCENARIOS: dict[str, Callable[..., None]] = {
     "tp": scenario_tp,
     "tp_kernel": lambda out, folder: scenario_tp(out, folder, backend="auto", steps=3),
     "refusals": scenario_refusals,
+    # the gates on GPUs (NCCL, bf16 weights, the Triton kernels): tests/test_distributed.py's gpu test
+    "gpu_dp_adamw": lambda out: scenario_dp_adamw(out, backend="auto"),
+    "gpu_dp_sgd": lambda out: scenario_dp_sgd(out, backend="auto", steps=GATE_STEPS),
+    "gpu_fsdp": lambda out: scenario_fsdp(out, backend="auto", state_dtype="bf16"),
+    "gpu_tp": lambda out, folder: scenario_tp(out, folder, backend="auto", steps=GATE_STEPS),
 }
-NEEDS_FOLDER = {"dp_state_dict", "fsdp_checkpoint", "tp", "tp_kernel"}
+NEEDS_FOLDER = {"dp_state_dict", "fsdp_checkpoint", "tp", "tp_kernel", "gpu_tp"}
+CPU_SCENARIOS = [name for name in SCENARIOS if not name.startswith("gpu_")]
+GPU_SCENARIOS = [name for name in SCENARIOS if name.startswith("gpu_")]
 
 
-def run_rank(rank: int, world_size: int, store: str, folder: str, names: list[str]) -> None:
-    """One rank: every scenario in ``names``; a failure is written as that scenario's ``error``."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=180))
+def place(device_type: str, dtype: torch.dtype, rank: int = 0) -> None:
+    """Put the models and batches of this process on ``device_type`` (a CUDA rank: its own GPU)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        PLACE["device"] = torch.device("cuda", rank)
+    else:
+        PLACE["device"] = torch.device("cpu")
+    PLACE["dtype"] = dtype
+
+
+def run_rank(rank: int, world_size: int, store: str, folder: str, names: list[str], device_type: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> None:
+    """One rank: every scenario in ``names``; a failure is written as that scenario's ``error``.
+    gloo on the CPU, NCCL with one GPU per rank."""
+    place(device_type, dtype, rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=180))
     try:
         for name in names:
             out: dict[str, Any] = {}
