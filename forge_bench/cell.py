@@ -483,6 +483,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         results.write_row(out_dir, _finish(row, t_start, extra))
         return 0
 
+    row["torch_threads"] = torch.get_num_threads()
     try:
         predicted = oom_prediction(cell, method, device)
         if predicted:
@@ -570,12 +571,24 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def run_cell_process(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
+def pin_cpu_threads(suite: Suite, threads: int | None = None) -> None:
+    """On a CPU suite, run torch on ``threads`` threads (None: the suite's ``cpu_threads``, default 1).
+    Why: torch takes every core by default, and on a shared 2-core machine a tiny-Llama step took
+    48 ms with 2 threads against 9.6 ms with 1 (CPU step times moved up to 36x between runs); one
+    thread makes a CPU cell's time depend far less on what else the machine runs."""
+    if suite.spec.device_type == "cpu":
+        torch.set_num_threads(threads or suite.spec.cpu_threads)
+
+
+def run_cell_process(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1,
+                     threads: int | None = None) -> int:
     """``run_cell`` in a process that runs this one cell: the peer packages other arms use are hidden
     first (``peer_probes.hide_peer_packages_except``: transformers would import torchao for every
-    model otherwise). Never call it in a process that goes on to build other arms."""
+    model otherwise) and a CPU cell's torch threads pinned (``pin_cpu_threads``). Never call it in a
+    process that goes on to build other arms."""
     method = methods_mod.METHODS.get(cell.method)
     hide_peer_packages_except(method.requires if method is not None else ())
+    pin_cpu_threads(suite, threads)
     return run_cell(suite, cell, out_dir, run_id, attempt)
 
 
@@ -587,12 +600,14 @@ def main(
     attempt: Annotated[int, typer.Option(help="attempt number (OOM retry)")] = 1,
     parent_pid: Annotated[Optional[int],
                           typer.Option(help="die with this process (the sweep): set by the runner")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads on a CPU device "
+                                                               "(default: the suite's cpu_threads)")] = None,
 ) -> None:
     """Run one cell of a suite in this process and write its row: the sweep's per-cell child."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     loaded = load_suite(suite)
-    raise typer.Exit(run_cell_process(loaded, loaded.cell(cell_id), out, run_id, attempt))
+    raise typer.Exit(run_cell_process(loaded, loaded.cell(cell_id), out, run_id, attempt, threads))
 
 
 if __name__ == "__main__":

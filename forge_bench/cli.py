@@ -35,6 +35,17 @@ EXIT_BAD_INPUT = 2
 EXIT_CHECK_FAILED = 1
 
 
+def flag(*names: str, help: str) -> Any:
+    """A boolean option that is a flag: given or not, it takes no value (``--resume``, never
+    ``--resume true``), and the help shows no ``<bool>`` type for it."""
+    return typer.Option(*names, help=help, metavar="")
+
+
+# what a user may write after a flag, taking it for an option with a value (`--resume true`)
+BOOLEAN_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+SWEEP_FLAGS = "--resume, --retry-failed, --dry-run and --allow-mixed"
+
+
 def _fail(message: str) -> typer.Exit:
     err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
     return typer.Exit(EXIT_BAD_INPUT)
@@ -86,21 +97,27 @@ def _summary_table(outcomes, title: str) -> Table:
 def sweep(
     suite: Annotated[Optional[Path], typer.Argument(help="suite YAML; default: the CPU smoke suite shipped in the package")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="results folder (default results/<suite name>)")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="run only the cells that have no row yet, under the same run id")] = False,
+    resume: Annotated[bool, flag("--resume", help="run only the cells that have no readable row yet, under the same run id (a row file that does not read is moved aside to <file>.corrupt and its cell runs again)")] = False,
+    retry_failed: Annotated[bool, flag("--retry-failed", help="as --resume, and also run again the cells whose row is crashed, timeout or oom, replacing those rows")] = False,
     only: Annotated[Optional[str], typer.Option("--only", help="comma-separated patterns on grid/model/bB/sS/method labels; a plain word matches a substring, e.g. 'headline' or '*/b1/s512/forge_*'")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the cells and what would happen, run nothing, write nothing")] = False,
+    dry_run: Annotated[bool, flag("--dry-run", help="list the cells and what would happen, run nothing, write nothing")] = False,
     check: Annotated[Optional[Path], typer.Option("--check", help="baseline parquet (file or folder): exit 1 when a FORGE arm's median step time regresses by more than --tolerance vs its rows of the same device, model, shape and method")] = None,
     tolerance: Annotated[float, typer.Option("--tolerance", help="allowed slow-down for --check, as a fraction", min=0.0)] = 0.10,
     eager_tolerance: Annotated[Optional[float], typer.Option("--eager-tolerance", help="allowed slow-down for --check of rows not timed as CUDA-graph replays (host-bound eager steps vary more between processes); default: --tolerance", min=0.0)] = None,
-    allow_mixed: Annotated[bool, typer.Option("--allow-mixed", help="allow a different suite's rows in the same --out")] = False,
+    allow_mixed: Annotated[bool, flag("--allow-mixed", help="allow a different suite's rows in the same --out")] = False,
     stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="seconds: start no new cell after this long (a time-boxed GPU); finish later with --resume", min=0.0)] = None,
     tune_cache: Annotated[Optional[str], typer.Option("--tune-cache", help="file where the cells share the fused kernel's tile choices (default: OUT/tune_cache.json, or an exported FORGE_TUNE_CACHE); 'off': every cell tunes on its own")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads of each CPU cell (default: the suite's cpu_threads, 1); recorded in each row's torch_threads")] = None,
 ) -> None:
     """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
     from forge_bench import results as results_mod
     from forge_bench import runner
     from forge_bench.suite import load_suite
 
+    if suite is not None and suite.name.lower() in BOOLEAN_WORDS and not suite.exists():
+        raise _fail(f"{suite}: no such suite file; {SWEEP_FLAGS} are flags and take no value "
+                    f"(write --resume, not --resume {suite})")
+    resume = resume or retry_failed
     try:
         loaded = load_suite(suite)
         cells = loaded.select(only)
@@ -109,8 +126,9 @@ def sweep(
                         f"(labels look like {loaded.cells[0].label!r})")
         out_dir = out or Path("results") / loaded.name
         baseline = results_mod.load_results(check) if check is not None else None
-        plan = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed)
+        plan = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed, retry_failed=retry_failed)
         run_id, _manifest, done = plan
+        unreadable = results_mod.scan_rows(out_dir).unreadable
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
 
@@ -119,8 +137,15 @@ def sweep(
                       f"{len(loaded.cells)} cells selected, {len(cells) - len(todo)} already done; "
                       f"out {out_dir}; run {run_id}", highlight=False)
     if dry_run:
+        for path, why in unreadable.items():
+            err_console.print(f"{path}: {why}; a run moves it to {path.name}{results_mod.CORRUPT_SUFFIX} "
+                              f"and runs its cell again", highlight=False, soft_wrap=True)
         _print_plan(loaded, cells, done)
         return
+
+    def on_set_aside(path: Path, moved: Path, why: str) -> None:
+        err_console.print(f"[yellow]{path}[/]: {why}; moved to {moved.name}, its cell runs again",
+                          highlight=False, soft_wrap=True)
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console,
@@ -142,7 +167,8 @@ def sweep(
             run_id, outcomes = runner.run_sweep(loaded, cells, out_dir, resume=resume, allow_mixed=allow_mixed,
                                                 on_start=on_start, on_done=on_done, tick=progress.refresh,
                                                 plan=plan, stop_after_s=stop_after,
-                                                tune_cache=runner.default_tune_cache(out_dir, tune_cache))
+                                                tune_cache=runner.default_tune_cache(out_dir, tune_cache),
+                                                retry_failed=retry_failed, threads=threads, on_set_aside=on_set_aside)
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")
@@ -194,6 +220,7 @@ def cell(
     out: Annotated[Path, typer.Option("--out", "-o", help="results folder")],
     run_id: Annotated[str, typer.Option("--run-id", help="run id to record")] = "manual",
     attempt: Annotated[int, typer.Option("--attempt", help="attempt number (OOM retry)")] = 1,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads on a CPU device (default: the suite's cpu_threads, 1)")] = None,
 ) -> None:
     """(internal) Run ONE cell in this process and write its row, as the sweep's per-cell process does."""
     from forge_bench.cell import run_cell_process
@@ -204,7 +231,7 @@ def cell(
         target = loaded.cell(cell_id)
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
-    raise typer.Exit(run_cell_process(loaded, target, out, run_id, attempt))
+    raise typer.Exit(run_cell_process(loaded, target, out, run_id, attempt, threads))
 
 
 @app.command("list")
@@ -299,7 +326,7 @@ def report(
 @app.command()
 def kernel(
     out: Annotated[Path, typer.Option("--out", "-o", help="results folder for the kernel benchmark")] = Path("results/kernel"),
-    quick: Annotated[bool, typer.Option("--quick", help="a few shapes and token counts only (CI)")] = False,
+    quick: Annotated[bool, flag("--quick", help="a few shapes and token counts only (CI)")] = False,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="comma-separated Llama-3.1-8B Linear names (q,k,v,o,gate,up,down,lm_head)")] = None,
     bts: Annotated[Optional[str], typer.Option("--bts", help="comma-separated token counts (batch x seq), e.g. 512,2048,8192")] = None,
     state_dtypes: Annotated[Optional[str], typer.Option("--state-dtypes", help="comma-separated: fp32,bf16,int8")] = None,

@@ -17,14 +17,14 @@ every Linear shape of the full model is present) with fewer layers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# the registry (names, sources, families) is torch-free, for the report: forge_bench/zoo.py
+from forge_bench.zoo import MODEL_ZOO, ModelSpec
+
 ATTN_IMPLEMENTATION = "sdpa"
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -34,33 +34,6 @@ DTYPES: dict[str, torch.dtype] = {
 _DROPOUT_KEYS = ("attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout",
                  "attention_dropout", "hidden_dropout", "dropout")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A zoo entry: which config file and which public model it mirrors."""
-    name: str
-    source: str          # the public model whose config values the file holds
-    description: str
-
-    @property
-    def config_path(self) -> Path:
-        return CONFIG_DIR / f"{self.name}.json"
-
-
-MODEL_ZOO: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "Llama 3.2 1B (tied embeddings)"),
-        ModelSpec("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "Llama 3.2 3B (tied embeddings)"),
-        ModelSpec("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "Llama 3.1 8B: the paper's headline model"),
-        ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen 2.5 7B (q/k/v biases)"),
-        ModelSpec("mistral-7b", "mistralai/Mistral-7B-v0.3", "Mistral 7B v0.3 (32768 vocab, no sliding window)"),
-        ModelSpec("gpt2-xl", "openai-community/gpt2-xl", "GPT-2 XL 1.5B (Conv1D layers, tied embeddings)"),
-        ModelSpec("tiny-llama", "-", "2-layer Llama with 128-wide hidden: CPU smoke and tests"),
-        ModelSpec("tiny-gpt2", "-", "2-layer GPT-2 with 128-wide hidden, tied embeddings: CPU smoke and tests"),
-    )
-}
 
 
 class ModelError(ValueError):

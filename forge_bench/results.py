@@ -6,6 +6,11 @@ A ``kill -9`` at any moment therefore leaves every finished row readable and no 
 under a ``*.parquet`` name; ``--resume`` skips the cell ids already present, so no row is lost
 or duplicated. ``load_results`` concatenates every row under a folder (recursively).
 
+A row file that does not read as parquet (truncated or overwritten by something else) is never
+taken for a finished cell: ``scan_rows`` reports it, the sweep moves it aside to
+``<cell_id>.parquet.corrupt`` (``set_aside``; nothing is deleted) and runs its cell again, and
+``load_table`` names it (and skips it, for the report).
+
 Schema history (``schema_version``):
   1: first version.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -112,6 +118,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("started_at", _S, "UTC ISO time the cell started"),
     ("finished_at", _S, "UTC ISO time the row was written"),
     ("wall_s", _F, "seconds the cell took, process start to row"),
+    ("torch_threads", _I, "torch.get_num_threads() in the cell process: a CPU cell pins it (the suite's "
+                          "cpu_threads, default 1, or sweep --threads), since CPU step times move with it"),
     ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
                   "kernel_configs (the fused kernel's tile per weight shape; '(tune cache)' when chosen by an earlier cell), tune_cache (that file), cuda_alloc_conf, memory_breakdown_bytes, "
                   "host_return_ms_median, energy_j_per_step and power_w_mean (NVML energy counter over the timed window), floor_terms, parity_rms_rel_global / parity_worst_param, "
@@ -169,7 +177,7 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
 
 
 # columns of schema v1 that some stored rows lack: they read as null there
-LATER_COLUMNS = ("activations",)
+LATER_COLUMNS = ("activations", "torch_threads")
 
 
 def iter_result_files(path: str | os.PathLike) -> list[Path]:
@@ -179,12 +187,23 @@ def iter_result_files(path: str | os.PathLike) -> list[Path]:
     return sorted(p for p in path.rglob("*.parquet") if not p.name.startswith(".tmp-"))
 
 
+def read_parquet(path: Path) -> pa.Table:
+    """The table in ``path``; ResultsError (one line naming the file) when it is not readable
+    parquet: truncated by a full disk or a copy cut short, or not parquet at all."""
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ResultsError(f"{path}: not a readable parquet file ({first[:200]})") from None
+
+
 def load_table(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] | None = None) -> pa.Table:
     """Every row under ``path`` (a folder, searched recursively, or one parquet file).
 
-    A parquet file of another kind (e.g. the kernel benchmark's) is a ResultsError, unless
-    ``on_foreign`` is given: then it is called with the file and why, and the file is skipped (a
-    results folder may hold both kinds; ``forge-bench report`` names and skips the others)."""
+    A parquet file of another kind (e.g. the kernel benchmark's) or one that does not read as
+    parquet at all is a ResultsError, unless ``on_foreign`` is given: then it is called with the
+    file and why, and the file is skipped (a results folder may hold both kinds; ``forge-bench
+    report`` names and skips the others)."""
     path = Path(path)
     if not path.exists():
         raise ResultsError(f"{path}: no such file or folder")
@@ -193,7 +212,13 @@ def load_table(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] 
         raise ResultsError(f"{path}: no parquet result files found")
     tables = []
     for f in files:
-        t = pq.read_table(f)
+        try:
+            t = read_parquet(f)
+        except ResultsError as exc:
+            if on_foreign is None:
+                raise
+            on_foreign(f, str(exc).removeprefix(f"{f}: "))
+            continue
         for name in LATER_COLUMNS:
             if name not in t.column_names:   # a row without the column: null there
                 t = t.append_column(name, pa.nulls(t.num_rows, SCHEMA.field(name).type))
@@ -221,12 +246,51 @@ def load_results(path: str | os.PathLike, on_foreign: Callable[[Path, str], None
     return load_table(path, on_foreign).to_pandas()
 
 
-def completed_cell_ids(results_dir: str | os.PathLike) -> set[str]:
-    """Cell ids that already have a row (what ``--resume`` skips)."""
+CORRUPT_SUFFIX = ".corrupt"
+
+
+@dataclass
+class RowScan:
+    """What a results folder's row files say: each readable file's cell id and status (None for a
+    parquet file without one), and each unreadable file with why."""
+    statuses: dict[str, str | None] = field(default_factory=dict)
+    unreadable: dict[Path, str] = field(default_factory=dict)
+
+
+def scan_rows(results_dir: str | os.PathLike) -> RowScan:
+    """Read every ``<cell_id>.parquet`` directly in ``results_dir`` (each is one small row)."""
+    scan = RowScan()
     results_dir = Path(results_dir)
-    if not results_dir.exists():
-        return set()
-    return {p.stem for p in results_dir.glob("*.parquet") if not p.name.startswith(".tmp-")}
+    if not results_dir.is_dir():
+        return scan
+    for path in sorted(results_dir.glob("*.parquet")):
+        if path.name.startswith(".tmp-"):
+            continue
+        try:
+            table = read_parquet(path)
+        except ResultsError as exc:
+            scan.unreadable[path] = str(exc).removeprefix(f"{path}: ")
+            continue
+        status = table.column("status")[0].as_py() if "status" in table.column_names and table.num_rows else None
+        scan.statuses[path.stem] = status
+    return scan
+
+
+def completed_cell_ids(results_dir: str | os.PathLike) -> set[str]:
+    """Cell ids that already have a readable row (what ``--resume`` skips)."""
+    return set(scan_rows(results_dir).statuses)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable row file to ``<name>.corrupt`` (``.corrupt.1``, ... when taken), out of
+    every reader's way, and return the new path: the user's bytes are kept, never deleted."""
+    target = path.with_name(path.name + CORRUPT_SUFFIX)
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{CORRUPT_SUFFIX}.{n}")
+    os.replace(path, target)
+    return target
 
 
 def schema_markdown() -> str:

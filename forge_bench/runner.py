@@ -10,8 +10,11 @@ Every cell ends in exactly one row whatever happens to its process: the cell wri
 ``parity_fail``, ``diverged``, ``unavailable``, ``oom_predicted`` or ``oom`` itself; this module
 writes ``timeout`` (killed at the cell's ``timeout_s``: the grid's, else the suite's) and ``crashed`` (the process died
 without a row; the row keeps its stderr tail). ``--resume`` skips cell ids that already have a
-row, so a ``kill -9`` of the sweep loses no written row and duplicates none. The cell process
-dies with the sweep (Linux parent-death signal), so a killed sweep leaves nothing running.
+readable row, so a ``kill -9`` of the sweep loses no written row and duplicates none; a row file
+that does not read is moved aside (``<cell_id>.parquet.corrupt``) and its cell runs again.
+``--retry-failed`` also runs again the cells whose row says ``crashed``, ``timeout`` or ``oom``,
+under the same run id, replacing those rows. The cell process dies with the sweep (Linux
+parent-death signal), so a killed sweep leaves nothing running.
 """
 from __future__ import annotations
 
@@ -77,21 +80,31 @@ def new_run_id(suite: Suite) -> str:
     return f"{stamp}-{suite.name}-{secrets.token_hex(3)}"
 
 
-def plan_run(out_dir: Path, suite: Suite, *, resume: bool, allow_mixed: bool) -> tuple[str, dict[str, Any] | None, set[str]]:
+# the statuses --retry-failed runs again: the cell's process died, hung or ran out of memory, all of
+# which a second try on a quieter machine can change (a parity failure or an unavailable arm cannot)
+RETRY_STATUSES = ("crashed", "timeout", "oom")
+
+
+def plan_run(out_dir: Path, suite: Suite, *, resume: bool, allow_mixed: bool,
+             retry_failed: bool = False) -> tuple[str, dict[str, Any] | None, set[str]]:
     """Decide the run id without writing: (run_id, manifest to write or None, cell ids already done).
 
     Refuses (``RunnerError``) to add a different suite to a folder unless ``allow_mixed``, and
-    to start over a folder that already holds rows of this suite unless ``resume``.
+    to start over a folder that already holds rows of this suite unless ``resume`` (or
+    ``retry_failed``, which resumes and also counts rows of a ``RETRY_STATUSES`` status as not done).
+    A row file that does not read is never done (``run_sweep`` sets it aside).
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise RunnerError(f"{out_dir}: --out exists and is not a folder")
+    resume = resume or retry_failed
     manifest = read_manifest(out_dir)
-    done = results.completed_cell_ids(out_dir)
+    statuses = results.scan_rows(out_dir).statuses
+    done = {cell_id for cell_id, status in statuses.items() if not (retry_failed and status in RETRY_STATUSES)}
     suite_ids = {c.cell_id for c in suite.cells}
     if manifest is None:
-        if done:
-            raise RunnerError(f"{out_dir}: holds {len(done)} result rows but no {MANIFEST}; use an empty --out")
+        if statuses:
+            raise RunnerError(f"{out_dir}: holds {len(statuses)} result rows but no {MANIFEST}; use an empty --out")
         run_id = new_run_id(suite)
         manifest = {"format": 1, "runs": [_run_entry(suite, run_id)]}
         return run_id, manifest, set()
@@ -182,14 +195,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, timeout_s: float,
-               tick: Callable[[], None] | None = None, tune_cache: str | None = None) -> tuple[int | None, Path]:
-    """Run the cell process; returns (exit code or None when killed at the timeout, stderr file)."""
+               tick: Callable[[], None] | None = None, tune_cache: str | None = None,
+               threads: int | None = None) -> tuple[int | None, Path]:
+    """Run the cell process; returns (exit code or None when killed at the timeout, stderr file).
+    ``threads``: the CPU cell's torch threads (None: the suite's ``cpu_threads``)."""
     log_dir = out_dir / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path = log_dir / f"{cell.cell_id}.attempt{attempt}.out"
     err_path = log_dir / f"{cell.cell_id}.attempt{attempt}.err"
     cmd = [sys.executable, "-m", "forge_bench.cell", "--suite", str(suite.path), "--cell-id", cell.cell_id,
            "--out", str(out_dir), "--run-id", run_id, "--attempt", str(attempt), "--parent-pid", str(os.getpid())]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
         proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell, tune_cache),
                                 cwd=os.getcwd(), start_new_session=True)
@@ -224,7 +241,7 @@ def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str
 
 
 def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
-            tune_cache: str | None = None) -> dict[str, Any]:
+            tune_cache: str | None = None, threads: int | None = None) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
     method = methods_mod.METHODS.get(cell.method)
     if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph) is not None:
@@ -232,7 +249,7 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick, tune_cache)
+        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick, tune_cache, threads)
         if rc is None:
             row = _runner_row(suite, cell, run_id, attempt, "timeout",
                               f"killed after the per-cell timeout of {cell.timeout_s:g} s",
@@ -258,7 +275,9 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               on_done: Callable[[CellOutcome], None] | None = None,
               tick: Callable[[], None] | None = None,
               plan: tuple[str, dict[str, Any] | None, set[str]] | None = None,
-              stop_after_s: float | None = None, tune_cache: str | None = None) -> tuple[str, list[CellOutcome]]:
+              stop_after_s: float | None = None, tune_cache: str | None = None,
+              retry_failed: bool = False, threads: int | None = None,
+              on_set_aside: Callable[[Path, Path, str], None] | None = None) -> tuple[str, list[CellOutcome]]:
     """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
 
     ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
@@ -266,12 +285,21 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
     seconds have passed (a time-boxed machine); the cells left have no row, and ``--resume`` runs
     them later under the same run id. Outcomes are returned for the cells that ran or were done.
     ``tune_cache``: the cells' FORGE_TUNE_CACHE (``default_tune_cache``); None leaves it as inherited.
+    ``retry_failed``: as ``plan_run``'s; a cell run again loses its old row first, so that the row
+    read after its process is the new one. ``threads``: the CPU cells' torch threads (None: the
+    suite's). Every row file that does not read is moved aside first (``results.set_aside``) and
+    reported to ``on_set_aside(file, moved_to, why)``: its cell is not done and runs again.
     """
     out_dir = Path(out_dir)
-    run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed)
+    run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed,
+                                              retry_failed=retry_failed)
     out_dir.mkdir(parents=True, exist_ok=True)
     if manifest is not None:
         _write_manifest(out_dir, manifest)
+    for path, why in results.scan_rows(out_dir).unreadable.items():
+        moved = results.set_aside(path)
+        if on_set_aside:
+            on_set_aside(path, moved, why)
     outcomes: list[CellOutcome] = []
     started = time.monotonic()
     for index, cell in enumerate(cells):
@@ -279,12 +307,13 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
                 and time.monotonic() - started >= stop_after_s):
             break
         if cell.cell_id in done:
-            outcome = CellOutcome(cell, (_load_row(out_dir, cell.cell_id) or {}).get("status", "?"),
-                                  _load_row(out_dir, cell.cell_id) or {}, skipped=True)
+            kept = _load_row(out_dir, cell.cell_id) or {}
+            outcome = CellOutcome(cell, kept.get("status", "?"), kept, skipped=True)
         else:
             if on_start:
                 on_start(cell, index, len(cells))
-            row = run_one(suite, cell, out_dir, run_id, tick, tune_cache)
+            results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
+            row = run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads)
             outcome = CellOutcome(cell, row.get("status", "?"), row)
         outcomes.append(outcome)
         if on_done:

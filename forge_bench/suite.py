@@ -6,7 +6,10 @@ hyper-parameters). A file with top-level ``models/batch/seq/methods`` and no ``g
 grid named ``main``. Grids let a suite name its headline cell so ``--only headline`` runs it
 alone. A cell that two grids share runs once (the first grid's name is its label).
 
-Errors are one line: ``<file>: <field>: <what was expected>``.
+Types are strict: a number field takes a YAML number and nothing else (``batch: [true]`` or
+``seq: ["16"]`` is an error naming the field, not 1 or 16), a duplicate key is an error naming it
+and its lines, and ``name`` is a safe file name (it becomes the default results folder and part of
+the run id). Errors are one line: ``<file>: <field>: <what was expected>``.
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, ValidationError, field_validator,
+                      model_validator)
 
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
@@ -33,13 +37,19 @@ class SuiteError(ValueError):
     """A suite file that cannot be used; the message is one line naming file and field."""
 
 
+# A suite name becomes the default results folder and part of every run id: a plain file name.
+SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    # strict: YAML's `true` or "16" where a number belongs is an error, never 1 or 16
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class OptimizerSettings(_Strict):
     lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    # YAML has no tuple: the list is accepted as the pair, its items stay strict numbers
+    betas: Annotated[tuple[StrictFloat, StrictFloat], Field(strict=False)] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     momentum: float = Field(0.9, ge=0, lt=1)
@@ -119,8 +129,17 @@ class Grid(_Strict):
         return self
 
 
+def check_safe_name(name: str) -> str:
+    """``name`` when it is a safe file name (letters, digits, ``-``, ``_``, ``.``; not ``.``-only
+    or holding ``..``), else ValueError saying what is allowed."""
+    if not SAFE_NAME.fullmatch(name) or ".." in name or set(name) == {"."}:
+        raise ValueError(f"expected a plain file name (letters, digits, '-', '_', '.'; no '/' or '..'), got {name!r}")
+    return name
+
+
 class SuiteSpec(_Strict):
-    name: str | None = None
+    name: str | None = Field(None, description="default results folder results/<name> and part of the run id; "
+                                              "default: the file's stem")
     description: str = ""
     device: str = Field("cuda", pattern=r"^(cpu|cuda(:\d+)?)$")
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
@@ -128,6 +147,8 @@ class SuiteSpec(_Strict):
     timed_steps: int = Field(20, ge=1)
     repeats: int = Field(3, ge=1)
     timeout_s: float = Field(900.0, gt=0, description="per-cell wall-clock limit, process start to row")
+    cpu_threads: int = Field(1, ge=1, description="torch threads of each cell process on a CPU device "
+                                                 "(torch.set_num_threads; `sweep --threads` overrides it)")
     seed: int = 0
     optimizer: OptimizerSettings = OptimizerSettings()
     parity: ParitySettings = ParitySettings()
@@ -137,6 +158,11 @@ class SuiteSpec(_Strict):
     batch: list[int] | None = None
     seq: list[int] | None = None
     methods: list[str] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str | None) -> str | None:
+        return None if name is None else check_safe_name(name)
 
     @model_validator(mode="before")
     @classmethod
@@ -282,6 +308,29 @@ def _format_validation_error(path: Path, err: ValidationError, shorthand: bool) 
     return f"{path}: " + "; ".join(parts) + more
 
 
+class SuiteLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (plain PyYAML keeps the
+    last silently) and reads ``1e-3`` as a number, as YAML 1.2 does (YAML 1.1 makes it a string,
+    which the strict number fields would refuse)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+SuiteLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def load_suite(path: str | Path | None = None) -> Suite:
     """Parse and validate a suite file (None: the smoke suite shipped in the package)."""
     methods_mod.load_plugins()
@@ -291,7 +340,7 @@ def load_suite(path: str | Path | None = None) -> Suite:
     except OSError as exc:
         raise SuiteError(f"{path}: cannot read suite file: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(raw)
+        data = yaml.load(raw, Loader=SuiteLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -304,5 +353,5 @@ def load_suite(path: str | Path | None = None) -> Suite:
     except ValidationError as exc:
         raise SuiteError(_format_validation_error(path, exc, shorthand="grids" not in data)) from None
     sha = hashlib.sha256(raw).hexdigest()[:16]
-    name = spec.name or path.stem
+    name = spec.name or _safe(path.stem)
     return Suite(path=path.resolve(), name=name, sha256=sha, spec=spec, cells=expand(spec, sha))

@@ -118,6 +118,83 @@ def test_report_skips_a_parquet_of_another_kind_in_one_line(tmp_path):
     assert res.exit_code == 2 and "no forge-bench v1 result files" in res.stderr
 
 
+def test_report_names_and_skips_a_row_file_that_is_not_parquet(tmp_path):
+    """A truncated or garbage .parquet among the rows: one line naming it on stderr, the report of the others."""
+    import shutil
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    rows = tmp_path / "rows"
+    shutil.copytree(fixtures / "smoke", rows)
+    victim = sorted(rows.glob("*.parquet"))[0]
+    victim.write_bytes(victim.read_bytes()[:200])
+    (rows / "garbage.parquet").write_bytes(b"not parquet at all")
+    res = cli.invoke(app, ["report", str(rows), "-o", str(tmp_path / "r"), "--formats", "png"])
+    assert res.exit_code == 0, res.output
+    lines = res.stderr.strip().splitlines()
+    assert [line.split(": not a readable parquet file (")[0] for line in lines] == [
+        f"forge-bench report: skipping {rows / 'garbage.parquet'}", f"forge-bench report: skipping {victim}"]
+    assert f"from {len(list(fixtures.joinpath('smoke').glob('*.parquet'))) - 1} rows" in (tmp_path / "r" / "index.md").read_text()
+
+
+def test_report_out_on_a_file_or_a_folder_of_something_else_is_one_line_exit_2(tmp_path):
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(taken)])
+    assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0
+    assert f"{taken}: exists and is not a folder" in " ".join(res.stderr.split())
+    assert taken.read_text() == "mine"
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(tmp_path)])
+    assert res.exit_code == 2 and "not a report folder (it holds notes.txt" in " ".join(res.stderr.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "nothing written beside the user's file"
+
+
+@pytest.mark.parametrize("command", [["sweep"], ["kernel"]])
+def test_boolean_options_are_flags_without_a_value_in_the_help(command):
+    res = cli.invoke(app, [*command, "--help"])
+    assert res.exit_code == 0
+
+    def option_line(name: str) -> str:
+        [line] = [line for line in res.output.splitlines() if line.lstrip("│ ").startswith(f"{name} ")]
+        return line
+
+    flags = {"sweep": ("--resume", "--retry-failed", "--dry-run", "--allow-mixed"), "kernel": ("--quick",)}[command[0]]
+    for name in flags:
+        assert "bool" not in option_line(name), option_line(name)
+    if command == ["sweep"]:
+        assert "<int range>" in option_line("--threads"), "an option with a value still shows its type"
+
+
+def test_a_value_after_a_flag_is_not_taken_for_the_suite(tmp_path):
+    """`--resume true` (as if --resume took a value): a one-line error saying the flags take none."""
+    res = cli.invoke(app, ["sweep", "--resume", "true", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert ("true: no such suite file; --resume, --retry-failed, --dry-run and --allow-mixed are flags and take no "
+            "value (write --resume, not --resume true)") in " ".join(res.stderr.split())
+    assert not (tmp_path / "o").exists()
+
+
+def test_flags_parse_as_flags(tmp_path, monkeypatch):
+    """Each flag sets its switch and consumes no argument: the suite after them is still the suite."""
+    from forge_bench import runner
+
+    suite = tmp_path / "s.yaml"
+    suite.write_text("device: cpu\ndtype: float32\nmodels: [tiny-llama]\nbatch: [1]\nseq: [8]\nmethods: [sgd]\n")
+    seen = {}
+
+    def plan(out_dir, loaded, **kwargs):
+        seen.update(kwargs, suite=loaded.path)
+        return "run-x", None, set()
+
+    monkeypatch.setattr(runner, "plan_run", plan)
+    res = cli.invoke(app, ["sweep", "--resume", "--retry-failed", "--allow-mixed", "--dry-run", str(suite),
+                           "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output + res.stderr
+    assert seen == {"resume": True, "allow_mixed": True, "retry_failed": True, "suite": suite.resolve()}
+    res = cli.invoke(app, ["sweep", str(suite), "--dry-run", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0 and seen["resume"] is False and seen["retry_failed"] is False
+
+
 def _run(args, env, timeout=600):
     return subprocess.run([sys.executable, "-m", "forge_bench.cli", *args], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=timeout)

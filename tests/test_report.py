@@ -155,12 +155,17 @@ def test_headline_values_equal_hand_computation(built):
               if any(r["method"] == m and r["status"] == "ok" for r in group)}
         base_method = "adamw_fused" if "adamw_fused" in ok else ("adamw_foreach" if ok else None)
         several_runs = len({r["run_id"] for r in group}) > 1
+        peaks = [r["peak_allocated_gib"] for r in group if r["peak_allocated_gib"] is not None]
+        unit, scale = ("MiB", 1024.0) if peaks and max(peaks) < 1.0 else ("GiB", 1.0)
         for row in group:
-            [line] = [t for t in table if t["Method"] == f"`{row['method']}`"
+            # a FORGE row that fused nothing says so beside its name
+            fused_nothing = row["method"].startswith("forge_") and row.get("n_fused_params") == 0
+            name = f"`{row['method']}`" + (" (nothing fused)" if fused_nothing else "")
+            [line] = [t for t in table if t["Method"] == name
                       and (not several_runs or t["Run"] == run_label(row["run_id"]))]
             assert line["Status"] == row["status"]
             peak = row["peak_allocated_gib"]
-            assert line["Peak GiB"] == ("—" if peak is None else f"{peak:.2f}")
+            assert line[f"Peak {unit}"] == ("—" if peak is None else f"{peak * scale:.2f}")
             if row["step_ms_median"] is None:
                 assert line["Step ms"] == "—"
             else:
@@ -735,3 +740,112 @@ def test_a_parquet_of_another_kind_is_named_and_skipped(tmp_path, capsys):
     with pytest.raises(NoResultsError, match=re.escape(str(rows / "kernels"))):
         build_report(rows / "kernels", tmp_path / "none")
     assert not (tmp_path / "none").exists()
+
+
+# --- units, model families, arms that fused nothing ----------------------------------------------
+
+def test_memory_reads_in_mib_where_gib_would_round_to_zero(built):
+    """A table whose values are all under 1 GiB (the CPU smoke rows: 1.6-1.9 MiB of weights) reads in
+    MiB, its unit in every memory header; the GPU tables stay in GiB. The CSV keeps GiB numbers."""
+    folder, rows, out, _ = built
+    tables = parse_markdown_tables((out / "tables" / "memory.md").read_text())
+    ok = [r for r in rows if r["status"] == "ok"]
+    for title, lines in tables.items():
+        members = [r for r in ok if f"· {r['model']} ·" in title and f"run {run_label(r['run_id'])}" in title
+                   and r["device_name"] in title]
+        values = [v for r in members for v in (r["mem_weights_gib"], r["peak_allocated_gib"]) if v is not None]
+        unit = "MiB" if max(values) < 1.0 else "GiB"
+        assert all(h.endswith(f" {unit}") for h in list(lines[0])[1:]), (title, list(lines[0]))
+        for line in lines:
+            method = line["Method"].split("`")[1]
+            weights = {r["mem_weights_gib"] for r in members if r["method"] == method}
+            assert any(_close_to_printed(line[f"Weights {unit}"], w * (1024 if unit == "MiB" else 1))
+                       for w in weights), (title, line)
+    if folder == SMOKE:
+        assert all("MiB" in list(lines[0])[1] for lines in tables.values())
+        assert "0.00" not in " ".join(line["Weights MiB"] for lines in tables.values() for line in lines)
+    if folder == H100:
+        assert all("GiB" in list(lines[0])[1] for lines in tables.values())
+
+
+def _rows_of_models(tmp_path: Path, models: dict[str, int]) -> Path:
+    """A results folder with one ok adamw_foreach and one forge_bf16 row per model (one run, one shape)."""
+    from forge_bench import results
+
+    folder = tmp_path / "rows"
+    for model, n_params in models.items():
+        for method, family in (("adamw_foreach", "baseline"), ("forge_bf16", "forge")):
+            results.write_row(folder, {
+                "cell_id": f"{model}-{method}", "run_id": "20260101T000000Z-x-abcdef", "status": "ok",
+                "model": model, "method": method, "method_family": family, "batch": 1, "seq": 8,
+                "dtype": "float32", "device_name": "CPU X", "device_type": "cpu", "n_params": n_params,
+                "n_fused_params": (0 if model == "tiny-gpt2" else n_params // 2) if family == "forge" else 0,
+                "step_ms_median": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "mem_weights_gib": n_params * 4 / 2**30,
+                "timing_method": "wall_clock", "finished_at": "2026-01-01T00:00:00+00:00"})
+    return folder
+
+
+def test_model_scaling_compares_sizes_within_one_family_only(tmp_path):
+    """tiny-llama and llama-3.2-1b are one family (forge_bench/zoo.py), tiny-gpt2 another: one scaling
+    table and figure, of the Llama family; none for a family measured at one size."""
+    from forge_bench.zoo import MODEL_ZOO, model_family
+
+    assert model_family("tiny-llama") == model_family("llama-3.2-1b") == "llama" != model_family("tiny-gpt2")
+    assert all(spec.family for spec in MODEL_ZOO.values()) and model_family("not-in-zoo") == "not-in-zoo"
+    out = tmp_path / "out"
+    build_report(_rows_of_models(tmp_path, {"tiny-llama": 426624, "llama-3.2-1b": 1235814400,
+                                            "tiny-gpt2": 495104}), out, formats=("png",))
+    tables = parse_markdown_tables((out / "tables" / "scaling.md").read_text())
+    [(title, lines)] = tables.items()
+    assert title.startswith("Model scaling, llama family · ")
+    assert list(lines[0]) == ["Method", "tiny-llama (426.6K)", "llama-3.2-1b (1.24B)"]
+    figures = [p.name for p in (out / "figures").glob("scaling-*.png")]
+    assert len(figures) == 1 and "llama" in figures[0] and "gpt2" not in figures[0]
+    out2 = tmp_path / "out2"
+    build_report(_rows_of_models(tmp_path / "b", {"tiny-llama": 426624, "tiny-gpt2": 495104}), out2, formats=("png",))
+    assert not (out2 / "tables" / "scaling.md").exists() and not list((out2 / "figures").glob("scaling-*"))
+    assert ("_Skipped: no run measured two or more models of one family at one shape (scaling compares sizes "
+            "within a family; families here: gpt2 (tiny-gpt2); llama (tiny-llama))._") in (out2 / "index.md").read_text()
+
+
+def test_a_forge_row_that_fused_nothing_is_labelled_so(tmp_path):
+    """n_fused_params = 0 (tiny-GPT-2: Conv1D layers, a tied head): its FORGE rows say "nothing fused"
+    wherever FORGE is compared, with the reason; a row that fused weights carries no such mark."""
+    out = tmp_path / "out"
+    build_report(_rows_of_models(tmp_path, {"tiny-llama": 426624, "tiny-gpt2": 495104}), out, formats=("png",))
+    headline = parse_markdown_tables((out / "tables" / "headline.md").read_text())
+    methods = {title.split(" · ")[1]: [line["Method"] for line in lines] for title, lines in headline.items()}
+    assert methods == {"tiny-gpt2": ["`adamw_foreach`", "`forge_bf16` (nothing fused)"],
+                       "tiny-llama": ["`adamw_foreach`", "`forge_bf16`"]}
+    text = (out / "tables" / "headline.md").read_text()
+    assert text.count("- nothing fused: the FORGE arm found no weight of this model to fuse (n_fused_params = 0") == 1
+    with (out / "tables" / "headline.csv").open() as fh:
+        marks = {(r["model"], r["method"]): r["nothing_fused"] for r in csv.DictReader(fh)}
+    assert marks[("tiny-gpt2", "forge_bf16")] == "True" and marks[("tiny-llama", "forge_bf16")] == "False"
+    summary = (out / "README.md").read_text()
+    assert "| `forge_bf16` (nothing fused) |" in summary and "_nothing fused: the FORGE arm" in summary
+
+
+def test_a_report_that_fails_half_way_leaves_the_previous_one_as_it_was(tmp_path, monkeypatch):
+    """The report is drawn in a staging folder and swapped in whole: a build that dies in the middle
+    leaves the previous report byte for byte, and no staging folder beside it."""
+    from forge_bench.report import figures as figures_mod
+
+    out = tmp_path / "reports" / "smoke"
+    build_report(SMOKE, out, formats=("png",))
+    (out / "notes.md").write_text("the user's notes")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt("killed half-way")
+
+    monkeypatch.setattr(figures_mod, "memory_figures", dies)
+    with pytest.raises(KeyboardInterrupt):
+        build_report(RERUN_PARTIAL, out, formats=("png",))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["smoke"], "no staging folder is left behind"
+    monkeypatch.undo()
+    build_report(RERUN_PARTIAL, out, formats=("png",))
+    assert "smoke_rerun_partial" in (out / "index.md").read_text()
+    assert (out / "notes.md").read_text() == "the user's notes", "a file the report did not write moves along"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["smoke"]

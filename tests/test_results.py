@@ -79,3 +79,30 @@ def test_rows_written_before_a_later_column_load_with_it_null(tmp_path):
     pq.write_table(old, tmp_path / "old.parquet")
     frame = results.load_results(tmp_path).set_index("cell_id")
     assert frame.loc["new", "activations"] == "lean" and pd.isna(frame.loc["old", "activations"])
+
+
+def test_an_unreadable_row_file_is_never_done_and_is_named(tmp_path):
+    """A truncated row (a full disk, a copy cut short) or a file that is not parquet: not a finished
+    cell, named in one line by every reader, and moved aside rather than deleted."""
+    good = results.write_row(tmp_path, {"cell_id": "c1", "status": "crashed"})
+    whole = results.write_row(tmp_path, {"cell_id": "c2", "status": "ok"}).read_bytes()
+    (tmp_path / "c2.parquet").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "c3.parquet").write_bytes(b"these bytes are not parquet")
+    scan = results.scan_rows(tmp_path)
+    assert scan.statuses == {"c1": "crashed"}
+    assert sorted(p.name for p in scan.unreadable) == ["c2.parquet", "c3.parquet"]
+    assert all(why.startswith("not a readable parquet file (") for why in scan.unreadable.values())
+    assert results.completed_cell_ids(tmp_path) == {"c1"}
+    with pytest.raises(results.ResultsError) as err:
+        results.load_table(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / 'c2.parquet'}: not a readable parquet file (")
+    assert "\n" not in str(err.value)
+    skipped = []
+    assert len(results.load_results(tmp_path, on_foreign=lambda path, why: skipped.append(path))) == 1
+    assert skipped == [tmp_path / "c2.parquet", tmp_path / "c3.parquet"]
+    moved = results.set_aside(tmp_path / "c3.parquet")
+    assert moved.name == "c3.parquet.corrupt" and moved.read_bytes() == b"these bytes are not parquet"
+    (tmp_path / "c3.parquet").write_bytes(b"garbage again")
+    assert results.set_aside(tmp_path / "c3.parquet").name == "c3.parquet.corrupt.1"
+    assert moved.read_bytes() == b"these bytes are not parquet", "a file set aside before is kept"
+    assert good.exists() and set(results.scan_rows(tmp_path).unreadable) == {tmp_path / "c2.parquet"}

@@ -274,3 +274,62 @@ def test_cells_share_a_tune_cache_in_the_results_folder_unless_told_otherwise(mo
     assert runner._child_env(None, "")[runner.TUNE_CACHE_ENV] == ""
     assert runner._child_env(None, "/x.json")[runner.TUNE_CACHE_ENV] == "/x.json"
     assert runner._child_env(None, None)[runner.TUNE_CACHE_ENV] == "/shared/tiles.json", "None: as inherited"
+
+
+THREE_CELLS = FAST.replace("methods: [no_optimizer, sgd, adamw_foreach, test_forge_like]", "methods: [sgd, no_optimizer, test_forge_like]")
+
+
+def _planted_folder(plugin_env, statuses: dict[str, str]):
+    """A results folder as a sweep of THREE_CELLS leaves it, with a row of the given status for each
+    method named (written here, not run: only the cells a test re-runs start a process)."""
+    suite_path = plugin_env / "three.yaml"
+    suite_path.write_text(THREE_CELLS)
+    suite = load_suite(suite_path)
+    out = plugin_env / "out"
+    run_id, manifest, _ = runner.plan_run(out, suite, resume=False, allow_mixed=False)
+    out.mkdir()
+    runner._write_manifest(out, manifest)
+    by_method = {c.method: c for c in suite.cells}
+    for method, status in statuses.items():
+        cell = by_method[method]
+        results.write_row(out, {**runner._runner_row(suite, cell, run_id, 1, status, f"planted {status}", None, 1.0),
+                                "finished_at": "2000-01-01T00:00:00+00:00"})
+    return suite_path, suite, out, run_id, by_method
+
+
+def test_resume_keeps_failed_rows_and_retry_failed_plans_them_again(plugin_env):
+    suite_path, suite, out, run_id, cells = _planted_folder(
+        plugin_env, {"sgd": "crashed", "no_optimizer": "timeout", "test_forge_like": "parity_fail"})
+    _, _, done = runner.plan_run(out, suite, resume=True, allow_mixed=False)
+    assert done == {c.cell_id for c in suite.cells}, "--resume keeps every row, failed ones included"
+    again, _, done = runner.plan_run(out, suite, resume=False, allow_mixed=False, retry_failed=True)
+    assert again == run_id and done == {cells["test_forge_like"].cell_id}, "crashed and timeout run again"
+    assert set(runner.RETRY_STATUSES) == {"crashed", "timeout", "oom"}
+
+
+def test_a_corrupt_row_is_set_aside_and_rerun_and_retry_failed_replaces_a_crashed_row(plugin_env):
+    """A folder with a crashed row, a truncated row file and an ok row. `sweep --resume`: the truncated
+    file is named and moved aside and its cell runs again, the crashed row stays; `--retry-failed`: the
+    crashed cell runs again under the same run id, the ok row stays as it was."""
+    suite_path, suite, out, run_id, cells = _planted_folder(
+        plugin_env, {"sgd": "crashed", "no_optimizer": "ok", "test_forge_like": "ok"})
+    corrupt = results.row_path(out, cells["test_forge_like"].cell_id)
+    half = corrupt.read_bytes()[:300]
+    corrupt.write_bytes(half)
+    done = subprocess.run(_sweep_cmd(suite_path, out, "--resume"), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    message = " ".join(done.stderr.split())
+    assert f"{corrupt}: not a readable parquet file (" in message
+    assert f"moved to {corrupt.name}.corrupt, its cell runs again" in message
+    assert (out / f"{corrupt.name}.corrupt").read_bytes() == half, "the unreadable bytes are kept"
+    rows = results.load_results(out).set_index("method")
+    assert rows.loc["test_forge_like", "status"] == "ok" and rows.loc["test_forge_like", "run_id"] == run_id
+    assert rows.loc["sgd", "status"] == "crashed", "--resume alone keeps a crashed row"
+
+    retried = subprocess.run(_sweep_cmd(suite_path, out, "--retry-failed"), capture_output=True, text=True)
+    assert retried.returncode == 0, retried.stderr[-2000:]
+    rows = results.load_results(out).set_index("method")
+    assert len(rows) == 3 and set(rows.run_id) == {run_id}
+    assert rows.loc["sgd", "status"] == "ok" and pd.isna(rows.loc["sgd", "reason"])
+    assert rows.loc["no_optimizer", "finished_at"] == "2000-01-01T00:00:00+00:00", "an ok row is not re-run"
+    assert rows.loc["sgd", "torch_threads"] == 1, "a CPU cell runs one torch thread unless told otherwise"

@@ -222,3 +222,43 @@ grids:
     bad = text.replace("activations: lean", "activations: slim").replace("llama-3.1-8b, gpt2-xl", "llama-3.1-8b")
     with pytest.raises(suite_mod.SuiteError, match="activations"):
         load_suite(write(tmp_path, bad))
+
+
+@pytest.mark.parametrize("change, field, got", [
+    (("batch: [1, 2]", "batch: [true]"), "batch[0]", "True"),
+    (("seq: [16, 32]", 'seq: ["16"]'), "seq[0]", "'16'"),
+    (("dtype: float32", "dtype: float32\ntimed_steps: 2.5"), "timed_steps", "2.5"),
+    (("dtype: float32", "dtype: float32\ntimeout_s: yes"), "timeout_s", "True"),
+    (("dtype: float32", "dtype: float32\noptimizer: {betas: [0.9, '0.95']}"), "optimizer.betas[1]", "'0.95'"),
+    (("dtype: float32", "dtype: float32\nparity: {enabled: 1}"), "parity.enabled", "1"),
+])
+def test_a_number_or_flag_field_takes_only_its_own_type(tmp_path, change, field, got):
+    """No coercion: YAML's `true` or a quoted "16" where a number belongs is an error naming the field."""
+    msg = error_of(tmp_path, GOOD.replace(*change))
+    assert f": {field}: " in msg and f"(got {got})" in msg
+
+
+def test_yaml_1_2_exponents_are_numbers(tmp_path):
+    s = load_suite(write(tmp_path, GOOD + "optimizer: {lr: 3e-4, eps: 1.0e-8}\n"))
+    assert s.spec.optimizer.lr == 3e-4 and s.spec.optimizer.eps == 1e-8
+
+
+def test_a_duplicate_key_is_refused_naming_key_and_lines(tmp_path):
+    msg = error_of(tmp_path, GOOD + "batch: [4]\n")
+    assert "duplicate key 'batch'" in msg and "line 8" in msg and "first at line 5" in msg
+    msg = error_of(tmp_path, "device: cpu\ngrids:\n  - {name: a, models: [tiny-llama], batch: [1], batch: [2], "
+                             "seq: [8], methods: [sgd]}\n")
+    assert "duplicate key 'batch'" in msg and "line 3" in msg
+
+
+@pytest.mark.parametrize("name", ["../../tmp/bad/escape", "a/b", "..", "x..y", "has space", "."])
+def test_suite_name_must_be_a_plain_file_name(tmp_path, name):
+    msg = error_of(tmp_path, GOOD + f"name: {name!r}\n")
+    assert "name: expected a plain file name" in msg and repr(name) in msg
+
+
+def test_a_plain_suite_name_and_the_cpu_thread_setting(tmp_path):
+    s = load_suite(write(tmp_path, GOOD + "name: smoke-2.cpu_x\ncpu_threads: 2\n"))
+    assert s.name == "smoke-2.cpu_x" and s.spec.cpu_threads == 2
+    assert load_suite(write(tmp_path, GOOD, "t.yaml")).spec.cpu_threads == 1, "a CPU cell runs one thread by default"
+    assert "cpu_threads" in error_of(tmp_path, GOOD + "cpu_threads: 0\n")

@@ -13,23 +13,25 @@
 
 and returns the path of ``README.md``. Ratios obey one rule (``ratios.py``): only within one
 sweep run on one device, else "n/a (different run)". A parquet file of another kind under the
-results folder (the kernel benchmark's) is named on stderr and skipped.
+results folder (the kernel benchmark's), or one that does not read as parquet, is named on stderr
+and skipped. The report is built in a staging folder and swapped in whole (``folder.py``): a
+report killed half-way leaves the previous one as it was.
 """
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 import pandas as pd
 
-from . import figures, ratios, summary, tables
+from . import figures, folder, ratios, summary, tables
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
-__all__ = ["build_report", "NoResultsError"]
+__all__ = ["build_report", "NoResultsError", "ReportFolderError"]
 
-MANIFEST = ".forge-report-manifest.json"
+ReportFolderError = folder.ReportFolderError
 SUMMARY = "README.md"
 DETAILS = "index.md"
 
@@ -43,16 +45,29 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     twins, about 30% of a large report's time). ``on_foreign`` gets each parquet file of another
     kind, which is skipped (default: one line on stderr; None: such a file is an error).
 
-    Raises ``NoResultsError`` (one line naming the folder) when there is nothing to report, and
-    ValueError for a format other than png / pdf (before anything is written).
+    Raises ``NoResultsError`` (one line naming the folder) when there is nothing to report,
+    ``ReportFolderError`` when ``out_dir`` is a file or a folder of something else (``folder.py``),
+    and ValueError for a format other than png / pdf (all before anything is written).
     """
     formats = figures.check_formats(formats)
     folders = as_folders(results_dir)
     out_dir = Path(out_dir)
+    folder.check_target(out_dir)
     frame = load_rows(folders, on_foreign)
+    staging = folder.staging_folder(out_dir)
+    try:
+        _write_report(frame, folders, staging, formats)
+    except BaseException:
+        folder.remove_staging(staging)
+        raise
+    folder.swap_in(staging, out_dir, on_replaced=lambda path: print(
+        f"forge-bench report: {path} replaced by the report's file of that name", file=sys.stderr))
+    return out_dir / SUMMARY
+
+
+def _write_report(frame: pd.DataFrame, folders: list[Path], out_dir: Path, formats: Sequence[str]) -> None:
+    """Every table, figure and page of the report into the empty folder ``out_dir``."""
     results_dir = ", ".join(f"`{f}`" for f in folders)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_previous_outputs(out_dir)
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
     colors = figures.method_colors(ordered_methods(frame))
     written: list[Path] = []
@@ -111,9 +126,9 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     sections += figure_block(grid_figs)
 
     # scaling
-    scaling_note = "no run measured two or more models at one shape"
     sections += table_section("Model scaling", "scaling", tables.scaling_tables(frame),
-                              "Peak and step against parameter count.", False, scaling_note)
+                              "Peak and step against parameter count, within one model family "
+                              "(forge_bench/zoo.py).", False, tables.scaling_skip_note(frame))
     scale_figs, _ = figures.scaling_figures(frame, figure_dir, colors, formats)
     written += scale_figs
     sections += figure_block(scale_figs)
@@ -121,7 +136,7 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     # memory
     sections += table_section("Where memory goes", "memory", tables.memory_tables(frame),
                               "Analytic weights, optimizer states and gradients; activations + rest "
-                              "= measured peak minus them (GiB).", False, "no row ran ok")
+                              "= measured peak minus them (each table's unit in its header).", False, "no row ran ok")
     mem_figs, _ = figures.memory_figures(frame, figure_dir, formats)
     written += mem_figs
     sections += figure_block(mem_figs)
@@ -154,31 +169,14 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     first_page = out_dir / SUMMARY
     first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS))
     written.append(first_page)
-    (out_dir / MANIFEST).write_text(json.dumps(sorted(p.relative_to(out_dir).as_posix() for p in written),
-                                               indent=0))
-    return first_page
-
-
-def _remove_previous_outputs(out_dir: Path) -> None:
-    """Delete what the previous report in ``out_dir`` wrote (and only that), so no stale figure
-    of a group that no longer exists survives a re-run."""
-    manifest = out_dir / MANIFEST
-    if not manifest.exists():
-        return
-    try:
-        previous = json.loads(manifest.read_text())
-    except (OSError, ValueError):
-        return
-    for rel in previous:
-        path = (out_dir / rel).resolve()
-        if out_dir.resolve() in path.parents and path.is_file():
-            path.unlink()
+    folder.write_manifest(out_dir, written)
 
 
 def _header(frame: pd.DataFrame, results_dir: str) -> list[str]:
     lines = ["# FORGE benchmark report", "",
              f"Generated by `forge-bench report` from {len(frame)} rows under {results_dir} "
-             f"({int((frame['status'] == 'ok').sum())} ok). Memory in GiB (2^30 bytes), times in ms. "
+             f"({int((frame['status'] == 'ok').sum())} ok). Memory in GiB (2^30 bytes), or in MiB (2^20 bytes) "
+             f"where a table's header says so; times in ms. "
              f"The summary page: [{SUMMARY}]({SUMMARY}).", "",
              "## Runs", "",
              "| Run | Suite | Device | torch | triton | CUDA | Commit | Rows (ok) | SM clock after, MHz |",

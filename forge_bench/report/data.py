@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pandas as pd
 
 from forge_bench.results import ResultsError, iter_result_files, load_results, with_activations
+from forge_bench.zoo import model_family
 
 from .ratios import as_number, as_text, comparable, incomparable_reason
 
@@ -75,6 +76,7 @@ def load_rows(results_dirs: str | Path | Sequence[str | Path],
     frame["run_short"] = frame["run_id"].map(run_label)
     frame["device_label"] = frame["device_name"].map(device_label)
     frame["shape_label"] = [f"b{int(b)}×s{int(s)}" for b, s in zip(frame["batch"], frame["seq"])]
+    frame["family"] = frame["model"].map(model_family)     # the registry's (forge_bench/zoo.py)
     # Eager steps and CUDA-graph replays of the same cell are different measurements: every table
     # and figure groups by this, so a ratio never mixes the two.
     timing = frame["timing_method"] if "timing_method" in frame else pd.Series([None] * len(frame), index=frame.index)
@@ -146,6 +148,45 @@ def ordered_methods(frame: pd.DataFrame) -> list[str]:
 
 def is_forge(method: str, family: str = "") -> bool:
     return family == "forge" or method.startswith("forge_")
+
+
+# A FORGE arm on a model with no weight it may fuse (n_fused_params = 0) runs every update in
+# opt.step(): its row is FORGE's unfused path, and a reader comparing it with the baseline must know.
+NOTHING_FUSED = "nothing fused"
+NOTHING_FUSED_NOTE = ("nothing fused: the FORGE arm found no weight of this model to fuse (n_fused_params = 0; "
+                      "e.g. GPT-2's Conv1D layers are not nn.Linear and its head is tied), so every update ran "
+                      "in opt.step(): the row measures FORGE's unfused path, not a fused weight update.")
+
+
+def nothing_fused(row: Mapping[str, Any]) -> bool:
+    """A FORGE row that measured a step in which no weight was fused (``n_fused_params`` is 0)."""
+    return (is_forge(str(row.get("method")), as_text(row.get("method_family")) or "")
+            and as_number(row.get("n_fused_params")) == 0)
+
+
+def method_cell(method: str, rows: Iterable[Mapping[str, Any]] = ()) -> str:
+    """A table's method cell: the name, marked "(nothing fused)" when a row of it among ``rows`` is."""
+    mark = any(r.get("method") == method and nothing_fused(r) for r in rows)
+    return f"`{method}`" + (f" ({NOTHING_FUSED})" if mark else "")
+
+
+# Memory columns read in GiB (2^30 bytes); a table whose values are all under 1 GiB (the CPU smoke
+# suite's tiny models: 1.8 MiB of weights) reads in MiB, where two decimals of GiB would say 0.00.
+MIB_PER_GIB = 1024.0
+
+
+def memory_unit(values_gib: Iterable[Any]) -> str:
+    """'MiB' when every known value is below 1 GiB, else 'GiB' (also when none is known)."""
+    known = [abs(v) for v in (as_number(x) for x in values_gib) if v is not None]
+    return "MiB" if known and max(known) < 1.0 else "GiB"
+
+
+def fmt_memory(value_gib: Any, unit: str) -> str:
+    """A memory value given in GiB, printed in ``unit`` with two decimals (— when unknown)."""
+    number = as_number(value_gib)
+    if number is None:
+        return "—"
+    return fmt_number(number * MIB_PER_GIB if unit == "MiB" else number)
 
 
 def records(frame: pd.DataFrame) -> list[dict[str, Any]]:

@@ -25,12 +25,13 @@ import pandas as pd
 from forge_bench.png import compact_png
 
 from . import ratios
-from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, group_title, is_forge,
-                   one_per_key, ordered_methods, records, run_label, slug)
+from .data import (HEADLINE_KEYS, MIB_PER_GIB, NOTHING_FUSED, key_parts, timing_slug, choose_baseline,
+                   find_baseline_row, group_title, is_forge, memory_unit, nothing_fused, one_per_key, ordered_methods,
+                   records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
 from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
-                     memory_groups, memory_parts, models_by_size, params_text, scaling_groups,
-                     shapes_of, cell_row, sorted_rows)
+                     memory_groups, memory_parts, models_by_size, params_text, scaling_groups, scaling_skip_note,
+                     scaling_title, shapes_of, cell_row, sorted_rows)
 
 matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 10, "figure.dpi": 100})
 
@@ -122,7 +123,8 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
         # the same dict objects as all_rows: "is this row its own baseline" is an identity test
         rows = sorted_rows([r for r in all_rows if as_text(r.get("status")) == "ok"])
         several_runs = ok["run_id"].nunique() > 1
-        labels = [r["method"] + (f" · {run_label(r['run_id'])}" if several_runs else "") for r in rows]
+        labels = [r["method"] + (f" · {run_label(r['run_id'])}" if several_runs else "")
+                  + (f"\n({NOTHING_FUSED})" if nothing_fused(r) else "") for r in rows]
         base_method, base_note = choose_baseline(all_rows)
         # Side by side for a few arms; one above the other once the bars would make it too wide to read.
         if len(rows) <= 8:
@@ -133,8 +135,10 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
             ax_mem, ax_time = fig.subplots(2, 1)
         x = np.arange(len(rows))
         peaks = [as_number(r.get("peak_allocated_gib")) for r in rows]
+        unit = memory_unit(peaks)
         if any(p is not None for p in peaks):
-            bars = ax_mem.bar(x, [p or 0.0 for p in peaks], color=[colors[r["method"]] for r in rows])
+            scale = MIB_PER_GIB if unit == "MiB" else 1.0
+            bars = ax_mem.bar(x, [(p or 0.0) * scale for p in peaks], color=[colors[r["method"]] for r in rows])
             texts = []
             for row, peak in zip(rows, peaks):
                 base = find_baseline_row(row, all_rows, base_method)
@@ -142,7 +146,7 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
                              ("base" if base is row else ratios.peak_change(row, base).text.replace(
                                  DIFFERENT_RUN, "n/a (other run)")))
             _bar_labels(ax_mem, bars, texts)
-            ax_mem.set_ylabel("peak allocated memory (GiB)")
+            ax_mem.set_ylabel(f"peak allocated memory ({unit})")
             ax_mem.margins(y=0.15)
         else:
             reason = as_text(rows[0].get("peak_reason")) or "not recorded"
@@ -252,6 +256,7 @@ def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem, formats: Se
     axes = np.atleast_2d(fig.subplots(len(forge_methods), 2, squeeze=False))
     for row_i, method in enumerate(forge_methods):
         cells = grid_ratio_cells(group, method)
+        mark = f" ({NOTHING_FUSED})" if any(nothing_fused(r) for r in records(group[group["method"] == method])) else ""
         for col_i, (kind, unit, center, cmap) in enumerate(
                 (("memory saving", "% of baseline peak", 0.0, "RdYlGn"),
                  ("speed-up", "× baseline step time", 1.0, "RdYlGn"))):
@@ -294,7 +299,7 @@ def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem, formats: Se
             ax.set_yticks(range(len(batches)), [str(b) for b in batches])
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel("batch (sequences)")
-            ax.set_title(f"{method}: {kind}\n({unit})")
+            ax.set_title(f"{method}{mark}: {kind}\n({unit})")
     fig.suptitle(f"FORGE vs {base_method or 'no baseline'}: {group_title(keys)}\n"
                  f"({NOISE_MARK} = inside step-time noise; grey = no ratio)")
     fig.tight_layout()
@@ -307,7 +312,7 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
                     formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     groups = scaling_groups(frame)
     if not groups:
-        return [], "no run measured two or more models at one shape"
+        return [], scaling_skip_note(frame)
     paths = []
     groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
@@ -354,9 +359,9 @@ def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
         ax_time.set_title("Step time vs model size (p10–p90 bars)")
         handles, labels = ax_time.get_legend_handles_labels()
         fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), title="method")
-        fig.suptitle(f"Model scaling: {group_title(keys)}")
+        fig.suptitle(f"Model scaling: {scaling_title(keys)}")
         fig.tight_layout()
-        paths += save(fig, folder, slug("scaling", keys["device_name"], keys["dtype"], keys["batch"],
+        paths += save(fig, folder, slug("scaling", keys["device_name"], keys["family"], keys["dtype"], keys["batch"],
                                         keys["seq"], run_label(keys["run_id"]), timing_slug(keys)), formats)
     return paths, None
 
@@ -372,6 +377,8 @@ def memory_figures(frame: pd.DataFrame, folder: Path,
     groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
         rows = sorted_rows(records(group))
+        unit = memory_unit(v for row in rows for v in [*memory_parts(row).values(), row.get("peak_allocated_gib")])
+        scale = MIB_PER_GIB if unit == "MiB" else 1.0
         fig = Figure(figsize=(max(5.5, 0.9 * len(rows) + 2.5), 3.8))
         ax = fig.subplots()
         x = np.arange(len(rows))
@@ -384,22 +391,24 @@ def memory_figures(frame: pd.DataFrame, folder: Path,
                 value = memory_parts(row)[label]
                 if label == "Activations + rest" and value is None:
                     unknown_rest.append(i)
-                heights.append(max(0.0, value or 0.0))
+                heights.append(max(0.0, value or 0.0) * scale)
             ax.bar(x, heights, bottom=bottom, color=MEMORY_COLORS[label], label=label, width=0.7)
             bottom += np.array(heights)
         for i, row in enumerate(rows):
             peak = as_number(row.get("peak_allocated_gib"))
             if peak is not None:
+                peak *= scale
                 ax.plot([i - 0.38, i + 0.38], [peak, peak], color="black", linewidth=1.2,
                         label="measured peak" if i == 0 or "measured peak" not in
                         ax.get_legend_handles_labels()[1] else None)
             else:
                 ax.annotate("peak n/a", (i, bottom[i]), xytext=(0, 2), textcoords="offset points",
                             ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(x, [r["method"] for r in rows], rotation=30, ha="right")
+        ax.set_xticks(x, [r["method"] + (f"\n({NOTHING_FUSED})" if nothing_fused(r) else "") for r in rows],
+                      rotation=30, ha="right")
         ax.set_xlabel("method")
-        ax.set_ylabel("memory (GiB)")
-        peaks = [as_number(r.get("peak_allocated_gib")) or 0.0 for r in rows]
+        ax.set_ylabel(f"memory ({unit})")
+        peaks = [(as_number(r.get("peak_allocated_gib")) or 0.0) * scale for r in rows]
         ax.set_ylim(0, max(list(bottom) + peaks + [1e-9]) * 1.15)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="part")
         note = ("\n(activations + rest unknown where the peak was not measured)" if unknown_rest else "")

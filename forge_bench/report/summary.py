@@ -14,8 +14,9 @@ from typing import Any, Mapping
 import pandas as pd
 
 from . import ratios, tables
-from .data import (EAGER_TIMING, GRAPH_TIMING, choose_baseline, device_label, find_baseline_row, fmt_ms,
-                   fmt_number, group_title, newest_run, records, run_label)
+from .data import (EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, choose_baseline, device_label,
+                   find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell, newest_run,
+                   nothing_fused, records, run_label)
 from .ratios import as_number, as_text
 
 CORE_FAMILIES = ("baseline", "forge")
@@ -42,13 +43,22 @@ def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
     return model, batch, seq
 
 
-def _cell_text(row: Mapping[str, Any], base: Mapping[str, Any] | None) -> str:
+def _cell_text(row: Mapping[str, Any], base: Mapping[str, Any] | None, unit: str) -> str:
     status = as_text(row.get("status"))
     if status != "ok":
         return status or "—"
     peak = as_number(row.get("peak_allocated_gib"))
     speed = "baseline" if base is row else ratios.speedup(row, base).text
-    return (f"{fmt_number(peak)} / " if peak is not None else "") + f"{fmt_ms(row.get('step_ms_median'))} ({speed})"
+    return (f"{fmt_memory(peak, unit)} / " if peak is not None else "") + f"{fmt_ms(row.get('step_ms_median'))} ({speed})"
+
+
+def _ok_peaks(rows: list[Mapping[str, Any]]) -> list[Any]:
+    return [r.get("peak_allocated_gib") for r in rows if as_text(r.get("status")) == "ok"]
+
+
+def _nothing_fused_lines(rows: list[Mapping[str, Any]]) -> list[str]:
+    """The note under a table whose FORGE rows include one where nothing was fused."""
+    return [f"_{NOTHING_FUSED_NOTE}_", ""] if any(nothing_fused(r) for r in rows) else []
 
 
 def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[str]:
@@ -67,8 +77,10 @@ def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[st
         base_method, _ = choose_baseline(picked)
         columns.append((f"{variant_label(timing, activations)} (run {run_label(run)})", picked, base_method))
     first = frame[frame["model"] == model].iloc[0]
+    every = [r for _, picked, _ in columns for r in picked]
+    unit = memory_unit(_ok_peaks(every))
     lines = [f"### Headline: {group_title({'model': model, 'dtype': first['dtype'], 'batch': batch, 'seq': seq})}", "",
-             "Peak GiB / median step ms (speed-up against torch fused AdamW, `adamw_fused`, of the same run; "
+             f"Peak {unit} / median step ms (speed-up against torch fused AdamW, `adamw_fused`, of the same run; "
              "`adamw_foreach` where the fused arm did not run). One column per timing, each from the newest "
              "run that measured it.", "",
              "| Method | " + " | ".join(label for label, _, _ in columns) + " |",
@@ -78,9 +90,9 @@ def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[st
         cells = []
         for _, picked, base_method in columns:
             row = next((r for r in picked if r["method"] == method), None)
-            cells.append("—" if row is None else _cell_text(row, find_baseline_row(row, picked, base_method)))
-        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
-    return lines + [""]
+            cells.append("—" if row is None else _cell_text(row, find_baseline_row(row, picked, base_method), unit))
+        lines.append(f"| {method_cell(method, every)} | " + " | ".join(cells) + " |")
+    return lines + [""] + _nothing_fused_lines(every)
 
 
 def peers_section(frame: pd.DataFrame) -> list[str]:
@@ -99,17 +111,18 @@ def peers_section(frame: pd.DataFrame) -> list[str]:
         group = group[group[name] == value]
     rows = tables.sorted_rows(records(group))
     base_method, base_note = choose_baseline(rows)
+    unit = memory_unit(_ok_peaks(rows))
     lines = [f"### Peers: {group_title({**key_map, 'run_id': run})}", "", base_note, "",
-             "| Method | Family | Peak GiB | Δ peak | Step ms | Speed-up | Status |", "|:--|:--|--:|--:|--:|--:|:--|"]
+             f"| Method | Family | Peak {unit} | Δ peak | Step ms | Speed-up | Status |", "|:--|:--|--:|--:|--:|--:|:--|"]
     for row in rows:
         base = find_baseline_row(row, rows, base_method)
         is_base = base is row
         change = "baseline" if is_base else ratios.peak_change(row, base).text
         speed = "baseline" if is_base else ratios.speedup(row, base).text
-        family, peak = row.get("method_family") or "—", fmt_number(row.get("peak_allocated_gib"))
-        lines.append(f"| `{row['method']}` | {family} | {peak} | {change} | {fmt_ms(row.get('step_ms_median'))} | "
-                     f"{speed} | {as_text(row.get('status'))} |")
-    return lines + [""]
+        family, peak = row.get("method_family") or "—", fmt_memory(row.get("peak_allocated_gib"), unit)
+        lines.append(f"| {method_cell(row['method'], [row])} | {family} | {peak} | {change} | "
+                     f"{fmt_ms(row.get('step_ms_median'))} | {speed} | {as_text(row.get('status'))} |")
+    return lines + [""] + _nothing_fused_lines(rows)
 
 
 def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
@@ -161,8 +174,9 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
             base_method, _ = choose_baseline(rows)
             base = find_baseline_row(row, rows, base_method)
             cells.append(f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}")
-        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
-    return lines + [""]
+        every = [r for rows in per_shape.values() for r in rows]
+        lines.append(f"| {method_cell(method, every)} | " + " | ".join(cells) + " |")
+    return lines + [""] + _nothing_fused_lines([r for rows in per_shape.values() for r in rows])
 
 
 def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "index.md") -> str:
@@ -171,7 +185,8 @@ def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "ind
     devices = sorted({str(d) for d in frame["device_name"]}, key=lambda d: (device_label(d), d))
     lines = ["# FORGE benchmark summary", "",
              f"{len(frame)} rows ({ok} ok) from {results_text}: {frame['run_id'].nunique()} runs on "
-             f"{', '.join(device_label(d) for d in devices)}. Memory in GiB (2^30 bytes), times in ms. "
+             f"{', '.join(device_label(d) for d in devices)}. Memory in GiB (2^30 bytes), or in MiB (2^20 bytes) where "
+             f"a table's header says so; times in ms. "
              f"Ratios only between rows of one run on one device; {ratios.NOISE_MARK} = inside the step-time "
              f"noise, ≥ / ≤ = a bound (the two cells ran at SM clocks apart). Every run, table and figure, and the "
              f"rule for ratios: [{details}]({details}).", ""]

@@ -17,10 +17,9 @@ import pandas as pd
 from forge_bench.floor import floor_ms, power_floor_ms
 
 from . import ratios
-from .data import (HEADLINE_KEYS, key_parts, timing_slug, choose_baseline, find_baseline_row, finished_last, fmt_ms,
-                   fmt_number,
-                   group_title, is_forge, method_sort_key, ordered_methods, records, run_label,
-                   slug)
+from .data import (HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, choose_baseline, find_baseline_row,
+                   finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit, method_cell,
+                   method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
 
 SPREAD_NOTE = ("Step ms is the median over runs of each run's median step; p10–p90 spans all "
@@ -184,8 +183,9 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
         rows = sorted_rows(records(group))
         base_method, base_note = choose_baseline(rows)
         several_runs = group["run_id"].nunique(dropna=False) > 1
+        unit = memory_unit(r.get("peak_allocated_gib") for r in rows)
         header = ["Method"] + (["Run"] if several_runs else []) + [
-            "Peak GiB", "Δ peak", "Step ms", "p10–p90 ms", "Spread", "Speed-up", "J/step", "Mean W",
+            f"Peak {unit}", "Δ peak", "Step ms", "p10–p90 ms", "Spread", "Speed-up", "J/step", "Mean W",
             "Parity rms-rel", "Status"]
         notes = _Notes()
         body, recs = [], []
@@ -203,8 +203,10 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                 notes.add(f"Peak not measured: {one_line(row.get('peak_reason')) or 'no reason recorded'}.")
             if as_text(row.get("status")) != "ok":
                 notes.add("Rows with a status other than ok: see “What did not run” for the reason.")
-            body.append([f"`{row['method']}`"] + ([run_label(row["run_id"])] if several_runs else []) + [
-                fmt_number(row.get("peak_allocated_gib")),
+            if nothing_fused(row):
+                notes.add(NOTHING_FUSED_NOTE)
+            body.append([method_cell(row["method"], [row])] + ([run_label(row["run_id"])] if several_runs else []) + [
+                fmt_memory(row.get("peak_allocated_gib"), unit),
                 "baseline" if is_base else change.text,
                 fmt_ms(row.get("step_ms_median")), p10_p90_text(row), spread_text(row),
                 "baseline" if is_base else speed.text,
@@ -226,9 +228,10 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                          "parity_rms_rel": as_number(row.get("parity_rms_rel")),
                          "energy_j_per_step": as_number(extra.get("energy_j_per_step")),
                          "power_w_mean": as_number(extra.get("power_w_mean")),
+                         "nothing_fused": nothing_fused(row),
                          "status": row.get("status")})
         timing = {as_text(r.get("timing_method")) for r in rows if as_text(r.get("timing_method"))}
-        caption = (f"{base_note} Δ peak: change of peak allocated memory (GiB = 2^30 bytes); "
+        caption = (f"{base_note} Δ peak: change of peak allocated memory ({unit} = 2^{30 if unit == 'GiB' else 20} bytes); "
                    f"speed-up: baseline step time / this step time. J/step and mean W: the board's "
                    f"energy counter (NVML) over the timed window, per step and per second (— where a row has "
                    f"no energy reading, e.g. on a CPU). {SPREAD_NOTE}"
@@ -293,10 +296,14 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
         methods = ordered_methods(group)
         columns = [f"b{b}×s{s}" for b, s in shapes]
         title = group_title(keys)
+        group_rows = records(group)
+        unit = memory_unit(r.get("peak_allocated_gib") for r in group_rows if as_text(r.get("status")) == "ok")
         peak_rows, step_rows, peak_recs, step_recs = [], [], [], []
         notes = _Notes()
+        if any(nothing_fused(r) for r in group_rows):
+            notes.add(NOTHING_FUSED_NOTE)
         for method in methods:
-            peak_cells, step_cells = [f"`{method}`"], [f"`{method}`"]
+            peak_cells, step_cells = [method_cell(method, group_rows)], [method_cell(method, group_rows)]
             for batch, seq in shapes:
                 row = cell_row(group, method, batch, seq)
                 if row is None:
@@ -308,7 +315,7 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
                     peak_cells.append(status or "—")
                     step_cells.append(status or "—")
                     continue
-                peak_cells.append(fmt_number(row.get("peak_allocated_gib")))
+                peak_cells.append(fmt_memory(row.get("peak_allocated_gib"), unit))
                 spread = as_number(row.get("step_ms_spread_max"))
                 step_cells.append(fmt_ms(row.get("step_ms_median"))
                                   + ("" if spread is None else f" ({spread * 100:.0f}%)"))
@@ -322,22 +329,25 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
             step_rows.append(step_cells)
         name = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
                     timing_slug(keys))
-        tables.append(Table(name + "-peak", f"Peak GiB, {title}",
-                            "Peak allocated memory per method and batch × seq (GiB = 2^30 bytes); "
+        tables.append(Table(name + "-peak", f"Peak {unit}, {title}",
+                            f"Peak allocated memory per method and batch × seq ({unit} = 2^{30 if unit == 'GiB' else 20} bytes); "
                             "a status in place of a number: the cell did not run ok.",
                             ["Method"] + columns, peak_rows, "l" + "r" * len(shapes),
                             list(notes.items), peak_recs))
         tables.append(Table(name + "-step", f"Step ms, {title}",
                             "Median step time per method and batch × seq, ms; in brackets the "
                             "largest per-run IQR / median.",
-                            ["Method"] + columns, step_rows, "l" + "r" * len(shapes), [], step_recs))
+                            ["Method"] + columns, step_rows, "l" + "r" * len(shapes),
+                            [NOTHING_FUSED_NOTE] if any(nothing_fused(r) for r in group_rows) else [], step_recs))
         ratio_rows, ratio_recs = [], []
         ratio_notes = _Notes()
         for method in methods:
             if not is_forge(method):
                 continue
             cells = grid_ratio_cells(group, method)
-            line = [f"`{method}`"]
+            line = [method_cell(method, group_rows)]
+            if any(r.get("method") == method and nothing_fused(r) for r in group_rows):
+                ratio_notes.add(NOTHING_FUSED_NOTE)
             for shape in shapes:
                 if shape not in cells:
                     line.append("—")
@@ -362,16 +372,32 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
 
 # --- model scaling ------------------------------------------------------------------------------
 
-SCALING_KEYS = ["run_id", "device_name", "dtype", "batch", "seq", "timing", "activations"]
+# A model family (forge_bench/zoo.py) is one architecture at several sizes: scaling compares sizes
+# within one family only (tiny-Llama against tiny-GPT-2 is two architectures, not a curve).
+SCALING_KEYS = ["run_id", "device_name", "family", "dtype", "batch", "seq", "timing", "activations"]
 
 
 def scaling_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
-    """(keys, rows) of every run x device x dtype x shape measured on two or more models."""
+    """(keys, rows) of every run x device x model family x dtype x shape measured on two or more
+    models of that family."""
     out = []
     for keys, group in frame.groupby(SCALING_KEYS, sort=True, dropna=False):
         if group["model"].nunique() >= 2:
             out.append((dict(zip(SCALING_KEYS, keys)), group))
     return out
+
+
+def scaling_skip_note(frame: pd.DataFrame) -> str:
+    """Why the report has no scaling table: which families each run measured at a single size."""
+    singles = sorted({f"{family} ({', '.join(sorted(set(group['model'])))})"
+                      for (_, family), group in frame.groupby(["run_id", "family"], sort=True)})
+    return ("no run measured two or more models of one family at one shape (scaling compares sizes "
+            f"within a family; families here: {'; '.join(singles) or 'none'})")
+
+
+def scaling_title(keys: Mapping[str, Any]) -> str:
+    """The title of one family's scaling group."""
+    return f"{keys['family']} family · {group_title(keys)}"
 
 
 def models_by_size(group: pd.DataFrame) -> list[tuple[str, float | None]]:
@@ -397,6 +423,8 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
     for keys, group in scaling_groups(frame):
         models = models_by_size(group)
         columns = [f"{m} ({params_text(n)})" for m, n in models]
+        group_rows = records(group)
+        unit = memory_unit(r.get("peak_allocated_gib") for r in group_rows if as_text(r.get("status")) == "ok")
         body, recs = [], []
         for method in ordered_methods(group):
             line = [f"`{method}`"]
@@ -409,17 +437,19 @@ def scaling_tables(frame: pd.DataFrame) -> list[Table]:
                 if as_text(row.get("status")) != "ok":
                     line.append(str(row.get("status")))
                     continue
-                line.append(f"{fmt_number(row.get('peak_allocated_gib'))} / {fmt_ms(row.get('step_ms_median'))}")
+                line.append(f"{fmt_memory(row.get('peak_allocated_gib'), unit)} / {fmt_ms(row.get('step_ms_median'))}"
+                            + (" (nothing fused)" if nothing_fused(row) else ""))
                 recs.append({**keys, "method": method, "model": model, "n_params": n_params,
                              "peak_gib": as_number(row.get("peak_allocated_gib")),
                              "step_ms_median": as_number(row.get("step_ms_median"))})
             body.append(line)
-        tables.append(Table(slug("scaling", keys["device_name"], keys["dtype"], keys["batch"],
+        tables.append(Table(slug("scaling", keys["device_name"], keys["family"], keys["dtype"], keys["batch"],
                                  keys["seq"], run_label(keys["run_id"]), timing_slug(keys)),
-                            f"Model scaling, {group_title(keys)}",
-                            "Peak GiB / median step ms per method and model (parameter count "
-                            "in brackets).", ["Method"] + columns, body, "l" + "r" * len(models),
-                            [], recs))
+                            f"Model scaling, {scaling_title(keys)}",
+                            f"Peak {unit} / median step ms per method and model (parameter count "
+                            "in brackets), the models of one family.", ["Method"] + columns, body,
+                            "l" + "r" * len(models),
+                            [NOTHING_FUSED_NOTE] if any(nothing_fused(r) for r in group_rows) else [], recs))
     return tables
 
 
@@ -462,7 +492,7 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
             power_floor = power_floors.get(state_dtype)
             power_cells = ([fmt_ms(power_floor), f"{step / power_floor:.2f}×"] if power_floor else ["—", "—"]
                            ) if with_power else []
-            body.append([f"`{row['method']}`", state_dtype, fmt_ms(terms["traffic_ms"][state_dtype]),
+            body.append([method_cell(row["method"], [row]), state_dtype, fmt_ms(terms["traffic_ms"][state_dtype]),
                          fmt_ms(floor), fmt_ms(step), f"{step / floor:.2f}×"] + power_cells
                         + [f"{best:.2f}×" if best else "—", got_text])
             recs.append({**key_map, "method": row["method"], "state_dtype": state_dtype,
@@ -489,7 +519,8 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
                             f"FORGE against its floor, {group_title(key_map)}", caption,
                             ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor"] + power_headers
                             + ["Best speed-up", "Measured speed-up"], body, "llrrrr" + "rr" * with_power + "rr",
-                            [NOISE_FOOTNOTE, BOUND_FOOTNOTE],
+                            [NOISE_FOOTNOTE, BOUND_FOOTNOTE]
+                            + ([NOTHING_FUSED_NOTE] if any(nothing_fused(r) for r in forge_rows) else []),
                             recs))
     return tables
 
@@ -527,7 +558,9 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
     for keys, group in memory_groups(frame):
         body, recs = [], []
         notes = _Notes()
-        for row in sorted_rows(records(group)):
+        rows = sorted_rows(records(group))
+        unit = memory_unit(v for row in rows for v in [*memory_parts(row).values(), row.get("peak_allocated_gib")])
+        for row in rows:
             parts = memory_parts(row)
             rest = parts["Activations + rest"]
             if rest is None:
@@ -536,16 +569,20 @@ def memory_tables(frame: pd.DataFrame) -> list[Table]:
             elif rest < 0:
                 notes.add("A negative activations + rest means the analytic parts over-count what "
                           "was alive at the peak.")
-            body.append([f"`{row['method']}`"] + [fmt_number(parts[label]) for _, label in ANALYTIC_PARTS]
-                        + [fmt_number(rest), fmt_number(row.get("peak_allocated_gib"))])
+            if nothing_fused(row):
+                notes.add(NOTHING_FUSED_NOTE)
+            body.append([method_cell(row["method"], [row])] + [fmt_memory(parts[label], unit) for _, label in ANALYTIC_PARTS]
+                        + [fmt_memory(rest, unit), fmt_memory(row.get("peak_allocated_gib"), unit)])
             recs.append({**keys, "method": row["method"], **{k: v for k, v in parts.items()},
                          "peak_gib": as_number(row.get("peak_allocated_gib"))})
         tables.append(Table(slug("memory", keys["device_name"], keys["model"], keys["dtype"],
                                  keys["batch"], keys["seq"], run_label(keys["run_id"]), timing_slug(keys)),
                             f"Where memory goes, {group_title(keys)}",
-                            "GiB. Weights, optimizer states and gradients are analytic byte counts "
-                            "of what each arm holds; activations + rest = measured peak minus them.",
-                            ["Method", "Weights", "Opt. states", "Gradients", "Activations + rest", "Peak"],
+                            f"{unit} ({'2^30' if unit == 'GiB' else '2^20'} bytes). Weights, optimizer states and "
+                            "gradients are analytic byte counts of what each arm holds; activations + rest = "
+                            "measured peak minus them.",
+                            ["Method"] + [f"{name} {unit}" for name in ("Weights", "Opt. states", "Gradients",
+                                                                        "Activations + rest", "Peak")],
                             body, "lrrrrr", notes.items, recs))
     return tables
 
@@ -587,10 +624,14 @@ def hardware_tables(frame: pd.DataFrame) -> list[Table]:
                    + ("" if devices_seen.count(d) == 1 else f" ({run_label(r)})")) for d, r in pairs]
         cells = {pair: hardware_cells(group, *pair) for pair in pairs}
         methods = ordered_methods(group)
+        group_rows = records(group)
+        unit = memory_unit(r.get("peak_allocated_gib") for r in group_rows if as_text(r.get("status")) == "ok")
         notes = _Notes()
+        if any(nothing_fused(r) for r in group_rows):
+            notes.add(NOTHING_FUSED_NOTE)
         mem_rows, time_rows, recs = [], [], []
         for method in methods:
-            mem_line, time_line = [f"`{method}`"], [f"`{method}`"]
+            mem_line, time_line = [method_cell(method, group_rows)], [method_cell(method, group_rows)]
             for pair, label in zip(pairs, labels):
                 hit = cells[pair].get(method)
                 if hit is None:
@@ -604,7 +645,7 @@ def hardware_tables(frame: pd.DataFrame) -> list[Table]:
                     mem_line += [str(row.get("status")), "—"]
                     time_line += [str(row.get("status")), "—"]
                 else:
-                    mem_line += [fmt_number(row.get("peak_allocated_gib")), change.text]
+                    mem_line += [fmt_memory(row.get("peak_allocated_gib"), unit), change.text]
                     spread = as_number(row.get("step_ms_spread_max"))
                     time_line += [fmt_ms(row.get("step_ms_median"))
                                   + ("" if spread is None else f" ({spread * 100:.0f}%)"), speed.text]
@@ -620,7 +661,7 @@ def hardware_tables(frame: pd.DataFrame) -> list[Table]:
                              for d, r in pairs})
         rule = ("Each device's ratios are against its own baseline in its own run; no ratio is "
                 "ever taken across devices. " + " ".join(base_notes))
-        mem_header = ["Method"] + [x for label in labels for x in (f"{label} peak GiB", f"{label} Δ peak")]
+        mem_header = ["Method"] + [x for label in labels for x in (f"{label} peak {unit}", f"{label} Δ peak")]
         time_header = ["Method"] + [x for label in labels for x in (f"{label} step ms", f"{label} speed-up")]
         name = slug("hardware", *key_parts(keys))
         tables.append(Table(name + "-memory", f"Hardware comparison (memory), {title}", rule,
