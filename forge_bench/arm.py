@@ -23,6 +23,8 @@ class TrainConfig:
     momentum: float = 0.9            # SGD arms
     device: str = "cuda"
     capturable: bool = False         # the step will be captured in a CUDA graph (optimizers keep steps on the GPU)
+    world_size: int = 1              # ranks of a distributed arm (forge_bench/dist_cell.py)
+    bucket_cap_mb: float = 25.0      # data parallel: the gradient bucket (DDP's default)
 
 
 class Arm(Protocol):

@@ -432,6 +432,10 @@ def base_row(suite: Suite, cell: Cell, method: methods_mod.Method | None, run_id
         "timing_method": ("cuda_graph_replay" if cell.cuda_graph else "cuda_events") if spec.device_type == "cuda"
                          else "wall_clock",
         "activations": cell.activations,
+        "world_size": cell.world_size,
+        "strategy": method.strategy if method else None,
+        "bucket_cap_mb": ((cell.bucket_cap_mb or TrainConfig().bucket_cap_mb)
+                          if (method and method.strategy == "dp") else None),
         **telemetry.environment(spec.device),
         "driver_version": telemetry.driver_version() if spec.device_type == "cuda" else None,
     }
@@ -477,7 +481,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     elif device.startswith("cuda") and not torch.cuda.is_available():
         reason = f"suite device is {device} but no CUDA device is visible"
     else:
-        reason = method.unavailable_reason(device, cell.cuda_graph)
+        reason = method.unavailable_reason(device, cell.cuda_graph, cell.world_size)
     if reason:
         row.update(status="unavailable", reason=reason)
         results.write_row(out_dir, _finish(row, t_start, extra))

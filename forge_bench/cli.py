@@ -204,7 +204,7 @@ def _print_plan(loaded, cells, done) -> None:
     # plain lines, one per cell (greppable, and the ids can be pasted into `forge-bench cell`)
     out_console.print(f"{loaded.name}: plan (dry run): label  cell_id  plan", highlight=False)
     for c in cells:
-        reason = METHODS[c.method].unavailable_reason(loaded.spec.device, c.cuda_graph)
+        reason = METHODS[c.method].unavailable_reason(loaded.spec.device, c.cuda_graph, c.world_size)
         plan = "done (kept)" if c.cell_id in done else (f"unavailable: {reason}" if reason else "run")
         out_console.print(f"{c.label}  {c.cell_id}  {plan}", highlight=False, soft_wrap=True)
     s = loaded.spec

@@ -14,10 +14,12 @@ peak-memory counter reset at the start of the window. Rank 0 gathers every rank'
 writes the cell's one row: a step's time is the slowest rank's, the peak the largest rank's (each
 rank's in ``extra``), tokens per second the global batch's.
 
-Failures: a rank out of memory writes ``<cell_id>.attempt<N>.rank<r>.oom`` under the log folder
+Failures: every rank's output goes to the launcher's stderr, and torchrun's closing summary names the
+first rank that failed and its exception (``record``), so the ``crashed`` row's stderr tail says why.
+A rank out of memory writes ``<cell_id>.attempt<N>.rank<r>.oom`` under the log folder
 and exits at once with ``EXIT_OOM_RETRY`` (the other ranks may be blocked in a collective; torchrun
 stops them), and the runner retries the cell once, then writes the ``oom`` row. Any other death is
-the runner's ``crashed`` row with the launcher's stderr tail (every rank's output goes there).
+the runner's ``crashed`` row.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Annotated, Any, Optional
 import torch
 import torch.distributed as dist
 import typer
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
@@ -235,7 +238,6 @@ def launch(
     """Run torchrun in this process with the cell's world size: one rank per process."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     loaded = load_suite(suite)
@@ -245,11 +247,13 @@ def launch(
     try:
         torchrun(["--standalone", "--nproc-per-node", str(cell.world_size), "-m", "forge_bench.dist_cell", "rank",
                   *rank_args])
-    except ChildFailedError:
+    except ChildFailedError as failure:
+        print(failure, file=sys.stderr)      # the summary: the first failing rank and its exception
         raise typer.Exit(1)
 
 
 @app.command()
+@record          # torchrun's failure summary then names the first failing rank's exception (the stderr tail)
 def rank(
     suite: Annotated[Path, typer.Option(help="suite YAML file")],
     cell_id: Annotated[str, typer.Option(help="the cell's id")],

@@ -23,6 +23,8 @@ from torch import nn
 
 from forge_bench import peers
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
+from forge_bench.dist_arms import (STRATEGIES, build_ddp_adamw_fused, build_fsdp2_adamw, build_tp_adamw,
+                                   forge_dp_builder, forge_fsdp2_builder, forge_tp_builder)
 from forge_bench.peer_probes import availability_check
 from forge_bench.torch_arms import (adamw_builder, build_adamw_fused_cce, build_no_optimizer, build_sgd,
                                     forge_builder, forge_bytes_per_param, forge_cce_builder, forge_problem)
@@ -55,13 +57,26 @@ class Method:
     # Whether a whole training step of this arm can be captured in one CUDA graph (built with
     # ``TrainConfig.capturable``): no host sync and no host-side state that changes per step.
     graphable: bool = False
+    # A distributed arm's strategy ("dp", "fsdp2", "tp": forge_bench/dist_arms.py): its cell is one
+    # torchrun process tree of ``world_size`` ranks (forge_bench/dist_cell.py). None: one process.
+    strategy: str | None = None
 
-    def unavailable_reason(self, device: str, cuda_graph: bool = False) -> str | None:
-        """None when this arm can run on ``device`` (timed as a CUDA graph replay when ``cuda_graph``);
-        otherwise why not, in one line."""
+    def __post_init__(self) -> None:
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"method {self.name!r}: strategy must be one of {STRATEGIES} or None, got {self.strategy!r}")
+
+    def unavailable_reason(self, device: str, cuda_graph: bool = False, world_size: int = 1) -> str | None:
+        """None when this arm can run on ``device`` (timed as a CUDA graph replay when ``cuda_graph``) with
+        ``world_size`` ranks; otherwise why not, in one line."""
         if cuda_graph and not self.graphable:
             return (f"{self.name}: its step cannot be captured in a CUDA graph (host-side state or syncs per "
                     "step); run it in an eager grid")
+        if self.strategy is None and world_size != 1:
+            return f"{self.name}: runs in one process; world_size must be 1, got {world_size}"
+        if self.strategy is not None:
+            problem = distributed_problem(device, world_size)
+            if problem is not None:
+                return f"{self.name}: {problem}"
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return f"{self.name}: Python package '{module}' is not installed"
@@ -70,6 +85,24 @@ class Method:
         if self.extra_check is not None:
             return self.extra_check()
         return None
+
+
+def distributed_problem(device: str, world_size: int) -> str | None:
+    """Why ``world_size`` ranks cannot run on ``device`` here (one line), or None: torch.distributed
+    with NCCL and one visible GPU per rank, or gloo on the CPU."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    if device.startswith("cuda"):
+        if not dist.is_nccl_available():
+            return "NCCL is not available in this torch build"
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible < world_size:
+            return f"needs {world_size} CUDA devices, {visible} visible"
+    elif not dist.is_gloo_available():
+        return "gloo (torch.distributed on the CPU) is not available in this torch build"
+    return None
 
 
 METHODS: dict[str, Method] = {}
@@ -189,6 +222,33 @@ ARMS: tuple[Method, ...] = (
            build=build_adamw_fused_cce, needs_cuda=True, extra_check=forge_problem,
            settings={"loss": "chunked_ce", "chunk_size": "auto"}, parity_reference="adamw",
            bytes_per_param=_bytes_torch_adamw, graphable=True),
+    # across GPUs (forge_bench/dist_arms.py): torch's recipes and FORGE's on the same layouts; one
+    # torchrun process tree per cell. No parity gate: tests/test_distributed.py gates the distributed
+    # arithmetic against single-process FORGE.
+    Method(name="ddp_adamw_fused", family="baseline",
+           description="DistributedDataParallel (bucket_cap_mb, gradient_as_bucket_view) + torch.optim.AdamW(fused=True)",
+           build=build_ddp_adamw_fused, strategy="dp", settings={"strategy": "dp"}),
+    Method(name="fsdp2_adamw", family="baseline",
+           description="FSDP2 (fully_shard per decoder block and the model) + torch.optim.AdamW(foreach=True)",
+           build=build_fsdp2_adamw, strategy="fsdp2", settings={"strategy": "fsdp2"}),
+    Method(name="tp_adamw", family="baseline",
+           description="tensor parallel (Llama plan: q/k/v/gate/up colwise, o/down rowwise) + torch.optim.AdamW(foreach=True)",
+           build=build_tp_adamw, strategy="tp", settings={"strategy": "tp"}),
+    *(Method(name=f"forge_dp_{state}", family="forge",
+             description=f"FORGE data parallel, {state} moments: each layer's gradient through a rotating "
+                         "bucket, all-reduced, then the fused update (forge_core.distributed.fuse_data_parallel)",
+             build=forge_dp_builder(state), requires=FORGE_NEEDS, extra_check=forge_problem, strategy="dp",
+             settings={"strategy": "dp", "state_dtype": state}) for state in ("bf16", "int8")),
+    *(Method(name=f"forge_fsdp2_{state}", family="forge",
+             description=f"FORGE on FSDP2, {state} moments: each reduce-scattered gradient shard updates its "
+                         "weight shard as it arrives (forge_core.distributed.fuse_fsdp)",
+             build=forge_fsdp2_builder(state), requires=FORGE_NEEDS, extra_check=forge_problem, strategy="fsdp2",
+             settings={"strategy": "fsdp2", "state_dtype": state}) for state in ("bf16", "int8")),
+    *(Method(name=f"forge_tp_{state}", family="forge",
+             description=f"FORGE tensor parallel, {state} moments: the fused kernel on each rank's weight shards "
+                         "(forge_core.distributed.fuse_tensor_parallel)",
+             build=forge_tp_builder(state), requires=FORGE_NEEDS, extra_check=forge_problem, strategy="tp",
+             settings={"strategy": "tp", "state_dtype": state}) for state in ("bf16", "int8")),
     # the peers: each builder imports its package when it runs; each check probes it (peer_probes)
     Method(name="bnb_adamw8bit", family="peer", description="bitsandbytes AdamW8bit: block-wise 8-bit moments",
            build=peers.build_bnb_adamw8bit, requires=("bitsandbytes",),

@@ -68,6 +68,9 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
                           "CUDA events around each replay; peak memory from the capture) | wall_clock"),
     ("activations", _S, "hf (the transformers model as it is) | lean (forge_core.lean_activations on every "
                         "arm of the grid: norms and SwiGLU keep less for backward)"),
+    ("world_size", _I, "ranks of the cell (a distributed arm's torchrun process tree; 1 for one process)"),
+    ("strategy", _S, "a distributed arm's layout: dp | fsdp2 | tp (null: one process)"),
+    ("bucket_cap_mb", _F, "a data-parallel arm's gradient bucket, MB (null: not data parallel)"),
     ("warmup_steps", _I, "untimed steps before the timed window"),
     ("timed_steps", _I, "steps per timed run"),
     ("repeats", _I, "timed runs"),
@@ -78,9 +81,12 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("step_ms_p10", _F, "10th percentile of all timed steps, ms"),
     ("step_ms_p90", _F, "90th percentile of all timed steps, ms"),
     ("step_ms_all", pa.list_(_F), "every timed step, ms, in order"),
-    ("tokens_per_s", _F, "batch * seq / median step time"),
-    ("peak_allocated_gib", _F, "torch.cuda.max_memory_allocated over the timed window, GiB (2^30)"),
-    ("peak_reserved_gib", _F, "torch.cuda.max_memory_reserved over the timed window, GiB (2^30)"),
+    ("tokens_per_s", _F, "tokens of the global batch / median step time (batch * seq, times world_size for the "
+                         "data-split strategies dp and fsdp2)"),
+    ("peak_allocated_gib", _F, "torch.cuda.max_memory_allocated over the timed window, GiB (2^30); with several "
+                               "ranks the largest rank's (each rank's in extra.peak_allocated_gib_per_rank)"),
+    ("peak_reserved_gib", _F, "torch.cuda.max_memory_reserved over the timed window, GiB (2^30); with several ranks "
+                              "the largest rank's"),
     ("peak_reason", _S, "why the peak is null (CPU run, ...)"),
     ("mem_weights_gib", _F, "analytic: parameter bytes, GiB"),
     ("mem_optimizer_states_gib", _F, "analytic: optimizer state bytes (moments, scales), GiB"),
@@ -123,6 +129,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
                   "kernel_configs (the fused kernel's tile per weight shape; '(tune cache)' when chosen by an earlier cell), tune_cache (that file), cuda_alloc_conf, memory_breakdown_bytes, "
                   "host_return_ms_median, energy_j_per_step and power_w_mean (NVML energy counter over the timed window), floor_terms, parity_rms_rel_global / parity_worst_param, "
+                  "a distributed cell's peak_allocated_gib_per_rank, peak_reserved_gib_per_rank, step_ms_median_per_rank, "
+                  "memory_breakdown_bytes_per_rank and tokens_per_step, "
                   "or a kernel benchmark's fields"),
 ]
 
@@ -177,7 +185,7 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
 
 
 # columns of schema v1 that some stored rows lack: they read as null there
-LATER_COLUMNS = ("activations", "torch_threads")
+LATER_COLUMNS = ("activations", "torch_threads", "world_size", "strategy", "bucket_cap_mb")
 
 
 def iter_result_files(path: str | os.PathLike) -> list[Path]:

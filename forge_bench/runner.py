@@ -9,7 +9,10 @@ A sweep writes into one results folder:
 Every cell ends in exactly one row whatever happens to its process: the cell writes ``ok``,
 ``parity_fail``, ``diverged``, ``unavailable``, ``oom_predicted`` or ``oom`` itself; this module
 writes ``timeout`` (killed at the cell's ``timeout_s``: the grid's, else the suite's) and ``crashed`` (the process died
-without a row; the row keeps its stderr tail). ``--resume`` skips cell ids that already have a
+without a row; the row keeps its stderr tail). A distributed arm's cell is one torchrun process tree
+(``forge_bench/dist_cell.py``): the same rules hold for the whole tree, a rank out of memory makes
+the cell's ``oom`` retry and row (its ranks leave a record under ``logs/``), and any other rank's
+death is the cell's ``crashed`` row. ``--resume`` skips cell ids that already have a
 readable row, so a ``kill -9`` of the sweep loses no written row and duplicates none; a row file
 that does not read is moved aside (``<cell_id>.parquet.corrupt``) and its cell runs again.
 ``--retry-failed`` also runs again the cells whose row says ``crashed``, ``timeout`` or ``oom``,
@@ -33,6 +36,7 @@ from typing import Any, Callable, Mapping
 from forge_bench import methods as methods_mod
 from forge_bench import results
 from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, base_row, run_cell
+from forge_bench.dist_cell import launch_command, oom_markers
 from forge_bench.suite import Cell, Suite
 
 MANIFEST = "manifest.json"
@@ -203,10 +207,13 @@ def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: in
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path = log_dir / f"{cell.cell_id}.attempt{attempt}.out"
     err_path = log_dir / f"{cell.cell_id}.attempt{attempt}.err"
-    cmd = [sys.executable, "-m", "forge_bench.cell", "--suite", str(suite.path), "--cell-id", cell.cell_id,
-           "--out", str(out_dir), "--run-id", run_id, "--attempt", str(attempt), "--parent-pid", str(os.getpid())]
-    if threads is not None:
-        cmd += ["--threads", str(threads)]
+    if cell.distributed:
+        cmd = launch_command(suite, cell, out_dir, run_id, attempt, os.getpid(), threads)
+    else:
+        cmd = [sys.executable, "-m", "forge_bench.cell", "--suite", str(suite.path), "--cell-id", cell.cell_id,
+               "--out", str(out_dir), "--run-id", run_id, "--attempt", str(attempt), "--parent-pid", str(os.getpid())]
+        if threads is not None:
+            cmd += ["--threads", str(threads)]
     with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
         proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell, tune_cache),
                                 cwd=os.getcwd(), start_new_session=True)
@@ -244,7 +251,7 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
             tune_cache: str | None = None, threads: int | None = None) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
     method = methods_mod.METHODS.get(cell.method)
-    if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph) is not None:
+    if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph, cell.world_size) is not None:
         run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
@@ -256,10 +263,18 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
                               stderr_tail(err_path), time.monotonic() - t0)
             results.write_row(out_dir, row)
             return row
-        if rc == EXIT_OOM_RETRY and attempt < MAX_ATTEMPTS:
+        out_of_memory = oom_markers(out_dir, cell.cell_id, attempt) if cell.distributed else []
+        if (rc == EXIT_OOM_RETRY or out_of_memory) and attempt < MAX_ATTEMPTS:
             continue
         row = _load_row(out_dir, cell.cell_id)
         if row is not None:
+            return row
+        if out_of_memory:                  # a rank of the last attempt ran out of memory
+            why = out_of_memory[0].read_text(errors="replace").strip()
+            row = _runner_row(suite, cell, run_id, attempt, "oom", f"out of memory on attempt {attempt} of "
+                              f"{MAX_ATTEMPTS} (each in a fresh process tree): {why}"[:1000], None,
+                              time.monotonic() - t0)
+            results.write_row(out_dir, row)
             return row
         how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         row = _runner_row(suite, cell, run_id, attempt, "crashed", f"cell process died ({how}) without a row",

@@ -1,6 +1,7 @@
 """YAML suite -> validated list of cells.
 
-A suite is one or more grids of models x batch x seq x methods sharing one set of run
+A suite is one or more grids of models x batch x seq x methods (x world sizes x data-parallel
+bucket sizes, for the distributed arms) sharing one set of run
 settings (device, dtype, warm-up, timed steps, repeats, parity gate, timeout, optimizer
 hyper-parameters). A file with top-level ``models/batch/seq/methods`` and no ``grids`` is one
 grid named ``main``. Grids let a suite name its headline cell so ``--only headline`` runs it
@@ -88,6 +89,12 @@ class Grid(_Strict):
     cuda_graph: bool = Field(False, description="time each step as a replay of the whole step captured in one "
                                                 "CUDA graph (no per-kernel launch cost); arms that cannot be "
                                                 "captured get an 'unavailable' row")
+    world_size: list[int] = Field([1], min_length=1, description="ranks per cell: a distributed arm (a method with a "
+                                  "strategy) runs as one torchrun process tree of that many ranks; a one-process "
+                                  "arm takes only 1 (else its cell's row is 'unavailable')")
+    bucket_cap_mb: list[float] | None = Field(None, min_length=1,
+                                              description="gradient bucket sizes, MB, for the data-parallel arms "
+                                                          "(strategy dp); other arms ignore it (default: 25, DDP's)")
     activations: Literal["hf", "lean"] = Field(
         "hf", description="hf: the transformers model as it is; lean: forge_core.lean_activations (the norms "
                           "and SwiGLU keep less for backward) applied to every arm of the grid, baselines included")
@@ -102,7 +109,18 @@ class Grid(_Strict):
     def _known_methods(cls, v: list[str]) -> list[str]:
         return _names_check(v, methods_mod.METHODS, "method")
 
-    @field_validator("batch", "seq")
+    @field_validator("bucket_cap_mb")
+    @classmethod
+    def _positive_buckets(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None:
+            bad = [x for x in v if not x > 0]
+            if bad:
+                raise ValueError(f"expected sizes > 0 MB, got {bad}")
+            if len(set(v)) != len(v):
+                raise ValueError(f"bucket sizes repeat: {v}")
+        return v
+
+    @field_validator("batch", "seq", "world_size")
     @classmethod
     def _positive(cls, v: list[int]) -> list[int]:
         bad = [x for x in v if x < 1]
@@ -217,10 +235,19 @@ class Cell:
     timeout_s: float
     cuda_graph: bool = False
     activations: str = "hf"      # "lean": forge_core.lean_activations applied before the arm is built
+    world_size: int = 1          # ranks (a distributed arm's torchrun process tree)
+    bucket_cap_mb: float | None = None   # a data-parallel arm's gradient bucket (None: 25 MB, DDP's default)
 
     @property
     def label(self) -> str:
-        return f"{self.grid}/{self.model}/b{self.batch}/s{self.seq}/{self.method}"
+        return (f"{self.grid}/{self.model}/b{self.batch}/s{self.seq}/{self.method}"
+                + distributed_marks(self.world_size, self.bucket_cap_mb, self.distributed, "/"))
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the cell runs as a torchrun process tree (its method has a strategy)."""
+        method = methods_mod.METHODS.get(self.method)
+        return method is not None and method.strategy is not None
 
 
 @dataclass(frozen=True)
@@ -245,8 +272,17 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
 
 
+def distributed_marks(world_size: int, bucket_cap_mb: float | None, distributed: bool, separator: str) -> str:
+    """``w<N>`` (for a distributed arm, or N != 1) and ``bucket<MB>`` (when set), each after ``separator``:
+    "" for a one-process cell, so its label and id read as they always did."""
+    marks = ([f"w{world_size}"] if distributed or world_size != 1 else []) + \
+        ([f"bucket{bucket_cap_mb:g}"] if bucket_cap_mb is not None else [])
+    return "".join(separator + mark for mark in marks)
+
+
 def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str,
-                 cuda_graph: bool = False, activations: str = "hf") -> str:
+                 cuda_graph: bool = False, activations: str = "hf", world_size: int = 1,
+                 bucket_cap_mb: float | None = None) -> str:
     """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it
     (a graph-timed or lean cell is marked; an eager hf cell's fields carry no mark, so its id stays the
     same whatever grid options exist, and a run of it resumes)."""
@@ -255,24 +291,38 @@ def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str,
         fields.append("cuda_graph")
     if activations != "hf":
         fields.append(f"activations={activations}")
+    if world_size != 1:
+        fields.append(f"world_size={world_size}")
+    if bucket_cap_mb is not None:
+        fields.append(f"bucket_cap_mb={bucket_cap_mb:g}")
     digest = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:10]
     marks = ("_graph" if cuda_graph else "") + (f"_{activations}" if activations != "hf" else "")
+    registered = methods_mod.METHODS.get(method)
+    marks += _safe(distributed_marks(world_size, bucket_cap_mb, registered is not None and registered.strategy is not None,
+                                     "_"))
     return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}{marks}_{digest}"
 
 
 def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
-    """The grid product, in order grid > model > batch > seq > method (arms of one shape adjacent)."""
+    """The grid product, in order grid > model > batch > seq > method > world size > bucket (arms of one
+    shape adjacent). A bucket size multiplies only the data-parallel arms (strategy dp)."""
     cells: dict[str, Cell] = {}
     for grid in spec.grids or []:
         for model in grid.models:
             for batch in grid.batch:
                 for seq in grid.seq:
                     for method in grid.methods:
-                        cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device,
-                                           grid.cuda_graph, grid.activations)
-                        cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device,
-                                                   grid.timeout_s or spec.timeout_s, grid.cuda_graph,
-                                                   grid.activations))
+                        registered = methods_mod.METHODS.get(method)
+                        buckets: list[float | None] = [None]
+                        if grid.bucket_cap_mb and registered is not None and registered.strategy == "dp":
+                            buckets = list(grid.bucket_cap_mb)
+                        for world_size in grid.world_size:
+                            for bucket in buckets:
+                                cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device,
+                                                   grid.cuda_graph, grid.activations, world_size, bucket)
+                                cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype,
+                                                           spec.device, grid.timeout_s or spec.timeout_s,
+                                                           grid.cuda_graph, grid.activations, world_size, bucket))
     return tuple(cells.values())
 
 

@@ -82,6 +82,37 @@ _ENTRIES = [
     Method(name="test_forge_like", family="forge", description="plain SGD registered as a FORGE-family arm (for --check tests)",
            build=lambda m, c: TorchArm(m, _sgd(m, c), {})),
 ]
+
+
+class _DistArm(TorchArm):
+    """A distributed arm (strategy dp) whose rank 1 misbehaves as ``how`` says; rank 0 steps as SGD."""
+
+    def __init__(self, model, optimizer, how: str):
+        super().__init__(model, optimizer, {"strategy": "dp"})
+        self.how = how
+
+    def step(self, batch):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            if self.how == "crash":
+                raise RuntimeError("boom: simulated crash on rank 1")
+            if self.how == "hang":
+                time.sleep(3600)
+            if self.how == "oom_once":
+                flag = Path(os.environ[OOM_FLAG_ENV])
+                if not flag.exists():
+                    flag.write_text("rank 1 ran out of memory on the first attempt")
+                    raise torch.OutOfMemoryError("CUDA out of memory on rank 1 (simulated)")
+        return super().step(batch)
+
+
+_ENTRIES += [
+    Method(name=f"test_dist_{how}", family="baseline", description=f"distributed (dp), rank 1: {how}",
+           build=lambda m, c, how=how: _DistArm(m, _sgd(m, c), how), strategy="dp")
+    for how in ("crash", "hang", "oom_once")
+]
+
 for _method in _ENTRIES:
     if _method.name not in METHODS:
         register(_method)

@@ -7,7 +7,8 @@
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
-  where memory goes, hardware comparison, fidelity, what did not run;
+  where memory goes, hardware comparison, fidelity, across GPUs (the distributed arms: per-rank
+  peak, step and tokens/s per world size, and the targets; ``distributed.py``), what did not run;
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
   ``forge-bench report --formats png``),
 
@@ -25,7 +26,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from . import figures, folder, ratios, summary, tables
+from . import distributed, figures, folder, ratios, summary, tables
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -65,9 +66,12 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     return out_dir / SUMMARY
 
 
-def _write_report(frame: pd.DataFrame, folders: list[Path], out_dir: Path, formats: Sequence[str]) -> None:
-    """Every table, figure and page of the report into the empty folder ``out_dir``."""
+def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, formats: Sequence[str]) -> None:
+    """Every table, figure and page of the report into the empty folder ``out_dir``. The distributed
+    arms' rows (a strategy) have a section of their own; every other section reads the one-process rows."""
     results_dir = ", ".join(f"`{f}`" for f in folders)
+    across_gpus = distributed.is_distributed(every_row)
+    frame, distributed_rows = every_row[~across_gpus], every_row[across_gpus]
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
     colors = figures.method_colors(ordered_methods(frame))
     written: list[Path] = []
@@ -157,13 +161,21 @@ def _write_report(frame: pd.DataFrame, folders: list[Path], out_dir: Path, forma
     written += fid_figs
     sections += figure_block(fid_figs) if fid_figs else ([f"_No fidelity figure: {fid_note}._", ""])
 
+    # across GPUs
+    sections += table_section("Across GPUs", "distributed", distributed.dist_tables(distributed_rows),
+                              "The distributed arms (forge_bench/dist_arms.py) per world size, and the targets.",
+                              True, "no distributed arm ran ok")
+    dist_figs = distributed.dist_figures(distributed_rows, figure_dir, formats)
+    written += dist_figs
+    sections += figure_block(dist_figs)
+
     # not run
-    not_run = tables.not_run_table(frame)
+    not_run = tables.not_run_table(every_row)
     sections += table_section("What did not run", "not-run", [not_run] if not_run else [],
                               "", True, "every row ran ok")
 
     index = out_dir / DETAILS
-    header = _header(frame, results_dir)
+    header = _header(every_row, results_dir)
     index.write_text("\n".join(header + sections).rstrip() + "\n")
     written.append(index)
     first_page = out_dir / SUMMARY

@@ -1,0 +1,133 @@
+"""The harness's parallel axis: suites with world sizes and bucket sizes, a distributed cell as one
+torchrun process tree (gloo ranks on the CPU) that writes one row, its failures as one row each, and
+the report's distributed section."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from forge_bench import methods, results, runner
+from forge_bench.report import build_report
+from forge_bench.suite import SuiteError, load_suite
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+AXES = """
+device: cpu
+dtype: float32
+parity: {enabled: false}
+grids:
+  - name: g
+    models: [tiny-llama]
+    batch: [2]
+    seq: [16]
+    methods: [sgd, forge_dp_bf16, forge_tp_bf16]
+    world_size: [1, 2]
+    bucket_cap_mb: [1, 25]
+"""
+
+SWEEP = """
+device: cpu
+dtype: float32
+warmup_steps: 1
+timed_steps: 2
+repeats: 1
+timeout_s: 120
+parity: {enabled: false}
+grids:
+  - {name: ok, models: [tiny-llama], batch: [2], seq: [16], world_size: [2],
+     methods: [forge_dp_bf16, forge_fsdp2_bf16, forge_tp_bf16, test_dist_crash, test_dist_oom_once]}
+  - {name: hang, models: [tiny-llama], batch: [2], seq: [16], world_size: [2], methods: [test_dist_hang], timeout_s: 20}
+  - {name: one, models: [tiny-llama], batch: [2], seq: [16], world_size: [2], methods: [sgd]}
+"""
+
+
+def write_suite(tmp_path: Path, text: str, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_world_size_and_bucket_axes_expand_only_where_they_apply(tmp_path):
+    suite = load_suite(write_suite(tmp_path, AXES, "axes"))
+    labels = [cell.label for cell in suite.cells]
+    # a one-process arm: a cell per world size (the one at 2 is unavailable), no bucket
+    assert "g/tiny-llama/b2/s16/sgd" in labels and "g/tiny-llama/b2/s16/sgd/w2" in labels
+    # data parallel: world size x bucket; tensor parallel: world size only
+    for world in (1, 2):
+        for bucket in (1, 25):
+            assert f"g/tiny-llama/b2/s16/forge_dp_bf16/w{world}/bucket{bucket}" in labels
+        assert f"g/tiny-llama/b2/s16/forge_tp_bf16/w{world}" in labels
+    assert len(suite.cells) == 2 + 4 + 2
+    assert len({cell.cell_id for cell in suite.cells}) == len(suite.cells)
+    assert all(c.world_size == int(c.label.split("/w")[1].split("/")[0]) for c in suite.cells if "/w" in c.label)
+    assert [c.cell_id for c in suite.select("*/w2*")] == [c.cell_id for c in suite.cells if c.world_size == 2]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("world_size", "[0]", "expected positive integers"),
+    ("world_size", "[true]", "world_size"),
+    ("bucket_cap_mb", "[0]", "expected sizes > 0 MB"),
+])
+def test_bad_parallel_axes_are_one_line_errors(tmp_path, field, value, message):
+    text = AXES.replace("    world_size: [1, 2]\n    bucket_cap_mb: [1, 25]\n", f"    {field}: {value}\n")
+    with pytest.raises(SuiteError, match=message) as error:
+        load_suite(write_suite(tmp_path, text, "bad"))
+    assert "\n" not in str(error.value)
+
+
+def test_availability_names_what_a_distributed_cell_lacks():
+    sgd, dp = methods.get_method("sgd"), methods.get_method("forge_dp_bf16")
+    assert "runs in one process; world_size must be 1" in sgd.unavailable_reason("cpu", world_size=2)
+    assert dp.unavailable_reason("cpu", world_size=2) is None
+    cuda_reason = dp.unavailable_reason("cuda", world_size=64)
+    assert cuda_reason is not None and ("needs 64 CUDA devices" in cuda_reason or "NCCL" in cuda_reason)
+
+
+@pytest.fixture()
+def plugin_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(TESTS), *inherited]))
+    monkeypatch.setenv("FORGE_BENCH_TEST_OOM_FLAG", str(tmp_path / "oom-once.flag"))
+    methods.load_plugins()
+    return tmp_path
+
+
+def test_distributed_cells_are_torchrun_trees_with_one_row_each(plugin_env):
+    tmp_path = plugin_env
+    suite = load_suite(write_suite(tmp_path, SWEEP, "dist_sweep"))
+    out = tmp_path / "results"
+    run_id, outcomes = runner.run_sweep(suite, list(suite.cells), out)
+    frame = results.load_results(out).set_index("method")
+    assert len(frame) == len(suite.cells) == 7
+
+    for method, strategy in (("forge_dp_bf16", "dp"), ("forge_fsdp2_bf16", "fsdp2"), ("forge_tp_bf16", "tp")):
+        row = frame.loc[method]
+        assert row["status"] == "ok", row["stderr_tail"]
+        assert (row["world_size"], row["strategy"]) == (2, strategy)
+        extra = json.loads(row["extra"])
+        assert len(extra["step_ms_median_per_rank"]) == 2
+        assert extra["tokens_per_step"] == (2 * 2 * 16 if strategy != "tp" else 2 * 16)
+        assert row["n_fused_params"] > 0
+    assert frame.loc["forge_dp_bf16", "bucket_cap_mb"] == 25.0
+    assert pd.isna(frame.loc["forge_tp_bf16", "bucket_cap_mb"])
+
+    crashed = frame.loc["test_dist_crash"]
+    assert crashed["status"] == "crashed" and "boom: simulated crash on rank 1" in crashed["stderr_tail"]
+    retried = frame.loc["test_dist_oom_once"]
+    assert (retried["status"], retried["attempts"]) == ("ok", 2)
+    assert frame.loc["test_dist_hang", "status"] == "timeout"
+    assert frame.loc["sgd", "status"] == "unavailable"
+
+    report = build_report(out, tmp_path / "report", formats=("png",))
+    details = (report.parent / "index.md").read_text()
+    assert "## Across GPUs" in details and "`forge_tp_bf16`" in details
+    table = pd.read_csv(report.parent / "tables" / "distributed.csv")
+    assert set(table["method"]) == {"forge_dp_bf16", "forge_fsdp2_bf16", "forge_tp_bf16", "test_dist_oom_once"}
