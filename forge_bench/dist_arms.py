@@ -140,7 +140,7 @@ def shard_tensor_parallel(model: nn.Module) -> Any:
     return mesh
 
 
-def _adamw(params: list[nn.Parameter], cfg: TrainConfig, flags: Mapping[str, bool]) -> torch.optim.AdamW:
+def _adamw(params: list[Any], cfg: TrainConfig, flags: Mapping[str, bool]) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **flags)
 
 
@@ -172,7 +172,12 @@ def build_fsdp2_adamw(model: nn.Module, cfg: TrainConfig) -> DistArm:
 def build_tp_adamw(model: nn.Module, cfg: TrainConfig) -> DistArm:
     shard_tensor_parallel(model)
     flags = {"foreach": True}
-    optimizer = _adamw(trainable_parameters(model), cfg, flags)
+    # One group of the sharded (DTensor) weights and one of the replicated ones: a foreach kernel
+    # refuses a list that mixes the two.
+    params = trainable_parameters(model)
+    sharded = [p for p in params if hasattr(p, "device_mesh")]
+    groups = [{"params": group} for group in (sharded, [p for p in params if not hasattr(p, "device_mesh")]) if group]
+    optimizer = _adamw(groups, cfg, flags)
     return DistArm(model, optimizer, _adamw_settings(cfg, strategy="tp", plan="llama colwise/rowwise", **flags))
 
 

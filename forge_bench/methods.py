@@ -224,31 +224,35 @@ ARMS: tuple[Method, ...] = (
            bytes_per_param=_bytes_torch_adamw, graphable=True),
     # across GPUs (forge_bench/dist_arms.py): torch's recipes and FORGE's on the same layouts; one
     # torchrun process tree per cell. No parity gate: tests/test_distributed.py gates the distributed
-    # arithmetic against single-process FORGE.
+    # arithmetic against single-process FORGE. bytes_per_param is the whole model's (one rank); a
+    # distributed cell predicts no memory.
     Method(name="ddp_adamw_fused", family="baseline",
            description="DistributedDataParallel (bucket_cap_mb, gradient_as_bucket_view) + torch.optim.AdamW(fused=True)",
-           build=build_ddp_adamw_fused, strategy="dp", settings={"strategy": "dp"}),
+           build=build_ddp_adamw_fused, strategy="dp", settings={"strategy": "dp"}, bytes_per_param=_bytes_torch_adamw),
     Method(name="fsdp2_adamw", family="baseline",
            description="FSDP2 (fully_shard per decoder block and the model) + torch.optim.AdamW(foreach=True)",
-           build=build_fsdp2_adamw, strategy="fsdp2", settings={"strategy": "fsdp2"}),
+           build=build_fsdp2_adamw, strategy="fsdp2", settings={"strategy": "fsdp2"}, bytes_per_param=_bytes_torch_adamw),
     Method(name="tp_adamw", family="baseline",
            description="tensor parallel (Llama plan: q/k/v/gate/up colwise, o/down rowwise) + torch.optim.AdamW(foreach=True)",
-           build=build_tp_adamw, strategy="tp", settings={"strategy": "tp"}),
+           build=build_tp_adamw, strategy="tp", settings={"strategy": "tp"}, bytes_per_param=_bytes_torch_adamw),
     *(Method(name=f"forge_dp_{state}", family="forge",
              description=f"FORGE data parallel, {state} moments: each layer's gradient through a rotating "
                          "bucket, all-reduced, then the fused update (forge_core.distributed.fuse_data_parallel)",
              build=forge_dp_builder(state), requires=FORGE_NEEDS, extra_check=forge_problem, strategy="dp",
-             settings={"strategy": "dp", "state_dtype": state}) for state in ("bf16", "int8")),
+             settings={"strategy": "dp", "state_dtype": state}, bytes_per_param=forge_bytes_per_param(state))
+      for state in ("bf16", "int8")),
     *(Method(name=f"forge_fsdp2_{state}", family="forge",
              description=f"FORGE on FSDP2, {state} moments: each reduce-scattered gradient shard updates its "
                          "weight shard as it arrives (forge_core.distributed.fuse_fsdp)",
              build=forge_fsdp2_builder(state), requires=FORGE_NEEDS, extra_check=forge_problem, strategy="fsdp2",
-             settings={"strategy": "fsdp2", "state_dtype": state}) for state in ("bf16", "int8")),
+             settings={"strategy": "fsdp2", "state_dtype": state}, bytes_per_param=forge_bytes_per_param(state))
+      for state in ("bf16", "int8")),
     *(Method(name=f"forge_tp_{state}", family="forge",
              description=f"FORGE tensor parallel, {state} moments: the fused kernel on each rank's weight shards "
                          "(forge_core.distributed.fuse_tensor_parallel)",
              build=forge_tp_builder(state), requires=FORGE_NEEDS, extra_check=forge_problem, strategy="tp",
-             settings={"strategy": "tp", "state_dtype": state}) for state in ("bf16", "int8")),
+             settings={"strategy": "tp", "state_dtype": state}, bytes_per_param=forge_bytes_per_param(state))
+      for state in ("bf16", "int8")),
     # the peers: each builder imports its package when it runs; each check probes it (peer_probes)
     Method(name="bnb_adamw8bit", family="peer", description="bitsandbytes AdamW8bit: block-wise 8-bit moments",
            build=peers.build_bnb_adamw8bit, requires=("bitsandbytes",),
