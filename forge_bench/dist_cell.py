@@ -275,7 +275,10 @@ def rank(
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
         loaded = dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"device": device}))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        dist.init_process_group("nccl", device_id=torch.device(device))   # this rank's GPU, bound at once
+    else:
+        dist.init_process_group("gloo")
     try:
         code = run_rank(loaded, cell, out, run_id, attempt)
     finally:
