@@ -24,6 +24,7 @@ the runner's ``crashed`` row.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import statistics
@@ -80,6 +81,37 @@ def _finite_everywhere(values: list[float], device: torch.device) -> bool:
     return bool(flag.item() == 1.0)
 
 
+def timed_runs(arm: Any, batches: list, repeats: int, steps: int,
+               on_cuda: bool) -> tuple[list[list[float]], list[float], list[torch.Tensor]]:
+    """``repeats`` runs of ``steps`` steps over the batch pool: each step's ms (CUDA events around it,
+    or the wall clock on the CPU), each step's host ms, each step's loss."""
+    run_ms: list[list[float]] = []
+    host_ms: list[float] = []
+    losses: list[torch.Tensor] = []
+    index = 0
+    for _ in range(repeats):
+        times = []
+        if on_cuda:
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        for step in range(steps):
+            t0 = time.perf_counter()
+            if on_cuda:
+                starts[step].record()
+            losses.append(arm.step(batches[index % BATCH_POOL]))
+            if on_cuda:
+                ends[step].record()
+            else:
+                times.append((time.perf_counter() - t0) * 1000.0)
+            host_ms.append((time.perf_counter() - t0) * 1000.0)
+            index += 1
+        if on_cuda:
+            torch.cuda.synchronize()
+            times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
+        run_ms.append(times)
+    return run_ms, host_ms, losses
+
+
 def measure_rank(suite: Suite, cell: Cell, method: methods_mod.Method, device: str) -> dict[str, Any]:
     """This rank's part of the cell: build, warm up, time; returns what rank 0 gathers."""
     spec = suite.spec
@@ -101,30 +133,12 @@ def measure_rank(suite: Suite, cell: Cell, method: methods_mod.Method, device: s
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
-    run_ms: list[list[float]] = []
-    host_ms: list[float] = []
-    losses: list[torch.Tensor] = []
-    index = 0
-    for _ in range(spec.repeats):
-        times = []
-        if on_cuda:
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
-        for step in range(spec.timed_steps):
-            t0 = time.perf_counter()
-            if on_cuda:
-                starts[step].record()
-            losses.append(arm.step(batches[index % BATCH_POOL]))
-            if on_cuda:
-                ends[step].record()
-            else:
-                times.append((time.perf_counter() - t0) * 1000.0)
-            host_ms.append((time.perf_counter() - t0) * 1000.0)
-            index += 1
-        if on_cuda:
-            torch.cuda.synchronize()
-            times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-        run_ms.append(times)
+    gc.collect()
+    gc.disable()            # as in a one-process cell: no collector pause inside the timed window
+    try:
+        run_ms, host_ms, losses = timed_runs(arm, batches, spec.repeats, spec.timed_steps, on_cuda)
+    finally:
+        gc.enable()
     values = warm + [float(loss) for loss in losses]
     return {
         "rank": rank, "run_ms": run_ms, "host_ms": host_ms, "losses": [float(loss) for loss in losses],
