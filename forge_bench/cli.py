@@ -250,10 +250,10 @@ def list_(
         raise _fail(str(exc)) from None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     models_table = Table(title="models (forge_bench/configs)")
-    for col in ("name", "family", "params", "layers", "max seq", "mirrors", "about"):
+    for col in ("name", "params", "layers", "max seq", "mirrors", "about"):
         models_table.add_column(col, overflow="fold")
     for spec in models_mod.MODEL_ZOO.values():
-        models_table.add_row(spec.name, spec.family, f"{models_mod.param_count(spec.name) / 1e9:.3f} B",
+        models_table.add_row(spec.name, f"{models_mod.param_count(spec.name) / 1e9:.3f} B",
                              str(models_mod.num_layers(spec.name)), str(models_mod.max_seq_len(spec.name)),
                              spec.source, spec.description)
     out_console.print(models_table)
