@@ -2,7 +2,8 @@
 
 Each one breaks in one way a real arm can: it crashes, hangs, runs out of memory (always, or
 only on its first attempt), diverges, claims AdamW but computes something else, or cannot run
-(on any model, or on the model it is given).
+(on any model, or on the model it is given). One waits at a gate, so that a test acts on a sweep
+while a cell is known to be running (work-boxed, whatever the machine's load).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from forge_bench.methods import METHODS, Method, register
 from forge_bench.torch_arms import TorchArm, causal_lm_parts
 
 OOM_FLAG_ENV = "FORGE_BENCH_TEST_OOM_FLAG"   # a file path: the first OOM-once attempt creates it
+GATE_ENV = "FORGE_BENCH_TEST_GATE"           # a file path: the gated arm writes <gate>.waiting, then steps once it exists
 
 
 class _CrashArm(TorchArm):
@@ -44,6 +46,15 @@ class _OomArm(TorchArm):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated)")
 
 
+class _GatedArm(TorchArm):
+    def step(self, batch):
+        gate = Path(os.environ[GATE_ENV])
+        gate.with_name(gate.name + ".waiting").write_text(str(os.getpid()))
+        while not gate.exists():
+            time.sleep(0.05)
+        return super().step(batch)
+
+
 class _DivergeArm(TorchArm):
     def step(self, batch):
         return super().step(batch) * float("nan")
@@ -69,6 +80,8 @@ _ENTRIES = [
            build=lambda m, c: _OomArm(m, None, {}, once=False)),
     Method(name="test_oom_once", family="baseline", description="simulated CUDA OOM on the first attempt only",
            build=lambda m, c: _OomArm(m, _sgd(m, c), {}, once=True)),
+    Method(name="test_gated", family="baseline", description="SGD that waits for a gate file before its first step",
+           build=lambda m, c: _GatedArm(m, _sgd(m, c), {})),
     Method(name="test_diverge", family="baseline", description="returns a NaN loss",
            build=lambda m, c: _DivergeArm(m, _sgd(m, c), {})),
     Method(name="test_wrong_adamw", family="baseline", description="AdamW at 30x lr claiming AdamW parity",

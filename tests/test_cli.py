@@ -195,9 +195,9 @@ def test_flags_parse_as_flags(tmp_path, monkeypatch):
     assert res.exit_code == 0 and seen["resume"] is False and seen["retry_failed"] is False
 
 
-def _run(args, env, timeout=600):
+def _run(args, env):
     return subprocess.run([sys.executable, "-m", "forge_bench.cli", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=timeout)
+                          env=env, cwd=REPO)
 
 
 def _baseline(src: Path, dst: Path, factor: float) -> None:
@@ -208,40 +208,77 @@ def _baseline(src: Path, dst: Path, factor: float) -> None:
         results.write_row(dst, row)
 
 
-def test_smoke_suite_end_to_end_then_resume_check_and_report(tmp_path):
-    """What `make demo` runs: the packaged smoke suite, then the report; plus --resume and --check."""
+# The `make demo` path on a suite written for the test: the smoke suite's settings, its torch baseline,
+# a FORGE state dtype and its chunked-loss arm, on one small shape (three cells, not fourteen: the work
+# a test does is bounded, whatever the machine's load; `make demo` runs the whole smoke suite).
+DEMO_LIKE = """
+name: demo-like
+device: cpu
+dtype: float32
+warmup_steps: 1
+timed_steps: 2
+repeats: 2
+timeout_s: 1800
+seed: 0
+optimizer: {lr: 1.0e-3, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1, momentum: 0.9}
+parity: {enabled: true, steps: 4, tolerance: 0.02, max_layers: 2}
+models: [tiny-llama]
+batch: [1]
+seq: [16]
+methods: [adamw_foreach, forge_bf16, forge_int8_cce]
+"""
+
+
+def test_sweep_end_to_end_then_resume_check_and_report(tmp_path):
+    """What `make demo` runs (a sweep, then the report) on a three-cell suite; plus --resume and --check."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FORGE_BENCH_PLUGINS")}
     # prepend, never replace: where packages live on PYTHONPATH (the GPU machine's carried wheels) they must stay
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    out = tmp_path / "smoke"
-    res = _run(["sweep", "--out", str(out)], env)
+    suite_path = tmp_path / "demo_like.yaml"
+    suite_path.write_text(DEMO_LIKE)
+    out = tmp_path / "demo"
+    res = _run(["sweep", str(suite_path), "--out", str(out)], env)
     assert res.returncode == 0, res.stderr[-3000:]
-    suite = load_suite(None)
+    suite = load_suite(suite_path)
     df = results.load_results(out)
-    assert len(df) == len(suite.cells) == 14 and df.cell_id.is_unique
+    assert len(df) == len(suite.cells) == 3 and df.cell_id.is_unique
     bad = df[df.status != "ok"][["cell_id", "status", "reason"]]
     assert bad.empty, bad.to_string()
     forge = df[df.method_family == "forge"]
     assert (forge.parity_rms_rel <= forge.parity_tolerance).all()
-    assert (forge[forge.model == "tiny-llama"].n_fused_params > 0).all()
-    assert "ok=14" in res.stdout
+    assert (forge.n_fused_params > 0).all()
+    assert (df.torch_threads == 1).all(), "a CPU cell pins one torch thread by default"
+    assert "ok=3" in res.stdout
 
     # a regression against a baseline that ran FORGE twice as fast: exit 1, naming the arm
     fast = tmp_path / "baseline_fast"
     _baseline(out, fast, 0.5)
-    res = _run(["sweep", "--out", str(out), "--resume", "--check", str(fast), "--tolerance", "0.10"], env)
+    res = _run(["sweep", str(suite_path), "--out", str(out), "--resume", "--check", str(fast), "--tolerance", "0.10"],
+               env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "REGRESSION" in res.stderr and "forge_bf16" in res.stderr
     slow = tmp_path / "baseline_slow"
     _baseline(out, slow, 2.0)
-    res = _run(["sweep", "--out", str(out), "--resume", "--check", str(slow)], env)
+    res = _run(["sweep", str(suite_path), "--out", str(out), "--resume", "--check", str(slow)], env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "check passed" in res.stdout
-    assert len(results.load_results(out)) == 14
+    assert len(results.load_results(out)) == 3
 
     res = _run(["report", str(out), "-o", str(tmp_path / "report")], env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert any((tmp_path / "report").iterdir())
+
+
+def test_the_demo_suite_plans_every_cell(tmp_path):
+    """`make demo`'s suite (the packaged default): every cell planned to run, each FORGE state dtype and
+    the chunked-loss arm among them, and nothing written by the dry run."""
+    res = cli.invoke(app, ["sweep", "--dry-run", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    suite = load_suite(None)
+    plans = [line for line in res.output.splitlines() if line.startswith("smoke/")]
+    assert len(plans) == len(suite.cells) and all(line.endswith("  run") for line in plans)
+    assert {"forge_fp32", "forge_bf16", "forge_int8", "forge_int8_cce"} <= {c.method for c in suite.cells}
+    assert not (tmp_path / "o").exists()
 
 
 def test_kernel_without_a_gpu_is_a_clear_error(tmp_path):

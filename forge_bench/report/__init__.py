@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from . import distributed, figures, folder, ratios, summary, tables
+from . import distributed, figures, folder, ratios, render, summary, tables
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -92,13 +92,13 @@ def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, f
             lines += [f"({link_files(files)})", ""]
         return lines
 
-    def table_section(heading: str, stem: str, built: list[tables.Table], intro: str,
+    def table_section(heading: str, stem: str, built: list[render.Table], intro: str,
                       inline: bool, skip_note: str) -> list[str]:
         lines = [f"## {heading}", ""]
         if not built:
             lines += [f"_Skipped: {skip_note}._", ""]
             return lines
-        paths = tables.write_tables(built, table_dir, stem, heading, intro)
+        paths = render.write_tables(built, table_dir, stem, heading, intro)
         written.extend(paths)
         lines += [f"Tables: {link_files(paths)}", ""]
         if inline:

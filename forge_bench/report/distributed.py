@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from .data import fmt_memory, fmt_ms, fmt_number, group_title, memory_unit, one_per_key, records, run_label, slug
 from .figures import FORMATS, save
 from .ratios import as_number, as_text
-from .tables import Table
+from .render import Table
 
 DIST_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FORGE_DP, DDP = "forge_dp_bf16", "ddp_adamw_fused"
