@@ -11,6 +11,7 @@ Triton (its row records no kernel tiles, and its process starts without compilin
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any, Callable, Mapping
 
 import torch
@@ -137,8 +138,20 @@ def forge_builder(state_dtype: str, overlap: bool = True) -> Callable[[nn.Module
         row_embeddings = optimizer.row_gradient_names()
         if row_embeddings:
             settings["row_gradient_embeddings"] = row_embeddings   # no dense .grad (forge_core.embedding)
+        left_out = not_fused_summary(optimizer.excluded_modules)
+        if left_out:
+            settings["not_fused"] = left_out         # the coverage table's "left to the fallback" column
         return ForgeArm(model, optimizer, settings)
     return build
+
+
+def not_fused_summary(excluded: Mapping[str, str]) -> dict[str, str]:
+    """``fuse``'s left-out modules, one entry per module kind: layer indices become ``*`` and the
+    count is appended ("backbone.layers.*.mixer.out_proj (48): the model reads its .weight ...")."""
+    kinds: dict[str, list[str]] = {}
+    for name, reason in excluded.items():
+        kinds.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", name), []).append(reason)
+    return {f"{kind} ({len(reasons)})": reasons[0] for kind, reasons in kinds.items()}
 
 
 # --- the chunked LM-head loss (forge_core.chunked_lm_head_cross_entropy) -----------------------

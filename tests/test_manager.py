@@ -146,14 +146,22 @@ def test_transformers_llama_probe_is_automatic_and_tied_head_excluded() -> None:
     assert "lm_head" in forge_core.fuse(untied, backend="reference").fused_module_names()
 
 
-@pytest.mark.filterwarnings("ignore:forge_core.fuse. no Linear weight was fused")
-def test_gpt2_conv1d_is_excluded_with_a_warning() -> None:
+def test_gpt2_conv1d_is_fused_and_a_conv1d_subclass_is_excluded_with_a_warning() -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
                                                                   n_positions=16, bos_token_id=0, eos_token_id=0))
-    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: transformers Conv1D"):
+    opt = forge_core.fuse(model, backend="reference")
+    assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fused_parameters())
+    assert len(opt.fused_parameters()) == 4
+
+    class OwnConv1D(transformers.pytorch_utils.Conv1D):
+        pass
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
+                                                                  n_positions=16, bos_token_id=0, eos_token_id=0))
+    model.transformer.h[0].attn.c_attn.__class__ = OwnConv1D
+    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: OwnConv1D is a subclass of transformers Conv1D"):
         opt = forge_core.fuse(model, backend="reference")
-    assert opt.fused_parameters() == []
     assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fallback_parameters())
 
 
