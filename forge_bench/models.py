@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -69,6 +69,7 @@ MODEL_ZOO: dict[str, ModelSpec] = {
         ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen 2.5 7B (q/k/v biases)"),
         ModelSpec("mistral-7b", "mistralai/Mistral-7B-v0.3", "Mistral 7B v0.3 (32768 vocab, no sliding window)"),
         ModelSpec("gpt2-xl", "openai-community/gpt2-xl", "GPT-2 XL 1.5B (Conv1D layers, tied embeddings)"),
+        ModelSpec("gpt2", "openai-community/gpt2", "GPT-2 124M (Conv1D layers, tied embeddings): forge-bench convergence"),
         ModelSpec("qwen3-0.6b", "Qwen/Qwen3-0.6B", "Qwen3 0.6B (tied embeddings)"),
         ModelSpec("qwen3-1.7b", "Qwen/Qwen3-1.7B", "Qwen3 1.7B (tied embeddings)"),
         ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", "Qwen3 4B (tied embeddings)"),
@@ -126,9 +127,10 @@ def _raw_config(name: str) -> tuple[tuple[str, Any], ...]:
     return tuple(data.items())
 
 
-def config_dict(name: str, num_layers: int | None = None) -> dict[str, Any]:
-    """The model's config as a plain dict (with the build-time changes applied)."""
-    data = dict(_raw_config(name))
+def config_dict(name: str, num_layers: int | None = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The model's config as a plain dict (with the build-time changes applied, then ``overrides``:
+    e.g. ``{"vocab_size": 256}`` for a byte-level tokenizer)."""
+    data = {**dict(_raw_config(name)), **dict(overrides or {})}
     for key in _DROPOUT_KEYS:
         if key in data:
             data[key] = 0.0
@@ -141,12 +143,12 @@ def config_dict(name: str, num_layers: int | None = None) -> dict[str, Any]:
     return data
 
 
-def load_config(name: str, num_layers: int | None = None):
-    """A transformers ``PretrainedConfig`` for the zoo entry (optionally with fewer layers); a
-    ``MixerConfig`` for the MLP-Mixer."""
+def load_config(name: str, num_layers: int | None = None, overrides: Mapping[str, Any] | None = None):
+    """A transformers ``PretrainedConfig`` for the zoo entry (optionally with fewer layers, and
+    ``overrides`` of its values); a ``MixerConfig`` for the MLP-Mixer."""
     from transformers import CONFIG_MAPPING
 
-    data = config_dict(name, num_layers)
+    data = config_dict(name, num_layers, overrides)
     model_type = data.pop("model_type")
     data.pop("architectures", None)
     if model_type == MixerConfig.model_type:
@@ -209,13 +211,15 @@ def vocab_size(name: str) -> int:
 
 
 def build_model(name: str, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
-                *, seed: int = 0, num_layers: int | None = None) -> torch.nn.Module:
+                *, seed: int = 0, num_layers: int | None = None,
+                overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """Random-init model built directly on ``device`` in ``dtype``, in train mode.
 
-    ``device="meta"`` builds the shapes only (parameter counts, memory estimates).
+    ``device="meta"`` builds the shapes only (parameter counts, memory estimates). ``overrides``
+    replace config values (``forge-bench convergence`` sets the vocabulary to its tokenizer's).
     """
     dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-    config = load_config(name, num_layers)
+    config = load_config(name, num_layers, overrides)
     make_model = _model_factory(name)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
