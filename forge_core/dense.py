@@ -40,6 +40,8 @@ class DenseWeight:
         self.group_index = 0
         self.index = 0
         self.state: Optional[ParamState] = None
+        self.optimizer: Optional[Any] = None
+        """The ``ForgeOptimizer`` that steps it (``forge_core.unfuse`` tells it the model is plain again)."""
         self.steps_done = 0
         """Optimizer steps in which this weight had a gradient; the next update uses steps_done + 1."""
         # Zero-token activations for the kernel call, made once (the launch plan is cached per layout).
