@@ -428,6 +428,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
             excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
             fused_ids=fused_ids, capturable=capturable, dense_2d=dense_2d,
             parameter_names={id(p): name for name, p in model.named_parameters()})
+        _give_embeddings_their_state(model, forge_optimizer)
         if embedding_rows:
             _install_row_embeddings(model, forge_optimizer)
         _mark_gradientless_weights(forge_optimizer)
@@ -437,6 +438,20 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         for binding in bindings.values():
             remove_forge_linear(binding.module)
         raise
+
+
+def _give_embeddings_their_state(model: nn.Module, optimizer: ForgeOptimizer) -> None:
+    """Give each weight the optimizer steps as a ``DenseWeight`` that is an embedding's and no other
+    module's an ``EmbeddingState`` (its rows get gradients a few at a time; ``forge_core.dense`` says
+    why that changes how its int8 first moment is stored). A tied weight's rows all get the head's
+    gradient every step, as a Linear weight's do: it keeps a ``ParamState``."""
+    dense_of = {id(dense.weight): dense for dense in optimizer.dense_weights()}
+    use_counts = _parameter_use_counts(model)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        dense = dense_of.get(id(weight))
+        if isinstance(module, nn.Embedding) and dense is not None and use_counts[id(weight)] == 1:
+            dense.make_embedding_state()
 
 
 def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:
