@@ -6,8 +6,10 @@ through ``optimizers=(optimizer, scheduler)``. Two settings matter:
 * ``max_grad_norm=0``: the Trainer's default (1.0) clips the global gradient norm before the
   optimizer step, but a fused weight is updated inside backward and its gradient never exists, so
   clipping could only see the other parameters' gradients (``fuse`` documents why it raises on
-  ``max_grad_norm``). With 0 the Trainer does not clip; the ``grad_norm`` it logs is then the norm
-  of the gradients that do exist (norms, biases, the embedding), not of the whole model's.
+  ``max_grad_norm``; ``torch.nn.utils.clip_grad_norm_`` raises on a fused weight). With 0 the
+  Trainer does not clip; it still measures a norm for its log (``clip_grad_norm_`` with an infinite
+  bound, which FORGE lets through with a warning), so the ``grad_norm`` it logs is the norm of the
+  gradients that exist (norms, biases), not of the whole model's.
 * the scheduler is built on the FORGE optimizer itself: it edits ``param_groups[i]["lr"]``, which
   the fused update reads at every backward.
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-import forge_core.optimizer
+import forge_core.backends
 from forge_bench import convergence as conv
 from forge_bench.cli import app
 from forge_bench.corpus import build_corpus, is_validation_file, train_batch
@@ -27,7 +27,7 @@ def reference_backend(monkeypatch) -> None:
     """FORGE arms on the torch reference backend: what is under test here is the command (rows,
     checkpoints, resume); the kernel's equality with it is tests/test_kernels.py's, and the CPU
     interpreter would take minutes for these steps."""
-    monkeypatch.setattr(forge_core.optimizer, "interpreting", lambda: False)
+    monkeypatch.setattr(forge_core.backends, "interpreting", lambda: False)
 
 
 def test_corpus_is_the_standard_library_split_by_file_hash() -> None:

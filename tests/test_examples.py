@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import forge_core.optimizer
+import forge_core.backends
 
 pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -28,7 +28,7 @@ def _load(name: str):
 def reference_backend(monkeypatch) -> None:
     """FORGE on the torch reference backend: the examples' wiring is under test, not the kernel
     (tests/test_llama_parity.py pins the kernel to torch's AdamW on the same model)."""
-    monkeypatch.setattr(forge_core.optimizer, "interpreting", lambda: False)
+    monkeypatch.setattr(forge_core.backends, "interpreting", lambda: False)
 
 
 def _rms_rel(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
