@@ -551,7 +551,8 @@ def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
     """Set ``FUSED_MARK`` on the weights that will never get a ``.grad``: the fused ones and the
     row-gradient embeddings'."""
     for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
-        setattr(weight, FUSED_MARK, f"{name}.weight, a fused weight (forge_core.fuse updates it inside backward; "
+        label = name if name.rpartition(".")[2] in EXPERT_PARAMETERS else f"{name}.weight"   # experts name the Parameter
+        setattr(weight, FUSED_MARK, f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
                                     "its gradient never exists)")
     for dense in optimizer.dense_weights():
         if dense.records_rows:
