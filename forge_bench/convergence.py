@@ -241,7 +241,9 @@ def run_one(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, val: lis
                    n_fused=0, tokens_per_s=None, environment=environment)
         write_rows(path, [row], SCHEMA)
         return row
-    model = models.build_model(spec.model, spec.dtype, device, seed=seed, overrides={"vocab_size": corpus.vocab_size})
+    # the byte ids replace the vocabulary (and its special ids, which no byte stream uses)
+    model = models.build_model(spec.model, spec.dtype, device, seed=seed,
+                               overrides={"vocab_size": corpus.vocab_size, "bos_token_id": 0, "eos_token_id": 0})
     n_params = sum(p.numel() for p in model.parameters())
     built = method.build(model, TrainConfig(lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                             weight_decay=spec.weight_decay, device=device))

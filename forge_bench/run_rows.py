@@ -4,7 +4,7 @@ A sweep row (``forge_bench.results``) describes one timed cell. ``forge-bench fi
 ``forge-bench convergence`` measure other things (a weight's distance from an fp32 reference, a
 loss curve) and write their own parquet files, each with a ``row_kind`` column naming the kind and
 the schema its module documents (``forge_bench.fidelity.SCHEMA``,
-``forge_bench.convergence.SCHEMA``; docs/results_schema.md lists both). Files are written the
+``forge_bench.convergence.SCHEMA``; docs/training_results_schema.md lists both). Files are written the
 sweep's way: a temporary name in the same folder, fsync, ``os.replace``, so a kill never leaves a
 half-written ``*.parquet``. ``forge-bench report`` finds them by their ``row_kind`` and draws their
 tables and figures beside the sweep's.

@@ -84,3 +84,22 @@ def test_cli_runs_and_refuses_a_folder_of_other_settings(tmp_path: Path) -> None
     assert result.exit_code == 2 and "other settings" in result.output
     result = runner.invoke(app, common + ["--steps", "2", "--arms", "no_such_arm"])
     assert result.exit_code == 2 and "unknown method" in result.output
+
+
+def training_schema_markdown() -> str:
+    """The text of docs/training_results_schema.md: both kinds' columns."""
+    from forge_bench import fidelity
+    from forge_bench.run_rows import schema_markdown
+
+    return ("# Rows of forge-bench fidelity and forge-bench convergence\n\n"
+            "Each file has a `row_kind` column naming its kind (forge_bench/run_rows.py); `forge-bench report` "
+            "reads both beside the sweep's rows (docs/results_schema.md).\n\n"
+            + schema_markdown("fidelity: one row per arm and shape", fidelity.COLUMNS) + "\n"
+            + schema_markdown("convergence: one row per (arm, seed), the curves in list columns", conv.COLUMNS))
+
+
+def test_training_schema_doc_is_current() -> None:
+    """docs/training_results_schema.md is generated: regenerate it with
+    python -c "import sys; sys.path.insert(0, 'tests'); import test_convergence as t; open('docs/training_results_schema.md', 'w').write(t.training_schema_markdown())"."""
+    doc = Path(__file__).resolve().parent.parent / "docs" / "training_results_schema.md"
+    assert doc.read_text() == training_schema_markdown()
