@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import forge_core
+import forge_core.experts
 from forge_core.conv1d import is_forge_conv1d
 from forge_core.experts import ExpertsWeight, is_forge_experts
 from forge_core.kernels import triton_available
@@ -91,8 +92,11 @@ def test_gpt2_conv1d_fused_equals_torch_adamw(backend: str) -> None:
     assert type(model.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
 
 
-@pytest.mark.parametrize("backend", _backends())
-def test_moe_experts_fused_equal_torch_adamw_and_unreached_experts_decay(backend: str) -> None:
+@pytest.mark.parametrize("backend, block", [(b, 1) for b in _backends()] + [("reference", 4)])
+def test_moe_experts_fused_equal_torch_adamw_and_unreached_experts_decay(backend: str, block: int,
+                                                                          monkeypatch) -> None:
+    """``block``: each expert's rows padded with zero rows to a multiple of it (64 on a GPU)."""
+    monkeypatch.setattr(forge_core.experts, "token_block", lambda device: block)
     model = _tiny_moe()
     reference = copy.deepcopy(model)
     initial = [p.detach().clone() for p in model.parameters()]
