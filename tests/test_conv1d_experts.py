@@ -45,8 +45,15 @@ def _batches(steps: int, vocab: int, tokens: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (1, tokens), generator=generator) for _ in range(steps)]
 
 
+def _device(backend: str) -> str:
+    """Where a backend's model lives: the Triton kernel on a GPU where there is one (else the interpreter)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    device = next(model.parameters()).device
     for ids in batches:
+        ids = ids.to(device)
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -72,7 +79,7 @@ def _assert_close_to_reference(model, reference, initial, optimizer) -> None:
 
 @pytest.mark.parametrize("backend", _backends())
 def test_gpt2_conv1d_fused_equals_torch_adamw(backend: str) -> None:
-    model = _tiny_gpt2()
+    model = _tiny_gpt2().to(_device(backend))
     reference = copy.deepcopy(model)
     initial = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
@@ -97,7 +104,7 @@ def test_moe_experts_fused_equal_torch_adamw_and_unreached_experts_decay(backend
                                                                           monkeypatch) -> None:
     """``block``: each expert's rows padded with zero rows to a multiple of it (64 on a GPU)."""
     monkeypatch.setattr(forge_core.experts, "token_block", lambda device: block)
-    model = _tiny_moe()
+    model = _tiny_moe().to(_device(backend))
     reference = copy.deepcopy(model)
     initial = [p.detach().clone() for p in model.parameters()]
     optimizer = forge_core.fuse(model, backend=backend, **HYPERPARAMETERS)
@@ -152,7 +159,7 @@ def test_moe_experts_accumulate_micro_batches_like_torch() -> None:
 def test_capturable_fuse_leaves_experts_to_the_fallback_with_a_reason() -> None:
     if not triton_available():
         pytest.skip("capturable needs the Triton backend")
-    model = _tiny_moe()
+    model = _tiny_moe().to(_device("triton"))
     with pytest.warns(UserWarning, match="capturable=True"):
         optimizer = forge_core.fuse(model, capturable=True, **HYPERPARAMETERS)
     assert "model.layers.0.mlp.experts" in optimizer.excluded_modules
