@@ -36,50 +36,49 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from . import kernels
+from .backends import BACKENDS, check_capturable, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
-from .kernels.device import interpreting
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
-BACKENDS = ("auto", "triton", "reference")
+GUARD_GROUP_KEY = "forge_state_dict"
+"""The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
+one index past the last parameter. Why: torch's ``Optimizer.load_state_dict`` checks only the number
+of groups and each group's length before it copies ``state`` into its moments, so without it an
+``AdamW`` over the same parameters would take int8 codes and block scales as moments and train on
+silently; the group sizes of any optimizer over those parameters add up to one less than these.
+``ForgeOptimizer.load_state_dict`` drops the group (and loads a state dict without one)."""
+GUARD_GROUP_NOTE = ("a ForgeOptimizer state dict: this group's index names no parameter; it makes other "
+                    "optimizers refuse the dict (load it with ForgeOptimizer.load_state_dict)")
 
-
-def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
-    """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    devices = set(devices)
-    needs_interpreter = any(device.type != "cuda" for device in devices)
-    interpreter_on = interpreting()
-    if backend == "reference":
-        return "reference"
-    if backend == "auto":
-        if not kernels.triton_available():
-            return "reference"
-        return "triton" if (interpreter_on or not needs_interpreter) else "reference"
-    if needs_interpreter and not interpreter_on or not kernels.triton_available():
-        where = sorted({str(device) for device in devices}) or ["no fused weights"]
-        raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
-                         "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
-    return "triton"
+UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){detail}: its fused weights are "
+                 "plain weights again and it cannot step them; call forge_core.fuse(model, ...) again for a new "
+                 "optimizer, or use a torch optimizer")
+"""``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
 
 
 class FusedWeight:
-    """One fused Linear weight: what its ForgeLinear's backward calls with (x, dY).
+    """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
 
     Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
-    to the ``ForgeOptimizer``, which allocates its state."""
+    to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
+    unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
 
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
         self.name = name
-        self.module: Optional[nn.Linear] = module
-        self.weight: nn.Parameter = module.weight
+        self.module: Optional[nn.Module] = module
+        self.weight: nn.Parameter = module.weight if weight is None else weight
+        self.matrix: torch.Tensor = self.weight
+        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself, or
+        a (E * Dout, Din) view of a 3-D expert weight whose experts are row blocks."""
+        self.tile_config: Optional[kernels.TileConfig] = None
+        """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
         self.optimizer: Optional["ForgeOptimizer"] = None
         self.group_index = 0
         self.index = 0
@@ -104,6 +103,14 @@ class FusedWeight:
     def detach_from_module(self) -> None:
         self.module = None
 
+    def rows_left_out(self) -> list[tuple[int, int]]:
+        """Row blocks of ``matrix`` the step's backward did not update, which ``opt.step()`` must
+        update with a zero gradient (experts no token reached); none for a Linear weight."""
+        return []
+
+    def end_step(self) -> None:
+        """Called by ``opt.step()`` after the step's updates: forget what this step updated."""
+
     def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         if self.probing:
             self.probe_backward_calls += 1
@@ -112,11 +119,13 @@ class FusedWeight:
             raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
         self.optimizer._fused_backward(self, x, grad_output)
 
-    def begin_row_updates(self, x: torch.Tensor) -> "RowSliceUpdate":
-        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head).
+    def begin_row_updates(self, x: Optional[torch.Tensor]) -> "RowSliceUpdate":
+        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head, or
+        the experts of a 3-D expert weight).
 
         Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
-        returned object once per block with ``(r0, r1, dy_rows, block_index)``."""
+        returned object once per block with ``(r0, r1, dy_rows, block_index)``, and ``x=`` the
+        block's own inputs when ``x`` is None here."""
         if self.probing:
             self.probe_backward_calls += 1
             return RowSliceUpdate(self, x, mode="skip")
@@ -180,13 +189,17 @@ class RowSliceUpdate:
     step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
     add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
 
-    def __init__(self, binding: FusedWeight, x: torch.Tensor, mode: str) -> None:
+    def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
         self.binding = binding
         self.x = x
         self.mode = mode
         self._x32: Optional[torch.Tensor] = None
 
-    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
+                 x: Optional[torch.Tensor] = None) -> None:
+        """Update (or accumulate) rows ``[r0, r1)`` from ``dy_rows``; ``x``: this block's own
+        inputs when its tokens differ from the other blocks' (an expert's routed tokens), else the
+        ``x`` the update began with."""
         if self.mode == "skip":
             return
         binding = self.binding
@@ -195,11 +208,15 @@ class RowSliceUpdate:
             raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
         with torch.no_grad():
             if self.mode == "accumulate":
-                if self._x32 is None:
-                    self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
-                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), self._x32)
+                if x is not None:
+                    x32 = x.reshape(-1, x.shape[-1]).float()
+                else:
+                    if self._x32 is None:
+                        self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
+                    x32 = self._x32
+                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), x32)
                 return
-            binding.optimizer._apply_update(binding, self.x, dy_rows, part=part,
+            binding.optimizer._apply_update(binding, self.x if x is None else x, dy_rows, part=part,
                                             seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
@@ -214,24 +231,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
-                      bindings: list[FusedWeight]) -> None:
-    """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if backend != "triton":
-        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
-                         f"this optimizer resolved to backend={backend!r}")
-    if rule.kernel_scalars_on_device is None:
-        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
-    if accumulate_steps != 1:
-        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
-                         "whether to accumulate or update, which a replayed graph cannot)")
-    if stochastic_rounding:
-        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
-    devices = {binding.weight.device for binding in bindings}
-    if len(devices) > 1:
-        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
-
-
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -243,7 +242,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                  model_parameters: list[nn.Parameter], fused_ids: set[int], capturable: bool = False,
                  dense_2d: bool = True, parameter_names: Optional[Mapping[int, str]] = None) -> None:
         if capturable:
-            _check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
+            check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
         self._constructing = True
         super().__init__([{"params": params}], dict(hyperparameters))
         self._constructing = False
@@ -262,9 +261,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.weight, rule, state_dtype)
+            binding.state = ParamState(binding.matrix, rule, state_dtype)
             if self.accumulate_steps > 1:
-                binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
+                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
@@ -275,6 +274,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     dense = DenseWeight(names.get(id(parameter), f"parameter {len(self._dense)}"), parameter)
                     dense.index = len(bindings) + len(self._dense)      # distinct stochastic-rounding seeds
                     dense.state = ParamState(parameter, rule, state_dtype)
+                    dense.optimizer = self
                     self._dense.append(dense)
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
@@ -282,6 +282,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}],
                                                  capturable=self.capturable, **hyperparameters)
         self._steps_taken = 0
+        self._unfused = False
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
         # Capturable mode: per group, the step count and the kernel scalars on the device, and
         # whether the scalars must be recomputed at the next fused update (host flag).
@@ -321,6 +322,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def fused_module_names(self) -> list[str]:
         return [binding.name for binding in self._bindings]
+
+    def mark_unfused(self) -> None:
+        """Called by ``forge_core.unfuse``: the model's fused modules are plain again, so ``step()``
+        refuses from now on. A stale step would advance the fused weights' step counts and step the
+        fallback parameters alone, and a backward through the plain model gives the fused weights a
+        ``.grad`` that nothing here applies."""
+        self._unfused = True
+
+    @property
+    def unfused(self) -> bool:
+        """Whether ``forge_core.unfuse`` was called on this optimizer's model (``step()`` then raises)."""
+        return self._unfused
 
     @property
     def fallback_optimizer(self) -> torch.optim.Optimizer:
@@ -410,7 +423,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
+    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
@@ -419,9 +432,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
         if part is None:
-            weight, state, grad_accum = binding.weight, binding.state, binding.grad_accum
+            weight, state, grad_accum = binding.matrix, binding.state, binding.grad_accum
         else:
-            weight = binding.weight.detach()[part.r0:part.r1]
+            weight = binding.matrix.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
@@ -447,6 +460,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                        seed_offset: int = 0) -> None:
         """One fused-kernel (or reference) update at ``owner``'s next step (``_update_arguments``)."""
         hp, step, arguments = self._update_arguments(owner, seed_offset)
+        tile = getattr(owner, "tile_config", None)
+        if tile is not None and self.backend == "triton":
+            arguments["config"] = tile
         self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
@@ -470,12 +486,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        weight = binding.weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
+        matrix = binding.matrix
+        no_x = matrix.new_zeros((0, matrix.shape[1]))
+        no_dy = matrix.new_zeros((0, matrix.shape[0]))
         with torch.no_grad():
             self._apply_update(binding, no_x, no_dy)
         binding.micro_batches = self.accumulate_steps
+
+    def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
+        """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
+        earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
+        step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
+        part = binding.row_part(r0, r1)
+        no_x = binding.matrix.new_zeros((0, binding.matrix.shape[1]))
+        no_dy = binding.matrix.new_zeros((0, r1 - r0))
+        with torch.no_grad():
+            self._apply_update(binding, no_x, no_dy, part=part)
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 
@@ -503,7 +529,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Step the fallback parameters and advance the step count of the fused weights.
 
         The fused weights were already updated during backward. ``closure`` (optional) is run
-        first with grad enabled (it should zero grads, run forward and backward, return the loss)."""
+        first with grad enabled (it should zero grads, run forward and backward, return the loss).
+        After ``forge_core.unfuse(model)`` it raises (``UNFUSED_ERROR``)."""
+        if self._unfused:
+            grown = [binding.name for binding in self._bindings if binding.weight.grad is not None]
+            detail = f" and fused weight {grown[0]!r} has a .grad it cannot apply" if grown else ""
+            raise RuntimeError(UNFUSED_ERROR.format(detail=detail))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -517,6 +548,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
+            elif binding.micro_batches == self.accumulate_steps:
+                for r0, r1 in binding.rows_left_out():
+                    self._update_rows_without_tokens(binding, r0, r1)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
@@ -525,6 +559,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if binding.micro_batches == self.accumulate_steps:
                 binding.steps_done += 1
             binding.micro_batches = 0
+            binding.end_step()
         self._steps_taken += 1
         for group, count in enumerate(self._device_steps):
             count.add_(1.0)
@@ -540,7 +575,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         ``ParamState`` tensors (``name`` and, for int8, ``name + "_scale"``). Tensors are references,
         as in torch: deep-copy or ``torch.save`` it before training on. Like torch (which never
         saves ``.grad``), a micro-batch accumulator between ``opt.step()`` calls is not saved:
-        checkpoint at step boundaries."""
+        checkpoint at step boundaries. ``param_groups`` ends with a guard group (``GUARD_GROUP_KEY``)
+        that makes any other optimizer class's ``load_state_dict`` refuse the dict."""
         self._sync_host_step_counts()
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
@@ -556,6 +592,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             packed = {key: value for key, value in group.items() if key != "params"}
             packed["params"] = [index_of[id(p)] for p in group["params"]]
             groups.append(packed)
+        groups.append({"params": [len(index_of)], GUARD_GROUP_KEY: GUARD_GROUP_NOTE})
         forge = {
             "rule": self.rule.name, "state_dtype": self.state_dtype, "steps_taken": self._steps_taken,
             "accumulate_steps": self.accumulate_steps,
@@ -573,7 +610,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if forge.get("rule") != self.rule.name or forge.get("state_dtype") != self.state_dtype:
             raise ValueError(f"state dict is for rule={forge.get('rule')!r} state_dtype={forge.get('state_dtype')!r}, "
                              f"this optimizer is rule={self.rule.name!r} state_dtype={self.state_dtype!r}")
-        saved_groups = state_dict["param_groups"]
+        saved_groups = list(state_dict["param_groups"])
+        if saved_groups and GUARD_GROUP_KEY in saved_groups[-1]:
+            saved_groups.pop()          # a dict saved without the guard group loads too
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
         for saved, ours in zip(saved_groups, self.param_groups):
@@ -645,4 +684,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["ForgeOptimizer", "FusedWeight", "DenseWeight", "RowSliceUpdate", "resolve_backend", "BACKENDS",
-           "steppable_by_kernel"]
+           "steppable_by_kernel", "GUARD_GROUP_KEY", "UNFUSED_ERROR"]

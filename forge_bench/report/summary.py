@@ -32,8 +32,7 @@ def variant_label(timing: str, activations: str) -> str:
 def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
     """(model, batch, seq) of one device's headline: the largest model with an ok baseline or FORGE
     row, at its smallest tokens per step (then the smaller batch). Models on which a FORGE arm fused
-    weights come first: a headline where FORGE fused nothing (tiny-GPT-2, larger than tiny-Llama)
-    would show only its unfused path."""
+    weights come first: a headline where FORGE fused nothing would show only its unfused path."""
     ok = frame[(frame["status"] == "ok") & frame["method_family"].isin(CORE_FAMILIES)]
     if ok.empty:
         return None
