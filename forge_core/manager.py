@@ -254,7 +254,13 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     Hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum`` and any other of the
     rule's ``defaults``, e.g. SGD's ``dampening`` / ``nesterov``) default to the rule's defaults;
-    one the rule does not have is an error. ``state_dtype``: "fp32", "bf16" or "int8" moments.
+    one the rule does not have is an error; names and defaults are torch.optim's for the class of the
+    same name (``optimizer``: adamw, sgd, lion, rmsprop, adagrad, adamax, nadam, radam, lamb; see
+    ``forge_core.rules``). A rule's states may depend on them (SGD keeps a momentum buffer only with
+    momentum; RMSprop's ``momentum`` and ``centered`` add one each): they are fixed here.
+    ``state_dtype``: "fp32", "bf16", "int8" or "fp8" moments (int8 / fp8 with one fp32 scale per 64
+    elements of a row, forge_core.state). A rule that cannot take a state format, ``accumulate_steps``
+    or ``capturable`` raises a one-line ValueError naming the rule and the option.
     ``stochastic_rounding``: round bf16 weights stochastically when the update stores them.
 
     ``accumulate_steps=k``: the fused update runs on the k-th backward after each ``opt.step()``;
@@ -299,6 +305,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an integer >= 1, got {accumulate_steps!r}")
+    problem = rule.option_problem(state_dtype=state_dtype, accumulate_steps=accumulate_steps, capturable=capturable,
+                                  stochastic_rounding=stochastic_rounding)
+    if problem is not None:
+        raise ValueError(problem)
     named = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum}
     given = {key: value for key, value in named.items() if value is not None}
     given.update(other_hyperparameters)

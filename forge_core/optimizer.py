@@ -262,7 +262,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.weight, rule, state_dtype)
+            binding.state = ParamState(binding.weight, rule, state_dtype, hyperparameters)
             if self.accumulate_steps > 1:
                 binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
@@ -274,7 +274,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if steppable_by_kernel(parameter, rule, backend):
                     dense = DenseWeight(names.get(id(parameter), f"parameter {len(self._dense)}"), parameter)
                     dense.index = len(bindings) + len(self._dense)      # distinct stochastic-rounding seeds
-                    dense.state = ParamState(parameter, rule, state_dtype)
+                    dense.state = ParamState(parameter, rule, state_dtype, hyperparameters)
                     self._dense.append(dense)
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
@@ -384,9 +384,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 return memo[1]
         group = self.param_groups[group_index]
         hyperparameters = {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
+        self._check_state_set(hyperparameters)
         if task != -1:
             self._hyperparameters_in_backward[group_index] = (task, hyperparameters)
         return hyperparameters
+
+    def _check_state_set(self, hyperparameters: Mapping[str, Any]) -> None:
+        """A one-line error when the group's hyper-parameters now ask for other states than ``fuse``
+        allocated (SGD's momentum from 0, RMSprop's momentum or centered): the kernel's states are fixed."""
+        if self.rule.state_names_for is None or not (self._bindings or self._dense):
+            return
+        held = (self._bindings[0] if self._bindings else self._dense[0]).state.state_names
+        wanted = self.rule.states_for(hyperparameters)
+        if wanted != held:
+            raise ValueError(f"rule {self.rule.name!r}: these hyper-parameters need the states {list(wanted)}, but "
+                             f"fuse allocated {list(held)} from its hyper-parameters; the state set is fixed at "
+                             "fuse time (fuse again with the new values)")
 
     def _count_backward(self, binding: FusedWeight) -> bool:
         """Count one backward of ``binding``; True when it is the k-th (the one that updates)."""
@@ -412,6 +425,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
+        if self.rule.layer_sums:
+            raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
+                             "be updated in row blocks (chunked_lm_head_cross_entropy on a fused head); leave the "
+                             "head unfused or use the model's own loss")
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,

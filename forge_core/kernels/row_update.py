@@ -31,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..state import QBLOCK, ParamState
+from ..state import BLOCK_SCALED, QBLOCK, ParamState
 from .codec import rule_scalars
 from .device import interpreting, runs_on_device_of
 from .launch import (compile_options, kernel_meta, kernel_states, launch_scalars, scalar_arguments, state_pointers,
                      wide_index)
+from .layer_apply import apply_layer
 from .tile_kernel import update_columns
 
 _DECORATED_FOR_INTERPRETER = interpreting()
@@ -54,8 +55,8 @@ class RowUpdateConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"row_update: {name} must be a power of two, got {value}")
-        if state_dtype == "int8" and self.block_n % QBLOCK:
-            raise ValueError(f"row_update: int8 states need block_n a multiple of {QBLOCK} (whole scale blocks), "
+        if state_dtype in BLOCK_SCALED and self.block_n % QBLOCK:
+            raise ValueError(f"row_update: {state_dtype} states need block_n a multiple of {QBLOCK} (whole scale blocks), "
                              f"got {self.block_n}")
 
 
@@ -63,6 +64,7 @@ DEFAULT_CONFIGS: Mapping[str, RowUpdateConfig] = {
     "fp32": RowUpdateConfig(8, 256, 4),
     "bf16": RowUpdateConfig(8, 256, 4),
     "int8": RowUpdateConfig(8, 256, 4),
+    "fp8": RowUpdateConfig(8, 256, 4),
 }
 """Per state format: 8 x 256 on 4 warps, 16 elements of each tensor per thread. Llama-3.1-8B's embedding
 at 512 tokens (19 shapes, two rounds agreeing within 0.3%; every element
@@ -74,11 +76,12 @@ bf16 1.516 ms (16 x 128: 1.520), int8 1.137 (16 x 256: 1.167, 16 x 128: 1.208). 
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _row_update_kernel(W, S0, S1, SCALE0, SCALE1, SLOTS, ROW_GRADS, M, N,
+def _row_update_kernel(W, S0, S1, S2, SCALE0, SCALE1, SCALE2, SUMS, SLOTS, ROW_GRADS, M, N,
                        stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm,
                        c0, c1, c2, c3, c4, c5, c6, c7, seed, SCALARS,
                        EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
-                       S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
+                       S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, S2_SQRT: tl.constexpr,
+                       NUM_SUMS: tl.constexpr, HAS_GRAD_ACCUM: tl.constexpr,
                        STOCHASTIC_ROUNDING: tl.constexpr, SCALARS_IN_MEMORY: tl.constexpr,
                        EVEN_MN: tl.constexpr, WIDE_INDEX: tl.constexpr, HW_MATH: tl.constexpr,
                        BM: tl.constexpr, CN: tl.constexpr, QB: tl.constexpr):
@@ -102,11 +105,11 @@ def _row_update_kernel(W, S0, S1, SCALE0, SCALE1, SLOTS, ROW_GRADS, M, N,
     grad = tl.zeros((BM, CN), dtype=tl.float32) + tl.load(
         ROW_GRADS + slot_row[:, None] * stride_gm + offs_n[None, :], mask=grad_mask, other=0.0).to(tl.float32)
     c0, c1, c2, c3, c4, c5, c6, c7 = rule_scalars(SCALARS, c0, c1, c2, c3, c4, c5, c6, c7, SCALARS_IN_MEMORY)
-    update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, SCALE0, SCALE1, ROW_GRADS, M, N,
+    update_columns(grad, col0, offs_m, rows, row_mask, W, S0, S1, S2, SCALE0, SCALE1, SCALE2, SUMS, ROW_GRADS, M, N,
                    stride_wm, stride_wn, stride_sm, stride_sn, stride_scale_row, stride_gm, 1,
-                   c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, False,
-                   EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, HAS_GRAD_ACCUM, STOCHASTIC_ROUNDING,
-                   EVEN_MN, HW_MATH, BM, CN, QB)
+                   c0, c1, c2, c3, c4, c5, c6, c7, seed, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, False,
+                   EPILOGUE, NUM_STATES, STATE_KIND, S0_SQRT, S1_SQRT, S2_SQRT, NUM_SUMS, HAS_GRAD_ACCUM,
+                   STOCHASTIC_ROUNDING, EVEN_MN, HW_MATH, BM, CN, QB)
 
 
 def usable_for(tensor: torch.Tensor) -> bool:
@@ -161,21 +164,26 @@ def row_update(weight: torch.Tensor, state: ParamState, hp: Mapping[str, Any], s
         row_grads = weight                  # no slot points into it; any valid pointer of the dtype
     elif row_grads.stride(1) != 1:
         row_grads = row_grads.contiguous()
-    s0, s1, scale0, scale1 = state_pointers(weight, states, scales)
+    s0, s1, s2, scale0, scale1, scale2 = state_pointers(weight, states, scales)
     values, buffer = scalar_arguments(scalars, weight)
     meta = kernel_meta(state, weight.dtype, grad_accum=False,
                        stochastic=bool(stochastic_rounding) and weight.dtype == torch.bfloat16, ieee=False,
                        scalars_in_memory=isinstance(scalars, torch.Tensor))
     for name in ("IEEE_DOT", "UPCAST_DOT"):            # the GEMM's; this kernel has none
         del meta[name]
+    sums = state.layer_sums
+    if sums is not None:                               # a regime-2 rule: the sums, then the second pass
+        sums.zero_()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _row_update_kernel[grid](
-        weight, s0, s1, scale0, scale1, slots, row_grads, m, n,
+        weight, s0, s1, s2, scale0, scale1, scale2, sums if sums is not None else weight, slots, row_grads, m, n,
         weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0), row_grads.stride(0),
         *values, int(seed) & 0x7FFFFFFF, buffer,
         EVEN_MN=m % config.block_m == 0 and n % config.block_n == 0, WIDE_INDEX=wide_index(weight, s0, row_grads),
         HW_MATH=not interpreting(), BM=config.block_m, CN=config.block_n, QB=QBLOCK,
         num_warps=config.num_warps, **compile_options(), **meta)
+    if sums is not None:
+        apply_layer(weight, state, states, scales, scalars, seed, meta)
 
 
 __all__ = ["DEFAULT_CONFIGS", "RowUpdateConfig", "row_update", "usable_for"]
