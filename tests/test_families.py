@@ -165,7 +165,8 @@ def test_nadam_mu_product_is_torchs_fp32_running_product() -> None:
         opt.step()
         assert nadam.mu_product(0.95, 0.01, step) == opt.state[param]["mu_product"].item(), step
     table = nadam.device_mu_products(0.95, 0.01, torch.device("cpu"))
-    assert table[60].item() == nadam.mu_product(0.95, 0.01, 60) and table[-1].item() == 0.0
+    assert table[60].item() == nadam.mu_product(0.95, 0.01, 60)
+    assert table.numel() < 3000 and nadam.mu_product(0.95, 0.01, table.numel() + 500) == table[-1].item()
 
 
 def test_sgd_without_momentum_holds_no_state() -> None:
@@ -214,7 +215,11 @@ def _storage_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("case", QUANTIZED_CASES)
 def test_quantized_states_are_stored_as_the_reference_stores_them(case: str, state_dtype: str) -> None:
     """Each step from equal weights and stored states: the fused kernel and the reference store the
-    same codes (state.py's spec) up to one code, the same scales, the same weight."""
+    same codes (state.py's spec) up to one code, the same scales, the same weight. LAMB's second pass
+    writes W from the stored (rounded) moments, where its reference uses the unrounded ones: with bf16
+    states the step differs by their rounding (measured: 0.5% of the largest step); int8 / fp8 round a
+    small first moment next to a large block maximum much further (LAMB then is as AdamW one step later;
+    test_quantized_states_stay_close_to_fp32_states bounds where it leads)."""
     rule_name, hp = _rule_name(case), CASES[case]
     rule = get_rule(rule_name)
     generator = torch.Generator().manual_seed(1)
@@ -223,9 +228,13 @@ def test_quantized_states_are_stored_as_the_reference_stores_them(case: str, sta
     fused_s, ref_s = ParamState(weight, rule, state_dtype, hp), ParamState(weight, rule, state_dtype, hp)
     for step in (1, 2, 3):
         x, dy = torch.randn(TOKENS, DIN, generator=generator), torch.randn(TOKENS, DOUT, generator=generator)
+        before = ref_w.clone()
         fused_wgrad_update(x, dy, fused_w, fused_s, hp, step)
         reference_wgrad_update(x, dy, ref_w, ref_s, hp, step)
-        assert _relative(fused_w, ref_w) <= 1e-5, step
+        if not rule.layer_sums:
+            assert _relative(fused_w, ref_w) <= 1e-5, step
+        elif state_dtype == "bf16":
+            assert (fused_w - ref_w).abs().max() <= 0.01 * (ref_w - before).abs().max(), step
         for name in fused_s.state_names:
             _storage_close(fused_s.values[name], ref_s.values[name], f"{name} at step {step}")
             if fused_s.scales[name] is not None:
@@ -234,26 +243,26 @@ def test_quantized_states_are_stored_as_the_reference_stores_them(case: str, sta
         ref_s.load_state_dict({k: v.clone() for k, v in fused_s.state_dict().items()})
 
 
-# rms(W - W_fp32) / rms(W_fp32 - W_0) after 10 steps of the Tiny model, at most (measured in the
-# interpreter: bf16 0.1-3%, int8 / fp8 0.3-20%; the centered RMSprop divides by a variance that is
-# a difference of two quantized moments, the least forgiving of these)
-FIDELITY = {"bf16": 0.05, "int8": 0.5, "fp8": 0.5}
+# rms(W - W_fp32) / rms(W_fp32 - W_0) after 6 steps of one weight, at most (measured in the interpreter:
+# bf16 0.04-0.23%, int8 0.4-2.5%, fp8 1.3-4.2%; LAMB the largest, its second pass reading the rounded moments)
+FIDELITY = {"bf16": 0.01, "int8": 0.1, "fp8": 0.15}
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("case", ["rmsprop_momentum_centered", "adagrad", "adamax", "nadam", "radam", "lamb"])
 def test_quantized_states_stay_close_to_fp32_states(case: str, state_dtype: str) -> None:
     rule_name, hp = _rule_name(case), CASES[case]
-    torch.manual_seed(0)
-    start = Tiny()
+    rule = get_rule(rule_name)
+    start = torch.randn(DOUT, DIN, generator=torch.Generator().manual_seed(5))
     runs = {}
     for dtype in ("fp32", state_dtype):
-        model = copy.deepcopy(start)
-        opt = forge_core.fuse(model, rule_name, state_dtype=dtype, probe_inputs=False, **hp)
-        for batch in _batches(10):
-            _step(model, opt, batch)
-        runs[dtype] = model.lin.weight.detach()
-    moved = (runs["fp32"] - start.lin.weight.detach()).square().mean().sqrt()
+        weight, state = start.clone(), ParamState(start, rule, dtype, hp)
+        generator = torch.Generator().manual_seed(6)
+        for step in range(1, 7):
+            x, dy = torch.randn(TOKENS, DIN, generator=generator), torch.randn(TOKENS, DOUT, generator=generator)
+            fused_wgrad_update(x, dy, weight, state, hp, step)
+        runs[dtype] = weight
+    moved = (runs["fp32"] - start).square().mean().sqrt()
     error = (runs[state_dtype] - runs["fp32"]).square().mean().sqrt()
     assert error <= FIDELITY[state_dtype] * moved, (error / moved).item()
 
@@ -294,7 +303,7 @@ def test_state_dict_resumes_bit_identically(case: str, state_dtype: str) -> None
     for left, right in zip(straight_opt.state_dict()["state"].values(), resumed_opt.state_dict()["state"].values()):
         for key, value in left.items():
             if isinstance(value, torch.Tensor):
-                assert torch.equal(value.view(torch.uint8), right[key].view(torch.uint8)), key
+                assert torch.equal(value.reshape(-1).view(torch.uint8), right[key].reshape(-1).view(torch.uint8)), key
 
 
 # ---- LAMB ---------------------------------------------------------------------------------------------

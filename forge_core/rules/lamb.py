@@ -21,6 +21,9 @@ the two sums, recomputes r from the stored moments and writes w. G is never form
 as ``k m / (sqrt(v) + eps sqrt(bc2)) + wd w`` with ``k = sqrt(bc2) / bc1`` (the same value up to
 rounding). The fp32 sums come from atomics in program order, which varies between GPU runs: the
 ratio can differ by an ulp from run to run there (the CPU interpreter runs programs in order).
+The second pass reads the moments as stored: with fp32 states that is the reference; with bf16, int8
+or fp8 states W moves by r of the rounded moments (the norms are those of the unrounded ones), where
+a regime-1 rule's update uses the moments before their rounding.
 """
 from __future__ import annotations
 

@@ -33,8 +33,9 @@ from .base import Rule, capturable_flag, known_hyperparameters
 DEFAULTS = {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "momentum_decay": 4e-3,
             "decoupled_weight_decay": False}
 MAX_TABLE_STEPS = 1 << 21
-"""The capturable path's device table of mu_product ends where the fp32 product reaches zero (after
-about 150 / -log2(beta1) steps: 1000 for beta1 = 0.9); at most this many steps (8 MiB)."""
+"""The capturable path's device table of mu_product ends where the fp32 product stops changing (about
+150 / -log2(beta1) steps, at the bottom of the subnormals: 1000 for beta1 = 0.9); at most this many
+steps (16 MiB of float64)."""
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, float, bool]:
@@ -80,9 +81,10 @@ _DEVICE_TABLES: dict[tuple[float, float, str], torch.Tensor] = {}
 
 
 def device_mu_products(beta1: float, momentum_decay: float, device: torch.device) -> torch.Tensor:
-    """float64 tensor on ``device``: entry t is ``mu_product(t)``, up to the step where the fp32 product
-    reaches zero (it stays zero after; the last entry is that zero). Made outside graph captures (the
-    first eager step) and kept, so a captured step only indexes it."""
+    """float64 tensor on ``device``: entry t is ``mu_product(t)``, up to the first step where the fp32
+    product stops changing (0, or a subnormal that mu rounds back to itself: mu_t never decreases with
+    t, so it never changes again; the last entry serves every later step). Made outside graph captures
+    (the first eager step) and kept, so a captured step only indexes it."""
     key = (beta1, momentum_decay, str(device))
     table = _DEVICE_TABLES.get(key)
     if table is not None:
@@ -90,8 +92,8 @@ def device_mu_products(beta1: float, momentum_decay: float, device: torch.device
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("nadam: the capturable step's mu_product table is made by the first eager step; "
                            "run one step before capturing (or after changing betas / momentum_decay)")
-    step = 0
-    while mu_product(beta1, momentum_decay, step) != 0.0:
+    step = 1
+    while mu_product(beta1, momentum_decay, step) != mu_product(beta1, momentum_decay, step - 1):
         step += 1
         if step > MAX_TABLE_STEPS:
             raise ValueError(f"nadam: capturable=True with beta1={beta1}: mu_product stays non-zero past "
