@@ -183,8 +183,3 @@ def capturable_flag(params: Any, capturable: bool) -> dict[str, bool]:
     """``{"capturable": True}`` for torch's optimizers that take the flag, when asked and every parameter
     is on CUDA (torch refuses it for CPU tensors), else ``{}``."""
     return {"capturable": True} if capturable and all_cuda(params) else {}
-
-
-def fp32_value(value: float) -> float:
-    """``value`` rounded to fp32 (as torch rounds a Python float it multiplies an fp32 tensor by)."""
-    return float(torch.tensor(value, dtype=torch.float32))
