@@ -390,7 +390,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return hyperparameters
 
     def _check_state_set(self, hyperparameters: Mapping[str, Any]) -> None:
-        """A one-line error when the group's hyper-parameters now ask for other states than ``fuse``
+        """A one-line error when the group's hyper-parameters ask for other states than ``fuse``
         allocated (SGD's momentum from 0, RMSprop's momentum or centered): the kernel's states are fixed."""
         if self.rule.state_names_for is None or not (self._bindings or self._dense):
             return

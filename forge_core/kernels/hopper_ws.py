@@ -142,10 +142,10 @@ def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor
     if layer_sums:
         return ("a regime-2 rule (per-layer sums, e.g. LAMB): its accumulate and its second pass run on the "
                 "Triton kernel")
-    if not 1 <= len(states) <= 2:
-        return f"{len(states)} states; it takes one or two (the Triton kernel takes zero to three)"
-    if states[0].dtype == torch.uint8:
+    if states and states[0].dtype == torch.uint8:
         return "fp8 states (uint8 codes): the Triton kernel takes them"
+    if not 1 <= len(states) <= 2:        # no state (SGD without momentum) or three: the Triton kernel
+        return "it takes one or two bf16 states, or one or two int8 states"
     problem = config_problem(config, 1 if states and states[0].dtype == torch.int8 else 2)
     if problem is not None:
         return problem
