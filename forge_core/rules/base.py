@@ -63,6 +63,11 @@ class Rule:
     """States stored as sqrt(value) when quantized to int8 / fp8 (second moments), see forge_core/state.py."""
     signed_states: frozenset[str] = field(default_factory=frozenset)
     """States that can be negative (first moments); the others are non-negative."""
+    nonzero_code_states: frozenset[str] | None = None
+    """The int8 states an untied embedding keeps at a non-zero code for every non-zero value
+    (``forge_core.dense.EmbeddingState``); None: ``signed_states``. RMSprop's ``grad_avg`` is left out:
+    raised to a code step it would push the centered variance ``square_avg - grad_avg^2`` of a rarely
+    touched row below zero."""
     state_names_for: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
     """``state_names_for(hp)``: the states a weight holds under these hyper-parameters (a subset of
     ``state_names``, in its order), fixed when the optimizer state is allocated (``fuse``): SGD without
@@ -86,6 +91,12 @@ class Rule:
     refusals: Mapping[str, str] = field(default_factory=dict)
     """Options the rule refuses at ``fuse`` time, each with why: keys "capturable", "accumulate_steps",
     "stochastic_rounding" (see ``option_problem``)."""
+
+    def keeps_nonzero_codes(self, name: str) -> bool:
+        """Whether an untied embedding's int8 state ``name`` keeps a non-zero code for every non-zero value
+        (a regime-2 rule's moments never do: its second pass reads them as ``ParamState`` stores them)."""
+        kept = self.signed_states if self.nonzero_code_states is None else self.nonzero_code_states
+        return name in kept and not self.layer_sums
 
     def resolve_hp(self, hp: Mapping[str, Any]) -> dict[str, Any]:
         """This rule's hyper-parameters from ``hp`` (a param_group holds more keys, e.g. ``params``),

@@ -161,6 +161,7 @@ RULE = Rule(
     kernel_scalars_on_device=kernel_scalars_on_device,
     sqrt_domain_states=frozenset({"square_avg"}),
     signed_states=frozenset({"momentum_buffer", "grad_avg"}),
+    nonzero_code_states=frozenset({"momentum_buffer"}),
     state_names_for=state_names_for,
     epilogues={("square_avg",): epilogue_plain, ("square_avg", "momentum_buffer"): epilogue_momentum,
                ("square_avg", "grad_avg"): epilogue_centered},
