@@ -267,6 +267,48 @@ def test_quantized_states_stay_close_to_fp32_states(case: str, state_dtype: str)
     assert error <= FIDELITY[state_dtype] * moved, (error / moved).item()
 
 
+def test_an_embeddings_kept_int8_codes_take_the_third_state_slot() -> None:
+    """RMSprop with momentum and centered on an untied embedding's int8 states (``EmbeddingState``): the
+    row update keeping non-zero codes changes only the momentum buffer's zero codes (to +-1, where the
+    torch spec on an ``EmbeddingState`` has them non-zero), not ``grad_avg``'s (``nonzero_code_states``),
+    and is otherwise the plain row update bit for bit."""
+    from forge_core.dense import EmbeddingState
+    from forge_core.kernels.row_update import row_update
+
+    rule = get_rule("rmsprop")
+    hp = rule.resolve_hp(CASES["rmsprop_momentum_centered"])
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(VOCAB, 130, generator=generator) * 0.02
+    kept_s = EmbeddingState(weight, rule, "int8", hp)
+    assert kept_s.state_names == ("square_avg", "momentum_buffer", "grad_avg")
+    raised_codes = 0
+    for step in range(1, 4):
+        ids = torch.sort(torch.randint(0, VOCAB, (9,), generator=generator)).values.unique()
+        spread = torch.logspace(-5, 0, 130)[torch.randperm(130, generator=generator)]
+        row_grads = torch.randn(ids.numel(), 130, generator=generator) * spread
+        dense = torch.zeros(VOCAB, 130)
+        dense[ids] = row_grads
+        slots = torch.full((VOCAB,), -1, dtype=torch.int32)
+        slots[ids] = torch.arange(ids.numel(), dtype=torch.int32)
+        plain_w, spec_w = weight.clone(), weight.clone()
+        plain_s, spec_s = ParamState(weight, rule, "int8", hp), EmbeddingState(weight, rule, "int8", hp)
+        for other in (plain_s, spec_s):
+            other.load_state_dict({k: v.clone() for k, v in kept_s.state_dict().items()})
+        row_update(weight, kept_s, hp, step, slots=slots, row_grads=row_grads, keep_signed_codes=True)
+        row_update(plain_w, plain_s, hp, step, slots=slots, row_grads=row_grads)
+        reference_wgrad_update(weight.new_zeros(0, 130), weight.new_zeros(0, VOCAB), spec_w, spec_s, hp, step,
+                               grad_accum=dense)
+        assert torch.equal(weight, plain_w)
+        for name in ("square_avg", "grad_avg"):
+            assert torch.equal(kept_s.values[name], plain_s.values[name]), name
+        kept, plain, spec = (state.values["momentum_buffer"].int() for state in (kept_s, plain_s, spec_s))
+        raised = (plain == 0) & (kept != 0)
+        assert torch.equal(kept[~raised], plain[~raised]) and torch.all(kept[raised].abs() == 1)
+        assert torch.equal(kept != 0, spec != 0) and (kept - spec).abs().max() <= 1
+        raised_codes += int(raised.sum())
+    assert raised_codes > 0
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------
 
 RESUME_CASES = [("rmsprop_momentum_centered", "fp8"), ("rmsprop_centered", "fp32"), ("adagrad", "int8"),
