@@ -413,22 +413,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 return memo[1]
         group = self.param_groups[group_index]
         hyperparameters = {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
-        self._check_state_set(hyperparameters)
+        owners = self._bindings or self._dense
+        problem = self.rule.state_set_problem(owners[0].state.state_names, hyperparameters) if owners else None
+        if problem is not None:
+            raise ValueError(problem)
         if task != -1:
             self._hyperparameters_in_backward[group_index] = (task, hyperparameters)
         return hyperparameters
-
-    def _check_state_set(self, hyperparameters: Mapping[str, Any]) -> None:
-        """A one-line error when the group's hyper-parameters ask for other states than ``fuse``
-        allocated (SGD's momentum from 0, RMSprop's momentum or centered): the kernel's states are fixed."""
-        if self.rule.state_names_for is None or not (self._bindings or self._dense):
-            return
-        held = (self._bindings[0] if self._bindings else self._dense[0]).state.state_names
-        wanted = self.rule.states_for(hyperparameters)
-        if wanted != held:
-            raise ValueError(f"rule {self.rule.name!r}: these hyper-parameters need the states {list(wanted)}, but "
-                             f"fuse allocated {list(held)} from its hyper-parameters; the state set is fixed at "
-                             "fuse time (fuse again with the new values)")
 
     def _count_backward(self, binding: FusedWeight) -> bool:
         """Count one backward of ``binding``; True when it is the k-th (the one that updates)."""
@@ -454,10 +445,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
-        if self.rule.layer_sums:
+        if self.rule.layer_sums:            # (chunked_lm_head_cross_entropy on a fused head)
             raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
-                             "be updated in row blocks (chunked_lm_head_cross_entropy on a fused head); leave the "
-                             "head unfused or use the model's own loss")
+                             "be updated in row blocks; leave the head unfused or use the model's own loss")
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,

@@ -112,6 +112,16 @@ class Rule:
             raise ValueError(f"rule {self.name!r}: state_names_for gave {names}, not a subset of {self.state_names}")
         return names
 
+    def state_set_problem(self, held: tuple[str, ...], hp: Mapping[str, Any]) -> str | None:
+        """Why ``hp`` cannot update a weight holding the states ``held`` (fixed when they were allocated,
+        at ``fuse``: SGD's momentum raised from 0, RMSprop's momentum or centered switched), or None."""
+        wanted = self.states_for(hp)
+        if wanted == tuple(held):
+            return None
+        return (f"rule {self.name!r}: these hyper-parameters need the states {list(wanted)}, but fuse allocated "
+                f"{list(held)} from its hyper-parameters; the state set is fixed at fuse time (fuse again with the "
+                "new values)")
+
     def epilogue_for(self, names: tuple[str, ...]) -> Any:
         """The epilogue that runs a weight holding the states ``names``."""
         if self.epilogues is not None and tuple(names) in self.epilogues:
