@@ -36,18 +36,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from . import kernels
+from .backends import BACKENDS, check_capturable, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
-from .kernels.device import interpreting
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
-
-BACKENDS = ("auto", "triton", "reference")
 
 GUARD_GROUP_KEY = "forge_state_dict"
 """The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
@@ -65,36 +63,22 @@ UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){de
 """``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
 
 
-def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
-    """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    devices = set(devices)
-    needs_interpreter = any(device.type != "cuda" for device in devices)
-    interpreter_on = interpreting()
-    if backend == "reference":
-        return "reference"
-    if backend == "auto":
-        if not kernels.triton_available():
-            return "reference"
-        return "triton" if (interpreter_on or not needs_interpreter) else "reference"
-    if needs_interpreter and not interpreter_on or not kernels.triton_available():
-        where = sorted({str(device) for device in devices}) or ["no fused weights"]
-        raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
-                         "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
-    return "triton"
-
-
 class FusedWeight:
-    """One fused Linear weight: what its ForgeLinear's backward calls with (x, dY).
+    """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
 
     Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
-    to the ``ForgeOptimizer``, which allocates its state."""
+    to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
+    unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
 
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
         self.name = name
-        self.module: Optional[nn.Linear] = module
-        self.weight: nn.Parameter = module.weight
+        self.module: Optional[nn.Module] = module
+        self.weight: nn.Parameter = module.weight if weight is None else weight
+        self.matrix: torch.Tensor = self.weight
+        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself, or
+        a (E * Dout, Din) view of a 3-D expert weight whose experts are row blocks."""
+        self.tile_config: Optional[kernels.TileConfig] = None
+        """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
         self.optimizer: Optional["ForgeOptimizer"] = None
         self.group_index = 0
         self.index = 0
@@ -119,6 +103,14 @@ class FusedWeight:
     def detach_from_module(self) -> None:
         self.module = None
 
+    def rows_left_out(self) -> list[tuple[int, int]]:
+        """Row blocks of ``matrix`` the step's backward did not update, which ``opt.step()`` must
+        update with a zero gradient (experts no token reached); none for a Linear weight."""
+        return []
+
+    def end_step(self) -> None:
+        """Called by ``opt.step()`` after the step's updates: forget what this step updated."""
+
     def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         if self.probing:
             self.probe_backward_calls += 1
@@ -127,11 +119,13 @@ class FusedWeight:
             raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
         self.optimizer._fused_backward(self, x, grad_output)
 
-    def begin_row_updates(self, x: torch.Tensor) -> "RowSliceUpdate":
-        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head).
+    def begin_row_updates(self, x: Optional[torch.Tensor]) -> "RowSliceUpdate":
+        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head, or
+        the experts of a 3-D expert weight).
 
         Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
-        returned object once per block with ``(r0, r1, dy_rows, block_index)``."""
+        returned object once per block with ``(r0, r1, dy_rows, block_index)``, and ``x=`` the
+        block's own inputs when ``x`` is None here."""
         if self.probing:
             self.probe_backward_calls += 1
             return RowSliceUpdate(self, x, mode="skip")
@@ -195,13 +189,17 @@ class RowSliceUpdate:
     step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
     add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
 
-    def __init__(self, binding: FusedWeight, x: torch.Tensor, mode: str) -> None:
+    def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
         self.binding = binding
         self.x = x
         self.mode = mode
         self._x32: Optional[torch.Tensor] = None
 
-    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
+                 x: Optional[torch.Tensor] = None) -> None:
+        """Update (or accumulate) rows ``[r0, r1)`` from ``dy_rows``; ``x``: this block's own
+        inputs when its tokens differ from the other blocks' (an expert's routed tokens), else the
+        ``x`` the update began with."""
         if self.mode == "skip":
             return
         binding = self.binding
@@ -210,11 +208,15 @@ class RowSliceUpdate:
             raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
         with torch.no_grad():
             if self.mode == "accumulate":
-                if self._x32 is None:
-                    self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
-                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), self._x32)
+                if x is not None:
+                    x32 = x.reshape(-1, x.shape[-1]).float()
+                else:
+                    if self._x32 is None:
+                        self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
+                    x32 = self._x32
+                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), x32)
                 return
-            binding.optimizer._apply_update(binding, self.x, dy_rows, part=part,
+            binding.optimizer._apply_update(binding, self.x if x is None else x, dy_rows, part=part,
                                             seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
@@ -229,24 +231,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
-                      bindings: list[FusedWeight]) -> None:
-    """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if backend != "triton":
-        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
-                         f"this optimizer resolved to backend={backend!r}")
-    if rule.kernel_scalars_on_device is None:
-        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
-    if accumulate_steps != 1:
-        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
-                         "whether to accumulate or update, which a replayed graph cannot)")
-    if stochastic_rounding:
-        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
-    devices = {binding.weight.device for binding in bindings}
-    if len(devices) > 1:
-        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
-
-
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -258,7 +242,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                  model_parameters: list[nn.Parameter], fused_ids: set[int], capturable: bool = False,
                  dense_2d: bool = True, parameter_names: Optional[Mapping[int, str]] = None) -> None:
         if capturable:
-            _check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
+            check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
         self._constructing = True
         super().__init__([{"params": params}], dict(hyperparameters))
         self._constructing = False
@@ -277,9 +261,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.weight, rule, state_dtype, hyperparameters)
+            binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters)
             if self.accumulate_steps > 1:
-                binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
+                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
@@ -443,11 +427,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
+    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
         if self.rule.layer_sums:            # (chunked_lm_head_cross_entropy on a fused head)
             raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
-                             "be updated in row blocks; leave the head unfused or use the model's own loss")
+                             "be updated in row blocks; leave it unfused or use the model's own loss")
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
@@ -455,9 +439,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
         if part is None:
-            weight, state, grad_accum = binding.weight, binding.state, binding.grad_accum
+            weight, state, grad_accum = binding.matrix, binding.state, binding.grad_accum
         else:
-            weight = binding.weight.detach()[part.r0:part.r1]
+            weight = binding.matrix.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
@@ -483,6 +467,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                        seed_offset: int = 0) -> None:
         """One fused-kernel (or reference) update at ``owner``'s next step (``_update_arguments``)."""
         hp, step, arguments = self._update_arguments(owner, seed_offset)
+        tile = getattr(owner, "tile_config", None)
+        if tile is not None and self.backend == "triton":
+            arguments["config"] = tile
         self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
@@ -506,12 +493,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        weight = binding.weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
+        matrix = binding.matrix
+        no_x = matrix.new_zeros((0, matrix.shape[1]))
+        no_dy = matrix.new_zeros((0, matrix.shape[0]))
         with torch.no_grad():
             self._apply_update(binding, no_x, no_dy)
         binding.micro_batches = self.accumulate_steps
+
+    def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
+        """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
+        earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
+        step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
+        part = binding.row_part(r0, r1)
+        no_x = binding.matrix.new_zeros((0, binding.matrix.shape[1]))
+        no_dy = binding.matrix.new_zeros((0, r1 - r0))
+        with torch.no_grad():
+            self._apply_update(binding, no_x, no_dy, part=part)
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 
@@ -558,6 +555,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
+            elif binding.micro_batches == self.accumulate_steps:
+                for r0, r1 in binding.rows_left_out():
+                    self._update_rows_without_tokens(binding, r0, r1)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
@@ -566,6 +566,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if binding.micro_batches == self.accumulate_steps:
                 binding.steps_done += 1
             binding.micro_batches = 0
+            binding.end_step()
         self._steps_taken += 1
         for group, count in enumerate(self._device_steps):
             count.add_(1.0)
