@@ -440,6 +440,26 @@ def test_lamb_refuses_row_block_updates_of_a_fused_head() -> None:
         forge_core.chunked_lm_head_cross_entropy(hidden.requires_grad_(), model[0], labels).backward()
 
 
+def test_lamb_leaves_moe_experts_to_its_fallback_with_a_reason() -> None:
+    """The fused experts update expert by expert, never the whole 3-D weight LAMB takes the norms of."""
+    transformers = pytest.importorskip("transformers")
+    from forge_core.experts import is_forge_experts
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_experts=4, num_experts_per_tok=1, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = transformers.Qwen3MoeForCausalLM(config).float()
+    with pytest.warns(UserWarning, match="rule 'lamb' reads norms of each whole 3-D weight"):
+        opt = forge_core.fuse(model, "lamb", backend="reference")
+    assert "model.layers.0.mlp.experts" in opt.excluded_modules
+    assert not is_forge_experts(model.model.layers[0].mlp.experts)
+    ids = torch.randint(0, 64, (1, 9))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+
 # ---- refusals ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rule_name, options, message", [
