@@ -48,7 +48,7 @@ class EmbeddingState(ParamState):
     def store(self, name: str, value32: torch.Tensor) -> None:
         """``ParamState.store``, then (int8, a signed state) a zero code of a non-zero value becomes +-1."""
         super().store(name, value32)
-        if self.state_dtype != "int8" or name not in self.rule.signed_states:
+        if self.state_dtype != "int8" or not self.rule.keeps_nonzero_codes(name):
             return
         codes, scale = self.values[name], self.scales[name]
         step = scale.repeat_interleave(QBLOCK, dim=-1)[..., :codes.shape[-1]]
@@ -89,12 +89,18 @@ class DenseWeight:
         """Row r's index in the step's gradient rows, or -1 (``kernels.row_update``); made at the first
         row step and rewritten in place by every later one."""
 
-    def make_embedding_state(self) -> None:
+    def make_embedding_state(self, hp: Optional[Mapping[str, Any]] = None) -> None:
         """Give this weight an ``EmbeddingState`` (``forge_core.fuse``, for an untied embedding's weight,
-        before its first step: the state is all zeros then, so nothing is lost)."""
+        before its first step: the state holds its initial values then, so nothing is lost). ``hp``: the
+        param group's hyper-parameters, which the state set and initial values follow, as the
+        ``ParamState`` it replaces did."""
         if self.steps_done or self.state is None:
             raise RuntimeError(f"{self.name!r}: make_embedding_state() belongs before the first step, on an allocated state")
-        self.state = EmbeddingState(self.weight, self.state.rule, self.state.state_dtype)
+        state = EmbeddingState(self.weight, self.state.rule, self.state.state_dtype, hp)
+        if state.state_names != self.state.state_names:
+            raise RuntimeError(f"{self.name!r}: make_embedding_state() got hyper-parameters for the states "
+                               f"{list(state.state_names)}, the weight holds {list(self.state.state_names)}")
+        self.state = state
 
     def record_rows(self, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
         """The ForgeEmbedding backward: keep this use's ids and output gradient for ``step()``."""
@@ -195,8 +201,10 @@ def _step_rows(dense: DenseWeight, rows: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _keeps_signed_codes(dense: DenseWeight) -> bool:
-    """Whether ``dense``'s state stores int8 signed states as ``EmbeddingState`` does."""
-    return isinstance(dense.state, EmbeddingState) and dense.state.state_dtype == "int8"
+    """Whether ``dense``'s state stores some int8 state as ``EmbeddingState`` does (``Rule.keeps_nonzero_codes``:
+    a regime-2 rule's moments are stored as ``ParamState`` stores them)."""
+    return (isinstance(dense.state, EmbeddingState) and dense.state.state_dtype == "int8"
+            and any(map(dense.state.rule.keeps_nonzero_codes, dense.state.state_names)))
 
 
 __all__ = ["DenseWeight", "EmbeddingState", "step_dense", "steppable_by_kernel"]

@@ -14,7 +14,8 @@ A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
 * it is not exactly ``nn.Linear`` or transformers' ``Conv1D`` (a subclass has its own forward or
   semantics);
 * (experts) their layout is not the one the fused forward reproduces, or ``capturable=True`` (the
-  per-expert token counts are read on the host every step), with a warning;
+  per-expert token counts are read on the host every step), or the rule reads whole-weight norms
+  (LAMB: the experts are updated expert by expert), with a warning;
 * its weight is not fp32 / bf16, or not contiguous (what the kernel takes);
 * the fuse-time probe finds that the model reads its ``.weight`` outside its ``forward`` (e.g. a
   library kernel or a sibling module uses the tensor directly), or calls its ``forward`` more than
@@ -51,7 +52,7 @@ from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, 
                       is_forge_experts, looks_like_experts, remove_forge_experts)
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
-from .rules import get_rule
+from .rules import Rule, get_rule
 from .state import STATE_DTYPES
 
 PROBE_SEQUENCE_LENGTH = 8
@@ -190,7 +191,8 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
     return candidates, quiet, loud
 
 
-def _select_experts(model: nn.Module, capturable: bool) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
+def _select_experts(model: nn.Module, capturable: bool,
+                    rule: Rule) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
     """3-D expert Parameters to fuse (``qualified parameter name -> (experts module, attribute)``)
     and the experts modules left to the fallback with why (``forge_core.experts``)."""
     use_counts = _parameter_use_counts(model)
@@ -211,6 +213,9 @@ def _select_experts(model: nn.Module, capturable: bool) -> tuple[dict[str, tuple
         if problem is None and capturable:
             problem = ("capturable=True: the fused experts read each expert's token count on the host every "
                        "step, which a replayed CUDA graph cannot")
+        if problem is None and rule.layer_sums:
+            problem = (f"rule {rule.name!r} reads norms of each whole 3-D weight, which the fused experts update "
+                       "expert by expert")
         if problem is None and any(weight.device.type == "meta" for weight in weights):
             raise ValueError(f"module {label!r} has its experts on the meta device: materialize the model before fuse()")
         if problem is not None:
@@ -378,7 +383,13 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     Hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum`` and any other of the
     rule's ``defaults``, e.g. SGD's ``dampening`` / ``nesterov``) default to the rule's defaults;
-    one the rule does not have is an error. ``state_dtype``: "fp32", "bf16" or "int8" moments.
+    one the rule does not have is an error; names and defaults are torch.optim's for the class of the
+    same name (``optimizer``: adamw, sgd, lion, rmsprop, adagrad, adamax, nadam, radam, lamb; see
+    ``forge_core.rules``). A rule's states may depend on them (SGD keeps a momentum buffer only with
+    momentum; RMSprop's ``momentum`` and ``centered`` add one each): they are fixed here.
+    ``state_dtype``: "fp32", "bf16", "int8" or "fp8" moments (int8 / fp8 with one fp32 scale per 64
+    elements of a row, forge_core.state). A rule that cannot take a state format, ``accumulate_steps``
+    or ``capturable`` raises a one-line ValueError naming the rule and the option.
     ``stochastic_rounding``: round bf16 weights stochastically when the update stores them.
 
     ``accumulate_steps=k``: the fused update runs on the k-th backward after each ``opt.step()``;
@@ -425,6 +436,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an integer >= 1, got {accumulate_steps!r}")
+    problem = rule.option_problem(state_dtype=state_dtype, accumulate_steps=accumulate_steps, capturable=capturable,
+                                  stochastic_rounding=stochastic_rounding)
+    if problem is not None:
+        raise ValueError(problem)
     named = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum}
     given = {key: value for key, value in named.items() if value is not None}
     given.update(other_hyperparameters)
@@ -439,7 +454,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
 
     candidates, quiet, loud = _select_candidates(model)
-    expert_candidates, experts_left_out = _select_experts(model, capturable)
+    expert_candidates, experts_left_out = _select_experts(model, capturable, rule)
     loud.update(experts_left_out)
     bindings: dict[str, FusedWeight] = {name: FusedWeight(name, module) for name, module in candidates.items()}
     bindings.update({name: ExpertsWeight(name, module, attribute)
@@ -529,7 +544,7 @@ def _give_embeddings_their_state(model: nn.Module, optimizer: ForgeOptimizer) ->
         weight = getattr(module, "weight", None)
         dense = dense_of.get(id(weight))
         if isinstance(module, nn.Embedding) and dense is not None and use_counts[id(weight)] == 1:
-            dense.make_embedding_state()
+            dense.make_embedding_state(optimizer.param_groups[dense.group_index])
 
 
 def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:

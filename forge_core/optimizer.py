@@ -261,7 +261,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.matrix, rule, state_dtype)
+            binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters)
             if self.accumulate_steps > 1:
                 binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
@@ -273,7 +273,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if steppable_by_kernel(parameter, rule, backend):
                     dense = DenseWeight(names.get(id(parameter), f"parameter {len(self._dense)}"), parameter)
                     dense.index = len(bindings) + len(self._dense)      # distinct stochastic-rounding seeds
-                    dense.state = ParamState(parameter, rule, state_dtype)
+                    dense.state = ParamState(parameter, rule, state_dtype, hyperparameters)
                     dense.optimizer = self
                     self._dense.append(dense)
         dense_ids = {id(dense.weight) for dense in self._dense}
@@ -397,6 +397,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 return memo[1]
         group = self.param_groups[group_index]
         hyperparameters = {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
+        owners = self._bindings or self._dense
+        problem = self.rule.state_set_problem(owners[0].state.state_names, hyperparameters) if owners else None
+        if problem is not None:
+            raise ValueError(problem)
         if task != -1:
             self._hyperparameters_in_backward[group_index] = (task, hyperparameters)
         return hyperparameters
@@ -425,6 +429,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
+        if self.rule.layer_sums:            # (chunked_lm_head_cross_entropy on a fused head)
+            raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
+                             "be updated in row blocks; leave it unfused or use the model's own loss")
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 from .base import Rule
-from . import adamw, lion, sgd
+from . import adagrad, adamax, adamw, lamb, lion, nadam, radam, rmsprop, sgd
 
 RULES: dict[str, Rule] = {
     adamw.RULE.name: adamw.RULE,
     sgd.RULE.name: sgd.RULE,
     lion.RULE.name: lion.RULE,
+    rmsprop.RULE.name: rmsprop.RULE,
+    adagrad.RULE.name: adagrad.RULE,
+    adamax.RULE.name: adamax.RULE,
+    nadam.RULE.name: nadam.RULE,
+    radam.RULE.name: radam.RULE,
+    lamb.RULE.name: lamb.RULE,
 }
 
 
