@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
+from .layer_step import takes_layer_path
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
 from .rules import get_rule
@@ -297,6 +298,12 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule = get_rule(optimizer)
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    if rule.state_dtypes is not None and state_dtype not in rule.state_dtypes:
+        raise ValueError(f"optimizer {rule.name!r} keeps its states in {', '.join(rule.state_dtypes)}, "
+                         f"not state_dtype={state_dtype!r}")
+    if stochastic_rounding and takes_layer_path(rule):
+        raise ValueError(f"stochastic_rounding is a fused-kernel option; optimizer {rule.name!r} steps weights "
+                         "in plain torch after the layer's GEMM")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an integer >= 1, got {accumulate_steps!r}")
     named = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum}
@@ -313,6 +320,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
 
     candidates, quiet, loud = _select_candidates(model)
+    if rule.hidden_weights_only:
+        _keep_output_head_unfused(model, rule.name, candidates, quiet)
     bindings = {name: FusedWeight(name, module) for name, module in candidates.items()}
     for name, binding in bindings.items():
         install_forge_linear(binding.module, binding)
@@ -379,6 +388,18 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         for binding in bindings.values():
             remove_forge_linear(binding.module)
         raise
+
+
+def _keep_output_head_unfused(model: nn.Module, rule_name: str, candidates: dict[str, nn.Linear],
+                              quiet: dict[str, str]) -> None:
+    """Move the output head (``model.get_output_embeddings()``) from ``candidates`` to the quiet
+    exclusions: a rule for hidden-layer weights (Muon) leaves it to its fallback optimizer."""
+    head_getter = getattr(model, "get_output_embeddings", None)
+    head = head_getter() if callable(head_getter) else None
+    for name, module in list(candidates.items()):
+        if module is head:
+            del candidates[name]
+            quiet[name] = f"the output head: {rule_name} fuses hidden-layer weights; its fallback steps the head"
 
 
 def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 from . import kernels
 from .dense import DenseWeight, step_dense, steppable_by_kernel
 from .kernels.device import interpreting
+from .layer_step import LayerState, layer_wgrad_update, takes_layer_path
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
@@ -217,10 +218,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
                       bindings: list[FusedWeight]) -> None:
     """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if backend != "triton":
+    if takes_layer_path(rule):              # plain torch ops, on any backend (forge_core.layer_step)
+        if not rule.layer_capturable:
+            raise ValueError(f"capturable=True: rule {rule.name!r} syncs with the host in its layer step")
+    elif backend != "triton":
         raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
                          f"this optimizer resolved to backend={backend!r}")
-    if rule.kernel_scalars_on_device is None:
+    elif rule.kernel_scalars_on_device is None:
         raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
     if accumulate_steps != 1:
         raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
@@ -258,12 +262,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._update_function: Callable[..., None] = (
             kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
         self._bindings = bindings
+        self._layer_path = takes_layer_path(rule)
+        """Regimes 2 and 3: fused weights are stepped by ``forge_core.layer_step``, not the kernel."""
+        state_accumulates = self._layer_path and rule.state_accumulates is not None \
+            and bool(rule.state_accumulates(hyperparameters))
         for index, binding in enumerate(bindings):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.weight, rule, state_dtype)
-            if self.accumulate_steps > 1:
+            binding.state = (LayerState(binding.weight, rule, state_dtype, hyperparameters, binding.name)
+                             if self._layer_path else ParamState(binding.weight, rule, state_dtype))
+            if self.accumulate_steps > 1 and not state_accumulates:
                 binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
@@ -401,6 +410,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
+        if self._layer_path:
+            last = self._count_backward(binding)
+            self._layer_update(binding, x, grad_output, last=last, earlier_micro_batches=binding.micro_batches - 1)
+            return
         if not self._count_backward(binding):
             din = binding.weight.shape[1]
             dout = binding.weight.shape[0]
@@ -412,6 +425,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
+        if self._layer_path:
+            raise ValueError(f"rule {self.rule.name!r} steps whole weights and cannot update {binding.name!r} row "
+                             "block by row block (the chunked LM-head loss): use the model's own loss")
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
@@ -426,6 +442,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
             grad_accum.zero_()
+
+    def _layer_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, *, last: bool,
+                      earlier_micro_batches: int) -> None:
+        """A regime-2 / regime-3 weight's backward (``forge_core.layer_step``): the step count is a
+        device tensor in capturable mode, so a replayed graph reads the current one."""
+        group = binding.group_index
+        step = self._device_steps[group] + 1 if self.capturable else binding.steps_done + 1
+        layer_wgrad_update(x, grad_output, binding.weight, binding.state, self._kernel_hyperparameters(group), step,
+                           grad_accum=binding.grad_accum, accumulate_steps=self.accumulate_steps,
+                           first_micro_batch=earlier_micro_batches == 0, last_micro_batch=last)
+        if last and binding.grad_accum is not None:
+            binding.grad_accum.zero_()
 
     def _update_arguments(self, owner: "FusedWeight | DenseWeight",
                           seed_offset: int = 0) -> tuple[Mapping[str, Any], int, dict[str, Any]]:
@@ -474,7 +502,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         no_x = weight.new_zeros((0, weight.shape[1]))
         no_dy = weight.new_zeros((0, weight.shape[0]))
         with torch.no_grad():
-            self._apply_update(binding, no_x, no_dy)
+            if self._layer_path:
+                self._layer_update(binding, no_x, no_dy, last=True, earlier_micro_batches=binding.micro_batches)
+            else:
+                self._apply_update(binding, no_x, no_dy)
         binding.micro_batches = self.accumulate_steps
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
@@ -495,9 +526,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _sync_fallback_hyperparameters(self) -> None:
         for ours, theirs in zip(self.param_groups, self._fallback.param_groups):
-            for key, value in ours.items():
-                if key != "params":
-                    theirs[key] = value
+            values = {key: value for key, value in ours.items() if key != "params"}
+            if self.rule.fallback_hyperparameters is not None:     # Muon's adamw_* keys -> AdamW's
+                values = self.rule.fallback_hyperparameters(values)
+            theirs.update(values)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Step the fallback parameters and advance the step count of the fused weights.

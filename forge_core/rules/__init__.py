@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 from .base import Rule
-from . import adamw, lion, sgd
+from . import adafactor, adalomo, adam_mini, adamw, lars, lion, muon, sgd, sm3
 
 RULES: dict[str, Rule] = {
     adamw.RULE.name: adamw.RULE,
     sgd.RULE.name: sgd.RULE,
     lion.RULE.name: lion.RULE,
+    muon.RULE.name: muon.RULE,
+    adafactor.RULE.name: adafactor.RULE,
+    adalomo.RULE.name: adalomo.RULE,
+    sm3.RULE.name: sm3.RULE,
+    adam_mini.RULE.name: adam_mini.RULE,
+    lars.RULE.name: lars.RULE,
 }
 
 

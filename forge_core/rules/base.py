@@ -47,6 +47,41 @@ class Rule:
     """States stored as sqrt(value) when quantized to int8 (second moments), see forge_core/state.py."""
     signed_states: frozenset[str] = field(default_factory=frozenset)
     """States that can be negative (first moments); the others are non-negative."""
+    regime: int = 1
+    """Where the rule's step runs (docs/design.md, section 1): 1 = in the fused kernel's epilogue
+    (a coordinate-wise state step); 2 = a whole-matrix weight update after the layer's accumulate
+    (Muon's Newton-Schulz, LAMB's trust ratio); 3 = deferred: the layer's gradient is formed,
+    stepped and freed inside that layer's backward (Adafactor, SM3, Adam-mini, LARS, AdaLomo)."""
+    layer_update: Callable[..., None] | None = None
+    """A regime-2 rule stepped in plain torch (``forge_core.layer_step``): ``layer_update(x2, dy2,
+    weight, states, hp, step, *, grad_accum, first_micro_batch, last_micro_batch)`` with the layer's
+    flattened input and output gradient, the weight and its stored states, updated in place. A
+    regime-3 rule leaves it None: the layer path forms G and runs ``reference``."""
+    state_shapes: Callable[[tuple[int, ...], Mapping[str, Any], str], dict[str, tuple[int, ...]]] | None = None
+    """``state_shapes(parameter_shape, hp, name) -> {state name: shape}`` for a rule whose states are
+    not parameter-shaped (row / column / block statistics); ``name`` is the parameter's or module's
+    qualified name (Adam-mini partitions by it). None: ``state_names``, each of the parameter's shape."""
+    state_dtypes: tuple[str, ...] | None = None
+    """The storage formats (``forge_core.state.STATE_DTYPES``) the rule takes; None: all of them."""
+    hidden_weights_only: bool = False
+    """Fuse hidden-layer weights only: the output head (``model.get_output_embeddings()``) stays with
+    the fallback optimizer, as torch.optim.Muon's users step it with AdamW."""
+    fallback_hyperparameters: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    """Our param group's values -> the fallback optimizer's (Muon's ``adamw_*`` keys become AdamW's
+    ``lr``, ``betas``, ...). None: the same keys."""
+    layer_capturable: bool = False
+    """Regimes 2 and 3: the layer update runs device ops only (no host sync; the step may be a 0-d
+    device tensor), so ``fuse(..., capturable=True)`` can capture it in a CUDA graph."""
+    state_accumulates: Callable[[Mapping[str, Any]], bool] | None = None
+    """``state_accumulates(hp)``: True when ``layer_update`` takes the earlier micro-batches of
+    ``accumulate_steps`` into its own state (Muon without Nesterov: the momentum buffer), so no fp32
+    gradient accumulator is kept. None: never."""
+
+    def shapes_of_states(self, shape: tuple[int, ...], hp: Mapping[str, Any], name: str = "") -> dict[str, tuple[int, ...]]:
+        """The states a parameter of ``shape`` called ``name`` holds, and their shapes (``state_shapes``)."""
+        if self.state_shapes is None:
+            return {state: tuple(shape) for state in self.state_names}
+        return {state: tuple(size) for state, size in self.state_shapes(tuple(shape), hp, name).items()}
 
     def resolve_hp(self, hp: Mapping[str, Any]) -> dict[str, Any]:
         """This rule's hyper-parameters from ``hp`` (a param_group holds more keys, e.g. ``params``),

@@ -1,0 +1,54 @@
+"""Scalar arithmetic of the per-layer rules that works on Python floats and on 0-d tensors alike.
+
+A rule's reference gets the step as an ``int`` in an eager step and as a 0-d device tensor when
+the optimizer is capturable (the count lives on the GPU so a replayed CUDA graph reads the
+current one). Norms are 0-d tensors in both cases: reading them on the host would sync with the
+device once per layer, and a CUDA graph cannot capture a sync. These helpers keep one reference
+for both.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+import torch
+
+Scalar = Union[float, torch.Tensor]
+
+
+def at_most(value: Scalar, bound: float) -> Scalar:
+    """``min(value, bound)`` for a float or a tensor."""
+    return torch.clamp(value, max=bound) if isinstance(value, torch.Tensor) else min(value, bound)
+
+
+def at_least(value: Scalar, bound: float) -> Scalar:
+    """``max(value, bound)`` for a float or a tensor."""
+    return torch.clamp(value, min=bound) if isinstance(value, torch.Tensor) else max(value, bound)
+
+
+def square_root(value: Scalar) -> Scalar:
+    """``sqrt`` of a float or a tensor."""
+    return torch.sqrt(value) if isinstance(value, torch.Tensor) else math.sqrt(value)
+
+
+def step_value(step: Any) -> Scalar:
+    """The step as a float, or as the 0-d tensor it is (float64 kept)."""
+    if isinstance(step, torch.Tensor):
+        return step if step.is_floating_point() else step.double()
+    value = float(step)
+    if value < 1.0:
+        raise ValueError(f"the step is 1-based, got {step}")
+    return value
+
+
+def like(value: Scalar, tensor: torch.Tensor) -> Scalar:
+    """``value`` ready to scale ``tensor`` in place: a tensor in ``tensor``'s dtype, or the float."""
+    return value.to(tensor.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def rms(tensor: torch.Tensor) -> torch.Tensor:
+    """The root mean square of ``tensor`` as a 0-d fp32 tensor (no host sync)."""
+    return torch.linalg.vector_norm(tensor.float()) / math.sqrt(max(tensor.numel(), 1))
+
+
+__all__ = ["Scalar", "at_least", "at_most", "like", "rms", "square_root", "step_value"]
