@@ -57,6 +57,9 @@ MODEL_ZOO: dict[str, ModelSpec] = {
         ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen 2.5 7B (q/k/v biases)"),
         ModelSpec("mistral-7b", "mistralai/Mistral-7B-v0.3", "Mistral 7B v0.3 (32768 vocab, no sliding window)"),
         ModelSpec("gpt2-xl", "openai-community/gpt2-xl", "GPT-2 XL 1.5B (Conv1D layers, tied embeddings)"),
+        ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", "Qwen3 8B (q/k norms, untied head)"),
+        ModelSpec("qwen3-14b", "Qwen/Qwen3-14B", "Qwen3 14B: the Muon capability cell on an 80 GB card"),
+        ModelSpec("qwen3-32b", "Qwen/Qwen3-32B", "Qwen3 32B: the Muon capability cell on a 141 GB card"),
         ModelSpec("tiny-llama", "-", "2-layer Llama with 128-wide hidden: CPU smoke and tests"),
         ModelSpec("tiny-gpt2", "-", "2-layer GPT-2 with 128-wide hidden, tied embeddings: CPU smoke and tests"),
     )
@@ -185,6 +188,23 @@ def apply_activations(model: torch.nn.Module, activations: str) -> dict[str, int
     return {"norms": report.norms, "mlps": report.mlps, "scopes": report.scopes}
 
 
+def apply_activation_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
+    """transformers' gradient checkpointing on ``model`` when ``enabled`` (non-reentrant: the forward
+    runs with grad enabled, so a FORGE-fused Linear's update still runs once, in the backward of
+    its recomputed layer). Returns whether it was applied."""
+    if not enabled:
+        return False
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelError(f"{type(model).__name__} does not support gradient checkpointing")
+    options = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)   # older transformers: gradient_checkpointing_enable
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    return True
+
+
 def reduced_depth(name: str, max_layers: int) -> int | None:
     """Layer count of the parity twin: None (the model itself) when it is already that shallow."""
     return None if num_layers(name) <= max_layers else max_layers
@@ -208,14 +228,16 @@ def param_count(name: str, num_layers: int | None = None) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int, activations: str = "hf") -> int:
+def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int, activations: str = "hf",
+                              checkpointed: bool = False) -> int:
     """A deliberately low estimate of the activations a training step keeps for backward.
 
     Per token and layer: the saved inputs of the attention and MLP projections, the attention
     output and norms (about 10 hidden-wide and 3 intermediate-wide tensors; 4 and 2 with lean
     activations); plus the logits in
     the model dtype and their fp32 upcast and gradient at the loss. Low on purpose: it only feeds
-    ``oom_predicted``, which must skip a cell only when it clearly cannot fit.
+    ``oom_predicted``, which must skip a cell only when it clearly cannot fit. With activation
+    checkpointing each layer keeps only its hidden-wide input (the layer being recomputed is left out).
     """
     data = dict(_raw_config(name))
     hidden = int(data.get("hidden_size") or data.get("n_embd"))
@@ -224,6 +246,8 @@ def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int,
     tokens = batch * seq
     # lean (forge_core.lean): the two norm inputs, q and the attention output, gate and up (k, v left out)
     widths = 4 * hidden + 2 * inter if activations == "lean" else 10 * hidden + 3 * inter
+    if checkpointed:
+        widths = hidden
     per_layer = tokens * widths * dtype_bytes
     logits = tokens * vocab_size(name) * (dtype_bytes + 4 + 4)
     return layers * per_layer + logits

@@ -265,6 +265,25 @@ def test_factored_states_are_small_and_counted() -> None:
     assert math.isclose(opt.memory_breakdown()["weights"], lars.memory_breakdown()["weights"])
 
 
+@pytest.mark.parametrize("rule", sorted(DEFERRED))
+def test_bf16_weights_are_stepped_in_place_close_to_fp32(rule: str) -> None:
+    """A bf16 model: the weight is stepped in its own dtype, op by op in fp32, without an fp32 copy;
+    five steps stay within bf16 rounding of the same steps on the fp32 model."""
+    model = Attention().to(torch.bfloat16)
+    twin = Attention()
+    opt = forge_core.fuse(model, rule, probe_inputs=torch.zeros(2, 30, dtype=torch.bfloat16), **DEFERRED[rule])
+    reference = _reference_optimizer(twin, rule)
+    batches = _batches(5)
+    for x in batches:
+        _loss(model, x.to(torch.bfloat16)).float().backward()
+        opt.step()
+        opt.zero_grad()
+    _train(twin, reference, batches)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if a.dim() == 2:
+            assert a.dtype == torch.bfloat16 and _relative_error(a.detach().float(), b.detach()) <= 2e-2, name
+
+
 LLAMA_8B_SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096),
                    "down_proj": (4096, 14336)}
 
@@ -327,3 +346,43 @@ def test_gradient_residency_is_one_layer_on_the_gpu(rule: str) -> None:
     assert residency.peak_bytes == layer_g and residency.formed == len(shapes)
     assert peak <= 4 * layer_g
     assert peak < len(shapes) * 4096 * 14336 * 2        # the unfused bf16 pool of these weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rule", ["muon", *sorted(DEFERRED)])
+def test_capturable_step_replays_in_a_cuda_graph(rule: str) -> None:
+    """Forward, backward (the per-layer steps on the side stream) and ``opt.step()`` captured once and
+    replayed: three replays after two eager steps equal five eager steps."""
+    hp = DEFERRED.get(rule, {"lr": 0.02, "weight_decay": 0.1})
+    model = Attention().cuda()
+    twin = copy.deepcopy(model)
+    probe = torch.zeros(2, 30, device="cuda")
+    captured = forge_core.fuse(model, rule, probe_inputs=probe, capturable=True, **hp)
+    eager = forge_core.fuse(twin, rule, probe_inputs=probe, **hp)
+    batches = [x.cuda() for x in _batches(5)]
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        _loss(m, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in batches[:2]:
+            step(model, captured, x)
+    torch.cuda.current_stream().wait_stream(side)
+    static = batches[2].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(model, captured, static)
+    for x in batches[2:]:
+        static.copy_(x)
+        graph.replay()
+    for x in batches:
+        step(twin, eager, x)
+    torch.cuda.synchronize()
+    assert captured.steps_taken == 5
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert _relative_error(a.detach(), b.detach()) <= 1e-5, name

@@ -6,8 +6,8 @@
   headline cell, the peers and the batch x seq grid, linking the details;
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
-* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
-  where memory goes, hardware comparison, fidelity, what did not run;
+* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the optimizer families (App. I),
+  batch x seq grid, model scaling, where memory goes, hardware comparison, fidelity, what did not run;
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
   ``forge-bench report --formats png``),
 
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from . import figures, ratios, summary, tables
+from . import app_i, figures, ratios, summary, tables
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -95,6 +95,11 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     head_figs = figures.headline_figures(frame, figure_dir, colors, formats)
     written += head_figs
     sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
+
+    # App. I: every optimizer family fused against unfused
+    sections += table_section("Optimizer families (App. I)", "app-i", app_i.app_i_tables(frame),
+                              "Each optimizer family fused against unfused, per state format, with the paper's "
+                              "App. I figures beside the fp32 lines.", True, "no optimizer-family rows")
 
     # the floor
     sections += table_section("FORGE against its floor", "floor", tables.floor_tables(frame),

@@ -64,17 +64,18 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
     raise ValueError(f"adafactor: parameters must be 1-D or 2-D, got shape {shape}")
 
 
-def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
-    """One Adafactor step in place on fp32 tensors (``grad32`` is consumed: it may be overwritten)."""
+    """One Adafactor step in place (``weight``: fp32 or bf16, each op computed in fp32; fp32 states);
+    ``grad32`` is consumed: it may be overwritten."""
     lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
     grad = grad32.neg_() if maximize else grad32
     t = step_value(step)
     one_minus_beta2 = t ** beta2_decay
     rho = at_most(t ** -0.5, lr)
-    alpha = at_least(rms(weight32), eps2) * rho
+    alpha = at_least(rms(weight), eps2) * rho
     if weight_decay != 0.0:
-        weight32.mul_(1.0 - lr * weight_decay)
+        weight.mul_(1.0 - lr * weight_decay)
     if grad.dim() == 2:
         row_var, col_var = states32["row_var"], states32["col_var"]
         row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
@@ -89,7 +90,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
         estimate = variance.clone()
     update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
     denominator = at_least(rms(update) / d, 1.0)
-    weight32.add_(update.mul_(-alpha / denominator))
+    weight.add_(update.mul_(-alpha / denominator))
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:

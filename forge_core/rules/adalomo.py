@@ -63,9 +63,10 @@ def _mean_square(grad: torch.Tensor, dim: int, eps1: float) -> torch.Tensor:
     return torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_().div_(grad.size(dim)).add_(eps1)
 
 
-def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
-    """One AdaLomo step in place on fp32 tensors; ``grad32`` is consumed (it becomes the update)."""
+    """One AdaLomo step in place (``weight``: fp32 or bf16; fp32 states); ``grad32`` is consumed (it
+    becomes the update)."""
     lr, clip, decay_rate, weight_decay, eps1, eps2 = _checked(hp)
     new_weight = step_value(step) ** decay_rate              # 1 - beta_t: the new mean's share
     update = grad32
@@ -79,10 +80,10 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
         second.lerp_(update.square().add_(eps1), like(new_weight, second))
         update.mul_(second.rsqrt())
     update.div_(at_least(rms(update) / clip, 1.0))
-    scale = lr * at_least(rms(weight32), eps2)
+    scale = lr * at_least(rms(weight), eps2)
     if weight_decay != 0.0:
-        weight32.mul_(1.0 - scale * weight_decay)
-    weight32.add_(update.mul_(-scale))
+        weight.mul_(1.0 - scale * weight_decay)
+    weight.add_(update.mul_(-scale))
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:

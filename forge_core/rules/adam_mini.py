@@ -75,16 +75,17 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
     return {"exp_avg": tuple(shape), "exp_avg_sq": (blocks_of(shape, hp, name), 1)}
 
 
-def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
-    """One Adam-mini step in place on fp32 tensors; the blocks are read off the second moment's shape."""
+    """One Adam-mini step in place (``weight``: fp32 or bf16; fp32 states); the blocks are read off the
+    second moment's shape."""
     lr, beta1, beta2, eps, weight_decay, _ = _checked(hp)
     exp_avg, exp_avg_sq = states32["exp_avg"], states32["exp_avg_sq"]
     blocks = exp_avg_sq.shape[0]
     t = step_value(step)
     bias_correction1 = 1.0 - beta1 ** t
     bias_correction2_sqrt = square_root(1.0 - beta2 ** t)
-    weight32.mul_(1.0 - lr * weight_decay)
+    weight.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(grad32, 1.0 - beta1)
     per_block = grad32.reshape(blocks, -1)
     block_mean = torch.linalg.vector_norm(per_block, dim=1, keepdim=True).square_().div_(per_block.shape[1])
@@ -93,7 +94,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
         return
     # -(sqrt(v / bc2) + eps) * bc1 / lr: one number per block, so the update is one addcdiv
     denominator = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps).mul_(-bias_correction1 / lr)
-    weight32.view(blocks, -1).addcdiv_(exp_avg.view(blocks, -1), denominator)
+    weight.view(blocks, -1).addcdiv_(exp_avg.view(blocks, -1), denominator)
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ import torch
 
 from .base import Rule, known_hyperparameters
 from .rule_optimizer import RuleOptimizer
+from .scalars import norm
 
 DEFAULTS = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0, "trust_coefficient": 1e-3, "eps": 1e-8}
 
@@ -41,19 +42,20 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
     return lr, momentum, weight_decay, trust, eps
 
 
-def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
-    """One LARS step in place on fp32 tensors; ``grad32`` is consumed (it becomes the scaled step)."""
+    """One LARS step in place (``weight``: fp32 or bf16; fp32 states); ``grad32`` is consumed (it
+    becomes the scaled step)."""
     lr, momentum, weight_decay, trust_coefficient, eps = _checked(hp)
-    weight_norm = torch.linalg.vector_norm(weight32)
-    grad_norm = torch.linalg.vector_norm(grad32)
+    weight_norm = norm(weight)
+    grad_norm = norm(grad32)
     ratio = trust_coefficient * weight_norm / (grad_norm + weight_decay * weight_norm + eps)
     trust = torch.where((weight_norm > 0) & (grad_norm > 0), ratio, torch.ones_like(ratio))
-    direction = grad32.add_(weight32, alpha=weight_decay) if weight_decay != 0.0 else grad32
+    direction = grad32.add_(weight, alpha=weight_decay) if weight_decay != 0.0 else grad32
     direction.mul_(trust * lr)
     buffer = states32["momentum_buffer"]
     buffer.mul_(momentum).add_(direction)
-    weight32.sub_(buffer)
+    weight.sub_(buffer)
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:

@@ -5,7 +5,8 @@ LARS; the harness's unfused arm and the parity gate's reference), the fallback t
 FORGE does not fuse (embeddings, norms, biases) with the same rule, and Adafactor's fallback in a
 capturable optimizer (torch's Adafactor reads norms on the host). The arithmetic is the rule's
 ``reference``, the same function the fused path runs on a layer's G: fused and unfused differ only
-in how G is summed.
+in how G is summed. A bf16 parameter of a regime-3 rule is stepped in place, op by op in fp32, as
+the fused path steps it.
 
 States follow torch's conventions: created at a parameter's first step, zero, in the parameter's
 dtype (so ``load_state_dict``'s cast to the parameter dtype is a no-op), of the shapes the rule
@@ -69,16 +70,18 @@ class RuleOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, parameter: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any], step: Any) -> None:
-        weight32 = parameter if parameter.dtype == torch.float32 else parameter.float()
+        # the parameter in its own dtype: a regime-3 reference steps a bf16 weight op by op in fp32
+        # (forge_core.layer_step.deferred_update does the same), a regime-1 one needs fp32
+        weight = parameter if parameter.dtype == torch.float32 or self.rule.regime == 3 else parameter.float()
         grad32 = parameter.grad.to(torch.float32, copy=True)
         names = [key for key in state if key != "step"]
         states32 = {key: (state[key] if state[key].dtype == torch.float32 else state[key].float()) for key in names}
-        self.rule.reference(weight32, grad32, states32, group, step)
+        self.rule.reference(weight, grad32, states32, group, step)
         for key in names:
             if states32[key].data_ptr() != state[key].data_ptr():
                 state[key].copy_(states32[key])
-        if weight32.data_ptr() != parameter.data_ptr():
-            parameter.copy_(weight32)
+        if weight.data_ptr() != parameter.data_ptr():
+            parameter.copy_(weight)
 
 
 __all__ = ["RuleOptimizer"]

@@ -46,9 +46,15 @@ def like(value: Scalar, tensor: torch.Tensor) -> Scalar:
     return value.to(tensor.dtype) if isinstance(value, torch.Tensor) else value
 
 
+def norm(tensor: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of ``tensor`` as a 0-d fp32 tensor, accumulated in fp32 for a bf16 tensor too
+    (no fp32 copy of it, no host sync)."""
+    return torch.linalg.vector_norm(tensor, dtype=torch.float32)
+
+
 def rms(tensor: torch.Tensor) -> torch.Tensor:
-    """The root mean square of ``tensor`` as a 0-d fp32 tensor (no host sync)."""
-    return torch.linalg.vector_norm(tensor.float()) / math.sqrt(max(tensor.numel(), 1))
+    """The root mean square of ``tensor`` as a 0-d fp32 tensor (as ``norm``)."""
+    return norm(tensor) / math.sqrt(max(tensor.numel(), 1))
 
 
-__all__ = ["Scalar", "at_least", "at_most", "like", "rms", "square_root", "step_value"]
+__all__ = ["Scalar", "at_least", "at_most", "like", "norm", "rms", "square_root", "step_value"]

@@ -55,9 +55,10 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
     return shapes
 
 
-def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
-    """One SM3-II step in place on fp32 tensors (``step`` is unused: SM3 has no bias correction)."""
+    """One SM3-II step in place (``weight``: fp32 or bf16; fp32 states); ``step`` is unused: SM3 has no
+    bias correction."""
     lr, momentum, eps = _checked(hp)
     if grad32.dim() == 2:
         rows, cols = states32["row_accumulator"], states32["col_accumulator"]
@@ -76,7 +77,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
         buffer = states32["momentum_buffer"]
         buffer.mul_(momentum).add_(update, alpha=1.0 - momentum)
         update = buffer
-    weight32.add_(update, alpha=-lr)
+    weight.add_(update, alpha=-lr)
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
