@@ -386,3 +386,24 @@ def test_capturable_step_replays_in_a_cuda_graph(rule: str) -> None:
     assert captured.steps_taken == 5
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         assert _relative_error(a.detach(), b.detach()) <= 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_per_layer_gemm_is_a_bf16_gemm_with_an_fp32_result() -> None:
+    """The deferred path's G and Muon's momentum GEMM: bf16 operands, fp32 accumulate and result
+    (torch's out_dtype matmuls), at Llama-3.1-8B's gate shape and 512 tokens."""
+    from forge_core.wgrad_gemm import accumulate_product, out_dtype_gemm_available, weight_gradient
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert out_dtype_gemm_available(device)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 4096, device="cuda", generator=generator).bfloat16()
+    dy = torch.randn(512, 14336, device="cuda", generator=generator).bfloat16()
+    exact = dy.double().t() @ x.double()
+    grad = weight_gradient(dy, x)
+    assert grad.dtype == torch.float32 and _relative_error(grad.double(), exact) <= 1e-6
+    buffer = torch.randn(14336, 4096, device="cuda", generator=generator)
+    expected = 0.95 * buffer.double() + 0.05 * exact
+    accumulate_product(buffer, dy, x, beta=0.95, alpha=0.05)
+    assert _relative_error(buffer.double(), expected) <= 1e-6
