@@ -359,8 +359,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     if loud:
         listing = "; ".join(f"{name}: {reason}" for name, reason in loud.items())
-        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by the fallback "
-                      f"{rule.name} instead: {listing}", stacklevel=2)
+        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by {rule.name}'s fallback "
+                      f"optimizer instead: {listing}", stacklevel=2)
     if not bindings:
         warnings.warn("forge_core.fuse: no Linear weight was fused; every parameter is stepped by the "
                       "standard torch optimizer", stacklevel=2)
