@@ -1,0 +1,58 @@
+"""Where fused weights are stepped: the backend (``forge_core.fuse(..., backend=)``), and what a
+capturable optimizer (``fuse(..., capturable=True)``) needs of its rule and settings."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from . import kernels
+from .kernels.device import interpreting
+from .layer_step import takes_layer_path
+from .rules.base import Rule
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
+    """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    devices = set(devices)
+    needs_interpreter = any(device.type != "cuda" for device in devices)
+    interpreter_on = interpreting()
+    if backend == "reference":
+        return "reference"
+    if backend == "auto":
+        if not kernels.triton_available():
+            return "reference"
+        return "triton" if (interpreter_on or not needs_interpreter) else "reference"
+    if needs_interpreter and not interpreter_on or not kernels.triton_available():
+        where = sorted({str(device) for device in devices}) or ["no fused weights"]
+        raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
+                         "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
+    return "triton"
+
+
+def check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
+                     devices: set[torch.device]) -> None:
+    """A clear error for a capturable optimizer that could not be replayed correctly (``devices``: the
+    fused weights')."""
+    if takes_layer_path(rule):              # plain torch ops, on any backend (forge_core.layer_step)
+        if not rule.layer_capturable:
+            raise ValueError(f"capturable=True: rule {rule.name!r} syncs with the host in its layer step")
+    elif backend != "triton":
+        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
+                         f"this optimizer resolved to backend={backend!r}")
+    elif rule.kernel_scalars_on_device is None:
+        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
+    if accumulate_steps != 1:
+        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
+                         "whether to accumulate or update, which a replayed graph cannot)")
+    if stochastic_rounding:
+        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
+    if len(devices) > 1:
+        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
+
+
+__all__ = ["BACKENDS", "check_capturable", "resolve_backend"]
