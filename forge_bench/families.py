@@ -167,7 +167,7 @@ def forge_builder(name: str, state_dtype: str) -> Callable[[nn.Module, TrainConf
         rule = forge_core.get_rule(name)
         arm = f"forge_{name}_{state_dtype}"
         if rule.state_dtypes is not None and state_dtype not in rule.state_dtypes:
-            raise ArmUnavailable(f"{arm}: {name} keeps its states in {', '.join(rule.state_dtypes)}")
+            raise ArmUnavailable(f"{arm}: {name} keeps its states in {', '.join(sorted(rule.state_dtypes))}")
         if cfg.capturable and capture_problem(rule):
             raise ArmUnavailable(f"{arm}: cannot be captured in a CUDA graph: {capture_problem(rule)}")
         hp = family_hyperparameters(name, cfg, model)

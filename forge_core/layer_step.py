@@ -56,6 +56,9 @@ class LayerState(ParamState):
         self.values = {state: torch.zeros(size, dtype=storage, device=weight.device)
                        for state, size in rule.shapes_of_states(self.shape, hp, name).items()}
         self.scales = {state: None for state in self.values}
+        self.state_names = tuple(self.values)
+        self.epilogue = None            # no kernel runs these states
+        self.layer_sums = None
 
     def store(self, name: str, value32: torch.Tensor) -> None:
         """Write fp32 ``value32`` into state ``name`` (rounded to bf16 when so stored)."""

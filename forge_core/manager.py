@@ -355,8 +355,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     if rule.state_dtypes is not None and state_dtype not in rule.state_dtypes:
-        raise ValueError(f"optimizer {rule.name!r} keeps its states in {', '.join(rule.state_dtypes)}, "
-                         f"not state_dtype={state_dtype!r}")
+        raise ValueError(f"rule {rule.name!r} cannot store state_dtype={state_dtype!r}; "
+                         f"it takes {sorted(rule.state_dtypes)}")
     if stochastic_rounding and takes_layer_path(rule):
         raise ValueError(f"stochastic_rounding is a fused-kernel option; optimizer {rule.name!r} steps weights "
                          "in plain torch after the layer's GEMM")

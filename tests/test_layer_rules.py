@@ -250,7 +250,7 @@ def test_references_follow_their_papers_on_small_cases() -> None:
 
 @pytest.mark.parametrize("rule", sorted(DEFERRED))
 def test_states_other_than_fp32_and_bf16_are_refused(rule: str) -> None:
-    with pytest.raises(ValueError, match=f"optimizer {rule!r} keeps its states in fp32, bf16"):
+    with pytest.raises(ValueError, match=rf"rule {rule!r} cannot store state_dtype='int8'; it takes \['bf16', 'fp32'\]"):
         _fuse(Attention(), rule, state_dtype="int8")
 
 

@@ -172,7 +172,7 @@ def test_bf16_momentum_trains_close_to_fp32_momentum() -> None:
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"state_dtype": "int8"}, "keeps its states in fp32, bf16"),
+    ({"state_dtype": "int8"}, r"cannot store state_dtype=.int8.; it takes \[.bf16., .fp32.\]"),
     ({"stochastic_rounding": True}, "stochastic_rounding is a fused-kernel option"),
     ({"betas": (0.9, 0.95)}, "has no hyper-parameter"),
     ({"adjust_lr_fn": "spectral"}, "adjust_lr_fn must be one of"),

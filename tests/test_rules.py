@@ -107,7 +107,7 @@ def test_registry_and_rule_shape():
         assert rule.resolve_hp({"lr": 0.5, "params": []})["lr"] == 0.5
     for name in LAYER_RULES:          # stepped in plain torch after the layer's GEMM (forge_core.layer_step)
         rule = RULES[name]
-        assert rule.regime in (2, 3) and rule.epilogue is None and rule.state_dtypes == ("fp32", "bf16")
+        assert rule.regime in (2, 3) and rule.epilogue is None and rule.state_dtypes == {"fp32", "bf16"}
         assert (rule.layer_update is not None) == (rule.regime == 2)
         assert rule.resolve_hp({"lr": 0.5, "params": []})["lr"] == 0.5
     assert RULES["adamw"].sqrt_domain_states == {"exp_avg_sq"}

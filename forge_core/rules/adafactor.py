@@ -111,6 +111,6 @@ RULE = Rule(
     fallback_optimizer=fallback_optimizer,
     regime=3,
     state_shapes=state_shapes,
-    state_dtypes=("fp32", "bf16"),
+    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
 )

@@ -111,7 +111,7 @@ RULE = Rule(
     fallback_optimizer=fallback_optimizer,
     regime=3,
     state_shapes=state_shapes,
-    state_dtypes=("fp32", "bf16"),
+    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
     signed_states=frozenset({"exp_avg"}),
 )

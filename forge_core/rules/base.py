@@ -61,8 +61,8 @@ class Rule:
     """``state_shapes(parameter_shape, hp, name) -> {state name: shape}`` for a rule whose states are
     not parameter-shaped (row / column / block statistics); ``name`` is the parameter's or module's
     qualified name (Adam-mini partitions by it). None: ``state_names``, each of the parameter's shape."""
-    state_dtypes: tuple[str, ...] | None = None
-    """The storage formats (``forge_core.state.STATE_DTYPES``) the rule takes; None: all of them."""
+    state_dtypes: frozenset[str] | None = None
+    """The state formats the rule can store (None: every one of forge_core.state.STATE_DTYPES)."""
     hidden_weights_only: bool = False
     """Fuse hidden-layer weights only: the output head (``model.get_output_embeddings()``) stays with
     the fallback optimizer, as torch.optim.Muon's users step it with AdamW."""

@@ -70,7 +70,7 @@ RULE = Rule(
     reference=reference,
     fallback_optimizer=fallback_optimizer,
     regime=3,
-    state_dtypes=("fp32", "bf16"),
+    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
     signed_states=frozenset({"momentum_buffer"}),
 )
