@@ -8,8 +8,9 @@ layer's backward, after the weight-gradient GEMM, instead of in the fused kernel
   column or global statistics of G, which no weight tile sees alone. The layer's
   ``G = dY^T X`` is formed (``wgrad_gemm.weight_gradient``: cuBLAS, fp32 accumulate and result),
   the rule's ``reference`` steps the weight from it, and G is freed before the backward moves to
-  the next layer. The gradient residency is one layer's G (plus the rule's layer-sized
-  temporaries), never the model's gradient pool; ``track_gradient_residency`` measures it.
+  the next layer. The gradient residency is one layer's G (the rules compute their elementwise
+  temporaries into G, in row blocks where they need one: ``rules.scalars.row_blocks``), never the
+  model's gradient pool; ``track_gradient_residency`` measures it.
 
 States are ``LayerState``s: a ``ParamState`` whose tensors may have other shapes than the weight
 (row and column statistics, one second moment per block), stored fp32 or bf16.

@@ -12,7 +12,8 @@ Per weight (R x C) with gradient G, step t, ``rho_t = min(lr, t^-0.5)``::
 
 A vector keeps an unfactored ``variance`` instead of ``r`` and ``c``. The row and column means read
 all of G, so no weight tile can step alone: the fused path forms the layer's G, runs this
-reference on it and frees it inside the layer's backward (``forge_core.layer_step``).
+reference on it and frees it inside the layer's backward (``forge_core.layer_step``). ``V`` and ``U``
+are computed in row blocks into G (``scalars.row_blocks``), so the step holds G and one block.
 
 Differences from torch.optim.Adafactor, none of which changes an fp32 result beyond rounding:
 ``alpha`` and ``max(1, rms(U) / d)`` are 0-d device tensors, where torch reads both norms on the
@@ -30,7 +31,7 @@ import torch
 
 from .base import Rule, known_hyperparameters
 from .rule_optimizer import RuleOptimizer
-from .scalars import at_least, at_most, like, rms, step_value
+from .scalars import at_least, at_most, like, rms, row_blocks, step_value
 
 DEFAULTS = {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0, "maximize": False}
 
@@ -82,13 +83,15 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
         row_var.lerp_(row_mean, like(one_minus_beta2, row_var))
         col_mean = torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))
         col_var.lerp_(col_mean, like(one_minus_beta2, col_var))
-        estimate = row_var @ col_var
-        estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        row_mean = row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)
+        for start, stop in row_blocks(grad):         # V = r c / mean(r), U = G / sqrt(V), into G
+            estimate = (row_var[start:stop] @ col_var).div_(row_mean)
+            grad[start:stop].mul_(estimate.clamp_(min=eps1 * eps1).rsqrt_())
+        update = grad
     else:
         variance = states32["variance"]
         variance.lerp_(grad * grad, like(one_minus_beta2, variance))
-        estimate = variance.clone()
-    update = estimate.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
+        update = variance.clamp(min=eps1 * eps1).rsqrt_().mul_(grad)
     denominator = at_least(rms(update) / d, 1.0)
     weight.add_(update.mul_(-alpha / denominator))
 

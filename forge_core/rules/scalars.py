@@ -9,7 +9,7 @@ for both.
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 import torch
 
@@ -57,4 +57,23 @@ def rms(tensor: torch.Tensor) -> torch.Tensor:
     return norm(tensor) / math.sqrt(max(tensor.numel(), 1))
 
 
-__all__ = ["Scalar", "at_least", "at_most", "like", "norm", "rms", "square_root", "step_value"]
+ROW_BLOCK_BYTES = 256 * 2 ** 20
+"""The most bytes of an fp32 layer-sized temporary a per-layer rule holds at once (``row_blocks``)."""
+
+
+def row_blocks(matrix: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """Row ranges ``[r0, r1)`` of ``matrix`` whose fp32 temporaries stay under ``ROW_BLOCK_BYTES``.
+
+    Why: a rule whose update needs an elementwise temporary of the layer's shape (Adafactor's
+    factored second moment, SM3's estimate) computes it block by block into G, so the layer step
+    holds G and one block, not G twice: at Llama-3.1-8B's LM head a second fp32 layer is 2.1 GB. A
+    hidden layer of an 8B model is one block; the head is eight. The arithmetic per element is the
+    same whatever the blocks."""
+    rows, cols = matrix.shape
+    step = max(1, ROW_BLOCK_BYTES // (4 * max(cols, 1)))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+__all__ = ["ROW_BLOCK_BYTES", "Scalar", "at_least", "at_most", "like", "norm", "rms", "row_blocks", "square_root",
+           "step_value"]

@@ -24,6 +24,7 @@ import torch
 
 from .base import Rule, known_hyperparameters
 from .rule_optimizer import RuleOptimizer
+from .scalars import row_blocks
 
 DEFAULTS = {"lr": 0.1, "momentum": 0.0, "eps": 1e-30}
 
@@ -57,15 +58,21 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
 
 def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
-    """One SM3-II step in place (``weight``: fp32 or bf16; fp32 states); ``step`` is unused: SM3 has no
+    """One SM3-II step in place (``weight``: fp32 or bf16; fp32 states); ``grad32`` is consumed (it
+    becomes the update, computed in row blocks: ``scalars.row_blocks``); ``step`` is unused: SM3 has no
     bias correction."""
     lr, momentum, eps = _checked(hp)
     if grad32.dim() == 2:
         rows, cols = states32["row_accumulator"], states32["col_accumulator"]
-        estimate = torch.minimum(rows, cols).addcmul_(grad32, grad32)
-        rows.copy_(estimate.amax(dim=1, keepdim=True))
-        cols.copy_(estimate.amax(dim=0, keepdim=True))
-        update = estimate.add_(eps).rsqrt_().mul_(grad32)
+        new_cols = torch.zeros_like(cols)              # nu >= 0: the column maxima start at 0
+        for start, stop in row_blocks(grad32):          # nu and U block by block, U into G
+            grad = grad32[start:stop]
+            estimate = torch.minimum(rows[start:stop], cols).addcmul_(grad, grad)
+            rows[start:stop] = estimate.amax(dim=1, keepdim=True)
+            torch.maximum(new_cols, estimate.amax(dim=0, keepdim=True), out=new_cols)
+            grad.mul_(estimate.add_(eps).rsqrt_())
+        cols.copy_(new_cols)
+        update = grad32
     else:
         accumulator = states32["accumulator"]
         accumulator.addcmul_(grad32, grad32)
