@@ -325,8 +325,9 @@ def test_fused_equals_reference_at_llama_8b_shapes(rule: str) -> None:
 @pytest.mark.parametrize("rule", ["adafactor", "lars"])
 def test_gradient_residency_is_one_layer_on_the_gpu(rule: str) -> None:
     """Twelve bf16 Llama-3.1-8B MLP projections (gate / down alternating, 512 tokens): the backward's
-    peak above what it starts with stays within two of one layer's fp32 G (G, one row block of the
-    rule's temporaries, the activations' gradients) and under the unfused bf16 gradient pool."""
+    peak above what it starts with stays within 2.5 of one layer's fp32 G (G, one row block of the
+    rule's temporaries, at most G's size, and the activations' gradients) and under the unfused bf16
+    gradient pool (6 of them)."""
     torch.manual_seed(0)
     shapes = [(4096, 14336), (14336, 4096)] * 6
     model = nn.Sequential(*[nn.Linear(i, o, bias=False) for i, o in shapes]).to("cuda", torch.bfloat16)
@@ -344,7 +345,7 @@ def test_gradient_residency_is_one_layer_on_the_gpu(rule: str) -> None:
         peak = torch.cuda.max_memory_allocated() - before
     layer_g = 4096 * 14336 * 4
     assert residency.peak_bytes == layer_g and residency.formed == len(shapes)
-    assert peak <= 2 * layer_g
+    assert peak <= 2.5 * layer_g
     assert peak < len(shapes) * 4096 * 14336 * 2        # the unfused bf16 pool of these weights
 
 
