@@ -192,20 +192,21 @@ def test_the_chunked_head_path_is_refused_for_a_layer_rule() -> None:
     assert opt.rule.name == "adafactor"
 
 
-def test_state_dict_resume_is_bit_identical() -> None:
+@pytest.mark.parametrize("state_dtype, nesterov", [("fp32", True), ("bf16", False)])
+def test_state_dict_resume_is_bit_identical(state_dtype: str, nesterov: bool) -> None:
     batches = _batches(6)
     straight = TinyLM()
     source = copy.deepcopy(straight)
-    straight_opt = _fuse(straight)
+    straight_opt = _fuse(straight, state_dtype=state_dtype, nesterov=nesterov)
     _train(straight, [straight_opt], batches)
-    first = _fuse(source)
+    first = _fuse(source, state_dtype=state_dtype, nesterov=nesterov)
     _train(source, [first], batches[:3])
     buffer = io.BytesIO()
     torch.save({"model": source.state_dict(), "optimizer": first.state_dict()}, buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
     resumed = TinyLM(seed=5)
-    resumed_opt = _fuse(resumed, lr=1.0)
+    resumed_opt = _fuse(resumed, lr=1.0, state_dtype=state_dtype, nesterov=nesterov)
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt.load_state_dict(checkpoint["optimizer"])
     assert resumed_opt.fallback_optimizer.param_groups[0]["lr"] == ADAMW["adamw_lr"]
