@@ -1,8 +1,13 @@
-"""Where fused weights are stepped: the backend (``forge_core.fuse(..., backend=)``), and what a
-capturable optimizer (``fuse(..., capturable=True)``) needs of its rule and settings."""
+"""Which backend runs the fused updates, and what a capturable optimizer needs of it.
+
+``resolve_backend`` turns ``fuse(..., backend=)`` into "triton" or "reference" for the devices the
+fused weights are on; ``check_capturable`` refuses, in one line, a ``capturable=True`` optimizer
+that a replayed CUDA graph could not run correctly. Both are ``ForgeOptimizer``'s (and ``fuse``'s)
+checks, kept here beside nothing else they depend on.
+"""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -35,9 +40,8 @@ def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
 
 
 def check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
-                     devices: set[torch.device]) -> None:
-    """A clear error for a capturable optimizer that could not be replayed correctly (``devices``: the
-    fused weights')."""
+                     bindings: Sequence[Any]) -> None:
+    """A clear error for a capturable optimizer that could not be replayed correctly."""
     if takes_layer_path(rule):              # plain torch ops, on any backend (forge_core.layer_step)
         if not rule.layer_capturable:
             raise ValueError(f"capturable=True: rule {rule.name!r} syncs with the host in its layer step")
@@ -51,6 +55,7 @@ def check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic
                          "whether to accumulate or update, which a replayed graph cannot)")
     if stochastic_rounding:
         raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
+    devices = {binding.weight.device for binding in bindings}
     if len(devices) > 1:
         raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
 

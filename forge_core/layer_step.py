@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -163,5 +163,42 @@ def layer_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     deferred_update(rule, x2, dy2, weight, state, hp, step, grad_accum)
 
 
-__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerState", "deferred_update", "layer_wgrad_update",
-           "takes_layer_path", "track_gradient_residency"]
+class LayerPath:
+    """What a ``ForgeOptimizer`` whose rule takes this path does with its fused weights: their
+    states and accumulators (``attach``), their backward (``backward``), and the refusal of row
+    blocks; ``arguments(binding) -> (hp, step)`` is the optimizer's: the group's hyper-parameters
+    and the 1-based step (the device count when capturable)."""
+
+    def __init__(self, rule: Rule, state_dtype: str, hyperparameters: Mapping[str, Any], accumulate_steps: int,
+                 arguments: Callable[[Any], tuple[Mapping[str, Any], Any]]) -> None:
+        self.rule, self.state_dtype, self.accumulate_steps = rule, state_dtype, int(accumulate_steps)
+        self.hyperparameters = dict(hyperparameters)
+        self.arguments = arguments
+        self.state_accumulates = rule.state_accumulates is not None and bool(rule.state_accumulates(hyperparameters))
+        """The rule takes earlier micro-batches into its own state: no fp32 accumulator."""
+
+    def attach(self, binding: Any) -> None:
+        """Give a fused weight (``optimizer.FusedWeight``) its ``LayerState`` and, when micro-batches
+        need one, its fp32 accumulator."""
+        binding.state = LayerState(binding.matrix, self.rule, self.state_dtype, self.hyperparameters, binding.name)
+        if self.accumulate_steps > 1 and not self.state_accumulates:
+            binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.matrix.device)
+
+    def backward(self, binding: Any, x: torch.Tensor, dy: torch.Tensor, *, last: bool) -> None:
+        """One backward of ``binding`` whose micro-batch count already counts it (``last``: the k-th),
+        or ``step()``'s flush of fewer (``last`` and zero tokens); the accumulator is cleared after."""
+        hp, step = self.arguments(binding)
+        first = binding.micro_batches == 1 and (not last or self.accumulate_steps == 1)
+        layer_wgrad_update(x, dy, binding.matrix, binding.state, hp, step, grad_accum=binding.grad_accum,
+                           accumulate_steps=self.accumulate_steps, first_micro_batch=first, last_micro_batch=last)
+        if last and binding.grad_accum is not None:
+            binding.grad_accum.zero_()
+
+    def row_update_error(self, name: str) -> ValueError:
+        """Why ``name`` cannot be updated row block by row block (the chunked LM-head loss)."""
+        return ValueError(f"rule {self.rule.name!r} steps whole weights and cannot update {name!r} row block by "
+                          "row block (the chunked LM-head loss): use the model's own loss")
+
+
+__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "LayerState", "deferred_update",
+           "layer_wgrad_update", "takes_layer_path", "track_gradient_residency"]

@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from . import kernels
-from .dense import DenseWeight, step_dense, steppable_by_kernel
 from .backends import BACKENDS, check_capturable, resolve_backend
-from .layer_step import LayerState, layer_wgrad_update, takes_layer_path
+from .dense import DenseWeight, step_dense, steppable_by_kernel
+from .layer_step import LayerPath, takes_layer_path
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
@@ -65,15 +65,21 @@ UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){de
 
 
 class FusedWeight:
-    """One fused Linear weight: what its ForgeLinear's backward calls with (x, dY).
+    """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
 
     Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
-    to the ``ForgeOptimizer``, which allocates its state."""
+    to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
+    unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
 
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
         self.name = name
-        self.module: Optional[nn.Linear] = module
-        self.weight: nn.Parameter = module.weight
+        self.module: Optional[nn.Module] = module
+        self.weight: nn.Parameter = module.weight if weight is None else weight
+        self.matrix: torch.Tensor = self.weight
+        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself, or
+        a (E * Dout, Din) view of a 3-D expert weight whose experts are row blocks."""
+        self.tile_config: Optional[kernels.TileConfig] = None
+        """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
         self.optimizer: Optional["ForgeOptimizer"] = None
         self.group_index = 0
         self.index = 0
@@ -98,6 +104,14 @@ class FusedWeight:
     def detach_from_module(self) -> None:
         self.module = None
 
+    def rows_left_out(self) -> list[tuple[int, int]]:
+        """Row blocks of ``matrix`` the step's backward did not update, which ``opt.step()`` must
+        update with a zero gradient (experts no token reached); none for a Linear weight."""
+        return []
+
+    def end_step(self) -> None:
+        """Called by ``opt.step()`` after the step's updates: forget what this step updated."""
+
     def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         if self.probing:
             self.probe_backward_calls += 1
@@ -106,11 +120,13 @@ class FusedWeight:
             raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
         self.optimizer._fused_backward(self, x, grad_output)
 
-    def begin_row_updates(self, x: torch.Tensor) -> "RowSliceUpdate":
-        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head).
+    def begin_row_updates(self, x: Optional[torch.Tensor]) -> "RowSliceUpdate":
+        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head, or
+        the experts of a 3-D expert weight).
 
         Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
-        returned object once per block with ``(r0, r1, dy_rows, block_index)``."""
+        returned object once per block with ``(r0, r1, dy_rows, block_index)``, and ``x=`` the
+        block's own inputs when ``x`` is None here."""
         if self.probing:
             self.probe_backward_calls += 1
             return RowSliceUpdate(self, x, mode="skip")
@@ -174,13 +190,17 @@ class RowSliceUpdate:
     step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
     add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
 
-    def __init__(self, binding: FusedWeight, x: torch.Tensor, mode: str) -> None:
+    def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
         self.binding = binding
         self.x = x
         self.mode = mode
         self._x32: Optional[torch.Tensor] = None
 
-    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
+                 x: Optional[torch.Tensor] = None) -> None:
+        """Update (or accumulate) rows ``[r0, r1)`` from ``dy_rows``; ``x``: this block's own
+        inputs when its tokens differ from the other blocks' (an expert's routed tokens), else the
+        ``x`` the update began with."""
         if self.mode == "skip":
             return
         binding = self.binding
@@ -189,11 +209,15 @@ class RowSliceUpdate:
             raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
         with torch.no_grad():
             if self.mode == "accumulate":
-                if self._x32 is None:
-                    self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
-                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), self._x32)
+                if x is not None:
+                    x32 = x.reshape(-1, x.shape[-1]).float()
+                else:
+                    if self._x32 is None:
+                        self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
+                    x32 = self._x32
+                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), x32)
                 return
-            binding.optimizer._apply_update(binding, self.x, dy_rows, part=part,
+            binding.optimizer._apply_update(binding, self.x if x is None else x, dy_rows, part=part,
                                             seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
@@ -219,8 +243,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                  model_parameters: list[nn.Parameter], fused_ids: set[int], capturable: bool = False,
                  dense_2d: bool = True, parameter_names: Optional[Mapping[int, str]] = None) -> None:
         if capturable:
-            check_capturable(rule, backend, accumulate_steps, stochastic_rounding,
-                             {binding.weight.device for binding in bindings})
+            check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
         self._constructing = True
         super().__init__([{"params": params}], dict(hyperparameters))
         self._constructing = False
@@ -235,18 +258,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._update_function: Callable[..., None] = (
             kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
         self._bindings = bindings
-        self._layer_path = takes_layer_path(rule)
-        """Regimes 2 and 3: fused weights are stepped by ``forge_core.layer_step``, not the kernel."""
-        state_accumulates = self._layer_path and rule.state_accumulates is not None \
-            and bool(rule.state_accumulates(hyperparameters))
+        self._layer_path = LayerPath(rule, state_dtype, hyperparameters, accumulate_steps, lambda b: (
+            self._kernel_hyperparameters(b.group_index),
+            self._device_steps[b.group_index] + 1 if self.capturable else b.steps_done + 1)) \
+            if takes_layer_path(rule) else None
         for index, binding in enumerate(bindings):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = (LayerState(binding.weight, rule, state_dtype, hyperparameters, binding.name)
-                             if self._layer_path else ParamState(binding.weight, rule, state_dtype))
-            if self.accumulate_steps > 1 and not state_accumulates:
-                binding.grad_accum = torch.zeros(binding.weight.shape, dtype=torch.float32,
+            if self._layer_path is not None:
+                self._layer_path.attach(binding)
+                continue
+            binding.state = ParamState(binding.matrix, rule, state_dtype)
+            if self.accumulate_steps > 1:
+                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
                                                  device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
@@ -397,10 +422,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
-        if self._layer_path:
-            last = self._count_backward(binding)
-            self._layer_update(binding, x, grad_output, last=last, earlier_micro_batches=binding.micro_batches - 1)
-            return
+        if self._layer_path is not None:            # regimes 2 and 3: forge_core.layer_step
+            return self._layer_path.backward(binding, x, grad_output, last=self._count_backward(binding))
         if not self._count_backward(binding):
             din = binding.weight.shape[1]
             dout = binding.weight.shape[0]
@@ -410,37 +433,26 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowSliceUpdate:
+    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
-        if self._layer_path:
-            raise ValueError(f"rule {self.rule.name!r} steps whole weights and cannot update {binding.name!r} row "
-                             "block by row block (the chunked LM-head loss): use the model's own loss")
+        if self._layer_path is not None:
+            raise self._layer_path.row_update_error(binding.name)
         return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
+        if self._layer_path is not None:            # step()'s flush of fewer micro-batches than k
+            return self._layer_path.backward(binding, x, grad_output, last=True)
         if part is None:
-            weight, state, grad_accum = binding.weight, binding.state, binding.grad_accum
+            weight, state, grad_accum = binding.matrix, binding.state, binding.grad_accum
         else:
-            weight = binding.weight.detach()[part.r0:part.r1]
+            weight = binding.matrix.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
             grad_accum.zero_()
-
-    def _layer_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, *, last: bool,
-                      earlier_micro_batches: int) -> None:
-        """A regime-2 / regime-3 weight's backward (``forge_core.layer_step``): the step count is a
-        device tensor in capturable mode, so a replayed graph reads the current one."""
-        group = binding.group_index
-        step = self._device_steps[group] + 1 if self.capturable else binding.steps_done + 1
-        layer_wgrad_update(x, grad_output, binding.weight, binding.state, self._kernel_hyperparameters(group), step,
-                           grad_accum=binding.grad_accum, accumulate_steps=self.accumulate_steps,
-                           first_micro_batch=earlier_micro_batches == 0, last_micro_batch=last)
-        if last and binding.grad_accum is not None:
-            binding.grad_accum.zero_()
 
     def _update_arguments(self, owner: "FusedWeight | DenseWeight",
                           seed_offset: int = 0) -> tuple[Mapping[str, Any], int, dict[str, Any]]:
@@ -462,6 +474,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                        seed_offset: int = 0) -> None:
         """One fused-kernel (or reference) update at ``owner``'s next step (``_update_arguments``)."""
         hp, step, arguments = self._update_arguments(owner, seed_offset)
+        tile = getattr(owner, "tile_config", None)
+        if tile is not None and self.backend == "triton":
+            arguments["config"] = tile
         self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
@@ -485,15 +500,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        weight = binding.weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
+        matrix = binding.matrix
+        no_x = matrix.new_zeros((0, matrix.shape[1]))
+        no_dy = matrix.new_zeros((0, matrix.shape[0]))
         with torch.no_grad():
-            if self._layer_path:
-                self._layer_update(binding, no_x, no_dy, last=True, earlier_micro_batches=binding.micro_batches)
-            else:
-                self._apply_update(binding, no_x, no_dy)
+            self._apply_update(binding, no_x, no_dy)
         binding.micro_batches = self.accumulate_steps
+
+    def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
+        """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
+        earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
+        step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
+        part = binding.row_part(r0, r1)
+        no_x = binding.matrix.new_zeros((0, binding.matrix.shape[1]))
+        no_dy = binding.matrix.new_zeros((0, r1 - r0))
+        with torch.no_grad():
+            self._apply_update(binding, no_x, no_dy, part=part)
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 
@@ -513,10 +535,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _sync_fallback_hyperparameters(self) -> None:
         for ours, theirs in zip(self.param_groups, self._fallback.param_groups):
-            values = {key: value for key, value in ours.items() if key != "params"}
-            if self.rule.fallback_hyperparameters is not None:     # Muon's adamw_* keys -> AdamW's
-                values = self.rule.fallback_hyperparameters(values)
-            theirs.update(values)
+            theirs.update(self.rule.fallback_values(ours))
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Step the fallback parameters and advance the step count of the fused weights.
@@ -541,6 +560,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
+            elif binding.micro_batches == self.accumulate_steps:
+                for r0, r1 in binding.rows_left_out():
+                    self._update_rows_without_tokens(binding, r0, r1)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
@@ -549,6 +571,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if binding.micro_batches == self.accumulate_steps:
                 binding.steps_done += 1
             binding.micro_batches = 0
+            binding.end_step()
         self._steps_taken += 1
         for group, count in enumerate(self._device_steps):
             count.add_(1.0)

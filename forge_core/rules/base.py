@@ -83,6 +83,12 @@ class Rule:
             return {state: tuple(shape) for state in self.state_names}
         return {state: tuple(size) for state, size in self.state_shapes(tuple(shape), hp, name).items()}
 
+    def fallback_values(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """A param group's values (not its ``params``) as the fallback optimizer's group takes them
+        (``fallback_hyperparameters``; the same keys when None)."""
+        values = {key: value for key, value in group.items() if key != "params"}
+        return self.fallback_hyperparameters(values) if self.fallback_hyperparameters is not None else values
+
     def resolve_hp(self, hp: Mapping[str, Any]) -> dict[str, Any]:
         """This rule's hyper-parameters from ``hp`` (a param_group holds more keys, e.g. ``params``),
         with defaults filled in for any that are missing."""
