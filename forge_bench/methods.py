@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from forge_bench import peers
+from forge_bench import families, peers
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.peer_probes import availability_check
 from forge_bench.torch_arms import (adamw_builder, build_adamw_fp32_states, build_adamw_fused_cce, build_no_optimizer,
@@ -42,9 +42,10 @@ class Method:
     needs_cuda: bool = False
     extra_check: Callable[[], str | None] | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
-    # The parity gate (forge_bench/cell.py). ``parity_reference`` names the torch optimizer the
-    # arm claims to reproduce ("adamw" or "sgd", run in fp32 with the same hyper-parameters);
-    # None means the arm claims no reference algorithm and the gate does not apply to it.
+    # The parity gate (forge_bench/cell.py). ``parity_reference`` names the optimizer the arm
+    # claims to reproduce, run in fp32 with the same hyper-parameters: "adamw" or "sgd" (torch's),
+    # or an optimizer family of ``forge_bench.families`` (its unfused optimizer); None means the
+    # arm claims no reference algorithm and the gate does not apply to it.
     parity_reference: str | None = None
     # Bound on parity_rms_rel for this arm when it must differ from the suite's (lossy states);
     # None: the suite's ``parity.tolerance``.
@@ -262,6 +263,9 @@ ARMS: tuple[Method, ...] = (
            extra_check=availability_check("flashoptim"),
            settings={"master_weight_bits": 24, "gradient_release": True},
            bytes_per_param=peers.bytes_flashoptim_release),
+    # the optimizer families of the paper's App. I (forge_bench/families.py): per family the unfused
+    # optimizer (<family>_unfused), then FORGE with fp32 and bf16 states (forge_<family>_<states>)
+    *(Method(**entry) for entry in families.method_entries(FORGE_NEEDS)),
 )
 
 for _method in ARMS:

@@ -198,6 +198,23 @@ def apply_activations(model: torch.nn.Module, activations: str) -> dict[str, int
     return {"norms": report.norms, "mlps": report.mlps, "scopes": report.scopes}
 
 
+def apply_activation_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
+    """transformers' gradient checkpointing on ``model`` when ``enabled`` (non-reentrant: the forward
+    runs with grad enabled, so a FORGE-fused Linear's update still runs once, in the backward of
+    its recomputed layer). Returns whether it was applied."""
+    if not enabled:
+        return False
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelError(f"{type(model).__name__} does not support gradient checkpointing")
+    options = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)   # older transformers: gradient_checkpointing_enable
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    return True
+
+
 def reduced_depth(name: str, max_layers: int) -> int | None:
     """Layer count of the parity twin: None (the model itself) when it is already that shallow."""
     return None if num_layers(name) <= max_layers else max_layers
@@ -231,14 +248,16 @@ def param_count(name: str, num_layers: int | None = None) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int, activations: str = "hf") -> int:
+def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int, activations: str = "hf",
+                              checkpointed: bool = False) -> int:
     """A deliberately low estimate of the activations a training step keeps for backward.
 
     Per token and layer: the saved inputs of the attention and MLP projections, the attention
     output and norms (about 10 hidden-wide and 3 intermediate-wide tensors; 4 and 2 with lean
     activations); plus the logits in
     the model dtype and their fp32 upcast and gradient at the loss. Low on purpose: it only feeds
-    ``oom_predicted``, which must skip a cell only when it clearly cannot fit.
+    ``oom_predicted``, which must skip a cell only when it clearly cannot fit. With activation
+    checkpointing each layer keeps only its hidden-wide input (the layer being recomputed is left out).
     """
     data = dict(_raw_config(name))
     hidden = int(data.get("hidden_size") or data.get("n_embd"))
@@ -249,6 +268,8 @@ def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int,
     tokens = batch * seq
     # lean (forge_core.lean): the two norm inputs, q and the attention output, gate and up (k, v left out)
     widths = 4 * hidden + 2 * inter if activations == "lean" else 10 * hidden + 3 * inter
+    if checkpointed:
+        widths = hidden
     per_layer = tokens * widths * dtype_bytes
     logits = (batch if is_image_model(name) else tokens) * vocab_size(name) * (dtype_bytes + 4 + 4)
     return layers * per_layer + logits

@@ -91,6 +91,12 @@ class Grid(_Strict):
     activations: Literal["hf", "lean"] = Field(
         "hf", description="hf: the transformers model as it is; lean: forge_core.lean_activations (the norms "
                           "and SwiGLU keep less for backward) applied to every arm of the grid, baselines included")
+    dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
+        None, description="this grid's weight dtype (default: the suite's): fp32 weights keep every unfused "
+                          "optimizer's states in fp32, as the paper's App. I runs them")
+    activation_checkpointing: bool = Field(
+        False, description="transformers' gradient checkpointing (non-reentrant) on every arm of the grid: each "
+                           "decoder layer keeps its input and recomputes the rest in backward")
 
     @field_validator("models")
     @classmethod
@@ -117,6 +123,13 @@ class Grid(_Strict):
             if unsupported:
                 raise ValueError(f"activations: lean needs Llama-style blocks (RMSNorm + SiLU-gated MLP); "
                                  f"{', '.join(map(repr, unsupported))} has none")
+        return self
+
+    @model_validator(mode="after")
+    def _one_activation_saving(self) -> "Grid":
+        if self.activation_checkpointing and self.activations == "lean":
+            raise ValueError("activation_checkpointing and activations: lean are two ways to keep fewer "
+                             "activations; pick one")
         return self
 
     @model_validator(mode="after")
@@ -217,6 +230,7 @@ class Cell:
     timeout_s: float
     cuda_graph: bool = False
     activations: str = "hf"      # "lean": forge_core.lean_activations applied before the arm is built
+    activation_checkpointing: bool = False   # transformers' gradient checkpointing before the arm is built
 
     @property
     def label(self) -> str:
@@ -246,7 +260,7 @@ def _safe(text: str) -> str:
 
 
 def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str,
-                 cuda_graph: bool = False, activations: str = "hf") -> str:
+                 cuda_graph: bool = False, activations: str = "hf", activation_checkpointing: bool = False) -> str:
     """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it
     (a graph-timed or lean cell is marked; an eager hf cell's fields carry no mark, so its id stays the
     same whatever grid options exist, and a run of it resumes)."""
@@ -255,8 +269,11 @@ def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str,
         fields.append("cuda_graph")
     if activations != "hf":
         fields.append(f"activations={activations}")
+    if activation_checkpointing:
+        fields.append("activation_checkpointing")
     digest = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:10]
-    marks = ("_graph" if cuda_graph else "") + (f"_{activations}" if activations != "hf" else "")
+    marks = ("_graph" if cuda_graph else "") + (f"_{activations}" if activations != "hf" else "") \
+        + ("_ckpt" if activation_checkpointing else "")
     return f"{_safe(model)}_b{batch}_s{seq}_{_safe(method)}{marks}_{digest}"
 
 
@@ -268,11 +285,12 @@ def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
             for batch in grid.batch:
                 for seq in grid.seq:
                     for method in grid.methods:
-                        cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device,
-                                           grid.cuda_graph, grid.activations)
-                        cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype, spec.device,
+                        dtype = grid.dtype or spec.dtype
+                        cid = make_cell_id(suite_hash, model, batch, seq, method, dtype, spec.device,
+                                           grid.cuda_graph, grid.activations, grid.activation_checkpointing)
+                        cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, dtype, spec.device,
                                                    grid.timeout_s or spec.timeout_s, grid.cuda_graph,
-                                                   grid.activations))
+                                                   grid.activations, grid.activation_checkpointing))
     return tuple(cells.values())
 
 

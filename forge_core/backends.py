@@ -13,6 +13,7 @@ import torch
 
 from . import kernels
 from .kernels.device import interpreting
+from .layer_step import takes_layer_path
 from .rules.base import Rule
 
 BACKENDS = ("auto", "triton", "reference")
@@ -41,10 +42,13 @@ def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
 def check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
                      bindings: Sequence[Any]) -> None:
     """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if backend != "triton":
+    if takes_layer_path(rule):              # plain torch ops, on any backend (forge_core.layer_step)
+        if not rule.layer_capturable:
+            raise ValueError(f"capturable=True: rule {rule.name!r} syncs with the host in its layer step")
+    elif backend != "triton":
         raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
                          f"this optimizer resolved to backend={backend!r}")
-    if rule.kernel_scalars_on_device is None:
+    elif rule.kernel_scalars_on_device is None:
         raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
     if accumulate_steps != 1:
         raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "

@@ -50,6 +50,7 @@ from .conv1d import conv1d_class, install_forge_conv1d, is_conv1d, is_forge_conv
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
 from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
                       is_forge_experts, looks_like_experts, remove_forge_experts)
+from .layer_step import takes_layer_path
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
 from .rules import Rule, get_rule
@@ -213,6 +214,9 @@ def _select_experts(model: nn.Module, capturable: bool,
         if problem is None and capturable:
             problem = ("capturable=True: the fused experts read each expert's token count on the host every "
                        "step, which a replayed CUDA graph cannot")
+        if problem is None and takes_layer_path(rule):     # its step reads whole 2-D matrices
+            problem = (f"rule {rule.name!r} steps whole 2-D weights, not experts block by block; its fallback "
+                       "optimizer steps them")
         if problem is None and rule.layer_sums:
             problem = (f"rule {rule.name!r} reads norms of each whole 3-D weight, which the fused experts update "
                        "expert by expert")
@@ -434,6 +438,9 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule = get_rule(optimizer)
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    if stochastic_rounding and takes_layer_path(rule):
+        raise ValueError(f"stochastic_rounding is a fused-kernel option; optimizer {rule.name!r} steps weights "
+                         "in plain torch after the layer's GEMM")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an integer >= 1, got {accumulate_steps!r}")
     problem = rule.option_problem(state_dtype=state_dtype, accumulate_steps=accumulate_steps, capturable=capturable,
@@ -454,6 +461,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
 
     candidates, quiet, loud = _select_candidates(model)
+    if rule.hidden_weights_only:
+        _keep_output_head_unfused(model, rule.name, candidates, quiet)
     expert_candidates, experts_left_out = _select_experts(model, capturable, rule)
     loud.update(experts_left_out)
     bindings: dict[str, FusedWeight] = {name: FusedWeight(name, module) for name, module in candidates.items()}
@@ -499,8 +508,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     if loud:
         listing = "; ".join(f"{name}: {reason}" for name, reason in loud.items())
-        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by the fallback "
-                      f"{rule.name} instead: {listing}", stacklevel=2)
+        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by {rule.name}'s fallback "
+                      f"optimizer instead: {listing}", stacklevel=2)
     if not bindings:
         warnings.warn("forge_core.fuse: no Linear weight was fused; every parameter is stepped by the "
                       "standard torch optimizer", stacklevel=2)
@@ -531,6 +540,18 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         for binding in bindings.values():
             _remove(binding.module)
         raise
+
+
+def _keep_output_head_unfused(model: nn.Module, rule_name: str, candidates: dict[str, nn.Linear],
+                              quiet: dict[str, str]) -> None:
+    """Move the output head (``model.get_output_embeddings()``) from ``candidates`` to the quiet
+    exclusions: a rule for hidden-layer weights (Muon) leaves it to its fallback optimizer."""
+    head_getter = getattr(model, "get_output_embeddings", None)
+    head = head_getter() if callable(head_getter) else None
+    for name, module in list(candidates.items()):
+        if module is head:
+            del candidates[name]
+            quiet[name] = f"the output head: {rule_name} fuses hidden-layer weights; its fallback steps the head"
 
 
 def _give_embeddings_their_state(model: nn.Module, optimizer: ForgeOptimizer) -> None:

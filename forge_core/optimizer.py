@@ -18,19 +18,15 @@ that edits ``group["lr"]`` work unchanged) and splits them in two:
 Step count: each fused weight counts the optimizer steps in which it was updated (as torch counts
 per parameter); the update during the backward of step t uses t, and ``step()`` advances it.
 
-Row blocks (``FusedWeight.begin_row_updates``): a backward may hand over ``dY`` in blocks of
-output features (the vocab chunks of ``forge_core.chunked_lm_head_cross_entropy``); each block
-updates rows ``[r0, r1)`` of the weight through views of the weight, its ``ParamState`` (int8
-scales run along rows, so a row slice holds whole blocks) and its accumulator, built once per
-block and reused (the kernel caches its launch plan per ParamState). Such a backward is one use
-of the weight: the step count and the micro-batch count move once, however many blocks it has.
+Row blocks (``FusedWeight.begin_row_updates``): a backward may hand over ``dY`` in blocks of output
+features (the vocab chunks of ``forge_core.chunked_lm_head_cross_entropy``); each updates rows
+``[r0, r1)`` through views of the weight, its ``ParamState`` and its accumulator. Such a backward is
+one use of the weight: the step and micro-batch counts move once, however many blocks it has.
 
-Capturable mode (``fuse(..., capturable=True)``, as torch's ``capturable``): the step count of each
-param group lives in a float64 tensor on the GPU, ``step()`` advances it with a device op, and the
-first fused update of a step computes the rule's kernel scalars from it into a small device buffer
-that every fused kernel of that group reads. No host value changes from step to step, so forward +
-backward + ``step()`` can be captured in a CUDA graph and replayed. A float ``lr`` read while the
-graph was captured is fixed in it (torch's rule too); outside graphs schedulers work as usual.
+Capturable mode (``fuse(..., capturable=True)``): each group's step count lives in a float64 GPU
+tensor that ``step()`` advances with a device op, and the rule's kernel scalars are computed from it
+into a device buffer the group's fused kernels read, so forward + backward + ``step()`` can be
+captured in a CUDA graph and replayed (a float ``lr`` read at capture is fixed in it, as in torch).
 """
 from __future__ import annotations
 
@@ -44,6 +40,7 @@ from torch import nn
 from . import kernels
 from .backends import BACKENDS, check_capturable, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
+from .layer_step import LayerPath, takes_layer_path
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
@@ -257,10 +254,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._update_function: Callable[..., None] = (
             kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
         self._bindings = bindings
+        self._layer_path = LayerPath(rule, state_dtype, hyperparameters, accumulate_steps, lambda b: (
+            self._kernel_hyperparameters(b.group_index),
+            self._device_steps[b.group_index] + 1 if self.capturable else b.steps_done + 1)) \
+            if takes_layer_path(rule) else None
         for index, binding in enumerate(bindings):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
+            if self._layer_path is not None:
+                self._layer_path.attach(binding)
+                continue
             binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters)
             if self.accumulate_steps > 1:
                 binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
@@ -398,7 +402,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         group = self.param_groups[group_index]
         hyperparameters = {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
         owners = self._bindings or self._dense
-        problem = self.rule.state_set_problem(owners[0].state.state_names, hyperparameters) if owners else None
+        problem = (self.rule.state_set_problem(owners[0].state.state_names, hyperparameters)
+                   if owners and self._layer_path is None else None)    # LayerState: Rule.state_shapes
         if problem is not None:
             raise ValueError(problem)
         if task != -1:
@@ -418,17 +423,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
+        if self._layer_path is not None:            # regimes 2 and 3: forge_core.layer_step
+            return self._layer_path.backward(binding, x, grad_output, last=self._count_backward(binding))
         if not self._count_backward(binding):
-            din = binding.weight.shape[1]
-            dout = binding.weight.shape[0]
-            x2 = x.reshape(-1, din)
-            dy2 = grad_output.reshape(-1, dout)
-            binding.grad_accum.addmm_(dy2.t().float(), x2.float())
+            dout, din = binding.weight.shape
+            binding.grad_accum.addmm_(grad_output.reshape(-1, dout).t().float(), x.reshape(-1, din).float())
             return
         self._apply_update(binding, x, grad_output)
 
     def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> RowSliceUpdate:
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
+        if self._layer_path is not None:
+            raise self._layer_path.row_update_error(binding.name)
         if self.rule.layer_sums:            # (chunked_lm_head_cross_entropy on a fused head)
             raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
                              "be updated in row blocks; leave it unfused or use the model's own loss")
@@ -438,6 +444,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
+        if self._layer_path is not None:            # step()'s flush of fewer micro-batches than k
+            return self._layer_path.backward(binding, x, grad_output, last=True)
         if part is None:
             weight, state, grad_accum = binding.matrix, binding.state, binding.grad_accum
         else:
@@ -528,9 +536,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _sync_fallback_hyperparameters(self) -> None:
         for ours, theirs in zip(self.param_groups, self._fallback.param_groups):
-            for key, value in ours.items():
-                if key != "params":
-                    theirs[key] = value
+            theirs.update(self.rule.fallback_values(ours))
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Step the fallback parameters and advance the step count of the fused weights.

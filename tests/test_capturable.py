@@ -15,6 +15,9 @@ from forge_core.kernels import NUM_SCALARS, fused_wgrad_update
 from forge_core.rules import RULES, get_rule
 from forge_core.state import ParamState
 
+# the rules stepped by the fused kernel's epilogue (the others take forge_core.layer_step)
+KERNEL_RULES = sorted(name for name, rule in RULES.items() if rule.epilogue is not None)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HYPERPARAMETERS = {
     "adamw": {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
@@ -25,7 +28,7 @@ HYPERPARAMETERS = {
     "nadam": {"lr": 2e-3, "betas": (0.9, 0.99), "weight_decay": 1e-2, "decoupled_weight_decay": True},
     "radam": {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 1e-2},
 }
-CAPTURABLE_RULES = sorted(name for name, rule in RULES.items() if rule.option_problem(capturable=True) is None)
+CAPTURABLE_RULES = sorted(name for name in KERNEL_RULES if RULES[name].option_problem(capturable=True) is None)
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:

@@ -179,7 +179,7 @@ def test_clipping_request_raises_and_says_why() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"optimizer": "adafactor"}, "unknown optimizer rule"),
+    ({"optimizer": "adafactorial"}, "unknown optimizer rule"),
     ({"momentum": 0.9}, r"has no hyper-parameter\(s\) \['momentum'\]"),
     ({"state_dtype": "fp4"}, "state_dtype must be one of"),
     ({"accumulate_steps": 0}, "accumulate_steps must be an integer >= 1"),

@@ -16,6 +16,9 @@ from forge_core.kernels.row_update import DEFAULT_CONFIGS, RowUpdateConfig, row_
 from forge_core.rules import RULES, get_rule
 from forge_core.state import STATE_DTYPES, ParamState
 
+# the rules stepped by the fused kernel's epilogue (the others take forge_core.layer_step)
+KERNEL_RULES = sorted(name for name, rule in RULES.items() if rule.epilogue is not None)
+
 from same_update import assert_same_update
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # the CPU runs the kernels interpreted

@@ -6,9 +6,9 @@
   headline cell, the peers and the batch x seq grid, linking the details;
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
-* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
-  where memory goes, hardware comparison, fidelity, coverage across the model zoo, scaling within
-  a model family, what did not run; and from the rows of ``forge-bench fidelity`` and
+* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the optimizer families (App. I),
+  batch x seq grid, model scaling, where memory goes, hardware comparison, fidelity, coverage across
+  the model zoo, scaling within a model family, what did not run; and from the rows of ``forge-bench fidelity`` and
   ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E fidelity table and the
   convergence table (``training.py``);
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
@@ -31,7 +31,7 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import coverage, figures, folder, ratios, render, summary, tables, training
+from . import app_i, coverage, figures, folder, ratios, render, summary, tables, training
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -136,6 +136,11 @@ def _write_report(frame: pd.DataFrame | None, folders: list[Path], out_dir: Path
     head_figs = figures.headline_figures(frame, figure_dir, colors, formats)
     written += head_figs
     sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
+
+    # App. I: every optimizer family fused against unfused
+    sections += table_section("Optimizer families (App. I)", "app-i", app_i.app_i_tables(frame),
+                              "Each optimizer family fused against unfused, per state format, with the paper's "
+                              "App. I figures beside the fp32 lines.", True, "no optimizer-family rows")
 
     # the floor
     sections += table_section("FORGE against its floor", "floor", tables.floor_tables(frame),

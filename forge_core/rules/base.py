@@ -4,14 +4,17 @@ A rule is one file in ``forge_core/rules/``: its plain-torch reference (the spec
 Triton epilogue (what the fused kernel runs on each weight tile after the fp32 gradient tile
 is accumulated). Adding a rule = one file + one line in ``forge_core/rules/__init__.py``.
 
-Two regimes run in the kernel (docs/design.md, section 1):
+Three regimes (docs/design.md, section 1; ``Rule.regime``):
 
 * regime 1 (``layer_sums == 0``): the state step and the weight update are coordinate-wise; the
-  epilogue updates W and the states of its tile.
-* regime 2 (``layer_sums > 0``, LAMB): the weight update reads per-layer sums of the whole matrix.
-  The epilogue updates the states only and returns per-element terms whose sums over the layer the
+  fused kernel's epilogue updates W and the states of its tile.
+* regime 2: the weight update reads the whole matrix. In the kernel (``layer_sums > 0``, LAMB): the
+  epilogue updates the states only and returns per-element terms whose sums over the layer the
   kernel accumulates; a second elementwise pass (``apply``) then writes W from the stored states
-  and those sums.
+  and those sums. In plain torch (``layer_update``, Muon): ``forge_core.layer_step`` runs the
+  rule's own GEMM and whole-matrix update inside the layer's backward.
+* regime 3 (deferred: Adafactor, AdaLomo, SM3, Adam-mini, LARS): the layer's G is formed, stepped
+  by ``reference`` and freed inside that layer's backward (``forge_core.layer_step``).
 """
 from __future__ import annotations
 
@@ -92,11 +95,51 @@ class Rule:
     """Options the rule refuses at ``fuse`` time, each with why: keys "capturable", "accumulate_steps",
     "stochastic_rounding" (see ``option_problem``)."""
 
+    regime: int = 1
+    """Where the rule's step runs (docs/design.md, section 1): 1 = in the fused kernel's epilogue
+    (a coordinate-wise state step); 2 = a whole-matrix weight update after the layer's accumulate
+    (Muon's Newton-Schulz, LAMB's trust ratio); 3 = deferred: the layer's gradient is formed,
+    stepped and freed inside that layer's backward (Adafactor, SM3, Adam-mini, LARS, AdaLomo)."""
+    layer_update: Callable[..., None] | None = None
+    """A regime-2 rule stepped in plain torch (``forge_core.layer_step``): ``layer_update(x2, dy2,
+    weight, states, hp, step, *, grad_accum, first_micro_batch, last_micro_batch)`` with the layer's
+    flattened input and output gradient, the weight and its stored states, updated in place. A
+    regime-3 rule leaves it None: the layer path forms G and runs ``reference``."""
+    state_shapes: Callable[[tuple[int, ...], Mapping[str, Any], str], dict[str, tuple[int, ...]]] | None = None
+    """``state_shapes(parameter_shape, hp, name) -> {state name: shape}`` for a rule whose states are
+    not parameter-shaped (row / column / block statistics); ``name`` is the parameter's or module's
+    qualified name (Adam-mini partitions by it). None: ``state_names``, each of the parameter's shape."""
+    hidden_weights_only: bool = False
+    """Fuse hidden-layer weights only: the output head (``model.get_output_embeddings()``) stays with
+    the fallback optimizer, as torch.optim.Muon's users step it with AdamW."""
+    fallback_hyperparameters: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    """Our param group's values -> the fallback optimizer's (Muon's ``adamw_*`` keys become AdamW's
+    ``lr``, ``betas``, ...). None: the same keys."""
+    layer_capturable: bool = False
+    """Regimes 2 and 3: the layer update runs device ops only (no host sync; the step may be a 0-d
+    device tensor), so ``fuse(..., capturable=True)`` can capture it in a CUDA graph."""
+    state_accumulates: Callable[[Mapping[str, Any]], bool] | None = None
+    """``state_accumulates(hp)``: True when ``layer_update`` takes the earlier micro-batches of
+    ``accumulate_steps`` into its own state (Muon without Nesterov: the momentum buffer), so no fp32
+    gradient accumulator is kept. None: never."""
+
     def keeps_nonzero_codes(self, name: str) -> bool:
         """Whether an untied embedding's int8 state ``name`` keeps a non-zero code for every non-zero value
         (a regime-2 rule's moments never do: its second pass reads them as ``ParamState`` stores them)."""
         kept = self.signed_states if self.nonzero_code_states is None else self.nonzero_code_states
         return name in kept and not self.layer_sums
+
+    def shapes_of_states(self, shape: tuple[int, ...], hp: Mapping[str, Any], name: str = "") -> dict[str, tuple[int, ...]]:
+        """The states a parameter of ``shape`` called ``name`` holds, and their shapes (``state_shapes``)."""
+        if self.state_shapes is None:
+            return {state: tuple(shape) for state in self.state_names}
+        return {state: tuple(size) for state, size in self.state_shapes(tuple(shape), hp, name).items()}
+
+    def fallback_values(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """A param group's values (not its ``params``) as the fallback optimizer's group takes them
+        (``fallback_hyperparameters``; the same keys when None)."""
+        values = {key: value for key, value in group.items() if key != "params"}
+        return self.fallback_hyperparameters(values) if self.fallback_hyperparameters is not None else values
 
     def resolve_hp(self, hp: Mapping[str, Any]) -> dict[str, Any]:
         """This rule's hyper-parameters from ``hp`` (a param_group holds more keys, e.g. ``params``),
@@ -153,7 +196,7 @@ class Rule:
         for option, asked in checks:
             if asked and option in self.refusals:
                 return f"rule {self.name!r} does not support {option}: {self.refusals[option]}"
-        if capturable and self.kernel_scalars_on_device is None:
+        if capturable and self.kernel_scalars_on_device is None and not self.layer_capturable:
             return f"rule {self.name!r} does not support capturable=True (it has no kernel_scalars_on_device)"
         return None
 

@@ -182,6 +182,7 @@ RULE = Rule(
     sqrt_domain_states=frozenset({"exp_avg_sq"}),
     signed_states=frozenset({"exp_avg"}),
     layer_sums=2,
+    regime=2,
     apply=apply,
     refusals={"capturable": "its fallback Lamb (for the parameters FORGE does not fuse) counts steps on the host"},
 )
