@@ -23,22 +23,29 @@ stream is unchanged. Inputs: ``probe_inputs`` if given (a tensor, a tuple of pos
 arguments or a dict of keyword arguments), else built from a transformers ``model.config``
 (token ids of length 8, or pixel values); if neither is possible the probe is skipped with a
 warning (``probe_inputs=False`` skips it on purpose, silently).
+
+Gradient clipping: ``fuse`` marks every weight whose gradient FORGE never forms (``FUSED_MARK``) and
+installs, once per process, a guard around ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
+(``install_clipping_guard``) that raises when it is given such a weight; ``unfuse`` removes the marks.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import warnings
 from collections import Counter
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
+import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import nn
 
 from .dtensors import is_dtensor
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
-from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
+from .backend import resolve_backend
+from .optimizer import FusedWeight, ForgeOptimizer
 from .rules import get_rule
 from .state import STATE_DTYPES
 
@@ -78,6 +85,54 @@ def distributed_wrapper_problem(model: nn.Module, device_mesh: Any = None) -> Op
             return (f"parameter {name!r} is a DTensor {where}: use forge_core.distributed.fuse_tensor_parallel"
                     "(model, device_mesh, ...) for a tensor-parallel model")
     return None
+
+
+FUSED_MARK = "forge_gradient_never_exists"
+"""The attribute ``fuse`` sets on each weight whose gradient FORGE never forms (a fused Linear's, a
+row-gradient embedding's), holding what it is; ``unfuse`` removes it. The clipping guard reads it."""
+
+CLIPPING_FUNCTIONS = {
+    "clip_grad_norm_": "global-norm clipping needs every gradient before any weight moves",
+    "clip_grad_value_": "FORGE cannot clip a gradient it never forms",
+}
+"""The ``torch.nn.utils`` functions the guard wraps, with why a weight without a gradient breaks them
+(both skip a parameter whose ``.grad`` is None, so they would leave the fused weights out silently)."""
+
+
+def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callable[..., Any]:
+    """``original`` behind a check that none of its parameters carries ``FUSED_MARK``: one attribute
+    read per parameter, then the untouched original (it runs every step of a training loop)."""
+
+    @functools.wraps(original)
+    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for parameter in parameters:
+            what = getattr(parameter, FUSED_MARK, None)
+            if what is not None:
+                raise ValueError(
+                    f"torch.nn.utils.{function_name} was given {what}: it would be left out silently, and "
+                    f"{CLIPPING_FUNCTIONS[function_name]}; train without clipping (HF Trainer: max_grad_norm=0), "
+                    "clip only parameters that get a .grad, or call forge_core.unfuse(model) first")
+        return original(parameters, *args, **kwargs)
+
+    guarded.forge_clipping_guard_of = original      # type: ignore[attr-defined]
+    return guarded
+
+
+def install_clipping_guard() -> None:
+    """Wrap ``CLIPPING_FUNCTIONS`` in ``torch.nn.utils`` and ``torch.nn.utils.clip_grad`` (once: a
+    wrapped function is left as it is). Why at ``fuse``: a user's ``clip_grad_norm_(model.parameters())``
+    after ``fuse`` would clip the fallback gradients alone; code that imported the function by name
+    before ``fuse`` keeps the unguarded one."""
+    for function_name in CLIPPING_FUNCTIONS:
+        wrapped: dict[int, Callable[..., Any]] = {}
+        for namespace in (torch_clip_grad, torch.nn.utils):
+            current = getattr(namespace, function_name, None)
+            if current is None or hasattr(current, "forge_clipping_guard_of"):
+                continue
+            if id(current) not in wrapped:
+                wrapped[id(current)] = _clipping_guard(current, function_name)
+            setattr(namespace, function_name, wrapped[id(current)])
 
 
 def _conv1d_class() -> Optional[type]:
@@ -296,9 +351,11 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     A ``.grad`` already present on a weight that gets fused is dropped (it could never be applied).
 
-    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why). A
-    ``torch.nn.utils.clip_grad_norm_`` call of your own (HF Trainer's default max_grad_norm=1.0)
-    would see, and clip, only the fallback parameters' gradients: turn it off.
+    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why). Neither
+    is a ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` call of your own over the fused
+    weights (HF Trainer's default max_grad_norm=1.0): it would clip the fallback gradients alone, so
+    after ``fuse`` it raises naming the weight (``install_clipping_guard``). Turn clipping off (HF
+    Trainer: ``max_grad_norm=0``), or clip only parameters that get a ``.grad``.
     A model wrapped in DDP or sharded by FSDP, or with DTensor parameters, is refused (one line naming
     the ``forge_core.distributed`` entry to use: those fuse across ranks). ``device_mesh``: the 1-D
     mesh of a tensor-parallel model's DTensor weights (``forge_core.distributed.fuse_tensor_parallel``
@@ -408,13 +465,30 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
             excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
             fused_ids=fused_ids, capturable=capturable, dense_2d=dense_2d,
             parameter_names={id(p): name for name, p in model.named_parameters()})
+        _give_embeddings_their_state(model, forge_optimizer)
         if embedding_rows:
             _install_row_embeddings(model, forge_optimizer)
+        _mark_gradientless_weights(forge_optimizer)
+        install_clipping_guard()
         return forge_optimizer
     except BaseException:
         for binding in bindings.values():
             remove_forge_linear(binding.module)
         raise
+
+
+def _give_embeddings_their_state(model: nn.Module, optimizer: ForgeOptimizer) -> None:
+    """Give each weight the optimizer steps as a ``DenseWeight`` that is an embedding's and no other
+    module's an ``EmbeddingState`` (its rows get gradients a few at a time; ``forge_core.dense`` says
+    why that changes how its int8 first moment is stored). A tied weight's rows all get the head's
+    gradient every step, as a Linear weight's do: it keeps a ``ParamState``."""
+    dense_of = {id(dense.weight): dense for dense in optimizer.dense_weights()}
+    use_counts = _parameter_use_counts(model)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        dense = dense_of.get(id(weight))
+        if isinstance(module, nn.Embedding) and dense is not None and use_counts[id(weight)] == 1:
+            dense.make_embedding_state()
 
 
 def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:
@@ -432,28 +506,52 @@ def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None
         dense.padding_idx = module.padding_idx
 
 
+def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
+    """Set ``FUSED_MARK`` on the weights that will never get a ``.grad``: the fused ones and the
+    row-gradient embeddings'."""
+    for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
+        setattr(weight, FUSED_MARK, f"{name}.weight, a fused weight (forge_core.fuse updates it inside backward; "
+                                    "its gradient never exists)")
+    for dense in optimizer.dense_weights():
+        if dense.records_rows:
+            setattr(dense.weight, FUSED_MARK, f"{dense.name}, an embedding weight whose gradient forge_core.fuse "
+                                              "keeps as rows (it never gets a .grad; fuse(..., embedding_rows=False) "
+                                              "gives it one)")
+
+
 def unfuse(model: nn.Module) -> nn.Module:
     """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` and every ForgeEmbedding into
     a plain ``nn.Embedding`` (same module objects,
-    same Parameters, weights as trained). The optimizer returned by ``fuse`` must not be stepped
-    afterwards (it raises if a fused weight has grown a ``.grad``). Returns ``model``."""
+    same Parameters, weights as trained). The optimizer returned by ``fuse`` cannot be stepped
+    afterwards: its ``step()`` raises, naming unfuse. Clipping the weights works again. Returns ``model``."""
     pending = []
+    optimizers: dict[int, ForgeOptimizer] = {}
     for name, module in model.named_modules():
         if isinstance(module, ForgeLinear):
             binding = getattr(module, "forge_updater", None)
             if isinstance(binding, FusedWeight) and binding.micro_batches:
                 pending.append(name or "<root>")
             if isinstance(binding, FusedWeight):
+                if binding.optimizer is not None:
+                    optimizers[id(binding.optimizer)] = binding.optimizer
                 binding.detach_from_module()
+            module.weight.__dict__.pop(FUSED_MARK, None)
             remove_forge_linear(module)
         elif isinstance(module, ForgeEmbedding):
-            if getattr(module.forge_row_sink, "recorded_rows", None):
+            sink = module.forge_row_sink
+            if getattr(sink, "recorded_rows", None):
                 pending.append(name or "<root>")
+            if isinstance(getattr(sink, "optimizer", None), ForgeOptimizer):
+                optimizers[id(sink.optimizer)] = sink.optimizer
+            module.weight.__dict__.pop(FUSED_MARK, None)
             remove_forge_embedding(module)
+    for optimizer in optimizers.values():
+        optimizer.mark_unfused()
     if pending:
         warnings.warn(f"forge_core.unfuse: {len(pending)} fused weight(s) had accumulated micro-batch gradients "
                       f"that were never applied (opt.step() not reached): {pending}", stacklevel=2)
     return model
 
 
-__all__ = ["fuse", "unfuse", "distributed_wrapper_problem"]
+__all__ = ["fuse", "unfuse", "install_clipping_guard", "FUSED_MARK", "CLIPPING_FUNCTIONS",
+           "distributed_wrapper_problem"]

@@ -36,39 +36,34 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from . import kernels
+from .backend import BACKENDS, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
 from .dtensors import local_shard
 from .kernels.device import interpreting
+from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState
 
-BACKENDS = ("auto", "triton", "reference")
+GUARD_GROUP_KEY = "forge_state_dict"
+"""The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
+one index past the last parameter. Why: torch's ``Optimizer.load_state_dict`` checks only the number
+of groups and each group's length before it copies ``state`` into its moments, so without it an
+``AdamW`` over the same parameters would take int8 codes and block scales as moments and train on
+silently; the group sizes of any optimizer over those parameters add up to one less than these.
+``ForgeOptimizer.load_state_dict`` drops the group (and loads a state dict without one)."""
+GUARD_GROUP_NOTE = ("a ForgeOptimizer state dict: this group's index names no parameter; it makes other "
+                    "optimizers refuse the dict (load it with ForgeOptimizer.load_state_dict)")
 
-
-def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
-    """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    devices = set(devices)
-    needs_interpreter = any(device.type != "cuda" for device in devices)
-    interpreter_on = interpreting()
-    if backend == "reference":
-        return "reference"
-    if backend == "auto":
-        if not kernels.triton_available():
-            return "reference"
-        return "triton" if (interpreter_on or not needs_interpreter) else "reference"
-    if needs_interpreter and not interpreter_on or not kernels.triton_available():
-        where = sorted({str(device) for device in devices}) or ["no fused weights"]
-        raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
-                         "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
-    return "triton"
+UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){detail}: its fused weights are "
+                 "plain weights again and it cannot step them; call forge_core.fuse(model, ...) again for a new "
+                 "optimizer, or use a torch optimizer")
+"""``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
 
 
 class FusedWeight:
@@ -235,22 +230,6 @@ def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochasti
         raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
 
 
-RowBlockUpdate = Callable[[int, int, torch.Tensor, int], None]
-"""A row-block update, called as ``RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index)``."""
-
-
-class DistributedUpdates(Protocol):
-    """``ForgeOptimizer.distributed`` (set by ``forge_core.distributed``, data parallel): takes each fused
-    weight's last micro-batch (whole or in row blocks), reduces it across ranks and updates through
-    ``ForgeOptimizer.apply_gradient``; ``before_step`` runs first in ``step()``."""
-
-    def fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None: ...
-
-    def row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowBlockUpdate: ...
-
-    def before_step(self) -> None: ...
-
-
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -294,6 +273,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     dense = DenseWeight(names.get(id(parameter), f"parameter {len(self._dense)}"), parameter)
                     dense.index = len(bindings) + len(self._dense)      # distinct stochastic-rounding seeds
                     dense.state = ParamState(parameter, rule, state_dtype)
+                    dense.optimizer = self
                     self._dense.append(dense)
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
@@ -302,8 +282,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                                                  capturable=self.capturable, **hyperparameters)
         self._steps_taken = 0
         self.distributed: Optional[DistributedUpdates] = None
-        """Set by ``forge_core.distributed`` (data parallel): it takes each fused weight's last
-        micro-batch (x, dY) instead of the local update, and runs first in ``step()``."""
+        """Set by ``forge_core.distributed`` (data parallel): see ``forge_core.reduction``."""
+        self._unfused = False
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
         # Capturable mode: per group, the step count and the kernel scalars on the device, and
         # whether the scalars must be recomputed at the next fused update (host flag).
@@ -343,6 +323,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def fused_module_names(self) -> list[str]:
         return [binding.name for binding in self._bindings]
+
+    def mark_unfused(self) -> None:
+        """Called by ``forge_core.unfuse``: the model's fused modules are plain again, so ``step()``
+        refuses from now on. A stale step would advance the fused weights' step counts and step the
+        fallback parameters alone, and a backward through the plain model gives the fused weights a
+        ``.grad`` that nothing here applies."""
+        self._unfused = True
+
+    @property
+    def unfused(self) -> bool:
+        """Whether ``forge_core.unfuse`` was called on this optimizer's model (``step()`` then raises)."""
+        return self._unfused
 
     @property
     def fallback_optimizer(self) -> torch.optim.Optimizer:
@@ -442,9 +434,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return RowSliceUpdate(binding, x, mode="update" if last else "accumulate")
 
     def apply_gradient(self, owner: "FusedWeight | DenseWeight", grad: torch.Tensor) -> None:
-        """One update of ``owner``'s weight (its local shard) from its complete gradient ``grad`` (fp32 or
-        the weight's dtype, weight-shaped), at its next step: the kernel's zero-token path, as
-        ``step()`` steps a ``DenseWeight``. ``forge_core.distributed`` calls it with reduced gradients."""
+        """Update ``owner``'s weight (its local shard) at its next step from its complete gradient ``grad``
+        (fp32 or the weight's dtype): the kernel's zero-token path, as ``step()`` steps a ``DenseWeight``."""
         weight = owner.local_weight if isinstance(owner, FusedWeight) else owner.weight
         no_x = weight.new_zeros((0, weight.shape[1]))
         no_dy = weight.new_zeros((0, weight.shape[0]))
@@ -540,7 +531,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Step the fallback parameters and advance the step count of the fused weights.
 
         The fused weights were already updated during backward. ``closure`` (optional) is run
-        first with grad enabled (it should zero grads, run forward and backward, return the loss)."""
+        first with grad enabled (it should zero grads, run forward and backward, return the loss).
+        After ``forge_core.unfuse(model)`` it raises (``UNFUSED_ERROR``)."""
+        if self._unfused:
+            grown = [binding.name for binding in self._bindings if binding.weight.grad is not None]
+            detail = f" and fused weight {grown[0]!r} has a .grad it cannot apply" if grown else ""
+            raise RuntimeError(UNFUSED_ERROR.format(detail=detail))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -579,7 +575,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         ``ParamState`` tensors (``name`` and, for int8, ``name + "_scale"``). Tensors are references,
         as in torch: deep-copy or ``torch.save`` it before training on. Like torch (which never
         saves ``.grad``), a micro-batch accumulator between ``opt.step()`` calls is not saved:
-        checkpoint at step boundaries."""
+        checkpoint at step boundaries. ``param_groups`` ends with a guard group (``GUARD_GROUP_KEY``)
+        that makes any other optimizer class's ``load_state_dict`` refuse the dict."""
         self._sync_host_step_counts()
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
@@ -595,6 +592,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             packed = {key: value for key, value in group.items() if key != "params"}
             packed["params"] = [index_of[id(p)] for p in group["params"]]
             groups.append(packed)
+        groups.append({"params": [len(index_of)], GUARD_GROUP_KEY: GUARD_GROUP_NOTE})
         forge = {
             "rule": self.rule.name, "state_dtype": self.state_dtype, "steps_taken": self._steps_taken,
             "accumulate_steps": self.accumulate_steps,
@@ -612,7 +610,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if forge.get("rule") != self.rule.name or forge.get("state_dtype") != self.state_dtype:
             raise ValueError(f"state dict is for rule={forge.get('rule')!r} state_dtype={forge.get('state_dtype')!r}, "
                              f"this optimizer is rule={self.rule.name!r} state_dtype={self.state_dtype!r}")
-        saved_groups = state_dict["param_groups"]
+        saved_groups = list(state_dict["param_groups"])
+        if saved_groups and GUARD_GROUP_KEY in saved_groups[-1]:
+            saved_groups.pop()          # a dict saved without the guard group loads too
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
         for saved, ours in zip(saved_groups, self.param_groups):
@@ -684,4 +684,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["ForgeOptimizer", "FusedWeight", "DenseWeight", "RowSliceUpdate", "resolve_backend", "BACKENDS",
-           "steppable_by_kernel", "DistributedUpdates", "RowBlockUpdate"]
+           "steppable_by_kernel", "DistributedUpdates", "RowBlockUpdate", "GUARD_GROUP_KEY", "UNFUSED_ERROR"]

@@ -2,8 +2,10 @@
 up as a sweep cell builds it, and interval arithmetic on trace events."""
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
+import tempfile
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,3 +99,16 @@ def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, f
         else:
             merged.append((start, end))
     return merged
+
+
+def chrome_trace(prof: Any, name: str, keep_at: Path | None) -> dict:
+    """The profiler's Chrome trace as a dict (torch writes it only to a file), kept gzipped at
+    ``keep_at`` when given: both profilers read the trace back the same way."""
+    with tempfile.TemporaryDirectory() as folder:
+        raw = Path(folder) / f"{name}.json"
+        prof.export_chrome_trace(str(raw))
+        trace = json.loads(raw.read_text())
+    if keep_at is not None:
+        with gzip.open(keep_at, "wt") as fh:
+            json.dump(trace, fh)
+    return trace

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import bisect
 import gc
-import gzip
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from forge_bench.cell import GRAPH_EAGER_WARMUP, GraphedStep
-from forge_bench.profile.common import BATCH_POOL, StepOptions, run_each_method, union_intervals, warmed_up_arm
+from forge_bench.profile.common import BATCH_POOL, chrome_trace, StepOptions, run_each_method, union_intervals, warmed_up_arm
 
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16", "forge_int8")
 COMMAND = ["profile", "graph"]
@@ -169,13 +167,7 @@ def profile_one(options: StepOptions, method_name: str, timed: int, trace_path: 
             step(batches[i % BATCH_POOL])
             torch.cuda.synchronize()
             time.sleep(REPLAY_PAUSE_S)
-    with tempfile.TemporaryDirectory() as folder:
-        raw = Path(folder) / f"graph_profile_{method_name}.json"
-        prof.export_chrome_trace(str(raw))
-        trace = json.loads(raw.read_text())
-    if trace_path is not None:
-        with gzip.open(trace_path, "wt") as fh:
-            json.dump(trace, fh)
+    trace = chrome_trace(prof, f"graph_profile_{method_name}", trace_path)
     replays = analyse_trace(trace)
     return {"method": method_name, "step_ms_median": step_ms, "timed": timed, "replays": replays}
 

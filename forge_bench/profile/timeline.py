@@ -16,11 +16,9 @@ sweep's; the *shape* of the timeline (idle share, who causes the gaps, syncs) is
 from __future__ import annotations
 
 import bisect
-import gzip
 import json
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
@@ -28,7 +26,7 @@ from typing import Any, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from forge_bench.profile.common import BATCH_POOL, StepOptions, run_each_method, union_intervals, warmed_up_arm
+from forge_bench.profile.common import BATCH_POOL, chrome_trace, StepOptions, run_each_method, union_intervals, warmed_up_arm
 
 STEP_PREFIX = "forge_step_"
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -164,13 +162,7 @@ def record_one(options: StepOptions, method_name: str, trace_path: Path | None) 
             with record_function(f"{STEP_PREFIX}{i}"):
                 arm.step(batches[i % BATCH_POOL])
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        raw = Path(folder) / f"step_timeline_{method_name}.json"
-        prof.export_chrome_trace(str(raw))
-        trace = json.loads(raw.read_text())
-    if trace_path is not None:
-        with gzip.open(trace_path, "wt") as fh:
-            json.dump(trace, fh)
+    trace = chrome_trace(prof, f"step_timeline_{method_name}", trace_path)
     return {"method": method_name, **analyse_trace(trace)}
 
 

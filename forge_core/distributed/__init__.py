@@ -35,7 +35,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..manager import fuse
-from ..optimizer import ForgeOptimizer, FusedWeight, resolve_backend
+from ..backend import resolve_backend
+from ..optimizer import ForgeOptimizer, FusedWeight
 from ..rules import get_rule
 from ..state import STATE_DTYPES
 from .affine import state_reduction_problem
