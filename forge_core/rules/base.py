@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..dtensors import is_dtensor
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -74,10 +76,14 @@ def torch_fused_flag(params: Any) -> dict[str, bool]:
     """``{"fused": True}`` when every parameter is a floating CUDA tensor (torch's fused AdamW / SGD
     take one kernel launch per few tensors instead of foreach's per-op launches: on a host-bound
     Llama-8B step the fallback embedding update alone cost ~8 ms of foreach kernels), else ``{}``
-    so torch picks its default (CPU tensors, or a mix)."""
+    so torch picks its default (CPU tensors, or a mix); ``{"foreach": False}`` for a mix of DTensors
+    (tensor-parallel shards) and plain tensors, which torch's multi-tensor kernels refuse."""
     flat = []
     for item in params:
         flat.extend(item["params"] if isinstance(item, dict) else [item])
+    sharded = [is_dtensor(p) for p in flat]
+    if any(sharded) and not all(sharded):
+        return {"foreach": False}    # a multi-tensor kernel refuses a list mixing DTensors and tensors
     if flat and all(isinstance(p, torch.Tensor) and p.is_cuda and p.is_floating_point() for p in flat):
         return {"fused": True}
     return {}
