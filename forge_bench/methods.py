@@ -24,8 +24,8 @@ from torch import nn
 from forge_bench import peers
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.peer_probes import availability_check
-from forge_bench.torch_arms import (adamw_builder, build_adamw_fused_cce, build_no_optimizer, build_sgd,
-                                    forge_builder, forge_bytes_per_param, forge_cce_builder, forge_problem)
+from forge_bench.torch_arms import (adamw_builder, build_adamw_fp32_states, build_adamw_fused_cce, build_no_optimizer,
+                                    build_sgd, forge_builder, forge_bytes_per_param, forge_cce_builder, forge_problem)
 
 __all__ = ["METHODS", "Arm", "ArmUnavailable", "Method", "PluginError", "TrainConfig", "get_method",
            "load_plugins", "register"]
@@ -138,6 +138,10 @@ ARMS: tuple[Method, ...] = (
            description="torch.optim.AdamW(fused=True), states in the weight dtype",
            build=adamw_builder("fused"), needs_cuda=True, parity_reference="adamw",
            bytes_per_param=_bytes_torch_adamw, graphable=True),
+    Method(name="adamw_fused_fp32_states", family="baseline",
+           description="torch.optim.AdamW (fused on CUDA) with fp32 moments for bf16 weights, on fp32 copies",
+           build=build_adamw_fp32_states, parity_reference="adamw",
+           bytes_per_param=lambda b: (8.0, float(b) + 8.0)),
     Method(name="sgd", family="baseline", description="torch.optim.SGD with momentum (foreach)",
            build=build_sgd, parity_reference="sgd", bytes_per_param=lambda b: (float(b), float(b)), graphable=True),
     # FORGE: the fused wgrad + AdamW update, one arm per state dtype

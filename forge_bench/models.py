@@ -1,4 +1,4 @@
-"""The model zoo: transformers causal LMs built from config files shipped in the package.
+"""The model zoo: transformers models built from config files shipped in the package.
 
 No download, no hub: every model is a ``forge_bench/configs/<name>.json`` holding the public
 config values of the real model (hidden size, layers, heads, kv heads, intermediate size,
@@ -13,6 +13,11 @@ Two deliberate departures from the published configs, both applied at build time
 
 ``reduced_depth`` gives the twin used by the parity gate of big models: the same widths (so
 every Linear shape of the full model is present) with fewer layers.
+
+Most entries are causal LMs (a batch is token ids, labels = the ids). Image classifiers (ViT, and
+the MLP-Mixer built from torch modules in ``forge_bench.mixer``) take synthetic pixels and class
+labels; their ``seq`` is the tokens one image makes (patches, plus ViT's class token), so a suite
+names it like a sequence length and the rows stay comparable in tokens per step.
 """
 from __future__ import annotations
 
@@ -20,9 +25,11 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
+
+from forge_bench.mixer import MixerConfig, MlpMixerForImageClassification
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 ATTN_IMPLEMENTATION = "sdpa"
@@ -36,12 +43,17 @@ _DROPOUT_KEYS = ("attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropo
 _LAYER_KEYS = ("num_hidden_layers", "n_layer")
 
 
+CAUSAL_LM = "causal_lm"
+IMAGE_CLASSIFICATION = "image_classification"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A zoo entry: which config file and which public model it mirrors."""
     name: str
     source: str          # the public model whose config values the file holds
     description: str
+    task: str = CAUSAL_LM  # what a batch holds: token ids (causal_lm) or pixels and labels
 
     @property
     def config_path(self) -> Path:
@@ -57,8 +69,32 @@ MODEL_ZOO: dict[str, ModelSpec] = {
         ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen 2.5 7B (q/k/v biases)"),
         ModelSpec("mistral-7b", "mistralai/Mistral-7B-v0.3", "Mistral 7B v0.3 (32768 vocab, no sliding window)"),
         ModelSpec("gpt2-xl", "openai-community/gpt2-xl", "GPT-2 XL 1.5B (Conv1D layers, tied embeddings)"),
+        ModelSpec("gpt2", "openai-community/gpt2", "GPT-2 124M (Conv1D layers, tied embeddings): forge-bench convergence"),
+        ModelSpec("qwen3-0.6b", "Qwen/Qwen3-0.6B", "Qwen3 0.6B (tied embeddings)"),
+        ModelSpec("qwen3-1.7b", "Qwen/Qwen3-1.7B", "Qwen3 1.7B (tied embeddings)"),
+        ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", "Qwen3 4B (tied embeddings)"),
+        ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", "Qwen3 8B"),
+        ModelSpec("qwen3-14b", "Qwen/Qwen3-14B", "Qwen3 14B"),
+        ModelSpec("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B",
+                  "Qwen3 MoE 30B (3B active): 48 layers of 128 experts as 3-D Parameters, top 8"),
+        ModelSpec("qwen3-30b-a3b-l8", "Qwen/Qwen3-30B-A3B",
+                  "Qwen3-30B-A3B's widths and experts with 8 of its 48 layers (5.6B): the MoE layout on one H100"),
+        ModelSpec("vit-base-16", "google/vit-base-patch16-224", "ViT-B/16 at 224 px (197 tokens per image)",
+                  IMAGE_CLASSIFICATION),
+        ModelSpec("vit-large-16", "google/vit-large-patch16-224", "ViT-L/16 at 224 px (197 tokens per image)",
+                  IMAGE_CLASSIFICATION),
+        ModelSpec("mamba2-1.3b", "state-spaces/mamba2-1.3b", "Mamba-2 1.3B (HF Mamba2ForCausalLM, tied embeddings)"),
+        ModelSpec("mixer-b16", "Mixer-B/16 (Tolstikhin et al. 2021)",
+                  "MLP-Mixer B/16 at 224 px from torch modules (196 tokens per image)", IMAGE_CLASSIFICATION),
+        ModelSpec("mixer-l16", "Mixer-L/16 (Tolstikhin et al. 2021)",
+                  "MLP-Mixer L/16 at 224 px from torch modules (196 tokens per image)", IMAGE_CLASSIFICATION),
         ModelSpec("tiny-llama", "-", "2-layer Llama with 128-wide hidden: CPU smoke and tests"),
         ModelSpec("tiny-gpt2", "-", "2-layer GPT-2 with 128-wide hidden, tied embeddings: CPU smoke and tests"),
+        ModelSpec("tiny-qwen3", "-", "2-layer Qwen3 with 64-wide hidden: CPU tests"),
+        ModelSpec("tiny-qwen3-moe", "-", "2-layer Qwen3-MoE, 8 experts of 32, top 2: CPU tests"),
+        ModelSpec("tiny-vit", "-", "2-layer ViT on 32 px images (17 tokens): CPU tests", IMAGE_CLASSIFICATION),
+        ModelSpec("tiny-mamba2", "-", "2-layer Mamba-2 with 64-wide hidden: CPU tests"),
+        ModelSpec("tiny-mixer", "-", "2-layer MLP-Mixer on 32 px images (16 tokens): CPU tests", IMAGE_CLASSIFICATION),
     )
 }
 
@@ -91,9 +127,10 @@ def _raw_config(name: str) -> tuple[tuple[str, Any], ...]:
     return tuple(data.items())
 
 
-def config_dict(name: str, num_layers: int | None = None) -> dict[str, Any]:
-    """The model's config as a plain dict (with the build-time changes applied)."""
-    data = dict(_raw_config(name))
+def config_dict(name: str, num_layers: int | None = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The model's config as a plain dict (with the build-time changes applied, then ``overrides``:
+    e.g. ``{"vocab_size": 256}`` for a byte-level tokenizer)."""
+    data = {**dict(_raw_config(name)), **dict(overrides or {})}
     for key in _DROPOUT_KEYS:
         if key in data:
             data[key] = 0.0
@@ -106,14 +143,25 @@ def config_dict(name: str, num_layers: int | None = None) -> dict[str, Any]:
     return data
 
 
-def load_config(name: str, num_layers: int | None = None):
-    """A transformers ``PretrainedConfig`` for the zoo entry (optionally with fewer layers)."""
+def load_config(name: str, num_layers: int | None = None, overrides: Mapping[str, Any] | None = None):
+    """A transformers ``PretrainedConfig`` for the zoo entry (optionally with fewer layers, and
+    ``overrides`` of its values); a ``MixerConfig`` for the MLP-Mixer."""
     from transformers import CONFIG_MAPPING
 
-    data = config_dict(name, num_layers)
+    data = config_dict(name, num_layers, overrides)
     model_type = data.pop("model_type")
     data.pop("architectures", None)
+    if model_type == MixerConfig.model_type:
+        return MixerConfig.from_dict(data)
     return CONFIG_MAPPING[model_type](**data)
+
+
+def _build_mixer(config: MixerConfig, dtype: torch.dtype, **_ignored: Any) -> torch.nn.Module:
+    return MlpMixerForImageClassification(config).to(dtype)
+
+
+# architectures built here rather than by transformers
+LOCAL_ARCHITECTURES = {"MlpMixerForImageClassification": _build_mixer}
 
 
 def _model_factory(name: str):
@@ -122,6 +170,8 @@ def _model_factory(name: str):
     import transformers
 
     arch = (dict(_raw_config(name)).get("architectures") or [None])[0]
+    if arch in LOCAL_ARCHITECTURES:
+        return LOCAL_ARCHITECTURES[arch]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         from transformers import AutoModelForCausalLM
@@ -135,30 +185,50 @@ def num_layers(name: str) -> int:
     return int(next(data[k] for k in _LAYER_KEYS if k in data))
 
 
-def max_seq_len(name: str) -> int:
-    """Longest sequence the model's position embeddings allow."""
+def is_image_model(name: str) -> bool:
+    return get_model_spec(name).task == IMAGE_CLASSIFICATION
+
+
+def image_tokens(name: str) -> int:
+    """Tokens one image makes: its patches, plus the class token where the model has one (ViT)."""
     data = dict(_raw_config(name))
-    return int(data.get("max_position_embeddings") or data.get("n_positions"))
+    patches = (int(data["image_size"]) // int(data["patch_size"])) ** 2
+    return patches + (0 if data["model_type"] == MixerConfig.model_type else 1)
+
+
+def max_seq_len(name: str) -> int:
+    """Longest sequence the model's position embeddings allow (an image model: its tokens per image)."""
+    if is_image_model(name):
+        return image_tokens(name)
+    data = dict(_raw_config(name))
+    return int(data.get("max_position_embeddings") or data.get("n_positions") or 1 << 20)
 
 
 def vocab_size(name: str) -> int:
-    return int(dict(_raw_config(name))["vocab_size"])
+    """The output width: the vocabulary of a causal LM, the classes of an image classifier."""
+    data = dict(_raw_config(name))
+    return int(data["num_labels"] if is_image_model(name) else data["vocab_size"])
 
 
 def build_model(name: str, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu",
-                *, seed: int = 0, num_layers: int | None = None) -> torch.nn.Module:
+                *, seed: int = 0, num_layers: int | None = None,
+                overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """Random-init model built directly on ``device`` in ``dtype``, in train mode.
 
-    ``device="meta"`` builds the shapes only (parameter counts, memory estimates).
+    ``device="meta"`` builds the shapes only (parameter counts, memory estimates). ``overrides``
+    replace config values (``forge-bench convergence`` sets the vocabulary to its tokenizer's).
     """
     dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-    config = load_config(name, num_layers)
+    config = load_config(name, num_layers, overrides)
     make_model = _model_factory(name)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+    # sdpa attention where the architecture has attention (Mamba-2 has none and refuses the argument)
+    attention = {} if getattr(make_model, "__self__", None) is not None and \
+        not getattr(make_model.__self__, "_supports_sdpa", True) else {"attn_implementation": ATTN_IMPLEMENTATION}
     with torch.device(device):
-        model = make_model(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        model = make_model(config, dtype=dtype, **attention)
     model.train()
     return model
 
@@ -191,11 +261,21 @@ def reduced_depth(name: str, max_layers: int) -> int | None:
 
 
 def make_batch(name: str, batch: int, seq: int, device: str | torch.device, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A synthetic token batch (input_ids and labels = input_ids: HF shifts labels itself)."""
+    """A synthetic token batch (input_ids and labels = input_ids: HF shifts labels itself); for an
+    image model, ``batch`` images of uniform noise and one class label each (``seq`` must be the
+    tokens per image)."""
     limit = max_seq_len(name)
+    if is_image_model(name) and seq != limit:
+        raise ModelError(f"model {name!r} makes {limit} tokens per image, got seq={seq}")
     if seq > limit:
         raise ModelError(f"model {name!r} takes at most {limit} tokens per sequence, got seq={seq}")
     gen = torch.Generator().manual_seed(seed)
+    if is_image_model(name):
+        data = dict(_raw_config(name))
+        size, channels = int(data["image_size"]), int(data.get("num_channels", 3))
+        pixels = torch.rand((batch, channels, size, size), generator=gen) * 2 - 1
+        labels = torch.randint(0, vocab_size(name), (batch,), generator=gen, dtype=torch.long)
+        return {"pixel_values": pixels.to(device), "labels": labels.to(device)}
     ids = torch.randint(0, vocab_size(name), (batch, seq), generator=gen, dtype=torch.long)
     ids = ids.to(device)
     return {"input_ids": ids, "labels": ids.clone()}
@@ -220,10 +300,12 @@ def activation_bytes_estimate(name: str, batch: int, seq: int, dtype_bytes: int,
     data = dict(_raw_config(name))
     hidden = int(data.get("hidden_size") or data.get("n_embd"))
     inter = int(data.get("intermediate_size") or data.get("n_inner") or 4 * hidden)
+    if data.get("num_experts"):        # a MoE layer keeps every routed copy of its tokens' expert activations
+        inter = int(data["moe_intermediate_size"]) * int(data.get("num_experts_per_tok", 1))
     layers = num_layers(name)
     tokens = batch * seq
     # lean (forge_core.lean): the two norm inputs, q and the attention output, gate and up (k, v left out)
     widths = 4 * hidden + 2 * inter if activations == "lean" else 10 * hidden + 3 * inter
     per_layer = tokens * widths * dtype_bytes
-    logits = tokens * vocab_size(name) * (dtype_bytes + 4 + 4)
+    logits = (batch if is_image_model(name) else tokens) * vocab_size(name) * (dtype_bytes + 4 + 4)
     return layers * per_layer + logits

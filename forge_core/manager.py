@@ -1,7 +1,9 @@
 """``fuse`` / ``unfuse``: choose which Linear weights FORGE updates inside backward, and why not.
 
-``fuse`` walks a model, turns every eligible ``nn.Linear`` into a ``ForgeLinear`` in place and
-returns a ``ForgeOptimizer`` (``forge_core.optimizer``) that owns their optimizer state and a
+``fuse`` walks a model, turns every eligible ``nn.Linear`` into a ``ForgeLinear`` in place (a
+transformers GPT-2 ``Conv1D`` into a ``ForgeConv1D``, ``forge_core.conv1d``; a transformers MoE
+experts module with 3-D ``gate_up_proj`` / ``down_proj`` into its fused form, ``forge_core.experts``)
+and returns a ``ForgeOptimizer`` (``forge_core.optimizer``) that owns their optimizer state and a
 standard torch optimizer (the *fallback*) for every other trainable parameter.
 
 A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
@@ -9,8 +11,10 @@ A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
 * its weight is frozen (``requires_grad=False``: then it is in no optimizer at all);
 * its weight appears in more than one place (tied / shared: e.g. ``lm_head`` tied to
   ``embed_tokens``; the fused update would see only one consumer's gradient);
-* it is not exactly ``nn.Linear`` (a subclass has its own forward or semantics; transformers'
-  GPT-2 ``Conv1D`` stores W transposed and is excluded explicitly, with a warning);
+* it is not exactly ``nn.Linear`` or transformers' ``Conv1D`` (a subclass has its own forward or
+  semantics);
+* (experts) their layout is not the one the fused forward reproduces, or ``capturable=True`` (the
+  per-expert token counts are read on the host every step), with a warning;
 * its weight is not fp32 / bf16, or not contiguous (what the kernel takes);
 * the fuse-time probe finds that the model reads its ``.weight`` outside its ``forward`` (e.g. a
   library kernel or a sibling module uses the tensor directly), or calls its ``forward`` more than
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 import warnings
 from collections import Counter
@@ -41,10 +46,13 @@ import torch
 import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import nn
 
+from .backends import resolve_backend
+from .conv1d import conv1d_class, install_forge_conv1d, is_conv1d, is_forge_conv1d, remove_forge_conv1d
 from .dtensors import is_dtensor
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
+from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
+                      is_forge_experts, looks_like_experts, remove_forge_experts)
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
-from .backend import resolve_backend
 from .optimizer import FusedWeight, ForgeOptimizer
 from .rules import get_rule
 from .state import STATE_DTYPES
@@ -109,6 +117,14 @@ def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callabl
         for parameter in parameters:
             what = getattr(parameter, FUSED_MARK, None)
             if what is not None:
+                if function_name == "clip_grad_norm_" and _clips_nothing(args, kwargs):
+                    # max_norm=inf measures a norm and clips nothing: HF's Trainer does it every step for
+                    # its grad_norm log, max_grad_norm=0 or not. Allowed; the norm leaves out every
+                    # fused weight, which the warning says (once per place it is called from).
+                    warnings.warn(f"torch.nn.utils.clip_grad_norm_ with max_norm=inf (a norm, no clipping) was "
+                                  f"given {what}: the norm it returns covers only the gradients that exist",
+                                  stacklevel=2)
+                    break
                 raise ValueError(
                     f"torch.nn.utils.{function_name} was given {what}: it would be left out silently, and "
                     f"{CLIPPING_FUNCTIONS[function_name]}; train without clipping (HF Trainer: max_grad_norm=0), "
@@ -117,6 +133,15 @@ def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callabl
 
     guarded.forge_clipping_guard_of = original      # type: ignore[attr-defined]
     return guarded
+
+
+def _clips_nothing(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``clip_grad_norm_`` call's ``max_norm`` is infinite (it then only measures the norm)."""
+    max_norm = args[0] if args else kwargs.get("max_norm")
+    try:
+        return max_norm is not None and math.isinf(float(max_norm))
+    except (TypeError, ValueError):
+        return False
 
 
 def install_clipping_guard() -> None:
@@ -133,15 +158,6 @@ def install_clipping_guard() -> None:
             if id(current) not in wrapped:
                 wrapped[id(current)] = _clipping_guard(current, function_name)
             setattr(namespace, function_name, wrapped[id(current)])
-
-
-def _conv1d_class() -> Optional[type]:
-    """transformers' GPT-2 style Conv1D class when transformers is importable (no hard dependency)."""
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # transformers absent or broken: nothing to exclude
-        return None
-    return Conv1D
 
 
 def _parameter_use_counts(model: nn.Module) -> Counter:
@@ -162,23 +178,20 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
     Returns (candidates, quiet exclusions, warned exclusions); both exclusion maps are
     ``qualified module name -> reason``."""
     use_counts = _parameter_use_counts(model)
-    conv1d = _conv1d_class()
+    conv1d = conv1d_class()
     candidates: dict[str, nn.Linear] = {}
     quiet: dict[str, str] = {}
     loud: dict[str, str] = {}
     seen_modules: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         label = name or "<root>"
-        if conv1d is not None and isinstance(module, conv1d):
-            loud[label] = ("transformers Conv1D (GPT-2 style, weight stored as (Din, Dout)) is not fused; "
-                           "its weight is stepped by the fallback optimizer")
-            continue
         if isinstance(module, ForgeEmbedding):
             raise ValueError(f"module {label!r} is already a row-gradient embedding of an earlier fuse(): call "
                              "forge_core.unfuse(model) before fusing again")
-        if not isinstance(module, nn.Linear):
+        is_conv1d_like = conv1d is not None and isinstance(module, conv1d)
+        if not isinstance(module, nn.Linear) and not is_conv1d_like:
             continue
-        if isinstance(module, ForgeLinear):
+        if isinstance(module, ForgeLinear) or is_forge_conv1d(module):
             raise ValueError(f"module {label!r} is already fused: call forge_core.unfuse(model) before fusing again")
         if id(module) in seen_modules:
             # The same module object registered under two names: shared. Drop the earlier entry too.
@@ -190,8 +203,9 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
             continue
         seen_modules.add(id(module))
         weight = module.weight
-        if type(module) is not nn.Linear:
-            loud[label] = f"{type(module).__name__} is a subclass of nn.Linear with its own behaviour; not fused"
+        if type(module) is not nn.Linear and not is_conv1d(module):
+            base = "transformers Conv1D" if is_conv1d_like else "nn.Linear"
+            loud[label] = f"{type(module).__name__} is a subclass of {base} with its own behaviour; not fused"
         elif not weight.requires_grad:
             quiet[label] = "weight is frozen (requires_grad=False)"
         elif use_counts[id(weight)] > 1:
@@ -205,6 +219,62 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
         else:
             candidates[label] = module
     return candidates, quiet, loud
+
+
+def _select_experts(model: nn.Module, capturable: bool) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
+    """3-D expert Parameters to fuse (``qualified parameter name -> (experts module, attribute)``)
+    and the experts modules left to the fallback with why (``forge_core.experts``)."""
+    use_counts = _parameter_use_counts(model)
+    candidates: dict[str, tuple[nn.Module, str]] = {}
+    loud: dict[str, str] = {}
+    for name, module in model.named_modules():
+        label = name or "<root>"
+        if is_forge_experts(module):
+            raise ValueError(f"module {label!r} is already fused: call forge_core.unfuse(model) before fusing again")
+        if not looks_like_experts(module):
+            continue
+        weights = [getattr(module, attribute) for attribute in EXPERT_PARAMETERS]
+        if not all(weight.requires_grad for weight in weights):
+            continue                                  # frozen experts: in no optimizer (or the fallback's)
+        problem = experts_layout_problem(module)
+        if problem is None and any(use_counts[id(weight)] > 1 for weight in weights):
+            problem = "expert weights are shared with another module"
+        if problem is None and capturable:
+            problem = ("capturable=True: the fused experts read each expert's token count on the host every "
+                       "step, which a replayed CUDA graph cannot")
+        if problem is None and any(weight.device.type == "meta" for weight in weights):
+            raise ValueError(f"module {label!r} has its experts on the meta device: materialize the model before fuse()")
+        if problem is not None:
+            loud[label] = problem
+            continue
+        for attribute in EXPERT_PARAMETERS:
+            candidates[f"{label}.{attribute}"] = (module, attribute)
+    return candidates, loud
+
+
+def _install_all(bindings: Mapping[str, FusedWeight]) -> None:
+    """Put the fused module in place for every binding (an experts module once, for both its weights)."""
+    experts: dict[int, dict[str, ExpertsWeight]] = {}
+    for binding in bindings.values():
+        module = binding.module
+        if isinstance(binding, ExpertsWeight):
+            experts.setdefault(id(module), {})[binding.parameter_name] = binding
+        elif is_conv1d(module):
+            install_forge_conv1d(module, binding)
+        else:
+            install_forge_linear(module, binding)
+    for updaters in experts.values():
+        install_forge_experts(next(iter(updaters.values())).module, updaters)
+
+
+def _remove(module: nn.Module) -> None:
+    """The plain module again, whichever fused kind it is (a no-op when it is not fused any more)."""
+    if isinstance(module, ForgeLinear):
+        remove_forge_linear(module)
+    elif is_forge_conv1d(module):
+        remove_forge_conv1d(module)
+    elif is_forge_experts(module):
+        remove_forge_experts(module)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,9 +476,12 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
 
     candidates, quiet, loud = _select_candidates(model)
-    bindings = {name: FusedWeight(name, module) for name, module in candidates.items()}
-    for name, binding in bindings.items():
-        install_forge_linear(binding.module, binding)
+    expert_candidates, experts_left_out = _select_experts(model, capturable)
+    loud.update(experts_left_out)
+    bindings: dict[str, FusedWeight] = {name: FusedWeight(name, module) for name, module in candidates.items()}
+    bindings.update({name: ExpertsWeight(name, module, attribute)
+                     for name, (module, attribute) in expert_candidates.items()})
+    _install_all(bindings)
 
     try:
         if probe_inputs is False:
@@ -433,12 +506,17 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
                 f"forge_core.fuse: bypass probe skipped ({skipped_reason}); a Linear whose weight the model "
                 "reads without calling its forward would not be trained. Pass probe_inputs= to check.",
                 stacklevel=2)
+        for name in list(reverted):            # an experts module is reverted whole: both its weights
+            module = bindings[name].module
+            for other, binding in bindings.items():
+                if other not in reverted and binding.module is module:
+                    reverted[other] = f"the other expert weight of its module was reverted ({name})"
         for name, reason in reverted.items():
-            remove_forge_linear(bindings.pop(name).module)
+            _remove(bindings.pop(name).module)
             loud[name] = reason
     except BaseException:
         for binding in bindings.values():
-            remove_forge_linear(binding.module)
+            _remove(binding.module)
         raise
 
     if loud:
@@ -452,7 +530,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     for binding in bindings.values():
         # A .grad left on a fused weight from before fuse() could never be applied: drop it.
         binding.weight.grad = None
-        binding.overlap_updates = bool(overlap)     # read by the ForgeLinear backward
+        binding.overlap_updates = bool(overlap) and not isinstance(binding, ExpertsWeight)  # read by the backward
     fused_ids = {id(binding.weight) for binding in bindings.values()}
     trainable = [p for p in _unique_parameters(model) if p.requires_grad]
     devices = {binding.weight.device for binding in bindings.values()}
@@ -473,7 +551,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         return forge_optimizer
     except BaseException:
         for binding in bindings.values():
-            remove_forge_linear(binding.module)
+            _remove(binding.module)
         raise
 
 
@@ -510,7 +588,8 @@ def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
     """Set ``FUSED_MARK`` on the weights that will never get a ``.grad``: the fused ones and the
     row-gradient embeddings'."""
     for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
-        setattr(weight, FUSED_MARK, f"{name}.weight, a fused weight (forge_core.fuse updates it inside backward; "
+        label = name if name.rpartition(".")[2] in EXPERT_PARAMETERS else f"{name}.weight"   # experts name the Parameter
+        setattr(weight, FUSED_MARK, f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
                                     "its gradient never exists)")
     for dense in optimizer.dense_weights():
         if dense.records_rows:
@@ -520,23 +599,25 @@ def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
 
 
 def unfuse(model: nn.Module) -> nn.Module:
-    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` and every ForgeEmbedding into
+    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` (a ForgeConv1D into
+    transformers' ``Conv1D``, a fused experts module into its own class) and every ForgeEmbedding into
     a plain ``nn.Embedding`` (same module objects,
     same Parameters, weights as trained). The optimizer returned by ``fuse`` cannot be stepped
     afterwards: its ``step()`` raises, naming unfuse. Clipping the weights works again. Returns ``model``."""
     pending = []
     optimizers: dict[int, ForgeOptimizer] = {}
     for name, module in model.named_modules():
-        if isinstance(module, ForgeLinear):
-            binding = getattr(module, "forge_updater", None)
-            if isinstance(binding, FusedWeight) and binding.micro_batches:
-                pending.append(name or "<root>")
-            if isinstance(binding, FusedWeight):
-                if binding.optimizer is not None:
-                    optimizers[id(binding.optimizer)] = binding.optimizer
-                binding.detach_from_module()
-            module.weight.__dict__.pop(FUSED_MARK, None)
-            remove_forge_linear(module)
+        if isinstance(module, ForgeLinear) or is_forge_conv1d(module) or is_forge_experts(module):
+            updaters = getattr(module, "forge_expert_updaters", None) or {"": getattr(module, "forge_updater", None)}
+            for binding in updaters.values():
+                if isinstance(binding, FusedWeight) and binding.micro_batches:
+                    pending.append(name or "<root>")
+                if isinstance(binding, FusedWeight):
+                    if binding.optimizer is not None:
+                        optimizers[id(binding.optimizer)] = binding.optimizer
+                    binding.weight.__dict__.pop(FUSED_MARK, None)
+                    binding.detach_from_module()
+            _remove(module)
         elif isinstance(module, ForgeEmbedding):
             sink = module.forge_row_sink
             if getattr(sink, "recorded_rows", None):

@@ -42,13 +42,12 @@ import torch
 from torch import nn
 
 from . import kernels
-from .backend import BACKENDS, resolve_backend
+from .backends import BACKENDS, check_capturable, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
 from .dtensors import local_shard
-from .kernels.device import interpreting
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
-from .state import ParamState
+from .state import ParamState, restore_entry, saved_entry
 
 GUARD_GROUP_KEY = "forge_state_dict"
 """The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
@@ -67,17 +66,21 @@ UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){de
 
 
 class FusedWeight:
-    """One fused Linear weight: what its ForgeLinear's backward calls with (x, dY).
+    """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
 
     Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
-    to the ``ForgeOptimizer``, which allocates its state."""
+    to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
+    unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
 
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
         self.name = name
-        self.module: Optional[nn.Linear] = module
-        self.weight: nn.Parameter = module.weight
-        self.local_weight: torch.Tensor = local_shard(module.weight)
-        """What the kernel updates: the weight, or its rank's shard when it is a DTensor (tensor parallel)."""
+        self.module: Optional[nn.Module] = module
+        self.weight: nn.Parameter = module.weight if weight is None else weight
+        self.matrix: torch.Tensor = local_shard(self.weight)
+        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself (its local
+        shard when a DTensor: tensor parallel), or a (E * Dout, Din) view of a 3-D expert weight's row blocks."""
+        self.tile_config: Optional[kernels.TileConfig] = None
+        """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
         self.optimizer: Optional["ForgeOptimizer"] = None
         self.group_index = 0
         self.index = 0
@@ -102,6 +105,14 @@ class FusedWeight:
     def detach_from_module(self) -> None:
         self.module = None
 
+    def rows_left_out(self) -> list[tuple[int, int]]:
+        """Row blocks of ``matrix`` the step's backward did not update, which ``opt.step()`` must
+        update with a zero gradient (experts no token reached); none for a Linear weight."""
+        return []
+
+    def end_step(self) -> None:
+        """Called by ``opt.step()`` after the step's updates: forget what this step updated."""
+
     def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         if self.probing:
             self.probe_backward_calls += 1
@@ -110,11 +121,13 @@ class FusedWeight:
             raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
         self.optimizer._fused_backward(self, x, grad_output)
 
-    def begin_row_updates(self, x: torch.Tensor) -> "RowSliceUpdate":
-        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head).
+    def begin_row_updates(self, x: Optional[torch.Tensor]) -> "RowSliceUpdate":
+        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head, or
+        the experts of a 3-D expert weight).
 
         Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
-        returned object once per block with ``(r0, r1, dy_rows, block_index)``."""
+        returned object once per block with ``(r0, r1, dy_rows, block_index)``, and ``x=`` the
+        block's own inputs when ``x`` is None here."""
         if self.probing:
             self.probe_backward_calls += 1
             return RowSliceUpdate(self, x, mode="skip")
@@ -139,18 +152,6 @@ class FusedWeight:
 
     def __repr__(self) -> str:
         return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-def _saved_entry(owner: "FusedWeight | DenseWeight") -> dict[str, Any]:
-    """A kernel-stepped weight's entry in ``state_dict()["state"]``: torch's per-parameter ``step``
-    plus its ``ParamState`` tensors."""
-    return {"step": torch.tensor(float(owner.steps_done)), **owner.state.state_dict()}
-
-
-def _restore_entry(owner: "FusedWeight | DenseWeight", entry: Mapping[str, Any]) -> None:
-    """Load what ``_saved_entry`` saved (ParamState errors pass through)."""
-    owner.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
-    owner.steps_done = int(entry["step"])
 
 
 @dataclasses.dataclass
@@ -178,13 +179,17 @@ class RowSliceUpdate:
     step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
     add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
 
-    def __init__(self, binding: FusedWeight, x: torch.Tensor, mode: str) -> None:
+    def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
         self.binding = binding
         self.x = x
         self.mode = mode
         self._x32: Optional[torch.Tensor] = None
 
-    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
+                 x: Optional[torch.Tensor] = None) -> None:
+        """Update (or accumulate) rows ``[r0, r1)`` from ``dy_rows``; ``x``: this block's own
+        inputs when its tokens differ from the other blocks' (an expert's routed tokens), else the
+        ``x`` the update began with."""
         if self.mode == "skip":
             return
         binding = self.binding
@@ -193,11 +198,15 @@ class RowSliceUpdate:
             raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
         with torch.no_grad():
             if self.mode == "accumulate":
-                if self._x32 is None:
-                    self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
-                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), self._x32)
+                if x is not None:
+                    x32 = x.reshape(-1, x.shape[-1]).float()
+                else:
+                    if self._x32 is None:
+                        self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
+                    x32 = self._x32
+                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), x32)
                 return
-            binding.optimizer._apply_update(binding, self.x, dy_rows, part=part,
+            binding.optimizer._apply_update(binding, self.x if x is None else x, dy_rows, part=part,
                                             seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
@@ -212,24 +221,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
-                      bindings: list[FusedWeight]) -> None:
-    """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if backend != "triton":
-        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
-                         f"this optimizer resolved to backend={backend!r}")
-    if rule.kernel_scalars_on_device is None:
-        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
-    if accumulate_steps != 1:
-        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
-                         "whether to accumulate or update, which a replayed graph cannot)")
-    if stochastic_rounding:
-        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
-    devices = {binding.weight.device for binding in bindings}
-    if len(devices) > 1:
-        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
-
-
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -241,7 +232,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                  model_parameters: list[nn.Parameter], fused_ids: set[int], capturable: bool = False,
                  dense_2d: bool = True, parameter_names: Optional[Mapping[int, str]] = None) -> None:
         if capturable:
-            _check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
+            check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
         self._constructing = True
         super().__init__([{"params": params}], dict(hyperparameters))
         self._constructing = False
@@ -260,10 +251,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.local_weight, rule, state_dtype)
+            binding.state = ParamState(binding.matrix, rule, state_dtype)
             if self.accumulate_steps > 1:
-                binding.grad_accum = torch.zeros(binding.local_weight.shape, dtype=torch.float32,
-                                                 device=binding.local_weight.device)
+                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
+                                                 device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
         self._dense: list[DenseWeight] = []
@@ -281,8 +272,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}],
                                                  capturable=self.capturable, **hyperparameters)
         self._steps_taken = 0
-        self.distributed: Optional[DistributedUpdates] = None
-        """Set by ``forge_core.distributed`` (data parallel): see ``forge_core.reduction``."""
+        self.distributed: Optional[DistributedUpdates] = None   # data parallel: forge_core.reduction
         self._unfused = False
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
         # Capturable mode: per group, the step count and the kernel scalars on the device, and
@@ -416,17 +406,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
         if not self._count_backward(binding):
-            dout, din = binding.local_weight.shape
+            dout, din = binding.matrix.shape
             x2 = x.reshape(-1, din)
             dy2 = grad_output.reshape(-1, dout)
             binding.grad_accum.addmm_(dy2.t().float(), x2.float())
             return
-        if self.distributed is not None:
-            self.distributed.fused_backward(binding, x, grad_output)
-            return
+        if self.distributed is not None:           # data parallel: the gradient is reduced first
+            return self.distributed.fused_backward(binding, x, grad_output)
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> "RowSliceUpdate | RowBlockUpdate":
+    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
         last = self._count_backward(binding)
         if last and self.distributed is not None:
@@ -434,22 +423,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return RowSliceUpdate(binding, x, mode="update" if last else "accumulate")
 
     def apply_gradient(self, owner: "FusedWeight | DenseWeight", grad: torch.Tensor) -> None:
-        """Update ``owner``'s weight (its local shard) at its next step from its complete gradient ``grad``
-        (fp32 or the weight's dtype): the kernel's zero-token path, as ``step()`` steps a ``DenseWeight``."""
-        weight = owner.local_weight if isinstance(owner, FusedWeight) else owner.weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
+        """Update ``owner``'s matrix at its next step from its complete gradient ``grad`` (fp32 or the weight's
+        dtype): the kernel's zero-token path, as ``step()`` steps a ``DenseWeight`` (data parallel)."""
+        weight = owner.matrix if isinstance(owner, FusedWeight) else owner.weight
         with torch.no_grad():
-            self._launch_update(owner, no_x, no_dy, weight, owner.state, grad)
+            self._launch_update(owner, weight.new_zeros((0, weight.shape[1])), weight.new_zeros((0, weight.shape[0])),
+                                weight, owner.state, grad)
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
         if part is None:
-            weight, state, grad_accum = binding.local_weight, binding.state, binding.grad_accum
+            weight, state, grad_accum = binding.matrix, binding.state, binding.grad_accum
         else:
-            weight = binding.local_weight.detach()[part.r0:part.r1]
+            weight = binding.matrix.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
@@ -475,6 +463,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                        seed_offset: int = 0) -> None:
         """One fused-kernel (or reference) update at ``owner``'s next step (``_update_arguments``)."""
         hp, step, arguments = self._update_arguments(owner, seed_offset)
+        tile = getattr(owner, "tile_config", None)
+        if tile is not None and self.backend == "triton":
+            arguments["config"] = tile
         self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
@@ -498,12 +489,22 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        weight = binding.local_weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
+        matrix = binding.matrix
+        no_x = matrix.new_zeros((0, matrix.shape[1]))
+        no_dy = matrix.new_zeros((0, matrix.shape[0]))
         with torch.no_grad():
             self._apply_update(binding, no_x, no_dy)
         binding.micro_batches = self.accumulate_steps
+
+    def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
+        """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
+        earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
+        step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
+        part = binding.row_part(r0, r1)
+        no_x = binding.matrix.new_zeros((0, binding.matrix.shape[1]))
+        no_dy = binding.matrix.new_zeros((0, r1 - r0))
+        with torch.no_grad():
+            self._apply_update(binding, no_x, no_dy, part=part)
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 
@@ -552,6 +553,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
+            elif binding.micro_batches == self.accumulate_steps:
+                for r0, r1 in binding.rows_left_out():
+                    self._update_rows_without_tokens(binding, r0, r1)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
@@ -560,6 +564,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if binding.micro_batches == self.accumulate_steps:
                 binding.steps_done += 1
             binding.micro_batches = 0
+            binding.end_step()
         self._steps_taken += 1
         for group, count in enumerate(self._device_steps):
             count.add_(1.0)
@@ -581,10 +586,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for binding in self._bindings:
-            state[index_of[id(binding.weight)]] = _saved_entry(binding)
+            state[index_of[id(binding.weight)]] = saved_entry(binding)
         for dense in self._dense:
             if dense.steps_done:          # torch keeps no state for a parameter never stepped
-                state[index_of[id(dense.weight)]] = _saved_entry(dense)
+                state[index_of[id(dense.weight)]] = saved_entry(dense)
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
         groups = []
@@ -637,7 +642,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 dense.steps_done = 0
                 continue
             try:
-                _restore_entry(dense, entry)
+                restore_entry(dense, entry)
             except (KeyError, ValueError) as error:
                 raise ValueError(f"state of {dense.name!r} does not fit its {self.state_dtype} kernel state "
                                  f"({error}); a state dict saved with dense_2d=False loads only into "
@@ -646,7 +651,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             index = index_of[id(binding.weight)]
             if index not in saved_state:
                 raise ValueError(f"state dict has no state for fused weight {binding.name!r} (index {index})")
-            _restore_entry(binding, saved_state[index])
+            restore_entry(binding, saved_state[index])
             binding.micro_batches = 0
             if binding.grad_accum is not None:
                 binding.grad_accum.zero_()

@@ -146,14 +146,22 @@ def test_transformers_llama_probe_is_automatic_and_tied_head_excluded() -> None:
     assert "lm_head" in forge_core.fuse(untied, backend="reference").fused_module_names()
 
 
-@pytest.mark.filterwarnings("ignore:forge_core.fuse. no Linear weight was fused")
-def test_gpt2_conv1d_is_excluded_with_a_warning() -> None:
+def test_gpt2_conv1d_is_fused_and_a_conv1d_subclass_is_excluded_with_a_warning() -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
                                                                   n_positions=16, bos_token_id=0, eos_token_id=0))
-    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: transformers Conv1D"):
+    opt = forge_core.fuse(model, backend="reference")
+    assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fused_parameters())
+    assert len(opt.fused_parameters()) == 4
+
+    class OwnConv1D(transformers.pytorch_utils.Conv1D):
+        pass
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
+                                                                  n_positions=16, bos_token_id=0, eos_token_id=0))
+    model.transformer.h[0].attn.c_attn.__class__ = OwnConv1D
+    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: OwnConv1D is a subclass of transformers Conv1D"):
         opt = forge_core.fuse(model, backend="reference")
-    assert opt.fused_parameters() == []
     assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fallback_parameters())
 
 
@@ -276,6 +284,22 @@ def test_clipping_fused_weights_raises_naming_the_weight_and_the_fix() -> None:
     assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
     torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
     assert model.head.weight.grad.abs().max() <= 0.1
+
+
+def test_an_infinite_max_norm_measures_the_existing_gradients_with_a_warning() -> None:
+    """HF's Trainer calls clip_grad_norm_(model.parameters(), inf) every step for its grad_norm log,
+    max_grad_norm=0 too: that clips nothing, so it runs, and says what the norm leaves out."""
+    model, opt = _fused_embedding_model()
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad]))
+    grads = [p.grad.clone() for p in with_grad]
+    with pytest.warns(UserWarning, match=r"max_norm=inf \(a norm, no clipping\) was given .*covers only the "
+                                         r"gradients that exist"):
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    torch.testing.assert_close(total, expected)
+    assert all(torch.equal(p.grad, before) for p, before in zip(with_grad, grads))
+    with pytest.raises(ValueError, match="global-norm clipping needs every gradient"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
 
 
 def test_the_clipping_guard_is_installed_once_and_calls_the_original() -> None:

@@ -7,7 +7,10 @@
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
-  where memory goes, hardware comparison, fidelity, what did not run;
+  where memory goes, hardware comparison, fidelity, coverage across the model zoo, scaling within
+  a model family, what did not run; and from the rows of ``forge-bench fidelity`` and
+  ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E fidelity table and the
+  convergence table (``training.py``);
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
   ``forge-bench report --formats png``),
 
@@ -23,7 +26,10 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from . import figures, ratios, summary, tables
+from forge_bench.results import ResultsError
+from forge_bench.run_rows import file_kind, load_kind
+
+from . import coverage, figures, ratios, summary, tables, training
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -49,12 +55,26 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     formats = figures.check_formats(formats)
     folders = as_folders(results_dir)
     out_dir = Path(out_dir)
-    frame = load_rows(folders, on_foreign)
+    convergence_rows = load_kind(folders, "convergence")
+    fidelity_rows = load_kind(folders, "fidelity")
+
+    def on_other_kind(path: Path, reason: str) -> None:
+        if file_kind(path) is not None:       # a convergence or fidelity file: read by training.py
+            return
+        if on_foreign is None:
+            raise ResultsError(f"{path}: {reason}")
+        on_foreign(path, reason)
+
+    try:
+        frame = load_rows(folders, on_other_kind)
+    except NoResultsError:
+        if convergence_rows is None and fidelity_rows is None:
+            raise
+        frame = None                           # only training-quality rows here
     results_dir = ", ".join(f"`{f}`" for f in folders)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_previous_outputs(out_dir)
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
-    colors = figures.method_colors(ordered_methods(frame))
     written: list[Path] = []
     sections: list[str] = []
 
@@ -87,6 +107,10 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
         else:
             lines += [f"- {t.title}" for t in built] + [""]
         return lines
+
+    if frame is None:
+        return _training_only_report(out_dir, results_dir, convergence_rows, fidelity_rows, formats)
+    colors = figures.method_colors(ordered_methods(frame))
 
     # headline
     headline = tables.headline_tables(frame)
@@ -142,6 +166,21 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     written += fid_figs
     sections += figure_block(fid_figs) if fid_figs else ([f"_No fidelity figure: {fid_note}._", ""])
 
+    # coverage across the zoo, and scaling within a model family
+    sections += table_section("Coverage across the model zoo", "coverage", coverage.coverage_tables(frame),
+                              "What FORGE fuses in each model, and what it costs and saves there (paper App. P).",
+                              True, "no FORGE row")
+    family_figs, family_note = coverage.family_scaling_figures(frame, figure_dir, colors, formats)
+    sections += table_section("Scaling within a model family", "family", coverage.largest_fit_tables(frame),
+                              "The largest model of a family each arm fits on each GPU (paper Fig. 7).", True,
+                              family_note or "no family measured at two sizes")
+    written += family_figs
+    sections += figure_block(family_figs)
+
+    # training quality: App. E fidelity and convergence on real text
+    sections += _training_sections(table_section, figure_block, written, figure_dir, convergence_rows,
+                                   fidelity_rows, formats)
+
     # not run
     not_run = tables.not_run_table(frame)
     sections += table_section("What did not run", "not-run", [not_run] if not_run else [],
@@ -154,6 +193,56 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     first_page = out_dir / SUMMARY
     first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS))
     written.append(first_page)
+    (out_dir / MANIFEST).write_text(json.dumps(sorted(p.relative_to(out_dir).as_posix() for p in written),
+                                               indent=0))
+    return first_page
+
+
+def _training_sections(table_section, figure_block, written: list[Path], figure_dir: Path, convergence_rows,
+                       fidelity_rows, formats: Sequence[str]) -> list[str]:
+    """The fidelity (App. E) and convergence sections, from their own rows (``training.py``)."""
+    lines = table_section("Fidelity against fp32 (App. E)", "fidelity-app-e",
+                          training.fidelity_run_tables(fidelity_rows) if fidelity_rows is not None else [],
+                          "A head trained by each bf16 update path, against the same run in fp32.", True,
+                          "no forge-bench fidelity rows")
+    lines += table_section("Convergence on real text", "convergence",
+                           training.convergence_tables(convergence_rows) if convergence_rows is not None else [],
+                           "End-of-run losses of each arm against fused AdamW, paired by seed.", True,
+                           "no completed forge-bench convergence run")
+    if convergence_rows is not None:
+        paths, note = training.convergence_figures(convergence_rows, figure_dir, formats)
+        written += paths
+        lines += figure_block(paths) if paths else [f"_No convergence figure: {note}._", ""]
+    return lines
+
+
+def _training_only_report(out_dir: Path, results_dir: str, convergence_rows, fidelity_rows,
+                          formats: Sequence[str]) -> Path:
+    """A folder with only convergence / fidelity rows: one page (README.md, index.md the same)."""
+    written: list[Path] = []
+    table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
+
+    def table_section(heading, stem, built, intro, inline, skip_note):
+        lines = [f"## {heading}", ""]
+        if not built:
+            return lines + [f"_Skipped: {skip_note}._", ""]
+        paths = tables.write_tables(built, table_dir, stem, heading, intro)
+        written.extend(paths)
+        return lines + [" · ".join(f"[{p.suffix[1:]}]({p.relative_to(out_dir).as_posix()})" for p in paths), ""] + \
+            [t.to_markdown(level=3) for t in built]
+
+    def figure_block(paths):
+        return [f"![{p.stem}]({p.relative_to(out_dir).as_posix()})" for p in paths if p.suffix == ".png"] + [""]
+
+    body = _training_sections(table_section, figure_block, written, figure_dir, convergence_rows, fidelity_rows,
+                              formats)
+    text = "\n".join(["# FORGE training-quality report", "",
+                       f"Generated by `forge-bench report` from the convergence and fidelity rows under {results_dir}.",
+                       ""] + body).rstrip() + "\n"
+    first_page = out_dir / SUMMARY
+    for path in (first_page, out_dir / DETAILS):
+        path.write_text(text)
+        written.append(path)
     (out_dir / MANIFEST).write_text(json.dumps(sorted(p.relative_to(out_dir).as_posix() for p in written),
                                                indent=0))
     return first_page

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..manager import fuse
-from ..backend import resolve_backend
+from ..backends import resolve_backend
 from ..optimizer import ForgeOptimizer, FusedWeight
 from ..rules import get_rule
 from ..state import STATE_DTYPES

@@ -122,7 +122,7 @@ class MomentumReduction:
                    "grad_scale": coefficient / self.world_size,
                    "decay_scale": coefficient * float(group["weight_decay"]) if on_rank0 else 0.0}
         with torch.no_grad():
-            self._launch(x, grad_output, binding.local_weight, self.share_state(binding), scalars,
+            self._launch(x, grad_output, binding.matrix, self.share_state(binding), scalars,
                          binding.steps_done + 1, grad_accum=binding.grad_accum)
             if binding.grad_accum is not None:
                 binding.grad_accum.zero_()
@@ -132,7 +132,7 @@ class MomentumReduction:
         """``W <- W - lr B`` with the reduced momentum ``B``, as torch's SGD steps a parameter."""
         lr = float(self.optimizer.param_groups[binding.group_index]["lr"])
         with torch.no_grad():
-            binding.local_weight.add_(binding.state.values["momentum_buffer"], alpha=-lr)
+            binding.matrix.add_(binding.state.values["momentum_buffer"], alpha=-lr)
 
 
 __all__ = ["PARTIAL_MOMENTUM", "MomentumReduction", "state_reduction_problem"]

@@ -109,7 +109,7 @@ class DataParallelUpdates:
             buffer = self.momentum.write_share(binding, x, grad_output)
             self._all_reduce(buffer, lambda: self.momentum.step_weight(binding))
             return
-        weight = binding.local_weight
+        weight = binding.matrix
         if binding.grad_accum is not None:
             # Accumulation: the fp32 accumulator holds micro-batches 1..k-1; add the last and reduce it
             # in place (it exists anyway: no bucket needed), then update from it.
@@ -132,7 +132,7 @@ class DataParallelUpdates:
         has arrived."""
         self._at_end_of_backward()
         self._record_order(binding)
-        weight = binding.local_weight
+        weight = binding.matrix
         rows = weight.shape[0]
         accumulator = binding.grad_accum
         gradient = accumulator if accumulator is not None else torch.empty_like(weight)
@@ -161,7 +161,7 @@ class DataParallelUpdates:
         """Where ``binding``'s gradient goes, and the key of its open bucket: a slot of the open bucket
         of its dtype (sending the bucket first when the slot does not fit), or a tensor of its own
         (key None) when it is larger than a bucket."""
-        weight = binding.local_weight
+        weight = binding.matrix
         numel = weight.numel()
         capacity = self.bucket_cap_bytes // weight.element_size()
         if numel > capacity:
@@ -274,7 +274,7 @@ class DataParallelUpdates:
             if 0 < binding.micro_batches < steps:
                 accumulator = binding.grad_accum
                 if self.momentum is not None:
-                    weight = binding.local_weight
+                    weight = binding.matrix
                     no_x = weight.new_zeros((0, weight.shape[1]))
                     no_dy = weight.new_zeros((0, weight.shape[0]))
                     buffer = self.momentum.write_share(binding, no_x, no_dy)
