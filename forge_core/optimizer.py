@@ -311,6 +311,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         they never get a ``.grad``."""
         return [dense.name for dense in self._dense if dense.records_rows]
 
+    def fused_weights(self) -> list[FusedWeight]:
+        """The ``FusedWeight`` binding of each of ``fused_parameters``, in the optimizer's order."""
+        return list(self._bindings)
+
     def fused_module_names(self) -> list[str]:
         return [binding.name for binding in self._bindings]
 

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..manager import fuse
 from ..backends import resolve_backend
-from ..optimizer import ForgeOptimizer, FusedWeight
+from ..optimizer import ForgeOptimizer
 from ..rules import get_rule
 from ..state import STATE_DTYPES
 from .affine import state_reduction_problem
@@ -59,12 +59,6 @@ def _refuse(entry: str, options: dict[str, Any], refused: dict[str, str]) -> Non
     for key, why in refused.items():
         if options.get(key):
             raise ValueError(f"{entry}: {key}={options[key]!r} is not supported ({why})")
-
-
-def _fused_weights(model: nn.Module, optimizer: ForgeOptimizer) -> list[FusedWeight]:
-    """The optimizer's fused weights, in its order (found through their modules)."""
-    return [model.get_submodule(name if name != "<root>" else "").forge_updater
-            for name in optimizer.fused_module_names()]
 
 
 def fuse_data_parallel(model: nn.Module, optimizer: str = "adamw", *, process_group: Any = None,
@@ -107,7 +101,7 @@ def fuse_data_parallel(model: nn.Module, optimizer: str = "adamw", *, process_gr
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=source, group=process_group)
     forge_optimizer = fuse(model, optimizer, **fuse_options)
-    fused = _fused_weights(model, forge_optimizer)
+    fused = forge_optimizer.fused_weights()
     forge_optimizer.distributed = DataParallelUpdates(
         forge_optimizer, fused, process_group, int(bucket_cap_mb * 1024 * 1024), buckets_in_flight,
         state_reduction=reduce != "gradient" and problem is None)
