@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from .dtensors import is_dtensor
 from .kernels.device import interpreting
 from .kernels.row_gradient import row_gradient, row_gradient_reference
 from .kernels.row_update import row_update
@@ -122,10 +123,11 @@ class DenseWeight:
 
 
 def steppable_by_kernel(parameter: nn.Parameter, rule: Rule, backend: str) -> bool:
-    """Whether a fallback parameter can be a ``DenseWeight``: 2-D, fp32 / bf16, contiguous, on a
+    """Whether a fallback parameter can be a ``DenseWeight``: 2-D, fp32 / bf16, contiguous, not a DTensor
+    (the torch optimizer steps those shard-wise), on a
     device the backend runs on, and a rule with a Triton epilogue (the reference backend runs the
     same rule's torch reference)."""
-    if parameter.dim() != 2 or parameter.numel() == 0 or not parameter.is_contiguous():
+    if parameter.dim() != 2 or parameter.numel() == 0 or not parameter.is_contiguous() or is_dtensor(parameter):
         return False
     if parameter.dtype not in (torch.float32, torch.bfloat16) or rule.epilogue is None:
         return False

@@ -14,6 +14,10 @@ Why a custom autograd Function:
 * The weight keeps ``requires_grad=True``, so the output requires grad and this backward runs even
   when ``x`` does not (the first layer of a model).
 
+A weight that is a DTensor (tensor parallelism: ``ColwiseParallel`` shards W by rows, ``RowwiseParallel``
+by columns) runs ``ShardedLinearFunction``: the same steps on the rank's local shard, whose weight
+gradient ``dY_local^T X_local`` is complete on that rank, so each rank updates its shard alone.
+
 ``transposed=True`` serves a weight stored ``(Din, Dout)`` (transformers' GPT-2 ``Conv1D``,
 ``y = x W + b``; ``forge_core.conv1d``): its gradient ``X^T dY`` is the kernel's ``dY^T X`` with x
 and dY swapped, so the updater is called with ``(dY, x)`` and the same kernel updates the
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .overlap import run_beside, wants_overlap
 
 
@@ -118,6 +123,92 @@ def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) 
         updater(x, grad_output)
 
 
+class ShardedLinearFunction(torch.autograd.Function):
+    """``FusedLinearFunction`` for a DTensor weight on a 1-D device mesh, on local shards.
+
+    Colwise (W ``Shard(0)``, x ``Replicate``): ``y`` is ``Shard(-1)``, ``dX`` a ``Partial`` sum (the
+    input's DTensor backward all-reduces it). Rowwise (W ``Shard(1)``, x ``Shard(-1)``): ``y`` is
+    ``Partial`` (the bias is added on the mesh's first rank, so the sum holds it once), ``dX`` is
+    ``Shard(-1)``. In both the rank's ``G = dY_local^T X_local`` is its shard's whole gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                updater: WeightUpdater) -> torch.Tensor:
+        placements = dtensor_module()
+        mesh = weight.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(f"a fused tensor-parallel Linear needs a 1-D device mesh, got {mesh.ndim} dimensions")
+        x_local = x.to_local() if is_dtensor(x) else x
+        x_placement = x.placements[0] if is_dtensor(x) else placements.Replicate()
+        weight_local = weight.to_local()
+        bias_local = bias.to_local() if is_dtensor(bias) else bias
+        compute_dtype = autocast_dtype(x_local.device.type)
+        if compute_dtype is not None and x_local.is_floating_point():
+            x_local = x_local.to(compute_dtype)
+            weight_for_forward = weight_local.to(compute_dtype)
+            bias_local = bias_local.to(compute_dtype) if bias_local is not None else None
+        else:
+            weight_for_forward = weight_local
+        weight_placement = weight.placements[0]
+        last = x.dim() - 1
+        x_sharded_last = x_placement.is_shard() and x_placement.dim % x.dim() == last
+        with torch.autocast(x_local.device.type, enabled=False):
+            if weight_placement.is_shard(0) and x_placement.is_replicate():
+                output = F.linear(x_local, weight_for_forward, bias_local)
+                output_placement = placements.Shard(last)
+            elif weight_placement.is_shard(1) and x_sharded_last:
+                output = F.linear(x_local, weight_for_forward)
+                if bias_local is not None and mesh.get_local_rank() == 0:
+                    output = output + bias_local
+                output_placement = placements.Partial()
+            else:
+                raise ValueError(f"a fused tensor-parallel Linear takes W Shard(0) with x Replicate (colwise) or "
+                                 f"W Shard(1) with x Shard(-1) (rowwise), got W {weight_placement} and x {x_placement}")
+        ctx.save_for_backward(x_local, weight_local)
+        ctx.updater, ctx.mesh, ctx.input_was_dtensor = updater, mesh, is_dtensor(x)
+        ctx.colwise = weight_placement.is_shard(0)
+        ctx.output_placement, ctx.input_placement = output_placement, x_placement
+        ctx.input_shape = tuple(x.shape)
+        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.input_dtype = x_local.dtype
+        shape = (*x.shape[:-1], weight.shape[0])
+        return placements.DTensor.from_local(output, mesh, (output_placement,), run_check=False, shape=shape,
+                                              stride=contiguous_strides(shape))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
+        placements = dtensor_module()
+        x, weight = ctx.saved_tensors
+        needs_x_grad, _, needs_bias_grad, _ = ctx.needs_input_grad
+        wanted = placements.Replicate() if ctx.output_placement.is_partial() else ctx.output_placement
+        if is_dtensor(grad_output):
+            if grad_output.placements[0] != wanted:
+                grad_output = grad_output.redistribute(ctx.mesh, (wanted,))
+            grad_output = grad_output.to_local()
+        dtype = grad_output.dtype
+        grad_x = None
+        if needs_x_grad:
+            grad_x_local = torch.matmul(grad_output, weight if weight.dtype == dtype else weight.to(dtype))
+            if dtype != ctx.input_dtype:
+                grad_x_local = grad_x_local.to(ctx.input_dtype)
+            partial_sum = placements.Partial() if ctx.colwise else ctx.input_placement
+            grad_x = placements.DTensor.from_local(grad_x_local, ctx.mesh, (partial_sum,), run_check=False,
+                                                   shape=ctx.input_shape, stride=contiguous_strides(ctx.input_shape))
+            if not ctx.input_was_dtensor:
+                grad_x = grad_x.redistribute(ctx.mesh, (placements.Replicate(),)).to_local()
+        grad_bias = None
+        if ctx.bias_shape is not None and needs_bias_grad:
+            summed = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+            bias_placement = placements.Shard(0) if ctx.colwise else placements.Replicate()
+            grad_bias = placements.DTensor.from_local(summed, ctx.mesh, (bias_placement,), run_check=False,
+                                                      shape=ctx.bias_shape, stride=(1,))
+        x_for_update = x if x.dtype == dtype else x.to(dtype)
+        with torch.no_grad():
+            _update(ctx.updater, x_for_update, grad_output)
+        return grad_x, None, grad_bias, None
+
+
 class ForgeLinear(nn.Linear):
     """An ``nn.Linear`` whose weight is updated inside its own backward.
 
@@ -137,6 +228,8 @@ class ForgeLinear(nn.Linear):
         weight = self.weight             # one nn.Module.__getattr__ (a Parameter is not in __dict__)
         if updater is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return F.linear(input, weight, self.bias)
+        if is_dtensor(weight):
+            return ShardedLinearFunction.apply(input, weight, self.bias, updater)
         return FusedLinearFunction.apply(input, weight, self.bias, updater)
 
     def extra_repr(self) -> str:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -46,13 +47,15 @@ import torch
 import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import nn
 
+from .backends import resolve_backend
 from .conv1d import conv1d_class, install_forge_conv1d, is_conv1d, is_forge_conv1d, remove_forge_conv1d
+from .dtensors import is_dtensor
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
 from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
                       is_forge_experts, looks_like_experts, remove_forge_experts)
 from .layer_step import takes_layer_path
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
-from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
+from .optimizer import FusedWeight, ForgeOptimizer
 from .rules import Rule, get_rule
 from .state import STATE_DTYPES
 
@@ -64,6 +67,34 @@ _CLIPPING_ERROR = (
     "gradient never exists. Train without clipping, or leave the model unfused (a standard torch "
     "optimizer + torch.nn.utils.clip_grad_norm_)."
 )
+
+
+def distributed_wrapper_problem(model: nn.Module, device_mesh: Any = None) -> Optional[str]:
+    """Why ``fuse`` cannot take ``model`` as it is wrapped or sharded (one line), or None.
+
+    Why refuse: under DDP every rank would apply its local (partial) gradient to its replica inside
+    backward, before any all-reduce, and the replicas drift apart; FSDP shards the weights the
+    update reads. ``forge_core.distributed`` has the entry for each. Wrapper classes are looked up
+    in ``sys.modules``: a model can only be wrapped by a module that was imported."""
+    ddp_module = sys.modules.get("torch.nn.parallel.distributed")
+    fsdp_module = sys.modules.get("torch.distributed.fsdp")
+    for name, module in model.named_modules():
+        label = name or "the model"
+        if ddp_module is not None and isinstance(module, ddp_module.DistributedDataParallel):
+            return (f"{label} is wrapped in DistributedDataParallel: fused weights would be updated from each "
+                    "rank's local gradient; call forge_core.distributed.fuse_data_parallel(model, ...) on the "
+                    "unwrapped model instead")
+        fsdp_classes = tuple(getattr(fsdp_module, attribute) for attribute in ("FSDPModule", "FullyShardedDataParallel")
+                             if fsdp_module is not None and hasattr(fsdp_module, attribute))
+        if fsdp_classes and isinstance(module, fsdp_classes):
+            return (f"{label} is sharded by FSDP: use forge_core.distributed.fuse_fsdp(model, ...) after "
+                    "fully_shard (FSDP2)")
+    for name, parameter in model.named_parameters():
+        if is_dtensor(parameter) and (device_mesh is None or parameter.device_mesh != device_mesh):
+            where = "without a device_mesh" if device_mesh is None else "on another device mesh than device_mesh"
+            return (f"parameter {name!r} is a DTensor {where}: use forge_core.distributed.fuse_tensor_parallel"
+                    "(model, device_mesh, ...) for a tensor-parallel model")
+    return None
 
 
 FUSED_MARK = "forge_gradient_never_exists"
@@ -377,7 +408,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
          state_dtype: str = "fp32", stochastic_rounding: bool = False, accumulate_steps: int = 1,
          max_grad_norm: Optional[float] = None, backend: str = "auto",
          probe_inputs: Any = None, capturable: bool = False, overlap: bool = True, dense_2d: bool = True,
-         embedding_rows: bool = True, **other_hyperparameters: Any) -> ForgeOptimizer:
+         embedding_rows: bool = True, device_mesh: Any = None, **other_hyperparameters: Any) -> ForgeOptimizer:
     """Fuse the optimizer ``optimizer`` into the backward of ``model``'s eligible Linear layers.
 
     Swaps eligible ``nn.Linear`` modules in place (see the module docstring for what is excluded
@@ -410,7 +441,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     weights (HF Trainer's default max_grad_norm=1.0): it would clip the fallback gradients alone, so
     after ``fuse`` it raises naming the weight (``install_clipping_guard``). Turn clipping off (HF
     Trainer: ``max_grad_norm=0``), or clip only parameters that get a ``.grad``.
-    Data parallelism (DDP/FSDP) is not supported: fused gradients are never all-reduced.
+    A model wrapped in DDP or sharded by FSDP, or with DTensor parameters, is refused (one line naming
+    the ``forge_core.distributed`` entry to use: those fuse across ranks). ``device_mesh``: the 1-D
+    mesh of a tensor-parallel model's DTensor weights (``forge_core.distributed.fuse_tensor_parallel``
+    passes it); each rank then updates its local shards.
     ``backend``: "auto" (Triton on CUDA; on CPU Triton when TRITON_INTERPRET=1, else the torch
     reference), "triton" or "reference". ``probe_inputs``: inputs for the bypass probe when the
     model is not a transformers model (False: skip the probe).
@@ -435,6 +469,9 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         raise ValueError(_CLIPPING_ERROR)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse() needs an nn.Module, got {type(model).__name__}")
+    problem = distributed_wrapper_problem(model, device_mesh)
+    if problem is not None:
+        raise ValueError(f"fuse(): {problem}")
     rule = get_rule(optimizer)
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
@@ -633,4 +670,5 @@ def unfuse(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["fuse", "unfuse", "install_clipping_guard", "FUSED_MARK", "CLIPPING_FUNCTIONS"]
+__all__ = ["fuse", "unfuse", "install_clipping_guard", "FUSED_MARK", "CLIPPING_FUNCTIONS",
+           "distributed_wrapper_problem"]

@@ -7,13 +7,11 @@ that edits ``group["lr"]`` work unchanged) and splits them in two:
   ``accumulate_steps > 1``, an fp32 gradient accumulator). The binding is what a ForgeLinear's
   backward calls; it reads the group's hyper-parameters at that moment, so an ``lr`` change
   reaches the next fused update.
-* *fallback* parameters (biases, norms, embeddings, tied / excluded weights), stepped in
-  ``step()`` from their ``.grad``. The 2-D ones (embeddings, tied or excluded weights: a
-  ``DenseWeight`` each) by the same kernel as fused weights, with zero tokens and the gradient as
-  its accumulator input, so they keep the same state format (``state_dtype``) and the moments are
-  streamed once; the rest (1-D norms and biases) by the rule's standard torch optimizer, whose
-  param_groups are synced from ours first. ``fuse(..., dense_2d=False)`` leaves every fallback
-  parameter to the torch optimizer.
+* *fallback* parameters (biases, norms, embeddings, tied / excluded weights), stepped in ``step()``
+  from their ``.grad``: the 2-D ones (a ``DenseWeight`` each) by the same kernel with zero tokens and
+  the gradient as its accumulator input (same ``state_dtype``, moments streamed once), the rest by
+  the rule's torch optimizer, whose param_groups are synced from ours first (``dense_2d=False``:
+  every fallback parameter by the torch optimizer).
 
 Step count: each fused weight counts the optimizer steps in which it was updated (as torch counts
 per parameter); the update during the backward of step t uses t, and ``step()`` advances it.
@@ -40,9 +38,11 @@ from torch import nn
 from . import kernels
 from .backends import BACKENDS, check_capturable, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
+from .dtensors import local_shard
 from .layer_step import LayerPath, takes_layer_path
+from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
-from .state import ParamState
+from .state import ParamState, restore_entry, saved_entry
 
 GUARD_GROUP_KEY = "forge_state_dict"
 """The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
@@ -60,6 +60,11 @@ UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){de
 """``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
 
 
+def no_tokens(matrix: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(x, dY)`` for a zero-token fused step of ``rows`` rows of ``matrix`` (the accumulator alone)."""
+    return matrix.new_zeros((0, matrix.shape[1])), matrix.new_zeros((0, rows))
+
+
 class FusedWeight:
     """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
 
@@ -71,9 +76,9 @@ class FusedWeight:
         self.name = name
         self.module: Optional[nn.Module] = module
         self.weight: nn.Parameter = module.weight if weight is None else weight
-        self.matrix: torch.Tensor = self.weight
-        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself, or
-        a (E * Dout, Din) view of a 3-D expert weight whose experts are row blocks."""
+        self.matrix: torch.Tensor = local_shard(self.weight)
+        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself (its local
+        shard when a DTensor: tensor parallel), or a (E * Dout, Din) view of a 3-D expert weight's row blocks."""
         self.tile_config: Optional[kernels.TileConfig] = None
         """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
         self.optimizer: Optional["ForgeOptimizer"] = None
@@ -131,11 +136,8 @@ class FusedWeight:
         return self.optimizer._begin_row_updates(self, x)
 
     def row_part(self, r0: int, r1: int) -> "_RowPart":
-        """Views of rows ``[r0, r1)`` of the state (and accumulator), built once per block and kept.
-
-        Why kept: the fused kernel caches its launch plan per ParamState object, so a view made
-        afresh every step would re-plan every step; load_state_dict copies in place, so the views
-        stay valid."""
+        """Views of rows ``[r0, r1)`` of the state (and accumulator), built once per block and kept: the
+        kernel caches its launch plan per ParamState (load_state_dict copies in place, views stay valid)."""
         part = self._row_parts.get((r0, r1))
         if part is None or part.parent_state is not self.state or part.parent_accum is not self.grad_accum:
             if self.state is None:
@@ -147,18 +149,6 @@ class FusedWeight:
 
     def __repr__(self) -> str:
         return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-def _saved_entry(owner: "FusedWeight | DenseWeight") -> dict[str, Any]:
-    """A kernel-stepped weight's entry in ``state_dict()["state"]``: torch's per-parameter ``step``
-    plus its ``ParamState`` tensors."""
-    return {"step": torch.tensor(float(owner.steps_done)), **owner.state.state_dict()}
-
-
-def _restore_entry(owner: "FusedWeight | DenseWeight", entry: Mapping[str, Any]) -> None:
-    """Load what ``_saved_entry`` saved (ParamState errors pass through)."""
-    owner.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
-    owner.steps_done = int(entry["step"])
 
 
 @dataclasses.dataclass
@@ -180,11 +170,10 @@ _BLOCK_SEED_STRIDE = 0x9E3779B1
 class RowSliceUpdate:
     """One backward's update of a fused weight, applied one row block at a time.
 
-    Why: an LM head's ``dY`` (dlogits) is produced vocab chunk by vocab chunk and each chunk is
-    freed before the next exists; the rows it touches can be updated (G_rows = dy_rows^T x, never
-    materialized) as soon as it exists. ``mode``: "update" (the last micro-batch: run the fused
-    step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
-    add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
+    Why: an LM head's dlogits arrive vocab chunk by chunk, each freed before the next exists, so its
+    rows are updated as soon as it exists. ``mode``: "update" (the last micro-batch: the fused step on
+    the rows, with the accumulator's rows), "accumulate" (add dy_rows^T x into the accumulator rows)
+    or "skip" (the fuse-time probe)."""
 
     def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
         self.binding = binding
@@ -267,8 +256,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 continue
             binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters)
             if self.accumulate_steps > 1:
-                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32,
-                                                 device=binding.weight.device)
+                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
         self._dense: list[DenseWeight] = []
@@ -283,13 +271,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
         self.capturable = bool(capturable)
-        self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}],
-                                                 capturable=self.capturable, **hyperparameters)
+        self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}], capturable=self.capturable,
+                                                 **hyperparameters)
         self._steps_taken = 0
+        self.distributed: Optional[DistributedUpdates] = None   # data parallel: forge_core.reduction
         self._unfused = False
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
-        # Capturable mode: per group, the step count and the kernel scalars on the device, and
-        # whether the scalars must be recomputed at the next fused update (host flag).
+        # capturable: per group, the step count and kernel scalars on the device, and whether to recompute them
         self._device_steps: list[torch.Tensor] = []
         self._device_scalars: list[torch.Tensor] = []
         self._scalars_stale: list[bool] = []
@@ -323,6 +311,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """The dense weights whose embedding records its gradient as rows (``forge_core.embedding``):
         they never get a ``.grad``."""
         return [dense.name for dense in self._dense if dense.records_rows]
+
+    def fused_weights(self) -> list[FusedWeight]:
+        """The ``FusedWeight`` binding of each of ``fused_parameters``, in the optimizer's order."""
+        return list(self._bindings)
 
     def fused_module_names(self) -> list[str]:
         return [binding.name for binding in self._bindings]
@@ -426,19 +418,31 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self._layer_path is not None:            # regimes 2 and 3: forge_core.layer_step
             return self._layer_path.backward(binding, x, grad_output, last=self._count_backward(binding))
         if not self._count_backward(binding):
-            dout, din = binding.weight.shape
+            dout, din = binding.matrix.shape
             binding.grad_accum.addmm_(grad_output.reshape(-1, dout).t().float(), x.reshape(-1, din).float())
             return
+        if self.distributed is not None:           # data parallel: the gradient is reduced first
+            return self.distributed.fused_backward(binding, x, grad_output)
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> RowSliceUpdate:
+    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
         if self._layer_path is not None:
             raise self._layer_path.row_update_error(binding.name)
         if self.rule.layer_sums:            # (chunked_lm_head_cross_entropy on a fused head)
             raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
                              "be updated in row blocks; leave it unfused or use the model's own loss")
-        return RowSliceUpdate(binding, x, mode="update" if self._count_backward(binding) else "accumulate")
+        last = self._count_backward(binding)
+        if last and self.distributed is not None:
+            return self.distributed.row_updates(binding, x)
+        return RowSliceUpdate(binding, x, mode="update" if last else "accumulate")
+
+    def apply_gradient(self, owner: "FusedWeight | DenseWeight", grad: torch.Tensor) -> None:
+        """Update ``owner``'s matrix at its next step from its complete gradient ``grad`` (fp32 or the weight's
+        dtype): the kernel's zero-token path, as ``step()`` steps a ``DenseWeight`` (data parallel)."""
+        weight = owner.matrix if isinstance(owner, FusedWeight) else owner.weight
+        with torch.no_grad():
+            self._launch_update(owner, *no_tokens(weight, weight.shape[0]), weight, owner.state, grad)
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
@@ -501,22 +505,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        matrix = binding.matrix
-        no_x = matrix.new_zeros((0, matrix.shape[1]))
-        no_dy = matrix.new_zeros((0, matrix.shape[0]))
         with torch.no_grad():
-            self._apply_update(binding, no_x, no_dy)
+            self._apply_update(binding, *no_tokens(binding.matrix, binding.matrix.shape[0]))
         binding.micro_batches = self.accumulate_steps
 
     def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
         """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
         earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
         step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
-        part = binding.row_part(r0, r1)
-        no_x = binding.matrix.new_zeros((0, binding.matrix.shape[1]))
-        no_dy = binding.matrix.new_zeros((0, r1 - r0))
         with torch.no_grad():
-            self._apply_update(binding, no_x, no_dy, part=part)
+            self._apply_update(binding, *no_tokens(binding.matrix, r1 - r0), part=binding.row_part(r0, r1))
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 
@@ -558,6 +556,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     f"fused weight {binding.name!r} has a .grad: something used it outside its ForgeLinear "
                     "(forge_core.unfuse was called, or the model reads the weight directly). Its gradient would "
                     "be ignored; re-fuse the model (the fuse-time probe excludes such weights)")
+        if self.distributed is not None:
+            self.distributed.before_step()
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
@@ -594,10 +594,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for binding in self._bindings:
-            state[index_of[id(binding.weight)]] = _saved_entry(binding)
+            state[index_of[id(binding.weight)]] = saved_entry(binding)
         for dense in self._dense:
             if dense.steps_done:          # torch keeps no state for a parameter never stepped
-                state[index_of[id(dense.weight)]] = _saved_entry(dense)
+                state[index_of[id(dense.weight)]] = saved_entry(dense)
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
         groups = []
@@ -650,7 +650,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 dense.steps_done = 0
                 continue
             try:
-                _restore_entry(dense, entry)
+                restore_entry(dense, entry)
             except (KeyError, ValueError) as error:
                 raise ValueError(f"state of {dense.name!r} does not fit its {self.state_dtype} kernel state "
                                  f"({error}); a state dict saved with dense_2d=False loads only into "
@@ -659,7 +659,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             index = index_of[id(binding.weight)]
             if index not in saved_state:
                 raise ValueError(f"state dict has no state for fused weight {binding.name!r} (index {index})")
-            _restore_entry(binding, saved_state[index])
+            restore_entry(binding, saved_state[index])
             binding.micro_batches = 0
             if binding.grad_accum is not None:
                 binding.grad_accum.zero_()
@@ -697,4 +697,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["ForgeOptimizer", "FusedWeight", "DenseWeight", "RowSliceUpdate", "resolve_backend", "BACKENDS",
-           "steppable_by_kernel", "GUARD_GROUP_KEY", "UNFUSED_ERROR"]
+           "steppable_by_kernel", "DistributedUpdates", "RowBlockUpdate", "GUARD_GROUP_KEY", "UNFUSED_ERROR"]

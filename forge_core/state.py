@@ -244,4 +244,17 @@ class ParamState:
         return total
 
 
-__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks"]
+def saved_entry(owner: Any) -> dict[str, Any]:
+    """A kernel-stepped weight's entry in an optimizer's ``state_dict()["state"]``: torch's per-parameter
+    ``step`` plus its ``ParamState`` tensors (``owner``: anything with ``.state`` and ``.steps_done``)."""
+    return {"step": torch.tensor(float(owner.steps_done)), **owner.state.state_dict()}
+
+
+def restore_entry(owner: Any, entry: Mapping[str, Any]) -> None:
+    """Load what ``saved_entry`` saved (ParamState errors pass through)."""
+    owner.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
+    owner.steps_done = int(entry["step"])
+
+
+__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks",
+           "restore_entry", "saved_entry"]

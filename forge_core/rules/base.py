@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..dtensors import is_dtensor
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -239,8 +241,15 @@ def torch_fused_flag(params: Any) -> dict[str, bool]:
     """``{"fused": True}`` when every parameter is a floating CUDA tensor (torch's fused AdamW / SGD
     take one kernel launch per few tensors instead of foreach's per-op launches: on a host-bound
     Llama-8B step the fallback embedding update alone cost ~8 ms of foreach kernels), else ``{}``
-    so torch picks its default (CPU tensors, or a mix)."""
-    return {"fused": True} if all_cuda(params) else {}
+    so torch picks its default (CPU tensors, or a mix); ``{"foreach": False}`` for a mix of DTensors
+    (tensor-parallel shards) and plain tensors, which torch's multi-tensor kernels refuse."""
+    flat = []
+    for item in params:
+        flat.extend(item["params"] if isinstance(item, dict) else [item])
+    sharded = [is_dtensor(p) for p in flat]
+    if any(sharded) and not all(sharded):
+        return {"foreach": False}    # a multi-tensor kernel refuses a list mixing DTensors and tensors
+    return {"fused": True} if all_cuda(flat) else {}
 
 
 def capturable_flag(params: Any, capturable: bool) -> dict[str, bool]:
