@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -33,6 +34,7 @@ from typing import Annotated, Any, Mapping, Optional
 import torch
 import typer
 
+from forge_bench import families
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
 from forge_bench import results, telemetry
@@ -115,13 +117,16 @@ class ParityResult:
     steps: int
 
 
-def _reference_optimizer(kind: str, params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def _reference_optimizer(kind: str, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind in families.FAMILIES:    # the family's unfused optimizer, stepped eagerly
+        return families.unfused_optimizer(kind, model, dataclasses.replace(cfg, capturable=False))
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                  foreach=False)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
-    raise ValueError(f"unknown parity reference {kind!r} (expected 'adamw' or 'sgd')")
+    raise ValueError(f"unknown parity reference {kind!r} (expected 'adamw', 'sgd' or an optimizer family)")
 
 
 def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityResult:
@@ -142,7 +147,8 @@ def run_parity(suite: Suite, cell: Cell, method: methods_mod.Method) -> ParityRe
     # the reference is the plain transformers model in fp32; lean activations go on the arm only
     ref_model = copy.deepcopy(arm_model).float()
     models_mod.apply_activations(arm_model, cell.activations)
-    ref_opt = _reference_optimizer(method.parity_reference, [p for p in ref_model.parameters() if p.requires_grad], cfg)
+    models_mod.apply_activation_checkpointing(arm_model, cell.activation_checkpointing)
+    ref_opt = _reference_optimizer(method.parity_reference, ref_model, cfg)
     ref_losses = []
     for batch in batches:
         loss = ref_model(**batch).loss
@@ -291,6 +297,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     graphed = on_cuda and cell.cuda_graph
     model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed)
     models_mod.apply_activations(model, cell.activations)
+    models_mod.apply_activation_checkpointing(model, cell.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     torch.manual_seed(spec.seed)
     arm = method.build(model, spec.train_config(cuda_graph=cell.cuda_graph))
@@ -398,7 +405,7 @@ def predicted_bytes(cell: Cell, method: methods_mod.Method) -> dict[str, int]:
         "optimizer_states": int(n * states),
         "gradients": int(n * grads),
         "activations": models_mod.activation_bytes_estimate(cell.model, cell.batch, cell.seq, dtype_bytes,
-                                                            cell.activations),
+                                                            cell.activations, cell.activation_checkpointing),
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -470,6 +477,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     extra: dict[str, Any] = {}
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         extra["cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    if cell.activation_checkpointing:
+        extra["activation_checkpointing"] = True
     machine_boot = telemetry.boot_id()
     if machine_boot is not None:
         extra["boot_id"] = machine_boot   # the report's time ratios need one host (ratios.py)

@@ -17,6 +17,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
 from rich.table import Table
 
 from forge_bench.profile.cli import profile_app
+from forge_bench.training_cli import convergence, fidelity
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -24,6 +25,8 @@ app = typer.Typer(
          "every alternative, one process per cell, into atomic parquet rows.",
 )
 app.add_typer(profile_app, name="profile")
+app.command("convergence")(convergence)
+app.command("fidelity")(fidelity)
 tune_cache_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                              help="Check a FORGE_TUNE_CACHE file against this tree's kernel, or re-key its tile "
                                   "choices to it (for old-vs-new A/Bs on the same tiles).")

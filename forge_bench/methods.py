@@ -21,13 +21,13 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from forge_bench import peers
+from forge_bench import families, peers
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.dist_arms import (STRATEGIES, build_ddp_adamw_fused, build_fsdp2_adamw, build_tp_adamw,
                                    forge_dp_builder, forge_fsdp2_builder, forge_tp_builder)
 from forge_bench.peer_probes import availability_check
-from forge_bench.torch_arms import (adamw_builder, build_adamw_fused_cce, build_no_optimizer, build_sgd,
-                                    forge_builder, forge_bytes_per_param, forge_cce_builder, forge_problem)
+from forge_bench.torch_arms import (adamw_builder, build_adamw_fp32_states, build_adamw_fused_cce, build_no_optimizer,
+                                    build_sgd, forge_builder, forge_bytes_per_param, forge_cce_builder, forge_problem)
 
 __all__ = ["METHODS", "Arm", "ArmUnavailable", "Method", "PluginError", "TrainConfig", "get_method",
            "load_plugins", "register"]
@@ -44,9 +44,10 @@ class Method:
     needs_cuda: bool = False
     extra_check: Callable[[], str | None] | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
-    # The parity gate (forge_bench/cell.py). ``parity_reference`` names the torch optimizer the
-    # arm claims to reproduce ("adamw" or "sgd", run in fp32 with the same hyper-parameters);
-    # None means the arm claims no reference algorithm and the gate does not apply to it.
+    # The parity gate (forge_bench/cell.py). ``parity_reference`` names the optimizer the arm
+    # claims to reproduce, run in fp32 with the same hyper-parameters: "adamw" or "sgd" (torch's),
+    # or an optimizer family of ``forge_bench.families`` (its unfused optimizer); None means the
+    # arm claims no reference algorithm and the gate does not apply to it.
     parity_reference: str | None = None
     # Bound on parity_rms_rel for this arm when it must differ from the suite's (lossy states);
     # None: the suite's ``parity.tolerance``.
@@ -171,6 +172,10 @@ ARMS: tuple[Method, ...] = (
            description="torch.optim.AdamW(fused=True), states in the weight dtype",
            build=adamw_builder("fused"), needs_cuda=True, parity_reference="adamw",
            bytes_per_param=_bytes_torch_adamw, graphable=True),
+    Method(name="adamw_fused_fp32_states", family="baseline",
+           description="torch.optim.AdamW (fused on CUDA) with fp32 moments for bf16 weights, on fp32 copies",
+           build=build_adamw_fp32_states, parity_reference="adamw",
+           bytes_per_param=lambda b: (8.0, float(b) + 8.0)),
     Method(name="sgd", family="baseline", description="torch.optim.SGD with momentum (foreach)",
            build=build_sgd, parity_reference="sgd", bytes_per_param=lambda b: (float(b), float(b)), graphable=True),
     # FORGE: the fused wgrad + AdamW update, one arm per state dtype
@@ -322,6 +327,9 @@ ARMS: tuple[Method, ...] = (
            extra_check=availability_check("flashoptim"),
            settings={"master_weight_bits": 24, "gradient_release": True},
            bytes_per_param=peers.bytes_flashoptim_release),
+    # the optimizer families of the paper's App. I (forge_bench/families.py): per family the unfused
+    # optimizer (<family>_unfused), then FORGE with fp32 and bf16 states (forge_<family>_<states>)
+    *(Method(**entry) for entry in families.method_entries(FORGE_NEEDS)),
 )
 
 for _method in ARMS:

@@ -98,6 +98,12 @@ class Grid(_Strict):
     activations: Literal["hf", "lean"] = Field(
         "hf", description="hf: the transformers model as it is; lean: forge_core.lean_activations (the norms "
                           "and SwiGLU keep less for backward) applied to every arm of the grid, baselines included")
+    dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
+        None, description="this grid's weight dtype (default: the suite's): fp32 weights keep every unfused "
+                          "optimizer's states in fp32, as the paper's App. I runs them")
+    activation_checkpointing: bool = Field(
+        False, description="transformers' gradient checkpointing (non-reentrant) on every arm of the grid: each "
+                           "decoder layer keeps its input and recomputes the rest in backward")
 
     @field_validator("models")
     @classmethod
@@ -135,6 +141,13 @@ class Grid(_Strict):
             if unsupported:
                 raise ValueError(f"activations: lean needs Llama-style blocks (RMSNorm + SiLU-gated MLP); "
                                  f"{', '.join(map(repr, unsupported))} has none")
+        return self
+
+    @model_validator(mode="after")
+    def _one_activation_saving(self) -> "Grid":
+        if self.activation_checkpointing and self.activations == "lean":
+            raise ValueError("activation_checkpointing and activations: lean are two ways to keep fewer "
+                             "activations; pick one")
         return self
 
     @model_validator(mode="after")
@@ -235,6 +248,7 @@ class Cell:
     timeout_s: float
     cuda_graph: bool = False
     activations: str = "hf"      # "lean": forge_core.lean_activations applied before the arm is built
+    activation_checkpointing: bool = False   # transformers' gradient checkpointing before the arm is built
     world_size: int = 1          # ranks (a distributed arm's torchrun process tree)
     bucket_cap_mb: float | None = None   # a data-parallel arm's gradient bucket (None: 25 MB, DDP's default)
 
@@ -281,8 +295,8 @@ def distributed_marks(world_size: int, bucket_cap_mb: float | None, distributed:
 
 
 def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str, dtype: str, device: str,
-                 cuda_graph: bool = False, activations: str = "hf", world_size: int = 1,
-                 bucket_cap_mb: float | None = None) -> str:
+                 cuda_graph: bool = False, activations: str = "hf", activation_checkpointing: bool = False,
+                 world_size: int = 1, bucket_cap_mb: float | None = None) -> str:
     """Stable, readable, file-name safe: the shape in clear plus a hash of everything that defines it
     (a graph-timed or lean cell is marked; an eager hf cell's fields carry no mark, so its id stays the
     same whatever grid options exist, and a run of it resumes)."""
@@ -291,12 +305,15 @@ def make_cell_id(suite_hash: str, model: str, batch: int, seq: int, method: str,
         fields.append("cuda_graph")
     if activations != "hf":
         fields.append(f"activations={activations}")
+    if activation_checkpointing:
+        fields.append("activation_checkpointing")
     if world_size != 1:
         fields.append(f"world_size={world_size}")
     if bucket_cap_mb is not None:
         fields.append(f"bucket_cap_mb={bucket_cap_mb:g}")
     digest = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:10]
-    marks = ("_graph" if cuda_graph else "") + (f"_{activations}" if activations != "hf" else "")
+    marks = ("_graph" if cuda_graph else "") + (f"_{activations}" if activations != "hf" else "") \
+        + ("_ckpt" if activation_checkpointing else "")
     registered = methods_mod.METHODS.get(method)
     marks += _safe(distributed_marks(world_size, bucket_cap_mb, registered is not None and registered.strategy is not None,
                                      "_"))
@@ -312,17 +329,21 @@ def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
             for batch in grid.batch:
                 for seq in grid.seq:
                     for method in grid.methods:
+                        dtype = grid.dtype or spec.dtype
                         registered = methods_mod.METHODS.get(method)
                         buckets: list[float | None] = [None]
                         if grid.bucket_cap_mb and registered is not None and registered.strategy == "dp":
                             buckets = list(grid.bucket_cap_mb)
                         for world_size in grid.world_size:
                             for bucket in buckets:
-                                cid = make_cell_id(suite_hash, model, batch, seq, method, spec.dtype, spec.device,
-                                                   grid.cuda_graph, grid.activations, world_size, bucket)
-                                cells.setdefault(cid, Cell(cid, grid.name, model, batch, seq, method, spec.dtype,
-                                                           spec.device, grid.timeout_s or spec.timeout_s,
-                                                           grid.cuda_graph, grid.activations, world_size, bucket))
+                                cid = make_cell_id(suite_hash, model, batch, seq, method, dtype, spec.device,
+                                                   grid.cuda_graph, grid.activations, grid.activation_checkpointing,
+                                                   world_size, bucket)
+                                cells.setdefault(cid, Cell(
+                                    cid, grid.name, model, batch, seq, method, dtype, spec.device,
+                                    grid.timeout_s or spec.timeout_s, grid.cuda_graph, grid.activations,
+                                    activation_checkpointing=grid.activation_checkpointing,
+                                    world_size=world_size, bucket_cap_mb=bucket))
     return tuple(cells.values())
 
 

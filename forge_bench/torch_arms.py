@@ -11,6 +11,7 @@ Triton (its row records no kernel tiles, and its process starts without compilin
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,6 +33,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of the tensors a stock torch optimizer keeps in its state (0 without one)."""
     if optimizer is None:
         return 0
+    if isinstance(optimizer, Fp32MomentsAdamW):
+        optimizer = optimizer.inner
     return parameter_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
@@ -81,6 +84,62 @@ def adamw_builder(impl: str) -> Callable[[nn.Module, TrainConfig], TorchArm]:
                     "weight_decay": cfg.weight_decay, **flags}
         return TorchArm(model, optimizer, settings)
     return build
+
+
+class Fp32MomentsAdamW(torch.optim.Optimizer):
+    """torch's AdamW on bf16 weights with fp32 moments: the step runs on fp32 copies of each weight
+    and gradient and stores the result rounded to the weight's dtype.
+
+    torch's AdamW keeps its moments in the parameter's dtype and refuses fp32 moments beside bf16
+    weights, so this is how "fused AdamW with fp32 states" exists for bf16 weights (the convergence
+    arm ``adamw_fused_fp32_states``): the same arithmetic as FORGE with fp32 moments. The fp32
+    copies are scratch, overwritten from the weights every step (they are not master weights).
+    ``param_groups`` are the bf16 weights', so a scheduler that sets ``lr`` there is followed."""
+
+    def __init__(self, params: list[nn.Parameter], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, fused: bool) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.pairs = [(p, torch.empty_like(p, dtype=torch.float32)) for group in self.param_groups
+                      for p in group["params"]]
+        self.inner = torch.optim.AdamW([s for _, s in self.pairs], lr=lr, betas=betas, eps=eps,
+                                       weight_decay=weight_decay, fused=fused, foreach=not fused)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            self.inner.param_groups[0][key] = self.param_groups[0][key]
+        for weight, scratch in self.pairs:
+            scratch.grad = None if weight.grad is None else weight.grad.float()
+            scratch.copy_(weight)
+        self.inner.step()
+        for weight, scratch in self.pairs:
+            if weight.grad is not None:
+                weight.copy_(scratch)
+            scratch.grad = None
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {"inner": self.inner.state_dict(), "param_groups": [
+            {k: v for k, v in group.items() if k != "params"} for group in self.param_groups]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        self.inner.load_state_dict(state_dict["inner"])
+        for ours, saved in zip(self.param_groups, state_dict["param_groups"]):
+            ours.update(saved)
+
+
+def build_adamw_fp32_states(model: nn.Module, cfg: TrainConfig) -> TorchArm:
+    fused = cfg.device.startswith("cuda")
+    optimizer = Fp32MomentsAdamW(trainable_parameters(model), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, fused=fused)
+    settings = {"optimizer": "torch.optim.AdamW on fp32 copies (fp32 moments, weights stored in their dtype)",
+                "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+                "fused": fused, "state_dtype": "fp32"}
+    return TorchArm(model, optimizer, settings)
 
 
 def build_sgd(model: nn.Module, cfg: TrainConfig) -> TorchArm:
@@ -137,8 +196,20 @@ def forge_builder(state_dtype: str, overlap: bool = True) -> Callable[[nn.Module
         row_embeddings = optimizer.row_gradient_names()
         if row_embeddings:
             settings["row_gradient_embeddings"] = row_embeddings   # no dense .grad (forge_core.embedding)
+        left_out = not_fused_summary(optimizer.excluded_modules)
+        if left_out:
+            settings["not_fused"] = left_out         # the coverage table's "left to the fallback" column
         return ForgeArm(model, optimizer, settings)
     return build
+
+
+def not_fused_summary(excluded: Mapping[str, str]) -> dict[str, str]:
+    """``fuse``'s left-out modules, one entry per module kind: layer indices become ``*`` and the
+    count is appended ("backbone.layers.*.mixer.out_proj (48): the model reads its .weight ...")."""
+    kinds: dict[str, list[str]] = {}
+    for name, reason in excluded.items():
+        kinds.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", name), []).append(reason)
+    return {f"{kind} ({len(reasons)})": reasons[0] for kind, reasons in kinds.items()}
 
 
 # --- the chunked LM-head loss (forge_core.chunked_lm_head_cross_entropy) -----------------------

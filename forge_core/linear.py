@@ -17,6 +17,11 @@ Why a custom autograd Function:
 A weight that is a DTensor (tensor parallelism: ``ColwiseParallel`` shards W by rows, ``RowwiseParallel``
 by columns) runs ``ShardedLinearFunction``: the same steps on the rank's local shard, whose weight
 gradient ``dY_local^T X_local`` is complete on that rank, so each rank updates its shard alone.
+
+``transposed=True`` serves a weight stored ``(Din, Dout)`` (transformers' GPT-2 ``Conv1D``,
+``y = x W + b``; ``forge_core.conv1d``): its gradient ``X^T dY`` is the kernel's ``dY^T X`` with x
+and dY swapped, so the updater is called with ``(dY, x)`` and the same kernel updates the
+``(Din, Dout)`` weight row by row, tile by tile, with no transposed copy of anything.
 """
 from __future__ import annotations
 
@@ -51,11 +56,12 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 class FusedLinearFunction(torch.autograd.Function):
-    """``y = x W^T + b`` whose backward returns dX and db, and updates W in place (no dW)."""
+    """``y = x W^T + b`` (``x W + b`` when ``transposed``) whose backward returns dX and db, and
+    updates W in place (no dW)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                updater: WeightUpdater) -> torch.Tensor:
+                updater: WeightUpdater, transposed: bool = False) -> torch.Tensor:
         compute_dtype = autocast_dtype(x.device.type)
         if compute_dtype is not None and x.is_floating_point():
             # Do what autocast does to F.linear, and save the cast x (half the bytes of fp32).
@@ -63,9 +69,9 @@ class FusedLinearFunction(torch.autograd.Function):
             weight_for_forward = weight.to(compute_dtype)
             bias_for_forward = bias.to(compute_dtype) if bias is not None else None
             with torch.autocast(x.device.type, enabled=False):
-                output = F.linear(x, weight_for_forward, bias_for_forward)
+                output = F.linear(x, weight_for_forward.t() if transposed else weight_for_forward, bias_for_forward)
         else:
-            output = F.linear(x, weight, bias)
+            output = F.linear(x, weight.t() if transposed else weight, bias)
         # Only x is saved for the update; W is the Parameter itself (saving it costs nothing and
         # lets autograd check that nobody modified it between forward and backward).
         ctx.save_for_backward(x, weight)
@@ -73,12 +79,13 @@ class FusedLinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.input_dtype = x.dtype
+        ctx.transposed = transposed
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        needs_x_grad, _, needs_bias_grad, _ = ctx.needs_input_grad
+        needs_x_grad, _, needs_bias_grad = ctx.needs_input_grad[:3]
 
         # The dtype checks below skip a no-op ``.to`` each (a dispatcher call): an eager backward is
         # bound by the host, and this runs once per fused layer.
@@ -86,7 +93,8 @@ class FusedLinearFunction(torch.autograd.Function):
         grad_x = None
         if needs_x_grad:
             # dX from the PRE-update weight: this must happen before the updater touches W.
-            grad_x = torch.matmul(grad_output, weight if weight.dtype == dtype else weight.to(dtype))
+            matrix = weight if weight.dtype == dtype else weight.to(dtype)
+            grad_x = torch.matmul(grad_output, matrix.t() if ctx.transposed else matrix)
             if dtype != ctx.input_dtype:
                 grad_x = grad_x.to(ctx.input_dtype)
 
@@ -95,14 +103,16 @@ class FusedLinearFunction(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
 
         x_for_update = x if x.dtype == dtype else x.to(dtype)
+        # A (Din, Dout) weight's gradient X^T dY is the kernel's dY^T X with the operands swapped.
+        first, second = (grad_output, x_for_update) if ctx.transposed else (x_for_update, grad_output)
         updater = ctx.updater
         if torch.is_grad_enabled():          # backward(create_graph=True): the update is not differentiable
             with torch.no_grad():
-                _update(updater, x_for_update, grad_output)
+                _update(updater, first, second)
         else:                                # autograd runs a plain backward with grad mode off already
-            _update(updater, x_for_update, grad_output)
+            _update(updater, first, second)
         # None for the weight: autograd then never creates (or accumulates into) W.grad.
-        return grad_x, None, grad_bias, None
+        return grad_x, None, grad_bias, None, None
 
 
 def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:

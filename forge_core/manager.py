@@ -1,7 +1,9 @@
 """``fuse`` / ``unfuse``: choose which Linear weights FORGE updates inside backward, and why not.
 
-``fuse`` walks a model, turns every eligible ``nn.Linear`` into a ``ForgeLinear`` in place and
-returns a ``ForgeOptimizer`` (``forge_core.optimizer``) that owns their optimizer state and a
+``fuse`` walks a model, turns every eligible ``nn.Linear`` into a ``ForgeLinear`` in place (a
+transformers GPT-2 ``Conv1D`` into a ``ForgeConv1D``, ``forge_core.conv1d``; a transformers MoE
+experts module with 3-D ``gate_up_proj`` / ``down_proj`` into its fused form, ``forge_core.experts``)
+and returns a ``ForgeOptimizer`` (``forge_core.optimizer``) that owns their optimizer state and a
 standard torch optimizer (the *fallback*) for every other trainable parameter.
 
 A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
@@ -9,8 +11,11 @@ A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
 * its weight is frozen (``requires_grad=False``: then it is in no optimizer at all);
 * its weight appears in more than one place (tied / shared: e.g. ``lm_head`` tied to
   ``embed_tokens``; the fused update would see only one consumer's gradient);
-* it is not exactly ``nn.Linear`` (a subclass has its own forward or semantics; transformers'
-  GPT-2 ``Conv1D`` stores W transposed and is excluded explicitly, with a warning);
+* it is not exactly ``nn.Linear`` or transformers' ``Conv1D`` (a subclass has its own forward or
+  semantics);
+* (experts) their layout is not the one the fused forward reproduces, or ``capturable=True`` (the
+  per-expert token counts are read on the host every step), or the rule reads whole-weight norms
+  (LAMB: the experts are updated expert by expert), with a warning;
 * its weight is not fp32 / bf16, or not contiguous (what the kernel takes);
 * the fuse-time probe finds that the model reads its ``.weight`` outside its ``forward`` (e.g. a
   library kernel or a sibling module uses the tensor directly), or calls its ``forward`` more than
@@ -23,23 +28,35 @@ stream is unchanged. Inputs: ``probe_inputs`` if given (a tensor, a tuple of pos
 arguments or a dict of keyword arguments), else built from a transformers ``model.config``
 (token ids of length 8, or pixel values); if neither is possible the probe is skipped with a
 warning (``probe_inputs=False`` skips it on purpose, silently).
+
+Gradient clipping: ``fuse`` marks every weight whose gradient FORGE never forms (``FUSED_MARK``) and
+installs, once per process, a guard around ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
+(``install_clipping_guard``) that raises when it is given such a weight; ``unfuse`` removes the marks.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 import sys
 import warnings
 from collections import Counter
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
+import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import nn
 
+from .backends import resolve_backend
+from .conv1d import conv1d_class, install_forge_conv1d, is_conv1d, is_forge_conv1d, remove_forge_conv1d
 from .dtensors import is_dtensor
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
+from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
+                      is_forge_experts, looks_like_experts, remove_forge_experts)
+from .layer_step import takes_layer_path
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
-from .optimizer import FusedWeight, ForgeOptimizer, resolve_backend
-from .rules import get_rule
+from .optimizer import FusedWeight, ForgeOptimizer
+from .rules import Rule, get_rule
 from .state import STATE_DTYPES
 
 PROBE_SEQUENCE_LENGTH = 8
@@ -80,13 +97,69 @@ def distributed_wrapper_problem(model: nn.Module, device_mesh: Any = None) -> Op
     return None
 
 
-def _conv1d_class() -> Optional[type]:
-    """transformers' GPT-2 style Conv1D class when transformers is importable (no hard dependency)."""
+FUSED_MARK = "forge_gradient_never_exists"
+"""The attribute ``fuse`` sets on each weight whose gradient FORGE never forms (a fused Linear's, a
+row-gradient embedding's), holding what it is; ``unfuse`` removes it. The clipping guard reads it."""
+
+CLIPPING_FUNCTIONS = {
+    "clip_grad_norm_": "global-norm clipping needs every gradient before any weight moves",
+    "clip_grad_value_": "FORGE cannot clip a gradient it never forms",
+}
+"""The ``torch.nn.utils`` functions the guard wraps, with why a weight without a gradient breaks them
+(both skip a parameter whose ``.grad`` is None, so they would leave the fused weights out silently)."""
+
+
+def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callable[..., Any]:
+    """``original`` behind a check that none of its parameters carries ``FUSED_MARK``: one attribute
+    read per parameter, then the untouched original (it runs every step of a training loop)."""
+
+    @functools.wraps(original)
+    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for parameter in parameters:
+            what = getattr(parameter, FUSED_MARK, None)
+            if what is not None:
+                if function_name == "clip_grad_norm_" and _clips_nothing(args, kwargs):
+                    # max_norm=inf measures a norm and clips nothing: HF's Trainer does it every step for
+                    # its grad_norm log, max_grad_norm=0 or not. Allowed; the norm leaves out every
+                    # fused weight, which the warning says (once per place it is called from).
+                    warnings.warn(f"torch.nn.utils.clip_grad_norm_ with max_norm=inf (a norm, no clipping) was "
+                                  f"given {what}: the norm it returns covers only the gradients that exist",
+                                  stacklevel=2)
+                    break
+                raise ValueError(
+                    f"torch.nn.utils.{function_name} was given {what}: it would be left out silently, and "
+                    f"{CLIPPING_FUNCTIONS[function_name]}; train without clipping (HF Trainer: max_grad_norm=0), "
+                    "clip only parameters that get a .grad, or call forge_core.unfuse(model) first")
+        return original(parameters, *args, **kwargs)
+
+    guarded.forge_clipping_guard_of = original      # type: ignore[attr-defined]
+    return guarded
+
+
+def _clips_nothing(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``clip_grad_norm_`` call's ``max_norm`` is infinite (it then only measures the norm)."""
+    max_norm = args[0] if args else kwargs.get("max_norm")
     try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # transformers absent or broken: nothing to exclude
-        return None
-    return Conv1D
+        return max_norm is not None and math.isinf(float(max_norm))
+    except (TypeError, ValueError):
+        return False
+
+
+def install_clipping_guard() -> None:
+    """Wrap ``CLIPPING_FUNCTIONS`` in ``torch.nn.utils`` and ``torch.nn.utils.clip_grad`` (once: a
+    wrapped function is left as it is). Why at ``fuse``: a user's ``clip_grad_norm_(model.parameters())``
+    after ``fuse`` would clip the fallback gradients alone; code that imported the function by name
+    before ``fuse`` keeps the unguarded one."""
+    for function_name in CLIPPING_FUNCTIONS:
+        wrapped: dict[int, Callable[..., Any]] = {}
+        for namespace in (torch_clip_grad, torch.nn.utils):
+            current = getattr(namespace, function_name, None)
+            if current is None or hasattr(current, "forge_clipping_guard_of"):
+                continue
+            if id(current) not in wrapped:
+                wrapped[id(current)] = _clipping_guard(current, function_name)
+            setattr(namespace, function_name, wrapped[id(current)])
 
 
 def _parameter_use_counts(model: nn.Module) -> Counter:
@@ -107,23 +180,20 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
     Returns (candidates, quiet exclusions, warned exclusions); both exclusion maps are
     ``qualified module name -> reason``."""
     use_counts = _parameter_use_counts(model)
-    conv1d = _conv1d_class()
+    conv1d = conv1d_class()
     candidates: dict[str, nn.Linear] = {}
     quiet: dict[str, str] = {}
     loud: dict[str, str] = {}
     seen_modules: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         label = name or "<root>"
-        if conv1d is not None and isinstance(module, conv1d):
-            loud[label] = ("transformers Conv1D (GPT-2 style, weight stored as (Din, Dout)) is not fused; "
-                           "its weight is stepped by the fallback optimizer")
-            continue
         if isinstance(module, ForgeEmbedding):
             raise ValueError(f"module {label!r} is already a row-gradient embedding of an earlier fuse(): call "
                              "forge_core.unfuse(model) before fusing again")
-        if not isinstance(module, nn.Linear):
+        is_conv1d_like = conv1d is not None and isinstance(module, conv1d)
+        if not isinstance(module, nn.Linear) and not is_conv1d_like:
             continue
-        if isinstance(module, ForgeLinear):
+        if isinstance(module, ForgeLinear) or is_forge_conv1d(module):
             raise ValueError(f"module {label!r} is already fused: call forge_core.unfuse(model) before fusing again")
         if id(module) in seen_modules:
             # The same module object registered under two names: shared. Drop the earlier entry too.
@@ -135,8 +205,9 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
             continue
         seen_modules.add(id(module))
         weight = module.weight
-        if type(module) is not nn.Linear:
-            loud[label] = f"{type(module).__name__} is a subclass of nn.Linear with its own behaviour; not fused"
+        if type(module) is not nn.Linear and not is_conv1d(module):
+            base = "transformers Conv1D" if is_conv1d_like else "nn.Linear"
+            loud[label] = f"{type(module).__name__} is a subclass of {base} with its own behaviour; not fused"
         elif not weight.requires_grad:
             quiet[label] = "weight is frozen (requires_grad=False)"
         elif use_counts[id(weight)] > 1:
@@ -150,6 +221,69 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
         else:
             candidates[label] = module
     return candidates, quiet, loud
+
+
+def _select_experts(model: nn.Module, capturable: bool,
+                    rule: Rule) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
+    """3-D expert Parameters to fuse (``qualified parameter name -> (experts module, attribute)``)
+    and the experts modules left to the fallback with why (``forge_core.experts``)."""
+    use_counts = _parameter_use_counts(model)
+    candidates: dict[str, tuple[nn.Module, str]] = {}
+    loud: dict[str, str] = {}
+    for name, module in model.named_modules():
+        label = name or "<root>"
+        if is_forge_experts(module):
+            raise ValueError(f"module {label!r} is already fused: call forge_core.unfuse(model) before fusing again")
+        if not looks_like_experts(module):
+            continue
+        weights = [getattr(module, attribute) for attribute in EXPERT_PARAMETERS]
+        if not all(weight.requires_grad for weight in weights):
+            continue                                  # frozen experts: in no optimizer (or the fallback's)
+        problem = experts_layout_problem(module)
+        if problem is None and any(use_counts[id(weight)] > 1 for weight in weights):
+            problem = "expert weights are shared with another module"
+        if problem is None and capturable:
+            problem = ("capturable=True: the fused experts read each expert's token count on the host every "
+                       "step, which a replayed CUDA graph cannot")
+        if problem is None and takes_layer_path(rule):     # its step reads whole 2-D matrices
+            problem = (f"rule {rule.name!r} steps whole 2-D weights, not experts block by block; its fallback "
+                       "optimizer steps them")
+        if problem is None and rule.layer_sums:
+            problem = (f"rule {rule.name!r} reads norms of each whole 3-D weight, which the fused experts update "
+                       "expert by expert")
+        if problem is None and any(weight.device.type == "meta" for weight in weights):
+            raise ValueError(f"module {label!r} has its experts on the meta device: materialize the model before fuse()")
+        if problem is not None:
+            loud[label] = problem
+            continue
+        for attribute in EXPERT_PARAMETERS:
+            candidates[f"{label}.{attribute}"] = (module, attribute)
+    return candidates, loud
+
+
+def _install_all(bindings: Mapping[str, FusedWeight]) -> None:
+    """Put the fused module in place for every binding (an experts module once, for both its weights)."""
+    experts: dict[int, dict[str, ExpertsWeight]] = {}
+    for binding in bindings.values():
+        module = binding.module
+        if isinstance(binding, ExpertsWeight):
+            experts.setdefault(id(module), {})[binding.parameter_name] = binding
+        elif is_conv1d(module):
+            install_forge_conv1d(module, binding)
+        else:
+            install_forge_linear(module, binding)
+    for updaters in experts.values():
+        install_forge_experts(next(iter(updaters.values())).module, updaters)
+
+
+def _remove(module: nn.Module) -> None:
+    """The plain module again, whichever fused kind it is (a no-op when it is not fused any more)."""
+    if isinstance(module, ForgeLinear):
+        remove_forge_linear(module)
+    elif is_forge_conv1d(module):
+        remove_forge_conv1d(module)
+    elif is_forge_experts(module):
+        remove_forge_experts(module)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,7 +418,13 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     Hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ``momentum`` and any other of the
     rule's ``defaults``, e.g. SGD's ``dampening`` / ``nesterov``) default to the rule's defaults;
-    one the rule does not have is an error. ``state_dtype``: "fp32", "bf16" or "int8" moments.
+    one the rule does not have is an error; names and defaults are torch.optim's for the class of the
+    same name (``optimizer``: adamw, sgd, lion, rmsprop, adagrad, adamax, nadam, radam, lamb; see
+    ``forge_core.rules``). A rule's states may depend on them (SGD keeps a momentum buffer only with
+    momentum; RMSprop's ``momentum`` and ``centered`` add one each): they are fixed here.
+    ``state_dtype``: "fp32", "bf16", "int8" or "fp8" moments (int8 / fp8 with one fp32 scale per 64
+    elements of a row, forge_core.state). A rule that cannot take a state format, ``accumulate_steps``
+    or ``capturable`` raises a one-line ValueError naming the rule and the option.
     ``stochastic_rounding``: round bf16 weights stochastically when the update stores them.
 
     ``accumulate_steps=k``: the fused update runs on the k-th backward after each ``opt.step()``;
@@ -296,9 +436,11 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
 
     A ``.grad`` already present on a weight that gets fused is dropped (it could never be applied).
 
-    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why). A
-    ``torch.nn.utils.clip_grad_norm_`` call of your own (HF Trainer's default max_grad_norm=1.0)
-    would see, and clip, only the fallback parameters' gradients: turn it off.
+    ``max_grad_norm``: not supported; any value raises ValueError (see the message for why). Neither
+    is a ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` call of your own over the fused
+    weights (HF Trainer's default max_grad_norm=1.0): it would clip the fallback gradients alone, so
+    after ``fuse`` it raises naming the weight (``install_clipping_guard``). Turn clipping off (HF
+    Trainer: ``max_grad_norm=0``), or clip only parameters that get a ``.grad``.
     A model wrapped in DDP or sharded by FSDP, or with DTensor parameters, is refused (one line naming
     the ``forge_core.distributed`` entry to use: those fuse across ranks). ``device_mesh``: the 1-D
     mesh of a tensor-parallel model's DTensor weights (``forge_core.distributed.fuse_tensor_parallel``
@@ -333,8 +475,15 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule = get_rule(optimizer)
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
+    if stochastic_rounding and takes_layer_path(rule):
+        raise ValueError(f"stochastic_rounding is a fused-kernel option; optimizer {rule.name!r} steps weights "
+                         "in plain torch after the layer's GEMM")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an integer >= 1, got {accumulate_steps!r}")
+    problem = rule.option_problem(state_dtype=state_dtype, accumulate_steps=accumulate_steps, capturable=capturable,
+                                  stochastic_rounding=stochastic_rounding)
+    if problem is not None:
+        raise ValueError(problem)
     named = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum}
     given = {key: value for key, value in named.items() if value is not None}
     given.update(other_hyperparameters)
@@ -349,9 +498,14 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
 
     candidates, quiet, loud = _select_candidates(model)
-    bindings = {name: FusedWeight(name, module) for name, module in candidates.items()}
-    for name, binding in bindings.items():
-        install_forge_linear(binding.module, binding)
+    if rule.hidden_weights_only:
+        _keep_output_head_unfused(model, rule.name, candidates, quiet)
+    expert_candidates, experts_left_out = _select_experts(model, capturable, rule)
+    loud.update(experts_left_out)
+    bindings: dict[str, FusedWeight] = {name: FusedWeight(name, module) for name, module in candidates.items()}
+    bindings.update({name: ExpertsWeight(name, module, attribute)
+                     for name, (module, attribute) in expert_candidates.items()})
+    _install_all(bindings)
 
     try:
         if probe_inputs is False:
@@ -376,18 +530,23 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
                 f"forge_core.fuse: bypass probe skipped ({skipped_reason}); a Linear whose weight the model "
                 "reads without calling its forward would not be trained. Pass probe_inputs= to check.",
                 stacklevel=2)
+        for name in list(reverted):            # an experts module is reverted whole: both its weights
+            module = bindings[name].module
+            for other, binding in bindings.items():
+                if other not in reverted and binding.module is module:
+                    reverted[other] = f"the other expert weight of its module was reverted ({name})"
         for name, reason in reverted.items():
-            remove_forge_linear(bindings.pop(name).module)
+            _remove(bindings.pop(name).module)
             loud[name] = reason
     except BaseException:
         for binding in bindings.values():
-            remove_forge_linear(binding.module)
+            _remove(binding.module)
         raise
 
     if loud:
         listing = "; ".join(f"{name}: {reason}" for name, reason in loud.items())
-        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by the fallback "
-                      f"{rule.name} instead: {listing}", stacklevel=2)
+        warnings.warn(f"forge_core.fuse: {len(loud)} module(s) not fused, stepped by {rule.name}'s fallback "
+                      f"optimizer instead: {listing}", stacklevel=2)
     if not bindings:
         warnings.warn("forge_core.fuse: no Linear weight was fused; every parameter is stepped by the "
                       "standard torch optimizer", stacklevel=2)
@@ -395,7 +554,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     for binding in bindings.values():
         # A .grad left on a fused weight from before fuse() could never be applied: drop it.
         binding.weight.grad = None
-        binding.overlap_updates = bool(overlap)     # read by the ForgeLinear backward
+        binding.overlap_updates = bool(overlap) and not isinstance(binding, ExpertsWeight)  # read by the backward
     fused_ids = {id(binding.weight) for binding in bindings.values()}
     trainable = [p for p in _unique_parameters(model) if p.requires_grad]
     devices = {binding.weight.device for binding in bindings.values()}
@@ -408,13 +567,42 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
             excluded={**quiet, **loud}, model_parameters=_unique_parameters(model),
             fused_ids=fused_ids, capturable=capturable, dense_2d=dense_2d,
             parameter_names={id(p): name for name, p in model.named_parameters()})
+        _give_embeddings_their_state(model, forge_optimizer)
         if embedding_rows:
             _install_row_embeddings(model, forge_optimizer)
+        _mark_gradientless_weights(forge_optimizer)
+        install_clipping_guard()
         return forge_optimizer
     except BaseException:
         for binding in bindings.values():
-            remove_forge_linear(binding.module)
+            _remove(binding.module)
         raise
+
+
+def _keep_output_head_unfused(model: nn.Module, rule_name: str, candidates: dict[str, nn.Linear],
+                              quiet: dict[str, str]) -> None:
+    """Move the output head (``model.get_output_embeddings()``) from ``candidates`` to the quiet
+    exclusions: a rule for hidden-layer weights (Muon) leaves it to its fallback optimizer."""
+    head_getter = getattr(model, "get_output_embeddings", None)
+    head = head_getter() if callable(head_getter) else None
+    for name, module in list(candidates.items()):
+        if module is head:
+            del candidates[name]
+            quiet[name] = f"the output head: {rule_name} fuses hidden-layer weights; its fallback steps the head"
+
+
+def _give_embeddings_their_state(model: nn.Module, optimizer: ForgeOptimizer) -> None:
+    """Give each weight the optimizer steps as a ``DenseWeight`` that is an embedding's and no other
+    module's an ``EmbeddingState`` (its rows get gradients a few at a time; ``forge_core.dense`` says
+    why that changes how its int8 first moment is stored). A tied weight's rows all get the head's
+    gradient every step, as a Linear weight's do: it keeps a ``ParamState``."""
+    dense_of = {id(dense.weight): dense for dense in optimizer.dense_weights()}
+    use_counts = _parameter_use_counts(model)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        dense = dense_of.get(id(weight))
+        if isinstance(module, nn.Embedding) and dense is not None and use_counts[id(weight)] == 1:
+            dense.make_embedding_state(optimizer.param_groups[dense.group_index])
 
 
 def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None:
@@ -432,28 +620,55 @@ def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None
         dense.padding_idx = module.padding_idx
 
 
+def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
+    """Set ``FUSED_MARK`` on the weights that will never get a ``.grad``: the fused ones and the
+    row-gradient embeddings'."""
+    for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
+        label = name if name.rpartition(".")[2] in EXPERT_PARAMETERS else f"{name}.weight"   # experts name the Parameter
+        setattr(weight, FUSED_MARK, f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
+                                    "its gradient never exists)")
+    for dense in optimizer.dense_weights():
+        if dense.records_rows:
+            setattr(dense.weight, FUSED_MARK, f"{dense.name}, an embedding weight whose gradient forge_core.fuse "
+                                              "keeps as rows (it never gets a .grad; fuse(..., embedding_rows=False) "
+                                              "gives it one)")
+
+
 def unfuse(model: nn.Module) -> nn.Module:
-    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` and every ForgeEmbedding into
+    """Turn every ForgeLinear in ``model`` back into a plain ``nn.Linear`` (a ForgeConv1D into
+    transformers' ``Conv1D``, a fused experts module into its own class) and every ForgeEmbedding into
     a plain ``nn.Embedding`` (same module objects,
-    same Parameters, weights as trained). The optimizer returned by ``fuse`` must not be stepped
-    afterwards (it raises if a fused weight has grown a ``.grad``). Returns ``model``."""
+    same Parameters, weights as trained). The optimizer returned by ``fuse`` cannot be stepped
+    afterwards: its ``step()`` raises, naming unfuse. Clipping the weights works again. Returns ``model``."""
     pending = []
+    optimizers: dict[int, ForgeOptimizer] = {}
     for name, module in model.named_modules():
-        if isinstance(module, ForgeLinear):
-            binding = getattr(module, "forge_updater", None)
-            if isinstance(binding, FusedWeight) and binding.micro_batches:
-                pending.append(name or "<root>")
-            if isinstance(binding, FusedWeight):
-                binding.detach_from_module()
-            remove_forge_linear(module)
+        if isinstance(module, ForgeLinear) or is_forge_conv1d(module) or is_forge_experts(module):
+            updaters = getattr(module, "forge_expert_updaters", None) or {"": getattr(module, "forge_updater", None)}
+            for binding in updaters.values():
+                if isinstance(binding, FusedWeight) and binding.micro_batches:
+                    pending.append(name or "<root>")
+                if isinstance(binding, FusedWeight):
+                    if binding.optimizer is not None:
+                        optimizers[id(binding.optimizer)] = binding.optimizer
+                    binding.weight.__dict__.pop(FUSED_MARK, None)
+                    binding.detach_from_module()
+            _remove(module)
         elif isinstance(module, ForgeEmbedding):
-            if getattr(module.forge_row_sink, "recorded_rows", None):
+            sink = module.forge_row_sink
+            if getattr(sink, "recorded_rows", None):
                 pending.append(name or "<root>")
+            if isinstance(getattr(sink, "optimizer", None), ForgeOptimizer):
+                optimizers[id(sink.optimizer)] = sink.optimizer
+            module.weight.__dict__.pop(FUSED_MARK, None)
             remove_forge_embedding(module)
+    for optimizer in optimizers.values():
+        optimizer.mark_unfused()
     if pending:
         warnings.warn(f"forge_core.unfuse: {len(pending)} fused weight(s) had accumulated micro-batch gradients "
                       f"that were never applied (opt.step() not reached): {pending}", stacklevel=2)
     return model
 
 
-__all__ = ["fuse", "unfuse", "distributed_wrapper_problem"]
+__all__ = ["fuse", "unfuse", "install_clipping_guard", "FUSED_MARK", "CLIPPING_FUNCTIONS",
+           "distributed_wrapper_problem"]

@@ -7,82 +7,80 @@ that edits ``group["lr"]`` work unchanged) and splits them in two:
   ``accumulate_steps > 1``, an fp32 gradient accumulator). The binding is what a ForgeLinear's
   backward calls; it reads the group's hyper-parameters at that moment, so an ``lr`` change
   reaches the next fused update.
-* *fallback* parameters (biases, norms, embeddings, tied / excluded weights), stepped in
-  ``step()`` from their ``.grad``. The 2-D ones (embeddings, tied or excluded weights: a
-  ``DenseWeight`` each) by the same kernel as fused weights, with zero tokens and the gradient as
-  its accumulator input, so they keep the same state format (``state_dtype``) and the moments are
-  streamed once; the rest (1-D norms and biases) by the rule's standard torch optimizer, whose
-  param_groups are synced from ours first. ``fuse(..., dense_2d=False)`` leaves every fallback
-  parameter to the torch optimizer.
+* *fallback* parameters (biases, norms, embeddings, tied / excluded weights), stepped in ``step()``
+  from their ``.grad``: the 2-D ones (a ``DenseWeight`` each) by the same kernel with zero tokens and
+  the gradient as its accumulator input (same ``state_dtype``, moments streamed once), the rest by
+  the rule's torch optimizer, whose param_groups are synced from ours first (``dense_2d=False``:
+  every fallback parameter by the torch optimizer).
 
 Step count: each fused weight counts the optimizer steps in which it was updated (as torch counts
 per parameter); the update during the backward of step t uses t, and ``step()`` advances it.
 
-Row blocks (``FusedWeight.begin_row_updates``): a backward may hand over ``dY`` in blocks of
-output features (the vocab chunks of ``forge_core.chunked_lm_head_cross_entropy``); each block
-updates rows ``[r0, r1)`` of the weight through views of the weight, its ``ParamState`` (int8
-scales run along rows, so a row slice holds whole blocks) and its accumulator, built once per
-block and reused (the kernel caches its launch plan per ParamState). Such a backward is one use
-of the weight: the step count and the micro-batch count move once, however many blocks it has.
+Row blocks (``FusedWeight.begin_row_updates``): a backward may hand over ``dY`` in blocks of output
+features (the vocab chunks of ``forge_core.chunked_lm_head_cross_entropy``); each updates rows
+``[r0, r1)`` through views of the weight, its ``ParamState`` and its accumulator. Such a backward is
+one use of the weight: the step and micro-batch counts move once, however many blocks it has.
 
-Capturable mode (``fuse(..., capturable=True)``, as torch's ``capturable``): the step count of each
-param group lives in a float64 tensor on the GPU, ``step()`` advances it with a device op, and the
-first fused update of a step computes the rule's kernel scalars from it into a small device buffer
-that every fused kernel of that group reads. No host value changes from step to step, so forward +
-backward + ``step()`` can be captured in a CUDA graph and replayed. A float ``lr`` read while the
-graph was captured is fixed in it (torch's rule too); outside graphs schedulers work as usual.
+Capturable mode (``fuse(..., capturable=True)``): each group's step count lives in a float64 GPU
+tensor that ``step()`` advances with a device op, and the rule's kernel scalars are computed from it
+into a device buffer the group's fused kernels read, so forward + backward + ``step()`` can be
+captured in a CUDA graph and replayed (a float ``lr`` read at capture is fixed in it, as in torch).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from . import kernels
+from .backends import BACKENDS, check_capturable, resolve_backend
 from .dense import DenseWeight, step_dense, steppable_by_kernel
 from .dtensors import local_shard
-from .kernels.device import interpreting
+from .layer_step import LayerPath, takes_layer_path
+from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
-from .state import ParamState
+from .state import ParamState, restore_entry, saved_entry
 
-BACKENDS = ("auto", "triton", "reference")
+GUARD_GROUP_KEY = "forge_state_dict"
+"""The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
+one index past the last parameter. Why: torch's ``Optimizer.load_state_dict`` checks only the number
+of groups and each group's length before it copies ``state`` into its moments, so without it an
+``AdamW`` over the same parameters would take int8 codes and block scales as moments and train on
+silently; the group sizes of any optimizer over those parameters add up to one less than these.
+``ForgeOptimizer.load_state_dict`` drops the group (and loads a state dict without one)."""
+GUARD_GROUP_NOTE = ("a ForgeOptimizer state dict: this group's index names no parameter; it makes other "
+                    "optimizers refuse the dict (load it with ForgeOptimizer.load_state_dict)")
+
+UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){detail}: its fused weights are "
+                 "plain weights again and it cannot step them; call forge_core.fuse(model, ...) again for a new "
+                 "optimizer, or use a torch optimizer")
+"""``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
 
 
-def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
-    """"triton" or "reference" for fused weights on ``devices`` (see ``forge_core.fuse``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    devices = set(devices)
-    needs_interpreter = any(device.type != "cuda" for device in devices)
-    interpreter_on = interpreting()
-    if backend == "reference":
-        return "reference"
-    if backend == "auto":
-        if not kernels.triton_available():
-            return "reference"
-        return "triton" if (interpreter_on or not needs_interpreter) else "reference"
-    if needs_interpreter and not interpreter_on or not kernels.triton_available():
-        where = sorted({str(device) for device in devices}) or ["no fused weights"]
-        raise ValueError(f"backend='triton' cannot run on {where}: the kernel needs a CUDA device, or "
-                         "TRITON_INTERPRET=1 set before forge_core is imported; or use backend='reference'")
-    return "triton"
+def no_tokens(matrix: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(x, dY)`` for a zero-token fused step of ``rows`` rows of ``matrix`` (the accumulator alone)."""
+    return matrix.new_zeros((0, matrix.shape[1])), matrix.new_zeros((0, rows))
 
 
 class FusedWeight:
-    """One fused Linear weight: what its ForgeLinear's backward calls with (x, dY).
+    """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
 
     Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
-    to the ``ForgeOptimizer``, which allocates its state."""
+    to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
+    unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
 
-    def __init__(self, name: str, module: nn.Linear) -> None:
+    def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
         self.name = name
-        self.module: Optional[nn.Linear] = module
-        self.weight: nn.Parameter = module.weight
-        self.local_weight: torch.Tensor = local_shard(module.weight)
-        """What the kernel updates: the weight, or its rank's shard when it is a DTensor (tensor parallel)."""
+        self.module: Optional[nn.Module] = module
+        self.weight: nn.Parameter = module.weight if weight is None else weight
+        self.matrix: torch.Tensor = local_shard(self.weight)
+        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself (its local
+        shard when a DTensor: tensor parallel), or a (E * Dout, Din) view of a 3-D expert weight's row blocks."""
+        self.tile_config: Optional[kernels.TileConfig] = None
+        """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
         self.optimizer: Optional["ForgeOptimizer"] = None
         self.group_index = 0
         self.index = 0
@@ -107,6 +105,14 @@ class FusedWeight:
     def detach_from_module(self) -> None:
         self.module = None
 
+    def rows_left_out(self) -> list[tuple[int, int]]:
+        """Row blocks of ``matrix`` the step's backward did not update, which ``opt.step()`` must
+        update with a zero gradient (experts no token reached); none for a Linear weight."""
+        return []
+
+    def end_step(self) -> None:
+        """Called by ``opt.step()`` after the step's updates: forget what this step updated."""
+
     def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         if self.probing:
             self.probe_backward_calls += 1
@@ -115,11 +121,13 @@ class FusedWeight:
             raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
         self.optimizer._fused_backward(self, x, grad_output)
 
-    def begin_row_updates(self, x: torch.Tensor) -> "RowSliceUpdate":
-        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head).
+    def begin_row_updates(self, x: Optional[torch.Tensor]) -> "RowSliceUpdate":
+        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head, or
+        the experts of a 3-D expert weight).
 
         Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
-        returned object once per block with ``(r0, r1, dy_rows, block_index)``."""
+        returned object once per block with ``(r0, r1, dy_rows, block_index)``, and ``x=`` the
+        block's own inputs when ``x`` is None here."""
         if self.probing:
             self.probe_backward_calls += 1
             return RowSliceUpdate(self, x, mode="skip")
@@ -128,11 +136,8 @@ class FusedWeight:
         return self.optimizer._begin_row_updates(self, x)
 
     def row_part(self, r0: int, r1: int) -> "_RowPart":
-        """Views of rows ``[r0, r1)`` of the state (and accumulator), built once per block and kept.
-
-        Why kept: the fused kernel caches its launch plan per ParamState object, so a view made
-        afresh every step would re-plan every step; load_state_dict copies in place, so the views
-        stay valid."""
+        """Views of rows ``[r0, r1)`` of the state (and accumulator), built once per block and kept: the
+        kernel caches its launch plan per ParamState (load_state_dict copies in place, views stay valid)."""
         part = self._row_parts.get((r0, r1))
         if part is None or part.parent_state is not self.state or part.parent_accum is not self.grad_accum:
             if self.state is None:
@@ -144,18 +149,6 @@ class FusedWeight:
 
     def __repr__(self) -> str:
         return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-def _saved_entry(owner: "FusedWeight | DenseWeight") -> dict[str, Any]:
-    """A kernel-stepped weight's entry in ``state_dict()["state"]``: torch's per-parameter ``step``
-    plus its ``ParamState`` tensors."""
-    return {"step": torch.tensor(float(owner.steps_done)), **owner.state.state_dict()}
-
-
-def _restore_entry(owner: "FusedWeight | DenseWeight", entry: Mapping[str, Any]) -> None:
-    """Load what ``_saved_entry`` saved (ParamState errors pass through)."""
-    owner.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
-    owner.steps_done = int(entry["step"])
 
 
 @dataclasses.dataclass
@@ -177,19 +170,22 @@ _BLOCK_SEED_STRIDE = 0x9E3779B1
 class RowSliceUpdate:
     """One backward's update of a fused weight, applied one row block at a time.
 
-    Why: an LM head's ``dY`` (dlogits) is produced vocab chunk by vocab chunk and each chunk is
-    freed before the next exists; the rows it touches can be updated (G_rows = dy_rows^T x, never
-    materialized) as soon as it exists. ``mode``: "update" (the last micro-batch: run the fused
-    step on the rows, adding the rows of the accumulator), "accumulate" (an earlier micro-batch:
-    add dy_rows^T x into the accumulator rows) or "skip" (the fuse-time probe)."""
+    Why: an LM head's dlogits arrive vocab chunk by chunk, each freed before the next exists, so its
+    rows are updated as soon as it exists. ``mode``: "update" (the last micro-batch: the fused step on
+    the rows, with the accumulator's rows), "accumulate" (add dy_rows^T x into the accumulator rows)
+    or "skip" (the fuse-time probe)."""
 
-    def __init__(self, binding: FusedWeight, x: torch.Tensor, mode: str) -> None:
+    def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
         self.binding = binding
         self.x = x
         self.mode = mode
         self._x32: Optional[torch.Tensor] = None
 
-    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
+                 x: Optional[torch.Tensor] = None) -> None:
+        """Update (or accumulate) rows ``[r0, r1)`` from ``dy_rows``; ``x``: this block's own
+        inputs when its tokens differ from the other blocks' (an expert's routed tokens), else the
+        ``x`` the update began with."""
         if self.mode == "skip":
             return
         binding = self.binding
@@ -198,11 +194,15 @@ class RowSliceUpdate:
             raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
         with torch.no_grad():
             if self.mode == "accumulate":
-                if self._x32 is None:
-                    self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
-                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), self._x32)
+                if x is not None:
+                    x32 = x.reshape(-1, x.shape[-1]).float()
+                else:
+                    if self._x32 is None:
+                        self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
+                    x32 = self._x32
+                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), x32)
                 return
-            binding.optimizer._apply_update(binding, self.x, dy_rows, part=part,
+            binding.optimizer._apply_update(binding, self.x if x is None else x, dy_rows, part=part,
                                             seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
@@ -217,40 +217,6 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
-                      bindings: list[FusedWeight]) -> None:
-    """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if backend != "triton":
-        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
-                         f"this optimizer resolved to backend={backend!r}")
-    if rule.kernel_scalars_on_device is None:
-        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
-    if accumulate_steps != 1:
-        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
-                         "whether to accumulate or update, which a replayed graph cannot)")
-    if stochastic_rounding:
-        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
-    devices = {binding.weight.device for binding in bindings}
-    if len(devices) > 1:
-        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
-
-
-RowBlockUpdate = Callable[[int, int, torch.Tensor, int], None]
-"""A row-block update, called as ``RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index)``."""
-
-
-class DistributedUpdates(Protocol):
-    """``ForgeOptimizer.distributed`` (set by ``forge_core.distributed``, data parallel): takes each fused
-    weight's last micro-batch (whole or in row blocks), reduces it across ranks and updates through
-    ``ForgeOptimizer.apply_gradient``; ``before_step`` runs first in ``step()``."""
-
-    def fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None: ...
-
-    def row_updates(self, binding: FusedWeight, x: torch.Tensor) -> RowBlockUpdate: ...
-
-    def before_step(self) -> None: ...
-
-
 class ForgeOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -262,7 +228,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                  model_parameters: list[nn.Parameter], fused_ids: set[int], capturable: bool = False,
                  dense_2d: bool = True, parameter_names: Optional[Mapping[int, str]] = None) -> None:
         if capturable:
-            _check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
+            check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
         self._constructing = True
         super().__init__([{"params": params}], dict(hyperparameters))
         self._constructing = False
@@ -277,14 +243,20 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._update_function: Callable[..., None] = (
             kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
         self._bindings = bindings
+        self._layer_path = LayerPath(rule, state_dtype, hyperparameters, accumulate_steps, lambda b: (
+            self._kernel_hyperparameters(b.group_index),
+            self._device_steps[b.group_index] + 1 if self.capturable else b.steps_done + 1)) \
+            if takes_layer_path(rule) else None
         for index, binding in enumerate(bindings):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            binding.state = ParamState(binding.local_weight, rule, state_dtype)
+            if self._layer_path is not None:
+                self._layer_path.attach(binding)
+                continue
+            binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters)
             if self.accumulate_steps > 1:
-                binding.grad_accum = torch.zeros(binding.local_weight.shape, dtype=torch.float32,
-                                                 device=binding.local_weight.device)
+                binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]
         names = dict(parameter_names or {})
         self._dense: list[DenseWeight] = []
@@ -293,20 +265,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 if steppable_by_kernel(parameter, rule, backend):
                     dense = DenseWeight(names.get(id(parameter), f"parameter {len(self._dense)}"), parameter)
                     dense.index = len(bindings) + len(self._dense)      # distinct stochastic-rounding seeds
-                    dense.state = ParamState(parameter, rule, state_dtype)
+                    dense.state = ParamState(parameter, rule, state_dtype, hyperparameters)
+                    dense.optimizer = self
                     self._dense.append(dense)
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
         self.capturable = bool(capturable)
-        self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}],
-                                                 capturable=self.capturable, **hyperparameters)
+        self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}], capturable=self.capturable,
+                                                 **hyperparameters)
         self._steps_taken = 0
-        self.distributed: Optional[DistributedUpdates] = None
-        """Set by ``forge_core.distributed`` (data parallel): it takes each fused weight's last
-        micro-batch (x, dY) instead of the local update, and runs first in ``step()``."""
+        self.distributed: Optional[DistributedUpdates] = None   # data parallel: forge_core.reduction
+        self._unfused = False
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
-        # Capturable mode: per group, the step count and the kernel scalars on the device, and
-        # whether the scalars must be recomputed at the next fused update (host flag).
+        # capturable: per group, the step count and kernel scalars on the device, and whether to recompute them
         self._device_steps: list[torch.Tensor] = []
         self._device_scalars: list[torch.Tensor] = []
         self._scalars_stale: list[bool] = []
@@ -341,8 +312,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
         they never get a ``.grad``."""
         return [dense.name for dense in self._dense if dense.records_rows]
 
+    def fused_weights(self) -> list[FusedWeight]:
+        """The ``FusedWeight`` binding of each of ``fused_parameters``, in the optimizer's order."""
+        return list(self._bindings)
+
     def fused_module_names(self) -> list[str]:
         return [binding.name for binding in self._bindings]
+
+    def mark_unfused(self) -> None:
+        """Called by ``forge_core.unfuse``: the model's fused modules are plain again, so ``step()``
+        refuses from now on. A stale step would advance the fused weights' step counts and step the
+        fallback parameters alone, and a backward through the plain model gives the fused weights a
+        ``.grad`` that nothing here applies."""
+        self._unfused = True
+
+    @property
+    def unfused(self) -> bool:
+        """Whether ``forge_core.unfuse`` was called on this optimizer's model (``step()`` then raises)."""
+        return self._unfused
 
     @property
     def fallback_optimizer(self) -> torch.optim.Optimizer:
@@ -406,6 +393,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 return memo[1]
         group = self.param_groups[group_index]
         hyperparameters = {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
+        owners = self._bindings or self._dense
+        problem = (self.rule.state_set_problem(owners[0].state.state_names, hyperparameters)
+                   if owners and self._layer_path is None else None)    # LayerState: Rule.state_shapes
+        if problem is not None:
+            raise ValueError(problem)
         if task != -1:
             self._hyperparameters_in_backward[group_index] = (task, hyperparameters)
         return hyperparameters
@@ -423,42 +415,45 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
+        if self._layer_path is not None:            # regimes 2 and 3: forge_core.layer_step
+            return self._layer_path.backward(binding, x, grad_output, last=self._count_backward(binding))
         if not self._count_backward(binding):
-            dout, din = binding.local_weight.shape
-            x2 = x.reshape(-1, din)
-            dy2 = grad_output.reshape(-1, dout)
-            binding.grad_accum.addmm_(dy2.t().float(), x2.float())
+            dout, din = binding.matrix.shape
+            binding.grad_accum.addmm_(grad_output.reshape(-1, dout).t().float(), x.reshape(-1, din).float())
             return
-        if self.distributed is not None:
-            self.distributed.fused_backward(binding, x, grad_output)
-            return
+        if self.distributed is not None:           # data parallel: the gradient is reduced first
+            return self.distributed.fused_backward(binding, x, grad_output)
         self._apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: torch.Tensor) -> "RowSliceUpdate | RowBlockUpdate":
+    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
+        if self._layer_path is not None:
+            raise self._layer_path.row_update_error(binding.name)
+        if self.rule.layer_sums:            # (chunked_lm_head_cross_entropy on a fused head)
+            raise ValueError(f"rule {self.rule.name!r} reads norms of the whole weight, so {binding.name!r} cannot "
+                             "be updated in row blocks; leave it unfused or use the model's own loss")
         last = self._count_backward(binding)
         if last and self.distributed is not None:
             return self.distributed.row_updates(binding, x)
         return RowSliceUpdate(binding, x, mode="update" if last else "accumulate")
 
     def apply_gradient(self, owner: "FusedWeight | DenseWeight", grad: torch.Tensor) -> None:
-        """One update of ``owner``'s weight (its local shard) from its complete gradient ``grad`` (fp32 or
-        the weight's dtype, weight-shaped), at its next step: the kernel's zero-token path, as
-        ``step()`` steps a ``DenseWeight``. ``forge_core.distributed`` calls it with reduced gradients."""
-        weight = owner.local_weight if isinstance(owner, FusedWeight) else owner.weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
+        """Update ``owner``'s matrix at its next step from its complete gradient ``grad`` (fp32 or the weight's
+        dtype): the kernel's zero-token path, as ``step()`` steps a ``DenseWeight`` (data parallel)."""
+        weight = owner.matrix if isinstance(owner, FusedWeight) else owner.weight
         with torch.no_grad():
-            self._launch_update(owner, no_x, no_dy, weight, owner.state, grad)
+            self._launch_update(owner, *no_tokens(weight, weight.shape[0]), weight, owner.state, grad)
 
     def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
                       part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
+        if self._layer_path is not None:            # step()'s flush of fewer micro-batches than k
+            return self._layer_path.backward(binding, x, grad_output, last=True)
         if part is None:
-            weight, state, grad_accum = binding.local_weight, binding.state, binding.grad_accum
+            weight, state, grad_accum = binding.matrix, binding.state, binding.grad_accum
         else:
-            weight = binding.local_weight.detach()[part.r0:part.r1]
+            weight = binding.matrix.detach()[part.r0:part.r1]
             state, grad_accum = part.state, part.grad_accum
         self._launch_update(binding, x, grad_output, weight, state, grad_accum, seed_offset)
         if grad_accum is not None:
@@ -484,6 +479,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                        seed_offset: int = 0) -> None:
         """One fused-kernel (or reference) update at ``owner``'s next step (``_update_arguments``)."""
         hp, step, arguments = self._update_arguments(owner, seed_offset)
+        tile = getattr(owner, "tile_config", None)
+        if tile is not None and self.backend == "triton":
+            arguments["config"] = tile
         self._update_function(x, grad_output, weight, state, hp, step, grad_accum=grad_accum, **arguments)
 
     def _step_dense(self, dense: DenseWeight) -> None:
@@ -507,12 +505,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        weight = binding.local_weight
-        no_x = weight.new_zeros((0, weight.shape[1]))
-        no_dy = weight.new_zeros((0, weight.shape[0]))
         with torch.no_grad():
-            self._apply_update(binding, no_x, no_dy)
+            self._apply_update(binding, *no_tokens(binding.matrix, binding.matrix.shape[0]))
         binding.micro_batches = self.accumulate_steps
+
+    def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
+        """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
+        earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
+        step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
+        with torch.no_grad():
+            self._apply_update(binding, *no_tokens(binding.matrix, r1 - r0), part=binding.row_part(r0, r1))
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 
@@ -532,15 +534,18 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def _sync_fallback_hyperparameters(self) -> None:
         for ours, theirs in zip(self.param_groups, self._fallback.param_groups):
-            for key, value in ours.items():
-                if key != "params":
-                    theirs[key] = value
+            theirs.update(self.rule.fallback_values(ours))
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Step the fallback parameters and advance the step count of the fused weights.
 
         The fused weights were already updated during backward. ``closure`` (optional) is run
-        first with grad enabled (it should zero grads, run forward and backward, return the loss)."""
+        first with grad enabled (it should zero grads, run forward and backward, return the loss).
+        After ``forge_core.unfuse(model)`` it raises (``UNFUSED_ERROR``)."""
+        if self._unfused:
+            grown = [binding.name for binding in self._bindings if binding.weight.grad is not None]
+            detail = f" and fused weight {grown[0]!r} has a .grad it cannot apply" if grown else ""
+            raise RuntimeError(UNFUSED_ERROR.format(detail=detail))
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -556,6 +561,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for binding in self._bindings:
             if 0 < binding.micro_batches < self.accumulate_steps:
                 self._flush_partial_accumulation(binding)
+            elif binding.micro_batches == self.accumulate_steps:
+                for r0, r1 in binding.rows_left_out():
+                    self._update_rows_without_tokens(binding, r0, r1)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
@@ -564,6 +572,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if binding.micro_batches == self.accumulate_steps:
                 binding.steps_done += 1
             binding.micro_batches = 0
+            binding.end_step()
         self._steps_taken += 1
         for group, count in enumerate(self._device_steps):
             count.add_(1.0)
@@ -579,15 +588,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
         ``ParamState`` tensors (``name`` and, for int8, ``name + "_scale"``). Tensors are references,
         as in torch: deep-copy or ``torch.save`` it before training on. Like torch (which never
         saves ``.grad``), a micro-batch accumulator between ``opt.step()`` calls is not saved:
-        checkpoint at step boundaries."""
+        checkpoint at step boundaries. ``param_groups`` ends with a guard group (``GUARD_GROUP_KEY``)
+        that makes any other optimizer class's ``load_state_dict`` refuse the dict."""
         self._sync_host_step_counts()
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for binding in self._bindings:
-            state[index_of[id(binding.weight)]] = _saved_entry(binding)
+            state[index_of[id(binding.weight)]] = saved_entry(binding)
         for dense in self._dense:
             if dense.steps_done:          # torch keeps no state for a parameter never stepped
-                state[index_of[id(dense.weight)]] = _saved_entry(dense)
+                state[index_of[id(dense.weight)]] = saved_entry(dense)
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
         groups = []
@@ -595,6 +605,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             packed = {key: value for key, value in group.items() if key != "params"}
             packed["params"] = [index_of[id(p)] for p in group["params"]]
             groups.append(packed)
+        groups.append({"params": [len(index_of)], GUARD_GROUP_KEY: GUARD_GROUP_NOTE})
         forge = {
             "rule": self.rule.name, "state_dtype": self.state_dtype, "steps_taken": self._steps_taken,
             "accumulate_steps": self.accumulate_steps,
@@ -612,7 +623,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if forge.get("rule") != self.rule.name or forge.get("state_dtype") != self.state_dtype:
             raise ValueError(f"state dict is for rule={forge.get('rule')!r} state_dtype={forge.get('state_dtype')!r}, "
                              f"this optimizer is rule={self.rule.name!r} state_dtype={self.state_dtype!r}")
-        saved_groups = state_dict["param_groups"]
+        saved_groups = list(state_dict["param_groups"])
+        if saved_groups and GUARD_GROUP_KEY in saved_groups[-1]:
+            saved_groups.pop()          # a dict saved without the guard group loads too
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
         for saved, ours in zip(saved_groups, self.param_groups):
@@ -637,7 +650,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 dense.steps_done = 0
                 continue
             try:
-                _restore_entry(dense, entry)
+                restore_entry(dense, entry)
             except (KeyError, ValueError) as error:
                 raise ValueError(f"state of {dense.name!r} does not fit its {self.state_dtype} kernel state "
                                  f"({error}); a state dict saved with dense_2d=False loads only into "
@@ -646,7 +659,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             index = index_of[id(binding.weight)]
             if index not in saved_state:
                 raise ValueError(f"state dict has no state for fused weight {binding.name!r} (index {index})")
-            _restore_entry(binding, saved_state[index])
+            restore_entry(binding, saved_state[index])
             binding.micro_batches = 0
             if binding.grad_accum is not None:
                 binding.grad_accum.zero_()
@@ -684,4 +697,4 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["ForgeOptimizer", "FusedWeight", "DenseWeight", "RowSliceUpdate", "resolve_backend", "BACKENDS",
-           "steppable_by_kernel", "DistributedUpdates", "RowBlockUpdate"]
+           "steppable_by_kernel", "DistributedUpdates", "RowBlockUpdate", "GUARD_GROUP_KEY", "UNFUSED_ERROR"]

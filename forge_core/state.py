@@ -1,4 +1,4 @@
-"""Optimizer-state storage for one fused weight: fp32, bf16 or int8 (+ per-block fp32 scales).
+"""Optimizer-state storage for one fused weight: fp32, bf16, int8 or fp8 (+ per-block fp32 scales).
 
 int8 format (the spec the fused kernel reproduces exactly):
 
@@ -22,6 +22,22 @@ int8 format (the spec the fused kernel reproduces exactly):
   non-zero block maximum: it is at least ``(absmax / 127)**2``. That over-estimates a tiny ``v``
   (a smaller, safer step) instead of dividing a first moment by ``eps``.
 
+fp8 format (``"fp8"``): the int8 format's blocks, scales and sqrt domain with float8_e4m3fn codes
+(4 exponent bits, 3 mantissa bits, largest finite 448):
+
+* ``scale = absmax / 448`` per block (fp32, the same shape as int8's), re-quantized every step.
+* Code ``q = fp8(y * (1 / scale))``: the product rounded to fp32, then to the nearest e4m3fn value
+  with ties to even, as torch's ``.to(torch.float8_e4m3fn)`` (``|y| * (1 / scale) <= 448`` up to
+  the product's rounding, which rounds to 448). A block whose scale is 0 or subnormal multiplies by 1
+  (its values round to code 0). Codes of a sqrt-domain state are floored at the smallest positive
+  code (2^-9) where the block's scale is normal, as int8's are at 1: a dequantized second moment is
+  at least ``(absmax / 448 * 2^-9)**2`` next to a non-zero block maximum.
+* Decoding is exact: ``q * scale`` in fp32 (squared for sqrt-domain states).
+* The fp8 grid is relative (3 mantissa bits: half an ulp is 1/16 of the value) where int8's is
+  absolute (half a code is 1/254 of the block maximum): fp8 keeps small values of a block that int8
+  rounds to zero, and rounds large ones more coarsely. On the GPU the scale is absmax times
+  fp32(1 / 448) and the reciprocal the hardware one, so a code can differ by one next to a tie.
+
 fp32 states are stored as is; bf16 states are rounded to nearest-even on every store.
 """
 from __future__ import annotations
@@ -32,9 +48,14 @@ import torch
 
 from .rules.base import Rule
 
-STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_DTYPES = ("fp32", "bf16", "int8", "fp8")
 QBLOCK = 64
-_STORAGE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+BLOCK_SCALED = ("int8", "fp8")
+"""The state formats stored as codes with one fp32 scale per ``QBLOCK`` elements of a row."""
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn value: an fp8 block's scale is its absmax over this."""
+_STORAGE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_SMALLEST_FP8_CODE = 2.0 ** -9         # the smallest positive float8_e4m3fn value (subnormal, bits 0x01)
 
 
 def num_blocks(length: int) -> int:
@@ -51,31 +72,42 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, QBLOCK)
 
 
-def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``x32`` (..., D) -> (int8 codes of x32's shape, fp32 scales (..., ceil(D/64))).
+def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool, codes: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x32`` (..., D) -> (codes of x32's shape, fp32 scales (..., ceil(D/64))); ``codes``: "int8"
+    (int8 codes) or "fp8" (float8_e4m3fn codes).
 
-    See the module docstring for the exact rule; the fused kernel implements the same one."""
+    See the module docstring for the exact rules; the fused kernel implements the same ones."""
+    if codes not in BLOCK_SCALED:
+        raise ValueError(f"quantize_blockwise: codes must be one of {BLOCK_SCALED}, got {codes!r}")
     if x32.dim() < 1 or x32.shape[-1] == 0:
         raise ValueError(f"quantize_blockwise: need a non-empty last dimension, got shape {tuple(x32.shape)}")
     values = x32.float()
     if sqrt_domain:
         values = values.clamp_min(0.0).sqrt()
     blocks = _blocked(values)
-    scale = blocks.abs().amax(dim=-1) / 127.0
+    code_max = 127.0 if codes == "int8" else FP8_MAX
+    scale = blocks.abs().amax(dim=-1) / code_max
     has_scale = scale >= torch.finfo(torch.float32).tiny          # normal: 1 / scale is finite
     inverse = 1.0 / torch.where(has_scale, scale, torch.ones_like(scale))
-    codes = torch.round(blocks * inverse.unsqueeze(-1)).clamp_(-127.0, 127.0)     # ties to even
-    if sqrt_domain:
-        codes = torch.where(has_scale.unsqueeze(-1), codes.clamp_min(1.0), codes)
-    codes = codes.to(torch.int8)
-    codes = codes.reshape(*values.shape[:-1], -1)[..., : values.shape[-1]]
-    return codes.contiguous(), scale
+    scaled = blocks * inverse.unsqueeze(-1)
+    if codes == "int8":
+        q = torch.round(scaled).clamp_(-127.0, 127.0)     # ties to even
+        if sqrt_domain:
+            q = torch.where(has_scale.unsqueeze(-1), q.clamp_min(1.0), q)
+        q = q.to(torch.int8)
+    else:
+        q = scaled.to(torch.float8_e4m3fn).float()         # ties to even; |scaled| <= 448 up to one rounding
+        if sqrt_domain:
+            q = torch.where(has_scale.unsqueeze(-1), q.clamp_min(_SMALLEST_FP8_CODE), q)
+        q = q.to(torch.float8_e4m3fn)
+    q = q.reshape(*values.shape[:-1], -1)[..., : values.shape[-1]]
+    return q.contiguous(), scale
 
 
 def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, sqrt_domain: bool) -> torch.Tensor:
-    """int8 codes + fp32 block scales -> fp32 values (squared back for sqrt-domain states)."""
-    if q.dtype != torch.int8:
-        raise ValueError(f"dequantize_blockwise: codes must be int8, got {q.dtype}")
+    """int8 or float8_e4m3fn codes + fp32 block scales -> fp32 values (squared back for sqrt-domain states)."""
+    if q.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"dequantize_blockwise: codes must be int8 or float8_e4m3fn, got {q.dtype}")
     if scale.shape != (*q.shape[:-1], num_blocks(q.shape[-1])):
         raise ValueError(f"dequantize_blockwise: scale shape {tuple(scale.shape)} does not fit codes {tuple(q.shape)}")
     blocks = _blocked(q.float())
@@ -88,12 +120,17 @@ def dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, sqrt_domain: bool
 class ParamState:
     """The optimizer state of one fused weight, in the chosen storage precision.
 
-    ``values[name]`` has the weight's shape (fp32 / bf16 / int8); ``scales[name]`` is the int8
-    block-scale tensor ``(Dout, ceil(Din/64))`` (``None`` for fp32 / bf16). All start at zero,
-    as torch's optimizers start their moments.
+    ``values[name]`` has the weight's shape (fp32 / bf16 / int8 / float8_e4m3fn); ``scales[name]`` is
+    the int8 / fp8 block-scale tensor ``(Dout, ceil(Din/64))`` (``None`` for fp32 / bf16). The states
+    are the rule's ``states_for(hp)`` (``hp`` None: all of ``rule.state_names``), fixed here: SGD
+    without momentum holds none. Each starts at the rule's ``initial_value`` (zero, as torch's moments
+    start, unless the rule says otherwise: Adagrad's ``initial_accumulator_value``). A regime-2 rule
+    also gets ``layer_sums``: its per-layer sums (fp32, scratch the kernels rewrite every step; not
+    part of ``state_dict``).
     """
 
-    def __init__(self, weight: torch.Tensor, rule: Rule, state_dtype: str = "fp32") -> None:
+    def __init__(self, weight: torch.Tensor, rule: Rule, state_dtype: str = "fp32",
+                 hp: Mapping[str, Any] | None = None) -> None:
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         if weight.dim() != 2:
@@ -101,16 +138,31 @@ class ParamState:
         self.rule = rule
         self.state_dtype = state_dtype
         self.shape = tuple(weight.shape)
+        self.state_names: tuple[str, ...] = rule.states_for(hp)
+        """The states this weight holds, in the epilogue's order."""
+        self.epilogue = rule.epilogue_for(self.state_names)
+        """The rule's epilogue for these states (``Rule.epilogue_for``)."""
         storage = _STORAGE_DTYPE[state_dtype]
         self.values: dict[str, torch.Tensor] = {
-            name: torch.zeros(self.shape, dtype=storage, device=weight.device) for name in rule.state_names}
+            name: torch.zeros(self.shape, dtype=storage, device=weight.device) for name in self.state_names}
         self.scales: dict[str, torch.Tensor | None] = {
             name: (torch.zeros((self.shape[0], num_blocks(self.shape[1])), dtype=torch.float32, device=weight.device)
-                   if state_dtype == "int8" else None)
-            for name in rule.state_names}
+                   if state_dtype in BLOCK_SCALED else None)
+            for name in self.state_names}
+        self.layer_sums: torch.Tensor | None = (
+            torch.zeros(rule.layer_sums, dtype=torch.float32, device=weight.device) if rule.layer_sums else None)
+        for name in self.state_names:
+            initial = rule.initial_value(name, hp)
+            if initial != 0.0:
+                self.store(name, torch.full(self.shape, initial, dtype=torch.float32, device=weight.device))
+
+    @property
+    def kernel_name(self) -> str:
+        """The rule and its state set as a tuning key names them (``Rule.kernel_name``)."""
+        return self.rule.kernel_name(self.state_names)
 
     def is_sqrt_domain(self, name: str) -> bool:
-        """Whether ``name`` is stored as sqrt(value) when int8 (a second moment)."""
+        """Whether ``name`` is stored as sqrt(value) when int8 / fp8 (a second moment)."""
         return name in self.rule.sqrt_domain_states
 
     def _check_name(self, name: str) -> None:
@@ -120,7 +172,7 @@ class ParamState:
     def dequantize(self, name: str) -> torch.Tensor:
         """The state ``name`` as a new fp32 tensor of the weight's shape."""
         self._check_name(name)
-        if self.state_dtype == "int8":
+        if self.state_dtype in BLOCK_SCALED:
             return dequantize_blockwise(self.values[name], self.scales[name], self.is_sqrt_domain(name))
         return self.values[name].float().clone()
 
@@ -129,15 +181,15 @@ class ParamState:
         self._check_name(name)
         if tuple(value32.shape) != self.shape:
             raise ValueError(f"state {name!r} has shape {self.shape}, got a value of shape {tuple(value32.shape)}")
-        if self.state_dtype == "int8":
-            codes, scale = quantize_blockwise(value32, self.is_sqrt_domain(name))
+        if self.state_dtype in BLOCK_SCALED:
+            codes, scale = quantize_blockwise(value32, self.is_sqrt_domain(name), self.state_dtype)
             self.values[name].copy_(codes)
             self.scales[name].copy_(scale)
         else:
             self.values[name].copy_(value32)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain tensors: ``name`` -> stored values, and ``name + "_scale"`` for int8 states."""
+        """Plain tensors: ``name`` -> stored values, and ``name + "_scale"`` for int8 / fp8 states."""
         out: dict[str, torch.Tensor] = {}
         for name, value in self.values.items():
             out[name] = value
@@ -175,16 +227,34 @@ class ParamState:
         view = ParamState.__new__(ParamState)
         view.rule = self.rule
         view.state_dtype = self.state_dtype
+        view.state_names = self.state_names
+        view.epilogue = self.epilogue
+        view.layer_sums = self.layer_sums
         view.shape = (stop - start, self.shape[1])
         view.values = {name: value[start:stop] for name, value in self.values.items()}
         view.scales = {name: (scale[start:stop] if scale is not None else None) for name, scale in self.scales.items()}
         return view
 
     def nbytes(self) -> int:
-        """Bytes held by the states and their scales."""
+        """Bytes held by the states, their scales and a regime-2 rule's per-layer sums."""
         total = sum(v.numel() * v.element_size() for v in self.values.values())
+        if self.layer_sums is not None:
+            total += self.layer_sums.numel() * self.layer_sums.element_size()
         total += sum(s.numel() * s.element_size() for s in self.scales.values() if s is not None)
         return total
 
 
-__all__ = ["STATE_DTYPES", "QBLOCK", "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks"]
+def saved_entry(owner: Any) -> dict[str, Any]:
+    """A kernel-stepped weight's entry in an optimizer's ``state_dict()["state"]``: torch's per-parameter
+    ``step`` plus its ``ParamState`` tensors (``owner``: anything with ``.state`` and ``.steps_done``)."""
+    return {"step": torch.tensor(float(owner.steps_done)), **owner.state.state_dict()}
+
+
+def restore_entry(owner: Any, entry: Mapping[str, Any]) -> None:
+    """Load what ``saved_entry`` saved (ParamState errors pass through)."""
+    owner.state.load_state_dict({k: v for k, v in entry.items() if k != "step"})
+    owner.steps_done = int(entry["step"])
+
+
+__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks",
+           "restore_entry", "saved_entry"]

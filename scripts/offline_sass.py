@@ -45,16 +45,18 @@ def _compile(args: argparse.Namespace):
     rule = get_rule(args.rule)
     weight = torch.empty((m, n), dtype=torch.bfloat16)
     state = ParamState(weight[:1, :1], rule, args.state)        # only dtypes / kinds are read below
-    states = [torch.empty((m, n), dtype=state.values[name].dtype) for name in rule.state_names]
-    scales = [torch.empty((m, (n + 63) // 64), dtype=torch.float32) if args.state == "int8" else None
-              for _ in rule.state_names]
+    storage = torch.uint8 if args.state == "fp8" else None       # fp8 codes reach the kernels as uint8
+    states = [torch.empty((m, n), dtype=storage or state.values[name].dtype) for name in state.state_names]
+    scales = [torch.empty((m, (n + 63) // 64), dtype=torch.float32) if args.state in ("int8", "fp8") else None
+              for _ in state.state_names]
     x2 = torch.empty((args.tokens, n), dtype=torch.bfloat16)
     dy2 = torch.empty((args.tokens, m), dtype=torch.bfloat16)
     config = TileConfig(bm, bn, bk, args.group, args.warps, args.stages, prefetch=args.prefetch,
                         split_n=args.split, max_registers=args.maxnreg, tma=args.tma)
     meta = launch.kernel_meta(state, x2.dtype, grad_accum=False, stochastic=False, ieee=False,
                               scalars_in_memory=args.scalars_in_memory)
-    plan = launch.make_plan(config, x2, dy2, weight, states, scales, None, meta)
+    sums = torch.empty(2, dtype=torch.float32) if rule.layer_sums else None
+    plan = launch.make_plan(config, x2, dy2, weight, states, scales, None, meta, sums)
     kwargs = dict(plan.kwargs, TMA=args.tma)        # the plan says no TMA: its tensors are not on a GPU
     descriptors = ((TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bk, bn]),
                     TensorDescriptor(dy2, list(dy2.shape), list(dy2.stride()), [bk, bm])) if args.tma else (None, None))
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="14336x4096", help="weight (Dout)x(Din)")
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--state", choices=("fp32", "bf16", "int8"), default="int8")
+    parser.add_argument("--state", choices=("fp32", "bf16", "int8", "fp8"), default="int8")
     parser.add_argument("--rule", default="adamw")
     parser.add_argument("--tile", default="64x64x32", help="BMxBNxBK")
     parser.add_argument("--group", type=int, default=8)

@@ -55,6 +55,23 @@ def make_model(seed: int = 0) -> TinyLM:
     return TinyLM().to(PLACE["device"], PLACE["dtype"])
 
 
+def make_moe(seed: int = 0) -> nn.Module:
+    """A one-layer Qwen3-MoE (8 experts, top-1): fused 3-D expert weights, some experts reached on one
+    rank's tokens and not on the other's."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_experts=8, num_experts_per_tok=1, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                                         max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.Qwen3MoeForCausalLM(config).to(PLACE["device"], PLACE["dtype"])
+
+
+def moe_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
 def global_batches(steps: int, micro_batches: int = 1, seed: int = 1) -> list[torch.Tensor]:
     """``steps * micro_batches`` global batches of token ids (BATCH x SEQ each)."""
     generator = torch.Generator().manual_seed(seed)
@@ -97,9 +114,9 @@ def flat_states(optimizer: torch.optim.Optimizer) -> torch.Tensor:
 
 
 def single_run(optimizer: str, steps: int, *, micro_batches: int = 1, loss_fn: Callable[..., torch.Tensor] = lm_loss,
-               **fuse_options: Any) -> dict[str, Any]:
+               model_fn: Callable[[], nn.Module] = make_model, **fuse_options: Any) -> dict[str, Any]:
     """The single-process reference: FORGE on the global batches."""
-    model = make_model()
+    model = model_fn()
     opt = forge_core.fuse(model, optimizer, probe_inputs=False, accumulate_steps=micro_batches, **fuse_options)
     batches = global_batches(steps, micro_batches)
     losses = []
@@ -147,9 +164,10 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Ten
 
 
 def scenario_dp_adamw(out: dict[str, Any], backend: str = "reference", steps: int = GATE_STEPS,
-                      loss_fn: Callable[..., torch.Tensor] = lm_loss, **options: Any) -> None:
+                      loss_fn: Callable[..., torch.Tensor] = lm_loss, model_fn: Callable[..., nn.Module] = make_model,
+                      **options: Any) -> None:
     from forge_core.distributed import fuse_data_parallel
-    model = make_model(seed=0 if dist.get_rank() == 0 else 7)      # rank 0's weights are broadcast
+    model = model_fn(seed=0 if dist.get_rank() == 0 else 7)      # rank 0's weights are broadcast
     opt = fuse_data_parallel(model, "adamw", lr=1e-2, weight_decay=0.1, probe_inputs=False, backend=backend,
                              **options)
     out["row_embeddings"] = opt.row_gradient_names()
@@ -312,6 +330,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
     "dp_adamw_buckets": lambda out: scenario_dp_adamw(out, steps=4, bucket_cap_mb=400 / 2**20, buckets_in_flight=1),
     "dp_adamw_kernel": lambda out: scenario_dp_adamw(out, backend="auto", steps=3),
     "dp_chunked_loss": lambda out: scenario_dp_adamw(out, steps=4, loss_fn=chunked_loss),
+    "dp_experts": lambda out: scenario_dp_adamw(out, steps=4, loss_fn=moe_loss, model_fn=make_moe),
     "dp_accumulate": scenario_dp_accumulate,
     "dp_sgd": scenario_dp_sgd,
     "dp_sgd_kernel_accumulate": lambda out: scenario_dp_sgd(out, backend="auto", steps=3, micro_batches=2),

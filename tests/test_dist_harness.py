@@ -37,7 +37,7 @@ dtype: float32
 warmup_steps: 1
 timed_steps: 2
 repeats: 1
-timeout_s: 120
+timeout_s: 300
 parity: {enabled: false}
 grids:
   - {name: ok, models: [tiny-llama], batch: [2], seq: [16], world_size: [2],

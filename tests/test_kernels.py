@@ -69,8 +69,11 @@ def _copy_state(dst: ParamState, src: ParamState):
 
 
 def _assert_storage_close(ours, ref, what):
-    """fp32: 1e-6 relative to the tensor's scale; bf16: within one bf16 step; int8: codes within 1."""
-    if ours.dtype == torch.int8:
+    """fp32: 1e-6 relative to the tensor's scale; bf16: within one bf16 step; int8 / fp8: codes within 1
+    (fp8 codes as their signed position on the e4m3 grid)."""
+    if ours.dtype == torch.float8_e4m3fn:
+        ours, ref = _fp8_ordinal(ours), _fp8_ordinal(ref)
+    if ours.dtype in (torch.int8, torch.int32):
         assert (ours.int() - ref.int()).abs().max().item() <= 1, what
         assert (ours != ref).float().mean().item() < 0.01, what
     elif ours.dtype == torch.bfloat16:
@@ -82,6 +85,13 @@ def _assert_storage_close(ours, ref, what):
     else:
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= 1e-6 * scale + 1e-12, what
+
+
+def _fp8_ordinal(codes):
+    """float8_e4m3fn codes as their signed position on the fp8 grid (neighbouring values one apart)."""
+    bits = codes.view(torch.uint8).int()
+    magnitude = bits & 0x7F
+    return torch.where(bits >= 0x80, -magnitude, magnitude)
 
 
 def _compare_step(x, dy, pair, rule_name, step, **kwargs):

@@ -79,7 +79,10 @@ def test_llama_steps_match_torch_adamw_fp32_triton_kernel() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_llama_bf16_on_gpu_is_no_further_from_fp32_than_torch_bf16_adamw() -> None:
     """bf16 weights and moments: FORGE feeds the fp32 gradient tile to the update, torch rounds G to
-    bf16 first; both are compared with an fp32 torch run of the same model and data."""
+    bf16 first; both are compared with an fp32 torch run of the same model and data. The paper's
+    claim: FORGE bf16 is no further from fp32 than the standard bf16 path (both sit at the bf16
+    weight rounding's distance, FORGE a little closer: on the CPU reference 6.674e-3 against
+    6.701e-3; tests/test_fidelity.py and forge-bench fidelity measure it on a head)."""
     batches = _batches(20, device="cuda")
     fp32_model = _tiny_llama(device="cuda")
     _train(fp32_model, torch.optim.AdamW(fp32_model.parameters(), **HYPERPARAMETERS), batches)
@@ -91,7 +94,7 @@ def test_llama_bf16_on_gpu_is_no_further_from_fp32_than_torch_bf16_adamw() -> No
     torch_error = _rms_rel(list(torch_bf16.parameters()), reference)
     forge_error = _rms_rel(list(forge_bf16.parameters()), reference)
     print(f"\n[llama bf16 on GPU] rms-rel vs fp32: torch AdamW bf16 {torch_error:.3e}, FORGE bf16 {forge_error:.3e}")
-    assert forge_error < 1.5 * torch_error + 1e-4
+    assert forge_error <= torch_error
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

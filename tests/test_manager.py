@@ -146,14 +146,22 @@ def test_transformers_llama_probe_is_automatic_and_tied_head_excluded() -> None:
     assert "lm_head" in forge_core.fuse(untied, backend="reference").fused_module_names()
 
 
-@pytest.mark.filterwarnings("ignore:forge_core.fuse. no Linear weight was fused")
-def test_gpt2_conv1d_is_excluded_with_a_warning() -> None:
+def test_gpt2_conv1d_is_fused_and_a_conv1d_subclass_is_excluded_with_a_warning() -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
                                                                   n_positions=16, bos_token_id=0, eos_token_id=0))
-    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: transformers Conv1D"):
+    opt = forge_core.fuse(model, backend="reference")
+    assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fused_parameters())
+    assert len(opt.fused_parameters()) == 4
+
+    class OwnConv1D(transformers.pytorch_utils.Conv1D):
+        pass
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32,
+                                                                  n_positions=16, bos_token_id=0, eos_token_id=0))
+    model.transformer.h[0].attn.c_attn.__class__ = OwnConv1D
+    with pytest.warns(UserWarning, match=r"transformer\.h\.0\.attn\.c_attn: OwnConv1D is a subclass of transformers Conv1D"):
         opt = forge_core.fuse(model, backend="reference")
-    assert opt.fused_parameters() == []
     assert any(p is model.transformer.h[0].attn.c_attn.weight for p in opt.fallback_parameters())
 
 
@@ -171,9 +179,9 @@ def test_clipping_request_raises_and_says_why() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"optimizer": "adafactor"}, "unknown optimizer rule"),
+    ({"optimizer": "adafactorial"}, "unknown optimizer rule"),
     ({"momentum": 0.9}, r"has no hyper-parameter\(s\) \['momentum'\]"),
-    ({"state_dtype": "fp8"}, "state_dtype must be one of"),
+    ({"state_dtype": "fp4"}, "state_dtype must be one of"),
     ({"accumulate_steps": 0}, "accumulate_steps must be an integer >= 1"),
     ({"backend": "cuda"}, "backend must be one of"),
     ({"lr": -1.0}, "Invalid learning rate"),
@@ -223,3 +231,112 @@ def test_fusing_twice_is_an_error_and_unfuse_restores_plain_linear() -> None:
         opt.step()
     again = forge_core.fuse(model, backend="reference", probe_inputs=False)
     assert len(again.fused_parameters()) == 2
+
+
+class EmbeddingModel(nn.Module):
+    """An untied embedding (its gradient is kept as rows), a LayerNorm (torch fallback) and a fused head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))
+
+
+def _fused_embedding_model() -> tuple[EmbeddingModel, forge_core.ForgeOptimizer]:
+    torch.manual_seed(0)
+    model = EmbeddingModel()
+    opt = forge_core.fuse(model, lr=1e-2, backend="reference", probe_inputs=torch.arange(6).view(1, 6))
+    model(torch.arange(12).view(2, 6) % 20).square().mean().backward()
+    return model, opt
+
+
+def test_clipping_fused_weights_raises_naming_the_weight_and_the_fix() -> None:
+    model, opt = _fused_embedding_model()
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+        with pytest.raises(ValueError, match=r"^torch\.nn\.utils\.clip_grad_norm_ was given embed\.weight, an "
+                                             r"embedding weight whose gradient forge_core\.fuse keeps as rows .*"
+                                             r"global-norm clipping needs every gradient .*max_grad_norm=0"):
+            clip(model.parameters(), 1.0)
+        with pytest.raises(ValueError, match=r"clip_grad_norm_ was given head\.weight, a fused weight \(forge_core"
+                                             r"\.fuse updates it inside backward; its gradient never exists\)"):
+            clip(model.head.parameters(), 1.0)
+    with pytest.raises(ValueError, match=r"clip_grad_value_ was given head\.weight, a fused weight .*"
+                                         r"FORGE cannot clip a gradient it never forms"):
+        torch.nn.utils.clip_grad_value_(model.head.weight, 0.1)
+    # Parameters that get a .grad clip as before: the same norm, the same scaling.
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    assert {id(p) for p in with_grad} == {id(model.norm.weight), id(model.norm.bias), id(model.head.bias)}
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad]))
+    grads = [p.grad.clone() for p in with_grad]
+    total = torch.nn.utils.clip_grad_norm_(iter(with_grad), 1e-3)
+    torch.testing.assert_close(total, expected)
+    for p, before in zip(with_grad, grads):
+        torch.testing.assert_close(p.grad, before * (1e-3 / (expected + 1e-6)))
+    opt.step()
+    opt.zero_grad()
+    # unfuse removes the marks: clipping the plain model works again.
+    forge_core.unfuse(model)
+    model(torch.arange(12).view(2, 6) % 20).square().mean().backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    assert model.head.weight.grad.abs().max() <= 0.1
+
+
+def test_an_infinite_max_norm_measures_the_existing_gradients_with_a_warning() -> None:
+    """HF's Trainer calls clip_grad_norm_(model.parameters(), inf) every step for its grad_norm log,
+    max_grad_norm=0 too: that clips nothing, so it runs, and says what the norm leaves out."""
+    model, opt = _fused_embedding_model()
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad]))
+    grads = [p.grad.clone() for p in with_grad]
+    with pytest.warns(UserWarning, match=r"max_norm=inf \(a norm, no clipping\) was given .*covers only the "
+                                         r"gradients that exist"):
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    torch.testing.assert_close(total, expected)
+    assert all(torch.equal(p.grad, before) for p, before in zip(with_grad, grads))
+    with pytest.raises(ValueError, match="global-norm clipping needs every gradient"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+
+
+def test_the_clipping_guard_is_installed_once_and_calls_the_original() -> None:
+    forge_core.fuse(nn.Sequential(nn.Linear(4, 4)), backend="reference", probe_inputs=False)
+    guarded = torch.nn.utils.clip_grad_norm_
+    original = guarded.forge_clipping_guard_of
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is guarded
+    assert not hasattr(original, "forge_clipping_guard_of")
+    forge_core.fuse(nn.Sequential(nn.Linear(4, 4)), backend="reference", probe_inputs=False)
+    assert torch.nn.utils.clip_grad_norm_ is guarded
+    plain = nn.Linear(3, 3)
+    twin = copy.deepcopy(plain)
+    for module in (plain, twin):
+        module(torch.ones(2, 3)).sum().backward()
+    assert torch.equal(guarded(plain.parameters(), 1.0), original(twin.parameters(), 1.0))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), twin.parameters()))
+
+
+def test_a_stale_optimizer_after_unfuse_refuses_to_step() -> None:
+    model, opt = _fused_embedding_model()
+    opt.step()
+    opt.zero_grad()
+    steps = opt.state_dict()["forge"]["steps_taken"]
+    forge_core.unfuse(model)
+    assert opt.unfused
+    with pytest.raises(RuntimeError, match=r"^this ForgeOptimizer's model was unfused \(forge_core\.unfuse\): "
+                                           r"its fused weights are plain weights again"):
+        opt.step()
+    # A backward through the plain model, then the stale step: the same error, naming the new .grad.
+    model(torch.arange(12).view(2, 6) % 20).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"unfused \(forge_core\.unfuse\) and fused weight 'head' has a \.grad"):
+        opt.step()
+    assert opt.state_dict()["forge"]["steps_taken"] == steps
+    # A model whose only FORGE module is a row-gradient embedding tells its optimizer too.
+    embedding_only = nn.Sequential(nn.Embedding(10, 4))
+    embedding_opt = forge_core.fuse(embedding_only, backend="reference", probe_inputs=False)
+    assert embedding_opt.row_gradient_names() == ["0.weight"]
+    forge_core.unfuse(embedding_only)
+    with pytest.raises(RuntimeError, match="unfused"):
+        embedding_opt.step()

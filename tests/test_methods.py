@@ -7,6 +7,7 @@ import torch
 from forge_bench import methods, models
 from forge_bench.arm import ArmUnavailable, TrainConfig
 from forge_bench.methods import METHODS
+from forge_bench.family_table import FAMILIES, STATE_DTYPES
 
 CORE = ("no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8")
 CHUNKED_LOSS_ARMS = ("forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce")
@@ -95,7 +96,12 @@ def test_missing_package_is_a_reason():
 def test_only_capturable_arms_run_in_cuda_graph_grids():
     core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8",
             "forge_bf16_inline", "forge_int8_inline"}
-    assert {name for name, m in METHODS.items() if m.graphable} == core | set(CHUNKED_LOSS_ARMS)
+    # the optimizer families (forge_bench.families): every FORGE arm, and the unfused arms whose step
+    # does not read the device on the host (torch.optim.Adafactor reads two norms per weight)
+    family_arms = {f"forge_{f}_{states}" for f in FAMILIES for states in STATE_DTYPES}
+    family_arms |= {f"{f.name}_unfused" for f in FAMILIES.values() if f.unfused_graphable}
+    assert "adafactor_unfused" not in family_arms and "forge_adafactor_bf16" in family_arms
+    assert {name for name, m in METHODS.items() if m.graphable} == core | set(CHUNKED_LOSS_ARMS) | family_arms
     reason = METHODS["bnb_adamw8bit"].unavailable_reason("cuda", cuda_graph=True)
     assert reason.startswith("bnb_adamw8bit: its step cannot be captured in a CUDA graph")
     assert METHODS["sgd"].unavailable_reason("cpu", cuda_graph=True) is None

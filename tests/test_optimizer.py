@@ -221,6 +221,44 @@ def test_load_state_dict_refuses_a_mismatch() -> None:
         opt.load_state_dict(torch.optim.AdamW(_mlp().parameters()).state_dict())
 
 
+def test_a_forge_state_dict_is_refused_by_other_optimizer_classes_and_the_reverse() -> None:
+    model = _mlp()
+    opt = _fuse(model, state_dtype="int8", lr=1e-2)
+    _train(model, opt, _batches(2))
+    saved = opt.state_dict()
+    assert saved["param_groups"][-1]["params"] == [len(list(model.parameters()))]
+    # A torch optimizer over the same parameters, in one group or split as HF Trainer splits them
+    # (decay / no decay), or over the fallback parameters alone, refuses before touching its state.
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    for other in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1),
+                  torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]),
+                  torch.optim.AdamW(opt.fallback_parameters())):
+        with pytest.raises(ValueError, match="different number of parameter groups|doesn't match the size"):
+            other.load_state_dict(saved)
+        assert not other.state
+    with pytest.raises(ValueError, match=r"not a ForgeOptimizer state dict \(no 'forge' entry\)"):
+        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_a_state_dict_without_the_guard_group_still_loads() -> None:
+    batches = _batches(4)
+    straight = _mlp()
+    resumed = copy.deepcopy(straight)
+    straight_opt = _fuse(straight, state_dtype="int8", lr=1e-2)
+    _train(straight, straight_opt, batches)
+    first_opt = _fuse(resumed, state_dtype="int8", lr=1e-2)
+    _train(resumed, first_opt, batches[:2])
+    saved = copy.deepcopy(first_opt.state_dict())
+    saved["param_groups"] = saved["param_groups"][:-1]      # the layout without the guard group
+    forge_core.unfuse(resumed)
+    resumed_opt = _fuse(resumed, state_dtype="int8", lr=1e-2)
+    resumed_opt.load_state_dict(saved)
+    _train(resumed, resumed_opt, batches[2:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_micro_batch_accumulation_equals_unfused_accumulation(backend: str) -> None:
     k = 3

@@ -823,7 +823,11 @@ def test_a_forge_row_that_fused_nothing_is_labelled_so(tmp_path):
     with (out / "tables" / "headline.csv").open() as fh:
         marks = {(r["model"], r["method"]): r["nothing_fused"] for r in csv.DictReader(fh)}
     assert marks[("tiny-gpt2", "forge_bf16")] == "True" and marks[("tiny-llama", "forge_bf16")] == "False"
-    summary = (out / "README.md").read_text()
+    assert "(nothing fused)" not in (out / "README.md").read_text(), "the first page leads with a model FORGE fused"
+    assert "### Headline: tiny-llama" in (out / "README.md").read_text()
+    only_gpt2 = tmp_path / "gpt2"
+    build_report(_rows_of_models(tmp_path / "g", {"tiny-gpt2": 495104}), only_gpt2, formats=("png",))
+    summary = (only_gpt2 / "README.md").read_text()
     assert "| `forge_bf16` (nothing fused) |" in summary and "_nothing fused: the FORGE arm" in summary
 
 

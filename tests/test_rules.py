@@ -90,17 +90,29 @@ def test_fallback_optimizer_takes_the_rule_hyper_parameters(name, expected):
     assert optimizer.param_groups[0]["lr"] == 0.123
 
 
+KERNEL_RULES = ("adamw", "sgd", "lion", "rmsprop", "adagrad", "adamax", "nadam", "radam", "lamb")
+LAYER_RULES = {"muon", "adafactor", "adalomo", "sm3", "adam_mini", "lars"}
+
+
 def test_registry_and_rule_shape():
-    assert set(RULES) == {"adamw", "sgd", "lion"}
+    assert set(KERNEL_RULES) | LAYER_RULES <= set(RULES)
     assert get_rule("AdamW") is RULES["adamw"]
     with pytest.raises(ValueError, match="unknown optimizer rule"):
-        get_rule("adafactor")
-    for rule in RULES.values():
-        assert 1 <= len(rule.state_names) <= 2
+        get_rule("adafactorial")
+    for name in KERNEL_RULES:
+        rule = RULES[name]
+        assert 1 <= len(rule.state_names) <= 3
         assert rule.epilogue is not None and rule.kernel_scalars is not None
         assert len(rule.kernel_scalars(dict(rule.defaults), 3)) <= 8
         assert rule.resolve_hp({"lr": 0.5, "params": []})["lr"] == 0.5
+        assert set(rule.states_for(rule.defaults)) <= set(rule.state_names)
+    for name in LAYER_RULES:          # stepped in plain torch after the layer's GEMM (forge_core.layer_step)
+        rule = RULES[name]
+        assert rule.regime in (2, 3) and rule.epilogue is None and rule.state_dtypes == {"fp32", "bf16"}
+        assert (rule.layer_update is not None) == (rule.regime == 2)
+        assert rule.resolve_hp({"lr": 0.5, "params": []})["lr"] == 0.5
     assert RULES["adamw"].sqrt_domain_states == {"exp_avg_sq"}
+    assert RULES["sgd"].states_for({"momentum": 0.0}) == () and RULES["sgd"].states_for(None) == ("momentum_buffer",)
 
 
 @pytest.mark.parametrize("name,bad,match", [

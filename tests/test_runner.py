@@ -82,10 +82,12 @@ def test_every_misbehaving_cell_gets_its_row_and_the_sweep_goes_on(plugin_env):
     assert df.loc["test_oom_always", "attempts"] == 2 and "out of memory" in df.loc["test_oom_always", "reason"]
     # unavailable cells are decided without a process
     assert not list((out / runner.LOG_DIR).glob("*test_unavailable*"))
-    assert not [p for p in _cell_processes()], "no cell process may outlive its sweep"
+    assert not _cell_processes(suite_path=suite.path), "no cell process may outlive its sweep"
 
 
-def _cell_processes(parent_pid: int | None = None) -> list[int]:
+def _cell_processes(parent_pid: int | None = None, suite_path: Path | None = None) -> list[int]:
+    """The running cell processes this test started: those of the sweep ``parent_pid``, or of the suite
+    file ``suite_path`` (another `make test` beside this one runs the same tests on other paths)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -94,9 +96,14 @@ def _cell_processes(parent_pid: int | None = None) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"forge_bench.cell" in cmd and (parent_pid is None or str(parent_pid).encode() in cmd):
-            if parent_pid is not None or any(b"broken.yaml" in c for c in cmd):
-                pids.append(int(proc.name))
+        if b"forge_bench.cell" not in cmd:
+            continue
+        args = dict(zip(cmd, cmd[1:]))
+        if parent_pid is not None and args.get(b"--parent-pid") != str(parent_pid).encode():
+            continue
+        if suite_path is not None and args.get(b"--suite") != str(suite_path).encode():
+            continue
+        pids.append(int(proc.name))
     return pids
 
 

@@ -73,20 +73,22 @@ def test_param_state_layout_store_and_dequantize(state_dtype):
     weight = torch.randn(7, 130)
     state = ParamState(weight, get_rule("adamw"), state_dtype)
     assert set(state.values) == {"exp_avg", "exp_avg_sq"}
-    expected_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[state_dtype]
+    expected_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8,
+                      "fp8": torch.float8_e4m3fn}[state_dtype]
     for name in state.values:
         assert state.values[name].dtype == expected_dtype and state.values[name].shape == (7, 130)
         assert torch.all(state.dequantize(name) == 0)
-        if state_dtype == "int8":
+        if state_dtype in ("int8", "fp8"):
             assert state.scales[name].shape == (7, 3)
         else:
             assert state.scales[name] is None
     value = torch.rand(7, 130)
     state.store("exp_avg_sq", value)
-    tolerance = {"fp32": 0.0, "bf16": 2 ** -8, "int8": 2.0 / 127}[state_dtype]
+    # fp8: sqrt(v) within half an e4m3 step (1/16 relative), so v within 1/8 and a bit
+    tolerance = {"fp32": 0.0, "bf16": 2 ** -8, "int8": 2.0 / 127, "fp8": 0.13}[state_dtype]
     assert torch.allclose(state.dequantize("exp_avg_sq"), value, rtol=tolerance, atol=tolerance)
-    per_element = {"fp32": 4, "bf16": 2, "int8": 1}[state_dtype]
-    expected_bytes = 2 * 7 * 130 * per_element + (2 * 7 * 3 * 4 if state_dtype == "int8" else 0)
+    per_element = {"fp32": 4, "bf16": 2, "int8": 1, "fp8": 1}[state_dtype]
+    expected_bytes = 2 * 7 * 130 * per_element + (2 * 7 * 3 * 4 if state_dtype in ("int8", "fp8") else 0)
     assert state.nbytes() == expected_bytes
 
 
@@ -97,7 +99,7 @@ def test_state_dict_round_trip_is_exact(state_dtype):
     state.store("exp_avg", torch.randn(5, 70))
     state.store("exp_avg_sq", torch.rand(5, 70))
     saved = {k: v.clone() for k, v in state.state_dict().items()}
-    if state_dtype == "int8":
+    if state_dtype in ("int8", "fp8"):
         assert set(saved) == {"exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"}
     else:
         assert set(saved) == {"exp_avg", "exp_avg_sq"}
@@ -115,7 +117,7 @@ def test_state_dict_round_trip_is_exact(state_dtype):
 
 def test_param_state_rejects_bad_arguments():
     with pytest.raises(ValueError, match="state_dtype"):
-        ParamState(torch.zeros(2, 2), get_rule("sgd"), "fp8")
+        ParamState(torch.zeros(2, 2), get_rule("sgd"), "fp4")
     with pytest.raises(ValueError, match="2-D"):
         ParamState(torch.zeros(4), get_rule("sgd"), "fp32")
     state = ParamState(torch.zeros(2, 3), get_rule("sgd"), "fp32")

@@ -6,9 +6,12 @@
   headline cell, the peers and the batch x seq grid, linking the details;
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
-* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, batch x seq grid, model scaling,
-  where memory goes, hardware comparison, fidelity, across GPUs (the distributed arms: per-rank
-  peak, step and tokens/s per world size, and the targets; ``distributed.py``), what did not run;
+* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the optimizer families (App. I),
+  batch x seq grid, model scaling, where memory goes, hardware comparison, fidelity, coverage across
+  the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
+  and the targets; ``distributed.py``), scaling within a model family, what did not run; and from the rows of ``forge-bench fidelity`` and
+  ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E fidelity table and the
+  convergence table (``training.py``);
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
   ``forge-bench report --formats png``),
 
@@ -26,7 +29,10 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from . import distributed, figures, folder, ratios, render, summary, tables
+from forge_bench.results import ResultsError
+from forge_bench.run_rows import file_kind, load_kind
+
+from . import app_i, coverage, distributed, figures, folder, ratios, render, summary, tables, training
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -54,10 +60,25 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     folders = as_folders(results_dir)
     out_dir = Path(out_dir)
     folder.check_target(out_dir)
-    frame = load_rows(folders, on_foreign)
+    convergence_rows = load_kind(folders, "convergence")
+    fidelity_rows = load_kind(folders, "fidelity")
+
+    def on_other_kind(path: Path, reason: str) -> None:
+        if file_kind(path) is not None:       # a convergence or fidelity file: read by training.py
+            return
+        if on_foreign is None:
+            raise ResultsError(f"{path}: {reason}")
+        on_foreign(path, reason)
+
+    try:
+        frame = load_rows(folders, on_other_kind)
+    except NoResultsError:
+        if convergence_rows is None and fidelity_rows is None:
+            raise
+        frame = None                           # only training-quality rows here
     staging = folder.staging_folder(out_dir)
     try:
-        _write_report(frame, folders, staging, formats)
+        _write_report(frame, folders, staging, formats, convergence_rows, fidelity_rows)
     except BaseException:
         folder.remove_staging(staging)
         raise
@@ -66,14 +87,16 @@ def build_report(results_dir: str | Path | Sequence[str | Path], out_dir: str | 
     return out_dir / SUMMARY
 
 
-def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, formats: Sequence[str]) -> None:
+def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: Path, formats: Sequence[str],
+                  convergence_rows, fidelity_rows) -> None:
     """Every table, figure and page of the report into the empty folder ``out_dir``. The distributed
     arms' rows (a strategy) have a section of their own; every other section reads the one-process rows."""
     results_dir = ", ".join(f"`{f}`" for f in folders)
-    across_gpus = distributed.is_distributed(every_row)
-    frame, distributed_rows = every_row[~across_gpus], every_row[across_gpus]
+    frame = distributed_rows = None
+    if every_row is not None:
+        across_gpus = distributed.is_distributed(every_row)
+        frame, distributed_rows = every_row[~across_gpus], every_row[across_gpus]
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
-    colors = figures.method_colors(ordered_methods(frame))
     written: list[Path] = []
     sections: list[str] = []
 
@@ -107,6 +130,11 @@ def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, f
             lines += [f"- {t.title}" for t in built] + [""]
         return lines
 
+    if frame is None:
+        _training_only_report(out_dir, results_dir, convergence_rows, fidelity_rows, formats)
+        return
+    colors = figures.method_colors(ordered_methods(frame))
+
     # headline
     headline = tables.headline_tables(frame)
     sections += table_section("Headline", "headline", headline,
@@ -114,6 +142,11 @@ def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, f
     head_figs = figures.headline_figures(frame, figure_dir, colors, formats)
     written += head_figs
     sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
+
+    # App. I: every optimizer family fused against unfused
+    sections += table_section("Optimizer families (App. I)", "app-i", app_i.app_i_tables(frame),
+                              "Each optimizer family fused against unfused, per state format, with the paper's "
+                              "App. I figures beside the fp32 lines.", True, "no optimizer-family rows")
 
     # the floor
     sections += table_section("FORGE against its floor", "floor", tables.floor_tables(frame),
@@ -169,6 +202,21 @@ def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, f
     written += dist_figs
     sections += figure_block(dist_figs)
 
+    # coverage across the zoo, and scaling within a model family
+    sections += table_section("Coverage across the model zoo", "coverage", coverage.coverage_tables(frame),
+                              "What FORGE fuses in each model, and what it costs and saves there (paper App. P).",
+                              True, "no FORGE row")
+    family_figs, family_note = coverage.family_scaling_figures(frame, figure_dir, colors, formats)
+    sections += table_section("Scaling within a model family", "family", coverage.largest_fit_tables(frame),
+                              "The largest model of a family each arm fits on each GPU (paper Fig. 7).", True,
+                              family_note or "no family measured at two sizes")
+    written += family_figs
+    sections += figure_block(family_figs)
+
+    # training quality: App. E fidelity and convergence on real text
+    sections += _training_sections(table_section, figure_block, written, figure_dir, convergence_rows,
+                                   fidelity_rows, formats)
+
     # not run
     not_run = tables.not_run_table(every_row)
     sections += table_section("What did not run", "not-run", [not_run] if not_run else [],
@@ -182,6 +230,55 @@ def _write_report(every_row: pd.DataFrame, folders: list[Path], out_dir: Path, f
     first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS))
     written.append(first_page)
     folder.write_manifest(out_dir, written)
+
+
+def _training_sections(table_section, figure_block, written: list[Path], figure_dir: Path, convergence_rows,
+                       fidelity_rows, formats: Sequence[str]) -> list[str]:
+    """The fidelity (App. E) and convergence sections, from their own rows (``training.py``)."""
+    lines = table_section("Fidelity against fp32 (App. E)", "fidelity-app-e",
+                          training.fidelity_run_tables(fidelity_rows) if fidelity_rows is not None else [],
+                          "A head trained by each bf16 update path, against the same run in fp32.", True,
+                          "no forge-bench fidelity rows")
+    lines += table_section("Convergence on real text", "convergence",
+                           training.convergence_tables(convergence_rows) if convergence_rows is not None else [],
+                           "End-of-run losses of each arm against fused AdamW, paired by seed.", True,
+                           "no completed forge-bench convergence run")
+    if convergence_rows is not None:
+        paths, note = training.convergence_figures(convergence_rows, figure_dir, formats)
+        written += paths
+        lines += figure_block(paths) if paths else [f"_No convergence figure: {note}._", ""]
+    return lines
+
+
+def _training_only_report(out_dir: Path, results_dir: str, convergence_rows, fidelity_rows,
+                          formats: Sequence[str]) -> Path:
+    """A folder with only convergence / fidelity rows: one page (README.md, index.md the same)."""
+    written: list[Path] = []
+    table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
+
+    def table_section(heading, stem, built, intro, inline, skip_note):
+        lines = [f"## {heading}", ""]
+        if not built:
+            return lines + [f"_Skipped: {skip_note}._", ""]
+        paths = render.write_tables(built, table_dir, stem, heading, intro)
+        written.extend(paths)
+        return lines + [" · ".join(f"[{p.suffix[1:]}]({p.relative_to(out_dir).as_posix()})" for p in paths), ""] + \
+            [t.to_markdown(level=3) for t in built]
+
+    def figure_block(paths):
+        return [f"![{p.stem}]({p.relative_to(out_dir).as_posix()})" for p in paths if p.suffix == ".png"] + [""]
+
+    body = _training_sections(table_section, figure_block, written, figure_dir, convergence_rows, fidelity_rows,
+                              formats)
+    text = "\n".join(["# FORGE training-quality report", "",
+                       f"Generated by `forge-bench report` from the convergence and fidelity rows under {results_dir}.",
+                       ""] + body).rstrip() + "\n"
+    first_page = out_dir / SUMMARY
+    for path in (first_page, out_dir / DETAILS):
+        path.write_text(text)
+        written.append(path)
+    folder.write_manifest(out_dir, written)
+    return first_page
 
 
 def _header(frame: pd.DataFrame, results_dir: str) -> list[str]:

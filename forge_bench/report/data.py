@@ -153,9 +153,9 @@ def is_forge(method: str, family: str = "") -> bool:
 # A FORGE arm on a model with no weight it may fuse (n_fused_params = 0) runs every update in
 # opt.step(): its row is FORGE's unfused path, and a reader comparing it with the baseline must know.
 NOTHING_FUSED = "nothing fused"
-NOTHING_FUSED_NOTE = ("nothing fused: the FORGE arm found no weight of this model to fuse (n_fused_params = 0; "
-                      "e.g. GPT-2's Conv1D layers are not nn.Linear and its head is tied), so every update ran "
-                      "in opt.step(): the row measures FORGE's unfused path, not a fused weight update.")
+NOTHING_FUSED_NOTE = ("nothing fused: the FORGE arm found no weight of this model to fuse (n_fused_params = 0), "
+                      "so every update ran in opt.step(): the row measures FORGE's unfused path, not a fused "
+                      "weight update.")
 
 
 def nothing_fused(row: Mapping[str, Any]) -> bool:

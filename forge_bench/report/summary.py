@@ -31,10 +31,14 @@ def variant_label(timing: str, activations: str) -> str:
 
 def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
     """(model, batch, seq) of one device's headline: the largest model with an ok baseline or FORGE
-    row, at its smallest tokens per step (then the smaller batch)."""
+    row, at its smallest tokens per step (then the smaller batch). Models on which a FORGE arm fused
+    weights come first: a headline where FORGE fused nothing would show only its unfused path."""
     ok = frame[(frame["status"] == "ok") & frame["method_family"].isin(CORE_FAMILIES)]
     if ok.empty:
         return None
+    fused = ok[(ok["method_family"] == "forge") & (pd.to_numeric(ok["n_fused_params"]).fillna(0) > 0)]
+    if not fused.empty:
+        ok = ok[ok["model"].isin(set(fused["model"]))]
     sizes = {model: max((as_number(n) or 0.0) for n in group["n_params"]) for model, group in ok.groupby("model")}
     model = max(sizes, key=lambda m: (sizes[m], m))
     of_model = ok[ok["model"] == model]

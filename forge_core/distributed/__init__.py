@@ -35,8 +35,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..manager import fuse
-from ..optimizer import ForgeOptimizer, FusedWeight, resolve_backend
-from ..rules import get_rule
+from ..backends import resolve_backend
+from ..optimizer import ForgeOptimizer
+from ..layer_step import takes_layer_path
+from ..rules import Rule, get_rule
 from ..state import STATE_DTYPES
 from .affine import state_reduction_problem
 from .data_parallel import DataParallelUpdates
@@ -60,10 +62,15 @@ def _refuse(entry: str, options: dict[str, Any], refused: dict[str, str]) -> Non
             raise ValueError(f"{entry}: {key}={options[key]!r} is not supported ({why})")
 
 
-def _fused_weights(model: nn.Module, optimizer: ForgeOptimizer) -> list[FusedWeight]:
-    """The optimizer's fused weights, in its order (found through their modules)."""
-    return [model.get_submodule(name if name != "<root>" else "").forge_updater
-            for name in optimizer.fused_module_names()]
+def _refuse_rule(entry: str, rule: Rule, sharded: bool) -> None:
+    """A one-line error for a rule these entries cannot step: a per-layer-path rule steps from the layer's
+    local gradient before any reduction; a rule reading whole-weight norms (LAMB) sees one shard's."""
+    if takes_layer_path(rule):
+        raise ValueError(f"{entry}: optimizer {rule.name!r} steps each layer in plain torch from its local, "
+                         "unreduced gradient (forge_core.layer_step); it is not supported across ranks")
+    if sharded and rule.layer_sums:
+        raise ValueError(f"{entry}: optimizer {rule.name!r} reads norms of each whole weight, which a shard "
+                         "does not hold")
 
 
 def fuse_data_parallel(model: nn.Module, optimizer: str = "adamw", *, process_group: Any = None,
@@ -95,6 +102,7 @@ def fuse_data_parallel(model: nn.Module, optimizer: str = "adamw", *, process_gr
         "capturable": "the reductions are ordered by the host, which a replayed CUDA graph cannot follow"})
     fuse_options["overlap"] = False         # each update follows its reduction on the backward's stream
     rule = get_rule(optimizer)
+    _refuse_rule(entry, rule, sharded=False)
     hyperparameters = {**dict(rule.defaults), **{k: v for k, v in fuse_options.items() if k in rule.defaults}}
     problem = state_reduction_problem(rule.name, hyperparameters, fuse_options.get("state_dtype", "fp32"),
                                       bool(fuse_options.get("stochastic_rounding", False)))
@@ -106,7 +114,7 @@ def fuse_data_parallel(model: nn.Module, optimizer: str = "adamw", *, process_gr
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=source, group=process_group)
     forge_optimizer = fuse(model, optimizer, **fuse_options)
-    fused = _fused_weights(model, forge_optimizer)
+    fused = forge_optimizer.fused_weights()
     forge_optimizer.distributed = DataParallelUpdates(
         forge_optimizer, fused, process_group, int(bucket_cap_mb * 1024 * 1024), buckets_in_flight,
         state_reduction=reduce != "gradient" and problem is None)
@@ -138,6 +146,7 @@ def fuse_fsdp(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float]
         raise ValueError(f"{entry}: the model is not sharded by FSDP2; call torch.distributed.fsdp.fully_shard on "
                          "it (and its blocks) first")
     rule = get_rule(optimizer)
+    _refuse_rule(entry, rule, sharded=True)
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{entry}: state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int) or accumulate_steps < 1:
@@ -172,6 +181,7 @@ def fuse_tensor_parallel(model: nn.Module, device_mesh: Any, optimizer: str = "a
     if getattr(device_mesh, "ndim", None) != 1:
         raise ValueError(f"{entry}: device_mesh must be a 1-D DeviceMesh, got {device_mesh!r}")
     _refuse(entry, fuse_options, {"capturable": "the DTensor collectives around each layer are issued by the host"})
+    _refuse_rule(entry, get_rule(optimizer), sharded=True)
     return fuse(model, optimizer, device_mesh=device_mesh, **fuse_options)
 
 

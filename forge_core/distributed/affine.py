@@ -46,13 +46,13 @@ def partial_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
 
 
 @triton.jit
-def partial_epilogue(w, g, momentum_buffer, unused_state, seed_scale, grad_scale, decay_scale, unused_c3,
-                     unused_c4, unused_c5, unused_c6, unused_c7, FAST: tl.constexpr):
+def partial_epilogue(w, g, momentum_buffer, unused_state, unused_state2, seed_scale, grad_scale, decay_scale,
+                     unused_c3, unused_c4, unused_c5, unused_c6, unused_c7, FAST: tl.constexpr):
     """This rank's share of the new momentum on an fp32 tile; the weight tile is stored unchanged."""
     share = grad_scale * g + decay_scale * w
     if seed_scale != 0.0:
         share = share + seed_scale * momentum_buffer
-    return w, share, unused_state
+    return w, share, unused_state, unused_state2
 
 
 def _no_fallback(params: Any, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
@@ -107,6 +107,7 @@ class MomentumReduction:
         if state is None:
             state = binding.state.rows(0, binding.state.shape[0])
             state.rule = PARTIAL_MOMENTUM
+            state.epilogue = PARTIAL_MOMENTUM.epilogue_for(state.state_names)   # the view kept SGD's
             self._share_states[binding.index] = state
         return state
 
@@ -122,7 +123,7 @@ class MomentumReduction:
                    "grad_scale": coefficient / self.world_size,
                    "decay_scale": coefficient * float(group["weight_decay"]) if on_rank0 else 0.0}
         with torch.no_grad():
-            self._launch(x, grad_output, binding.local_weight, self.share_state(binding), scalars,
+            self._launch(x, grad_output, binding.matrix, self.share_state(binding), scalars,
                          binding.steps_done + 1, grad_accum=binding.grad_accum)
             if binding.grad_accum is not None:
                 binding.grad_accum.zero_()
@@ -132,7 +133,7 @@ class MomentumReduction:
         """``W <- W - lr B`` with the reduced momentum ``B``, as torch's SGD steps a parameter."""
         lr = float(self.optimizer.param_groups[binding.group_index]["lr"])
         with torch.no_grad():
-            binding.local_weight.add_(binding.state.values["momentum_buffer"], alpha=-lr)
+            binding.matrix.add_(binding.state.values["momentum_buffer"], alpha=-lr)
 
 
 __all__ = ["PARTIAL_MOMENTUM", "MomentumReduction", "state_reduction_problem"]

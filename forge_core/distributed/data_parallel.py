@@ -75,6 +75,53 @@ def write_scaled_gradient(out: torch.Tensor, x: torch.Tensor, grad_output: torch
         out.copy_(torch.mm(dy2.t(), x2)).mul_(scale)
 
 
+class RowGradient:
+    """One weight's last micro-batch arriving in row blocks (``DataParallelUpdates.row_updates``),
+    called as ``optimizer.RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index, x=None)``."""
+
+    mode = "update"       # what an expert weight reads to count its experts as updated
+
+    def __init__(self, owner: "DataParallelUpdates", binding: FusedWeight, x: Optional[torch.Tensor]) -> None:
+        self.owner, self.binding, self.x = owner, binding, x
+        matrix = binding.matrix
+        self.at_end_of_backward = hasattr(binding, "rows_left_out")       # an expert weight
+        self.accumulator = binding.grad_accum
+        if self.accumulator is not None:
+            self.gradient = self.accumulator
+        else:
+            self.gradient = torch.zeros_like(matrix) if self.at_end_of_backward else torch.empty_like(matrix)
+        self.covered = 0
+        self.sent = False
+
+    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
+                 x: Optional[torch.Tensor] = None) -> None:
+        inputs = self.x if x is None else x
+        target = self.gradient[int(r0):int(r1)]
+        with torch.no_grad():
+            if self.accumulator is not None:       # scaled by 1/N as a whole when sent
+                target.addmm_(dy_rows.reshape(-1, target.shape[0]).t().float(),
+                              inputs.reshape(-1, target.shape[1]).float())
+            else:
+                write_scaled_gradient(target, inputs, dy_rows, 1.0 / self.owner.world_size)
+        self.covered += int(r1) - int(r0)
+        if not self.at_end_of_backward and self.covered == self.gradient.shape[0]:
+            self.send()
+
+    def send(self) -> None:
+        """All-reduce the gradient, then update the whole matrix from it (once)."""
+        if self.sent:
+            return
+        self.sent = True
+        binding, gradient = self.binding, self.gradient
+        if self.accumulator is not None:
+            gradient.mul_(1.0 / self.owner.world_size)
+        self.owner.all_reduce(gradient, lambda: self.owner.update_from(binding, gradient,
+                                                                       zero_after=self.accumulator is not None))
+        experts = getattr(binding, "num_experts", None)
+        if experts is not None:                # every row is updated from the reduced gradient
+            binding.updated_experts.update(range(experts))
+
+
 class DataParallelUpdates:
     """``ForgeOptimizer.distributed`` for data parallelism (see the module docstring).
 
@@ -93,6 +140,7 @@ class DataParallelUpdates:
         self.momentum = MomentumReduction(optimizer, self.rank, self.world_size) if state_reduction else None
         self.pending: collections.deque[Reduction] = collections.deque()
         self.open: dict[tuple[torch.dtype, torch.device], OpenBucket] = {}
+        self.open_rows: list[RowGradient] = []      # expert weights' gradients, sent at the end of the backward
         self._callbacks_queued: set[int] = set()
         self._order: Optional[list[int]] = []     # fused weights in reduction order, first backward only
         self.reductions_started = 0
@@ -107,9 +155,9 @@ class DataParallelUpdates:
         self._record_order(binding)
         if self.momentum is not None:
             buffer = self.momentum.write_share(binding, x, grad_output)
-            self._all_reduce(buffer, lambda: self.momentum.step_weight(binding))
+            self.all_reduce(buffer, lambda: self.momentum.step_weight(binding))
             return
-        weight = binding.local_weight
+        weight = binding.matrix
         if binding.grad_accum is not None:
             # Accumulation: the fp32 accumulator holds micro-batches 1..k-1; add the last and reduce it
             # in place (it exists anyway: no bucket needed), then update from it.
@@ -117,51 +165,36 @@ class DataParallelUpdates:
             dout, din = weight.shape
             accumulator.addmm_(grad_output.reshape(-1, dout).t().float(), x.reshape(-1, din).float())
             accumulator.mul_(1.0 / self.world_size)
-            self._all_reduce(accumulator, lambda: self._update_from(binding, accumulator, zero_after=True))
+            self.all_reduce(accumulator, lambda: self.update_from(binding, accumulator, zero_after=True))
             return
         slot, bucket_key = self._slot(binding)
         write_scaled_gradient(slot, x, grad_output, 1.0 / self.world_size)
         if bucket_key is None:                                       # a bucket of its own: send it now
-            self._all_reduce(slot, lambda: self._update_from(binding, slot))
+            self.all_reduce(slot, lambda: self.update_from(binding, slot))
         elif self.open[bucket_key].used >= self.open[bucket_key].buffer.numel():
             self._send(bucket_key)
 
-    def row_updates(self, binding: FusedWeight, x: torch.Tensor) -> Callable[[int, int, torch.Tensor, int], None]:
-        """The last micro-batch of ``binding`` in row blocks (the chunked LM-head loss): the rows go
-        into one weight-sized gradient (the accumulator when there is one), reduced once every row
-        has arrived."""
+    def row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowGradient":
+        """The last micro-batch of ``binding`` in row blocks: an LM head's vocab chunks (the chunked
+        loss), or the experts of a 3-D expert weight, each block with its own tokens. The rows go into
+        one gradient of the weight's matrix (the accumulator when there is one); it is reduced once
+        every row has arrived (an LM head: every rank sends it at the same point) or, for expert
+        weights, whose experts some ranks' tokens may not reach, at the end of the backward; then the
+        whole matrix is updated from it (a row no rank reached gets the zero-gradient step, as torch's
+        AdamW steps the whole 3-D Parameter). SGD's momentum takes this path too (no share kernel per
+        block)."""
         self._at_end_of_backward()
         self._record_order(binding)
-        weight = binding.local_weight
-        rows = weight.shape[0]
-        accumulator = binding.grad_accum
-        gradient = accumulator if accumulator is not None else torch.empty_like(weight)
-        x2 = x.reshape(-1, weight.shape[1])
-        covered = [0]
-        scale = 1.0 / self.world_size
-
-        def block(r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0) -> None:
-            target = gradient[int(r0):int(r1)]
-            with torch.no_grad():
-                if accumulator is not None:
-                    target.addmm_(dy_rows.reshape(-1, target.shape[0]).t().float(), x2.float())
-                    target.mul_(scale)
-                else:
-                    write_scaled_gradient(target, x2, dy_rows, scale)
-            covered[0] += int(r1) - int(r0)
-            if covered[0] == rows:
-                if self.momentum is not None:
-                    raise RuntimeError("the chunked LM-head loss with a fused head under reduce='state' is not "
-                                       "supported; fuse_data_parallel(..., reduce='gradient') takes it")
-                self._all_reduce(gradient, lambda: self._update_from(binding, gradient,
-                                                                     zero_after=accumulator is not None))
-        return block
+        rows = RowGradient(self, binding, x)
+        if rows.at_end_of_backward:
+            self.open_rows.append(rows)
+        return rows
 
     def _slot(self, binding: FusedWeight) -> tuple[torch.Tensor, Optional[tuple[torch.dtype, torch.device]]]:
         """Where ``binding``'s gradient goes, and the key of its open bucket: a slot of the open bucket
         of its dtype (sending the bucket first when the slot does not fit), or a tensor of its own
         (key None) when it is larger than a bucket."""
-        weight = binding.local_weight
+        weight = binding.matrix
         numel = weight.numel()
         capacity = self.bucket_cap_bytes // weight.element_size()
         if numel > capacity:
@@ -187,10 +220,10 @@ class DataParallelUpdates:
 
         def finish() -> None:
             for binding, slot in slots:
-                self._update_from(binding, slot)
-        self._all_reduce(bucket.buffer[:bucket.used], finish)
+                self.update_from(binding, slot)
+        self.all_reduce(bucket.buffer[:bucket.used], finish)
 
-    def _all_reduce(self, tensor: torch.Tensor, finish: Callable[[], None]) -> None:
+    def all_reduce(self, tensor: torch.Tensor, finish: Callable[[], None]) -> None:
         """Sum ``tensor`` over the ranks asynchronously; ``finish`` once it is done, when more than
         ``buckets_in_flight`` reductions are outstanding or at the end of the backward."""
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -204,15 +237,19 @@ class DataParallelUpdates:
         reduction.work.wait()
         reduction.finish()
 
-    def _update_from(self, binding: FusedWeight, gradient: torch.Tensor, zero_after: bool = False) -> None:
+    def update_from(self, binding: FusedWeight, gradient: torch.Tensor, zero_after: bool = False) -> None:
         self.optimizer.apply_gradient(binding, gradient)
         if zero_after:
             gradient.zero_()
 
     def finish_all(self) -> None:
-        """Send the open buckets and finish every reduction (the end of a backward, or ``step()``)."""
+        """Send the open buckets and row gradients, finish every reduction (the end of a backward, or
+        ``step()``)."""
         for key in list(self.open):
             self._send(key)
+        for rows in self.open_rows:
+            rows.send()
+        self.open_rows = []
         while self.pending:
             self._finish_oldest()
         if self._order:
@@ -274,7 +311,7 @@ class DataParallelUpdates:
             if 0 < binding.micro_batches < steps:
                 accumulator = binding.grad_accum
                 if self.momentum is not None:
-                    weight = binding.local_weight
+                    weight = binding.matrix
                     no_x = weight.new_zeros((0, weight.shape[1]))
                     no_dy = weight.new_zeros((0, weight.shape[0]))
                     buffer = self.momentum.write_share(binding, no_x, no_dy)
@@ -283,7 +320,7 @@ class DataParallelUpdates:
                 else:
                     accumulator.mul_(1.0 / self.world_size)
                     dist.all_reduce(accumulator, group=self.group)
-                    self._update_from(binding, accumulator, zero_after=True)
+                    self.update_from(binding, accumulator, zero_after=True)
                 binding.micro_batches = steps
 
     def _reduce_fallback_gradients(self) -> None:
@@ -352,4 +389,4 @@ class DataParallelUpdates:
         dense.recorded_rows = [(all_ids, all_rows.mul_(1.0 / self.world_size))]
 
 
-__all__ = ["DataParallelUpdates", "write_scaled_gradient", "SLOT_ALIGN_ELEMENTS"]
+__all__ = ["DataParallelUpdates", "RowGradient", "write_scaled_gradient", "SLOT_ALIGN_ELEMENTS"]

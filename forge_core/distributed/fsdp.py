@@ -29,7 +29,7 @@ from torch import nn
 from .. import kernels
 from ..dtensors import contiguous_strides, dtensor_module, is_dtensor, local_shard
 from ..rules.base import Rule
-from ..state import ParamState
+from ..state import ParamState, restore_entry, saved_entry
 
 
 class ShardedWeight:
@@ -198,10 +198,8 @@ class FsdpForgeOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(self._parameter_order())}
         state: dict[int, dict[str, Any]] = {}
         for shard in self.sharded:
-            entry: dict[str, Any] = {"step": torch.tensor(float(shard.steps_done))}
-            for key, local in shard.state.state_dict().items():
-                entry[key] = _as_dtensor(local, shard.parameter)
-            state[index_of[id(shard.parameter)]] = entry
+            state[index_of[id(shard.parameter)]] = {key: value if key == "step" else _as_dtensor(value, shard.parameter)
+                                                    for key, value in saved_entry(shard).items()}
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
         groups = []
@@ -228,8 +226,7 @@ class FsdpForgeOptimizer(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         for shard in self.sharded:
             entry = saved_state[index_of[id(shard.parameter)]]
-            shard.state.load_state_dict({key: local_shard(value) for key, value in entry.items() if key != "step"})
-            shard.steps_done = int(entry["step"])
+            restore_entry(shard, {key: local_shard(value) for key, value in entry.items()})
             shard.micro_batches = 0
         for saved, ours in zip(state_dict["param_groups"], self.param_groups):
             ours.update({key: copy.deepcopy(value) for key, value in saved.items() if key != "params"})

@@ -9,8 +9,9 @@ signature and materializes G (see docs/CONTRACTS.md). The modules ``row_gradient
 The modules, from the device up: ``device`` (where kernels run), ``codec`` (how tiles and states
 are read and written), ``tile_kernel`` / ``tile_config`` (the Triton kernel and its tiles),
 ``hopper_ws_kernel`` / ``hopper_ws`` (the warp-specialized Gluon kernel), ``direct_launch`` and
-``launch`` (plans and launches), ``tune_cache`` / ``ws_choice`` / ``tuning`` (which kernel and
-tile run a weight), ``dispatch`` (``fused_wgrad_update``). Without Triton only the reference runs
+``launch`` (plans and launches), ``layer_apply`` (a regime-2 rule's second pass: LAMB's W),
+``tune_cache`` / ``ws_choice`` / ``tuning`` (which kernel and tile run a weight), ``dispatch``
+(``fused_wgrad_update``). Without Triton only the reference runs
 and nothing of the Triton stack is imported.
 """
 from __future__ import annotations

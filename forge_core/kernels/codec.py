@@ -1,8 +1,10 @@
 """The device codec every update kernel shares: how weight-shaped tiles, optimizer states and the
 rule's scalars are read from memory and written back.
 
-A state is stored as fp32, bf16 (rounded to nearest even) or int8 codes with one fp32 scale per
-64-column block (``s = absmax / 127``, re-quantized every step; ``forge_core.state`` is the spec).
+A state is stored as fp32, bf16 (rounded to nearest even), or int8 or float8_e4m3fn codes with one
+fp32 scale per 64-column block (``s = absmax / 127`` or ``absmax / 448``, re-quantized every step;
+``forge_core.state`` is the spec). ``KIND`` (a constexpr): 0 fp32, 1 bf16, 2 int8, 3 fp8 (whose codes
+the kernels read and write as uint8).
 The Triton tile kernel (``tile_kernel``), the Gluon kernel (``hopper_ws_kernel``) and the embedding's
 row update (``row_update``) call these same ``@triton.jit`` functions, so all three store the same
 codes and bits. ``HW_MATH`` selects the GPU's instructions; without it (the interpreter) each step
@@ -27,9 +29,9 @@ def load_tile(ptr, offsets, mask, EVEN: tl.constexpr):
 @triton.jit
 def load_scales(scales_ptr, rows, row_mask, col_block0, n_blocks, stride_scale_row, KIND: tl.constexpr,
                  BN: tl.constexpr, QB: tl.constexpr):
-    """The fp32 block scales of an int8 state tile: (BM,) when the tile is one block wide, else
+    """The fp32 block scales of an int8 / fp8 state tile: (BM,) when the tile is one block wide, else
     (BM, BN // QB); a dummy for other kinds."""
-    if KIND == 2:
+    if KIND >= 2:
         if BN == QB:
             block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
             return tl.load(scales_ptr + rows * stride_scale_row + col_block0, mask=row_mask & block_ok, other=0.0)
@@ -56,15 +58,37 @@ def int8_to_float(codes, HW_MATH: tl.constexpr):
 
 
 @triton.jit
+def fp8_to_float(codes, HW_MATH: tl.constexpr):
+    """float8_e4m3fn codes (uint8) as fp32, exactly. On the GPU the hardware conversion; the
+    interpreter's fp8 casts do not follow torch's, so there the 7 magnitude bits are placed at fp32's
+    exponent and mantissa positions (an fp32 of exponent field e and mantissa m: subnormal for e = 0,
+    as the fp8 value) and rebiased by 2^(127 - 7), which is exact; the sign bit is copied."""
+    if HW_MATH:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        bits = codes.to(tl.int32)
+        magnitude = ((bits & 0x7F) << 20).to(tl.float32, bitcast=True) * 1.329227995784916e+36    # 2^120
+        return (magnitude.to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
-    """A raw state tile as fp32: fp32 / bf16 as is, int8 codes times their block scale."""
+    """A raw state tile as fp32: fp32 / bf16 as is, int8 / fp8 codes times their block scale."""
     if KIND == 2:
         if BN == QB:        # one block per row: a broadcast, no reshape
             value = int8_to_float(raw, HW_MATH) * scales[:, None]
         else:
             NB: tl.constexpr = BN // QB
             value = tl.reshape(tl.reshape(int8_to_float(raw, HW_MATH), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
+        if SQRT_DOMAIN:
+            value = value * value
+    elif KIND == 3:
+        if BN == QB:
+            value = fp8_to_float(raw, HW_MATH) * scales[:, None]
+        else:
+            NB: tl.constexpr = BN // QB
+            value = tl.reshape(tl.reshape(fp8_to_float(raw, HW_MATH), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
         if SQRT_DOMAIN:
             value = value * value
     else:
@@ -146,19 +170,81 @@ def int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
 
 
 @triton.jit
+def fp8_block_scale(absmax, HW_MATH: tl.constexpr):
+    """``absmax / 448`` (fp8 states): on the GPU as absmax times fp32(1 / 448), within one ulp of the
+    quotient; in the interpreter exactly as the torch reference."""
+    if HW_MATH:
+        return absmax * (1.0 / 448.0)
+    else:
+        return tl.math.div_rn(absmax, 448.0)
+
+
+@triton.jit
+def fp8_bits_nearest_even(value):
+    """The float8_e4m3fn bit pattern (as int32, 0..255) of fp32 ``value`` (|value| <= 448 up to one
+    rounding), rounded to nearest with ties to even as torch's ``.to(torch.float8_e4m3fn)``, in integer
+    operations (the interpreter's fp8 cast rounds otherwise). Normal results (|value| >= 2^-6): the fp32
+    pattern rounded to 3 mantissa bits (add half an fp8 ulp minus one, plus the kept lowest bit), then
+    the exponent rebiased from 127 to 7; below 2^-6 the code is the integer nearest |value| * 2^9
+    (the subnormal step), which reaches the smallest normal code (8) exactly where it should."""
+    bits = value.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    rounded = (magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20
+    subnormal = ((tl.abs(value) * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)
+    code = tl.where(magnitude >= 0x3C800000, rounded - 960, subnormal)        # 2^-6; (127 - 7) << 3
+    return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def fp8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+    """fp8 codes (int32 patterns whose low byte is stored) of one block, or a tile of blocks with
+    ``scale`` broadcast to it: see state.py. A block whose scale is 0 or subnormal multiplies by 1
+    (its values round to code 0); sqrt-domain codes lose the sign of a -0.0 and are floored at 1 (the
+    smallest positive code) where the block's scale is normal."""
+    has_scale = scale >= 1.1754943508222875e-38
+    if HW_MATH:
+        inverse = libdevice.fast_dividef(1.0, tl.where(has_scale, scale, 1.0))
+        code = (signed * inverse).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
+        code = fp8_bits_nearest_even(signed * inverse)
+    if SQRT_DOMAIN:
+        code = tl.maximum(code & 0x7F, has_scale.to(tl.int32))
+    return code
+
+
+@triton.jit
+def scale_of_block(absmax, KIND: tl.constexpr, HW_MATH: tl.constexpr):
+    """A block's scale for int8 (``KIND`` 2) or fp8 (3) codes."""
+    if KIND == 2:
+        return block_scale(absmax, HW_MATH)
+    else:
+        return fp8_block_scale(absmax, HW_MATH)
+
+
+@triton.jit
+def block_codes(signed, scale, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+    """The codes of int8 (``KIND`` 2) or fp8 (3) blocks."""
+    if KIND == 2:
+        return int8_codes(signed, scale, SQRT_DOMAIN, HW_MATH)
+    else:
+        return fp8_codes(signed, scale, SQRT_DOMAIN, HW_MATH)
+
+
+@triton.jit
 def store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, col_block0, n_blocks,
                  stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, EVEN: tl.constexpr,
                  HW_MATH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
-    """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 (see state.py)."""
-    if KIND == 2:
+    """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 / fp8 (see state.py)."""
+    if KIND >= 2:
         if not EVEN:
             value = tl.where(mask, value, 0.0)
         if SQRT_DOMAIN:
             value = tl.sqrt(value)        # sqrt-domain states are nonnegative (the rule's contract)
         if BN == QB:        # one block per row: a plain row max, no reshape
             magnitude_in = tl.abs(value)
-            scale = block_scale(tl.max(magnitude_in, axis=1), HW_MATH)
-            codes = int8_codes(value, scale[:, None], SQRT_DOMAIN, HW_MATH)
+            scale = scale_of_block(tl.max(magnitude_in, axis=1), KIND, HW_MATH)
+            codes = block_codes(value, scale[:, None], KIND, SQRT_DOMAIN, HW_MATH)
             store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
             tl.store(scales_ptr + rows * stride_scale_row + col_block0, scale, mask=row_mask & block_ok)
@@ -166,8 +252,8 @@ def store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, co
             NB: tl.constexpr = BN // QB
             blocks = tl.reshape(value, (BM, NB, QB))
             magnitude_in = tl.abs(blocks)
-            scale = block_scale(tl.max(magnitude_in, axis=2), HW_MATH)
-            codes = int8_codes(blocks, scale[:, :, None], SQRT_DOMAIN, HW_MATH)
+            scale = scale_of_block(tl.max(magnitude_in, axis=2), KIND, HW_MATH)
+            codes = block_codes(blocks, scale[:, :, None], KIND, SQRT_DOMAIN, HW_MATH)
             codes = tl.reshape(codes, (BM, BN))
             store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_cols = col_block0 + tl.arange(0, NB)
@@ -175,6 +261,23 @@ def store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, co
             tl.store(scales_ptr + rows[:, None] * stride_scale_row + block_cols[None, :], scale, mask=scale_mask)
     else:
         store_tile(values_ptr + offsets, value, mask, EVEN, HW_MATH)
+
+
+@triton.jit
+def store_weight(W, w_offsets, weight, mask, rows, offs_n, N, seed, STOCHASTIC_ROUNDING: tl.constexpr,
+                 EVEN: tl.constexpr, HW_MATH: tl.constexpr):
+    """Store an fp32 weight tile: to nearest, or (``STOCHASTIC_ROUNDING``, bf16 weights) stochastically,
+    adding 16 random low bits to the fp32 pattern, then truncating to bf16 (unbiased); the random
+    stream is keyed by the element's position in the weight and the seed."""
+    if STOCHASTIC_ROUNDING:
+        linear = (rows[:, None] * N + offs_n[None, :]).to(tl.uint32)
+        noise = tl.randint(seed, linear) & 0xFFFF
+        bits = weight.to(tl.uint32, bitcast=True)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        rounded = tl.where(finite, (bits + noise) & 0xFFFF0000, bits)
+        tl.store(W + w_offsets, rounded.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+    else:
+        store_tile(W + w_offsets, weight, mask, EVEN, HW_MATH)
 
 
 @triton.jit

@@ -3,6 +3,8 @@
 The first call of a weight and activation layout checks its arguments, takes the tile the tuner
 chose (``tuning``), lets the Gluon kernel take the weight where it is faster (``ws_choice``), and
 keeps the resulting plan (``PLANS``); later calls with the same layout launch that plan directly.
+A regime-2 rule (LAMB) runs three launches per step: its per-layer sums zeroed, the fused kernel
+(states and sums), and the second pass (``layer_apply``: W).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import triton
 
 from ..state import ParamState
-from . import hopper_ws, launch, tuning, ws_choice
+from . import hopper_ws, launch, layer_apply, tuning, ws_choice
 from .device import interpreting, triton_available
 from .direct_launch import direct_launch_enabled
 from .launch import kernel_meta, kernel_scalars, kernel_states, launch_scalars
@@ -52,6 +54,8 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         scalars = device_scalars if in_memory else kernel_scalars(state.rule, hp, step)
         if isinstance(cached, WsPlan):
             cached.run(x2, dy2, scalars)
+        elif state.layer_sums is not None:
+            _regime_two_step(cached, x2, dy2, weight, state, scalars, int(seed) & 0x7FFFFFFF, grad_accum)
         else:
             launch.run_plan(cached, x2, dy2, scalars, int(seed) & 0x7FFFFFFF, grad_accum)
         return
@@ -73,7 +77,7 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
         if tuning.use_fixed_config():
             config = INTERPRETER_CONFIG
         else:
-            key = (tuple(weight.shape), x2.shape[0], x2.dtype, weight.dtype, rule.name, state.state_dtype,
+            key = (tuple(weight.shape), x2.shape[0], x2.dtype, weight.dtype, state.kernel_name, state.state_dtype,
                    grad_accum is not None, stochastic, ieee, str(weight.device))   # one tuning for both scalar sources
             config = tuning.tuned_config(key, state.state_dtype, x2, dy2, weight, states, scales, grad_accum, scalars,
                                          seed, meta)
@@ -85,11 +89,26 @@ def fused_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
                     PLANS[state] = {signature: gluon_plan}
                 return
     check_config(config, state.state_dtype)
-    plan = launch.make_plan(config, x2, dy2, weight, states, scales, grad_accum, meta)
-    compiled = launch.run_plan(plan, x2, dy2, scalars, seed, grad_accum)
+    plan = launch.make_plan(config, x2, dy2, weight, states, scales, grad_accum, meta, state.layer_sums)
+    if state.layer_sums is not None:
+        compiled = _regime_two_step(plan, x2, dy2, weight, state, scalars, seed, grad_accum)
+    else:
+        compiled = launch.run_plan(plan, x2, dy2, scalars, seed, grad_accum)
     if signature is not None and _plans_cacheable(config):      # one layout per weight is the steady state
         launch.go_direct(plan, compiled)
         PLANS[state] = {signature: plan}
+
+
+def _regime_two_step(plan: launch.LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
+                     state: ParamState, scalars: tuple[float, ...] | torch.Tensor, seed: int,
+                     grad_accum: torch.Tensor | None) -> Any:
+    """A regime-2 rule's step: the layer's sums zeroed, the fused kernel (states, sums), the second pass
+    (W); device ops only, so a CUDA graph can capture it. Returns the fused kernel's compiled handle."""
+    state.layer_sums.zero_()
+    compiled = launch.run_plan(plan, x2, dy2, scalars, seed, grad_accum)
+    states, scales = kernel_states(state)
+    layer_apply.apply_layer(weight, state, states, scales, scalars, seed, plan.kwargs)
+    return compiled
 
 
 @dataclasses.dataclass
@@ -127,7 +146,8 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
     else None. Both are timed on scratch copies of the weight and states."""
     if interpreting() or not tuning.autotune_enabled() or not isinstance(triton_config, TileConfig):
         return None
-    candidates = ws_choice.candidates_for(x2, dy2, weight, states, scales, state_dtype, grad_accum, stochastic)
+    candidates = ws_choice.candidates_for(x2, dy2, weight, states, scales, state_dtype, grad_accum, stochastic,
+                                          meta["NUM_SUMS"])
     if not candidates:
         return None
     sqrt_domain = (meta["S0_SQRT"], meta["S1_SQRT"])

@@ -25,8 +25,8 @@ that re-read X and dY 16 B per element. G still never reaches global memory. Mea
 states, slower at 2048 tokens and more and with int8 states; ``ws_choice`` picks per weight.
 
 Scope (checked by ``unsupported_reason``, one line naming the problem): a CUDA device of compute
-capability 9.x; bf16 X, dY and W; one or two bf16 states, or int8 states (64-column slabs, their
-fp32 block scales); Dout a multiple of BM and Din of BN; TMA-aligned tensors; no gradient
+capability 9.x; bf16 X, dY and W; a regime-1 rule with one or two bf16 states, or int8 states (64-column
+slabs, their fp32 block scales), not fp8 ones; Dout a multiple of BM and Din of BN; TMA-aligned tensors; no gradient
 accumulator and no stochastic rounding (``ws_choice`` does not offer those calls). Gluon kernels do
 not run under ``TRITON_INTERPRET``: the numerical tests need the GPU, and ``compile_offline``
 (``scripts/offline_sass.py --ws``) compiles it for sm_90 on a machine without one.
@@ -132,10 +132,20 @@ def tile_problem(config: WsConfig, m: int, n: int) -> str | None:
 
 
 def unsupported_reason(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
-                       config: WsConfig = DEFAULT_CONFIG, scales: list[torch.Tensor | None] | None = None) -> str | None:
-    """Why this kernel cannot take the call (None: it can). One line, naming the problem."""
+                       config: WsConfig = DEFAULT_CONFIG, scales: list[torch.Tensor | None] | None = None,
+                       layer_sums: int = 0) -> str | None:
+    """Why this kernel cannot take the call (None: it can). One line, naming the problem. What it
+    refuses runs on the Triton tile kernel, which takes every rule and state format: a rule with no
+    state or three, fp8 states, and a regime-2 rule (``layer_sums``: LAMB's per-layer norms)."""
     if GLUON_IMPORT_ERROR is not None:
         return f"Gluon is not importable from this Triton ({triton.__version__}): {GLUON_IMPORT_ERROR}"
+    if layer_sums:
+        return ("a regime-2 rule (per-layer sums, e.g. LAMB): its accumulate and its second pass run on the "
+                "Triton kernel")
+    if states and states[0].dtype == torch.uint8:
+        return "fp8 states (uint8 codes): the Triton kernel takes them"
+    if not 1 <= len(states) <= 2:        # no state (SGD without momentum) or three: the Triton kernel
+        return "it takes one or two bf16 states, or one or two int8 states"
     problem = config_problem(config, 1 if states and states[0].dtype == torch.int8 else 2)
     if problem is not None:
         return problem

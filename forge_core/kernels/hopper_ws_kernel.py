@@ -256,7 +256,9 @@ if GLUON_IMPORT_ERROR is None:
                         next_rows, next_col0 = _slab_origin(next_m, next_n, slab_rows, 0, BM, BN, RM, CN, WIDE_INDEX)
                     s0_next, s1_next = _slab_scales(SCALE0, SCALE1, next_rows, next_col0, stride_scale_row, CN,
                                                     NUM_STATES)
-                weight, s0, s1 = EPILOGUE(weight, grad, s0, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
+                # (the third state slot: a dummy, as the Triton kernel passes one past NUM_STATES; this
+                # kernel takes one or two states)
+                weight, s0, s1, s2 = EPILOGUE(weight, grad, s0, s1, s1, c0, c1, c2, c3, c4, c5, c6, c7, True)
                 offsets = gl.expand_dims(rows * N, 1) + gl.expand_dims(col0 + slab_cols, 0)
                 gl.store(W + offsets, weight.to(gl.bfloat16))
                 # bf16 rounded to nearest even, or int8 re-quantized with new block scales (state.py)

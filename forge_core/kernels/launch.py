@@ -15,17 +15,16 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..rules.base import KERNEL_SCALARS, Rule, check_scalar_count
+from ..rules.base import KERNEL_SCALARS, MAX_STATES, Rule, check_scalar_count
 from ..state import QBLOCK, ParamState
 from .device import interpreting
 from .direct_launch import constexpr_tail, direct_launch_enabled, raw_tma_launch
 from .tile_config import TileConfig
 from .tile_kernel import fused_wgrad_update_kernel
 
-STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2}
+STATE_KIND = {"fp32": 0, "bf16": 1, "int8": 2, "fp8": 3}
 """The kernels' ``STATE_KIND`` constexpr per state format."""
 NUM_SCALARS = KERNEL_SCALARS
-MAX_STATES = 2
 
 
 def tma_inputs(x2: torch.Tensor, dy2: torch.Tensor) -> bool:
@@ -50,8 +49,9 @@ class LaunchPlan:
     compare and one Triton call; on a host-bound Llama-8B step each fused layer's Python counts)."""
     config: TileConfig
     grid: tuple[int]
-    fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2 (not the
-                                 # accumulator: it is passed per launch, see run_plan)
+    fixed_args: tuple            # weight, states, scales, sizes and strides after x2, dy2, then the third
+                                 # state, its scales and the per-layer sums (not the accumulator: it is
+                                 # passed per launch, see run_plan)
     kwargs: Mapping[str, Any]    # tile sizes, warps, stages, layout and rule meta-parameters
     direct: Callable[[tuple], bool] | None = None
     """Launches the kernel this plan compiled without Triton's per-call binding (``direct_launcher``);
@@ -69,13 +69,11 @@ class LaunchPlan:
 
 def state_pointers(weight: torch.Tensor, states: list[torch.Tensor],
                    scales: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-    """(S0, S1, SCALE0, SCALE1) as the kernels take them: the weight stands in for a state or scale
-    the rule or format lacks (never read: NUM_STATES / STATE_KIND rule it out)."""
-    s0 = states[0] if len(states) > 0 else weight
-    s1 = states[1] if len(states) > 1 else weight
-    scale0 = scales[0] if len(scales) > 0 and scales[0] is not None else weight
-    scale1 = scales[1] if len(scales) > 1 and scales[1] is not None else weight
-    return s0, s1, scale0, scale1
+    """(S0, S1, S2, SCALE0, SCALE1, SCALE2) as the kernels take them: the weight stands in for a state
+    or scale the rule or format lacks (never read: NUM_STATES / STATE_KIND rule it out)."""
+    slots = [states[i] if len(states) > i else weight for i in range(MAX_STATES)]
+    scale_slots = [scales[i] if len(scales) > i and scales[i] is not None else weight for i in range(MAX_STATES)]
+    return (*slots, *scale_slots)
 
 
 def wide_index(*matrices: torch.Tensor) -> bool:
@@ -102,12 +100,13 @@ def scalar_arguments(scalars: tuple[float, ...] | torch.Tensor,
 
 def make_plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
               states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
-              meta: Mapping[str, Any]) -> LaunchPlan:
+              meta: Mapping[str, Any], sums: torch.Tensor | None = None) -> LaunchPlan:
     """The plan of ``config`` for these tensors (``meta``: ``kernel_meta``'s); ``grad_accum`` only
-    lends its layout (its strides), the tensor itself is passed per launch."""
+    lends its layout (its strides), the tensor itself is passed per launch. ``sums``: a regime-2
+    rule's per-layer sums (``ParamState.layer_sums``), which the kernel adds to."""
     m, n = weight.shape
     k = x2.shape[0]
-    s0, s1, scale0, scale1 = state_pointers(weight, states, scales)
+    s0, s1, s2, scale0, scale1, scale2 = state_pointers(weight, states, scales)
     accum = grad_accum if grad_accum is not None else weight
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     tma = config.tma and tma_inputs(x2, dy2)
@@ -122,9 +121,10 @@ def make_plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: t
     fixed = (weight, s0, s1, scale0, scale1, m, n, k)
     strides = (weight.stride(0), weight.stride(1), s0.stride(0), s0.stride(1), scale0.stride(0),
                accum.stride(0), accum.stride(1))
+    third = (s2, scale2, sums if sums is not None else weight)
     kwargs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP=config.group, QB=QBLOCK,
                   num_warps=config.num_warps, num_stages=config.num_stages, **options, **layout, **meta)
-    return LaunchPlan(config, grid, fixed + strides, kwargs)
+    return LaunchPlan(config, grid, fixed + strides + third, kwargs)
 
 
 _NO_SCALARS = (0.0,) * NUM_SCALARS
@@ -150,7 +150,7 @@ def kernel_args(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: 
     accum = grad_accum if grad_accum is not None else weight
     values, buffer = scalar_arguments(scalars, weight)
     return (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-            *plan.fixed_args[8:], *values, seed, buffer)
+            *plan.fixed_args[8:15], *values, seed, buffer, *plan.fixed_args[15:])
 
 
 def _tma_descriptors(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
@@ -228,21 +228,21 @@ def go_direct(plan: LaunchPlan, compiled: Any) -> None:
 
 def launch_tile(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
                 states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
-                scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any]):
+                scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any],
+                sums: torch.Tensor | None = None):
     """Launch the kernel with ``config``; returns Triton's compiled-kernel handle (resource report)."""
-    return run_plan(make_plan(config, x2, dy2, weight, states, scales, grad_accum, meta), x2, dy2, scalars, seed,
-                    grad_accum)
+    return run_plan(make_plan(config, x2, dy2, weight, states, scales, grad_accum, meta, sums), x2, dy2, scalars,
+                    seed, grad_accum)
 
 
 def kernel_meta(state: ParamState, input_dtype: torch.dtype, *, grad_accum: bool, stochastic: bool, ieee: bool,
                 scalars_in_memory: bool) -> dict[str, Any]:
     """The rule's and the states' compile-time parameters of a launch (its plan adds the tile's)."""
-    rule = state.rule
-    names = rule.state_names
+    names = state.state_names
+    sqrt = [len(names) > i and state.is_sqrt_domain(names[i]) for i in range(MAX_STATES)]
     return dict(
-        EPILOGUE=rule.epilogue, NUM_STATES=len(names), STATE_KIND=STATE_KIND[state.state_dtype],
-        S0_SQRT=len(names) > 0 and state.is_sqrt_domain(names[0]),
-        S1_SQRT=len(names) > 1 and state.is_sqrt_domain(names[1]),
+        EPILOGUE=state.epilogue, NUM_STATES=len(names), STATE_KIND=STATE_KIND[state.state_dtype],
+        S0_SQRT=sqrt[0], S1_SQRT=sqrt[1], S2_SQRT=sqrt[2], NUM_SUMS=state.rule.layer_sums,
         HAS_GRAD_ACCUM=grad_accum, STOCHASTIC_ROUNDING=stochastic, IEEE_DOT=ieee,
         UPCAST_DOT=interpreting() and input_dtype == torch.bfloat16, SCALARS_IN_MEMORY=scalars_in_memory)
 
@@ -258,15 +258,20 @@ def _check_device_scalars(buffer: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def kernel_states(state: ParamState) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The state tensors and int8 scales a launch takes, in the epilogue's order, once the rule is
-    known to have a Triton epilogue the kernels can run."""
+    """The state tensors and int8 / fp8 scales a launch takes, in the epilogue's order (fp8 codes as
+    uint8: the kernels decode and encode them with integer and conversion instructions of their own),
+    once the rule is known to have a Triton epilogue the kernels can run."""
     rule = state.rule
-    if rule.epilogue is None or rule.kernel_scalars is None:
+    if state.epilogue is None or rule.kernel_scalars is None:
         raise ValueError(f"rule {rule.name!r} has no Triton epilogue; use reference_wgrad_update")
-    if len(rule.state_names) > MAX_STATES:
-        raise ValueError(f"rule {rule.name!r} has {len(rule.state_names)} states; the kernel takes at most {MAX_STATES}")
-    states = [state.values[name] for name in rule.state_names]
-    scales = [state.scales[name] for name in rule.state_names]
+    if len(state.state_names) > MAX_STATES:
+        raise ValueError(f"rule {rule.name!r} has {len(state.state_names)} states; the kernel takes at most {MAX_STATES}")
+    if rule.layer_sums not in (0, 2):
+        raise ValueError(f"rule {rule.name!r} asks for {rule.layer_sums} per-layer sums; the kernel takes 0 or 2")
+    states = [state.values[name] for name in state.state_names]
+    if state.state_dtype == "fp8":
+        states = [s.view(torch.uint8) for s in states]
+    scales = [state.scales[name] for name in state.state_names]
     if any(s.stride() != states[0].stride() for s in states):
         raise ValueError("all state tensors of one weight must share strides")
     return states, scales

@@ -78,7 +78,7 @@ def reference_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tens
     if grad_accum is not None:
         grad32 += grad_accum
     weight32 = weight.detach().float().clone()
-    states32 = {name: state.dequantize(name) for name in state.rule.state_names}
+    states32 = {name: state.dequantize(name) for name in state.state_names}
     state.rule.reference(weight32, grad32, states32, hp, int(step))
     for name, value in states32.items():
         state.store(name, value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..state import QBLOCK
+from ..state import BLOCK_SCALED, QBLOCK
 
 SHARED_MEMORY_BYTES = 227 * 1024          # H100 / H200 per-block opt-in limit
 
@@ -150,6 +150,6 @@ def check_config(config: TileConfig, state_dtype: str) -> None:
         raise ValueError(f"block_n must be a multiple of {QBLOCK}, got {config.block_n}")
     if config.split_n not in (1, 2, 4) or config.block_n % config.split_n:
         raise ValueError(f"split_n must be 1, 2 or 4 and divide block_n, got {config.split_n} for {config.block_n}")
-    if state_dtype == "int8" and config.epilogue_columns() % QBLOCK:
-        raise ValueError(f"int8 states need epilogue slabs of whole {QBLOCK}-wide blocks; block_n / split_n = "
+    if state_dtype in BLOCK_SCALED and config.epilogue_columns() % QBLOCK:
+        raise ValueError(f"{state_dtype} states need epilogue slabs of whole {QBLOCK}-wide blocks; block_n / split_n = "
                          f"{config.epilogue_columns()}")

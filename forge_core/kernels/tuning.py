@@ -23,6 +23,7 @@ import torch
 import triton
 
 from ..rules import get_rule
+from ..rules.base import parse_kernel_name
 from . import tune_cache, ws_choice
 from .device import interpreting
 from .direct_launch import direct_launch_enabled
@@ -190,9 +191,12 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
                       f"using the default tile configuration", RuntimeWarning, stacklevel=3)
         config = default_config(m, n, k, input_bytes)
     else:
+        # a regime-2 rule's kernel adds into per-layer sums: scratch ones too
+        scratch_sums = torch.zeros(2, dtype=torch.float32, device=weight.device) if meta.get("NUM_SUMS") else None
+
         def run_on_scratch(config: TileConfig) -> None:
             launch_tile(config, x2, dy2, scratch_weight, scratch_states, scratch_scales, grad_accum, scalars, seed,
-                        meta)
+                        meta, scratch_sums)
 
         config, _ = tune_config(candidates, run_on_scratch, bench_ms, finalists=FINALISTS)
         tuned = True
@@ -274,8 +278,11 @@ def _current_fingerprint(key: str, entry: Mapping[str, Any]) -> tuple[tuple, str
     try:
         _, key_text = tune_cache.split_entry_key(key)
         tuning_key = eval(key_text, {"__builtins__": {}}, {"torch": torch})      # noqa: S307 - the cache's own repr
-        (m, n), tokens, input_dtype, _, rule_name, state_dtype = tuning_key[:6]
+        (m, n), tokens, input_dtype, _, kernel_name, state_dtype = tuning_key[:6]
+        rule_name, held = parse_kernel_name(kernel_name)
         rule = get_rule(rule_name)
+        state_names = held if held is not None else rule.state_names
+        epilogue = rule.epilogue_for(state_names)
         triton_version, device = entry["triton"], entry["device"]
         if tuning_key[-1] == "hopper_ws":          # a Gluon-or-Triton choice (ws_choice.chosen)
             triton_tile = TileConfig(**entry["triton_tile"])
@@ -284,11 +291,11 @@ def _current_fingerprint(key: str, entry: Mapping[str, Any]) -> tuple[tuple, str
     except Exception as exc:  # noqa: BLE001 - any malformed key or entry gets the same one-line error
         raise ValueError(f"tune cache entry {key!r} cannot be read ({type(exc).__name__}: {exc})") from None
     if tuning_key[-1] == "hopper_ws":
-        identity = ws_identity(rule.epilogue, triton_tile, triton_version, device, graphed=tuning_key[-2] == "graph")
-        candidates = ws_choice.shape_candidates(m, n, state_dtype, len(rule.state_names))
+        identity = ws_identity(epilogue, triton_tile, triton_version, device, graphed=tuning_key[-2] == "graph")
+        candidates = ws_choice.shape_candidates(m, n, state_dtype, len(state_names))
         return tuning_key, ws_choice.disk_fingerprint(identity, candidates)
     candidates = tuning_candidates(m, n, tokens, input_bytes, state_dtype)
-    return tuning_key, tuning_fingerprint(rule.epilogue, candidates, triton_version, device)
+    return tuning_key, tuning_fingerprint(epilogue, candidates, triton_version, device)
 
 
 def rekey_tune_cache_entries(entries: Mapping[str, Any]) -> tuple[dict[str, Any], int]:

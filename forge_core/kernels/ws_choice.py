@@ -84,14 +84,14 @@ def enabled() -> bool:
 
 def candidates_for(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
                    scales: list[torch.Tensor | None], state_dtype: str, grad_accum: torch.Tensor | None,
-                   stochastic: bool) -> list[WsConfig]:
+                   stochastic: bool, layer_sums: int = 0) -> list[WsConfig]:
     """The candidates that can take this call (none outside the Gluon kernel's scope: see
-    ``hopper_ws.unsupported_reason``; bf16 or int8 states, no gradient accumulator, no stochastic
-    rounding)."""
+    ``hopper_ws.unsupported_reason``; bf16 or int8 states, a regime-1 rule of one or two states, no
+    gradient accumulator, no stochastic rounding)."""
     if state_dtype not in ("bf16", "int8") or grad_accum is not None or stochastic or not enabled():
         return []
     return [c for c in _pool(state_dtype, len(states))
-            if hopper_ws.unsupported_reason(x2, dy2, weight, states, c, scales) is None]
+            if hopper_ws.unsupported_reason(x2, dy2, weight, states, c, scales, layer_sums) is None]
 
 
 def _pool(state_dtype: str, num_states: int) -> tuple[WsConfig, ...]:

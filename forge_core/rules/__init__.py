@@ -2,12 +2,25 @@
 from __future__ import annotations
 
 from .base import Rule
-from . import adamw, lion, sgd
+from . import (adafactor, adagrad, adalomo, adam_mini, adamax, adamw, lamb, lars, lion, muon, nadam, radam, rmsprop,
+               sgd, sm3)
 
 RULES: dict[str, Rule] = {
     adamw.RULE.name: adamw.RULE,
     sgd.RULE.name: sgd.RULE,
     lion.RULE.name: lion.RULE,
+    rmsprop.RULE.name: rmsprop.RULE,
+    adagrad.RULE.name: adagrad.RULE,
+    adamax.RULE.name: adamax.RULE,
+    nadam.RULE.name: nadam.RULE,
+    radam.RULE.name: radam.RULE,
+    lamb.RULE.name: lamb.RULE,
+    muon.RULE.name: muon.RULE,
+    adafactor.RULE.name: adafactor.RULE,
+    adalomo.RULE.name: adalomo.RULE,
+    sm3.RULE.name: sm3.RULE,
+    adam_mini.RULE.name: adam_mini.RULE,
+    lars.RULE.name: lars.RULE,
 }
 
 

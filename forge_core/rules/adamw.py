@@ -70,7 +70,7 @@ def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple
 
 
 @triton.jit
-def epilogue(w, g, exp_avg, exp_avg_sq, decay, one_minus_beta1, beta2, one_minus_beta2,
+def epilogue(w, g, exp_avg, exp_avg_sq, unused_state, decay, one_minus_beta1, beta2, one_minus_beta2,
              step_size, bias_correction2_sqrt, eps, unused, FAST: tl.constexpr):
     """AdamW on fp32 tiles. The moments are computed exactly as torch does; the update uses the
     fast fp32 sqrt / division (a few ulp), far inside the 1e-6 relative tolerance on the weight,
@@ -89,7 +89,7 @@ def epilogue(w, g, exp_avg, exp_avg_sq, decay, one_minus_beta1, beta2, one_minus
     else:
         denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
         w = w - step_size * (exp_avg / denom)
-    return w, exp_avg, exp_avg_sq
+    return w, exp_avg, exp_avg_sq, unused_state
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:

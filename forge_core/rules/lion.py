@@ -55,7 +55,7 @@ def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple
 
 
 @triton.jit
-def epilogue(w, g, exp_avg, unused_state, decay, lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
+def epilogue(w, g, exp_avg, unused_state, unused_third, decay, lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
              unused_c6, unused_c7, FAST: tl.constexpr):
     """Lion on fp32 tiles; sign(0) = 0 as torch.sign."""
     w = w * decay
@@ -63,7 +63,7 @@ def epilogue(w, g, exp_avg, unused_state, decay, lr, beta1, one_minus_beta1, bet
     direction = tl.where(blend > 0.0, 1.0, tl.where(blend < 0.0, -1.0, 0.0))
     w = w - lr * direction
     exp_avg = exp_avg * beta2 + one_minus_beta2 * g
-    return w, exp_avg, unused_state
+    return w, exp_avg, unused_state, unused_third
 
 
 class Lion(torch.optim.Optimizer):

@@ -2,7 +2,8 @@
 
 torch starts the momentum buffer as a copy of the first gradient (no dampening on step 1); here
 "first" means ``step == 1``, so the caller's step count stands in for torch's "buffer is None".
-The buffer is kept even when ``momentum == 0`` (then it is neither read nor written by the math).
+Without momentum (``momentum == 0``, torch's default) a weight holds no state at all, as torch's
+SGD holds none: ``state_names_for`` gives no states, and the kernel loads and stores none.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple
 
 
 @triton.jit
-def epilogue(w, g, momentum_buffer, unused_state, lr, weight_decay, momentum, one_minus_dampening,
+def epilogue(w, g, momentum_buffer, unused_state, unused_third, lr, weight_decay, momentum, one_minus_dampening,
              is_first_step, nesterov, unused_c6, unused_c7, FAST: tl.constexpr):
     """SGD on fp32 tiles; the flags are runtime floats so a new step never recompiles."""
     if weight_decay != 0.0:
@@ -81,7 +82,12 @@ def epilogue(w, g, momentum_buffer, unused_state, lr, weight_decay, momentum, on
         else:
             g = momentum_buffer
     w = w - lr * g
-    return w, momentum_buffer, unused_state
+    return w, momentum_buffer, unused_state, unused_third
+
+
+def state_names_for(hp: Mapping[str, Any]) -> tuple[str, ...]:
+    """The momentum buffer with momentum, nothing without."""
+    return ("momentum_buffer",) if float(hp.get("momentum", DEFAULTS["momentum"])) != 0.0 else ()
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
@@ -103,4 +109,5 @@ RULE = Rule(
     kernel_scalars_on_device=kernel_scalars_on_device,
     sqrt_domain_states=frozenset(),
     signed_states=frozenset({"momentum_buffer"}),
+    state_names_for=state_names_for,
 )

@@ -1,0 +1,211 @@
+"""The report's training-quality sections: convergence runs and fidelity measurements.
+
+Their rows are not sweep rows (``forge_bench.run_rows``): ``forge-bench convergence`` writes one
+row per (arm, seed) with the loss curves, ``forge-bench fidelity`` one row per arm and shape.
+
+* Convergence, per device, model, settings (``spec_hash``) and corpus: a loss-curve figure
+  (validation loss per arm, mean over seeds with the seeds' range; the smoothed training loss; and
+  each arm's validation loss minus the baseline's on the same seed) and a table of end-of-run
+  deltas against fused AdamW (``adamw_fused``; ``adamw_foreach`` where it has no completed run),
+  paired by seed: the runs of one seed share initial weights and batches, so the pairing removes
+  the seed-to-seed spread. Target: |delta| <= ``TARGET_DELTA`` nats.
+* Fidelity, per device, shape, steps and learning rate: rms-rel and max |dW| of each arm against
+  fp32, and each arm's rms-rel over the standard bf16 path's (below 1: closer to fp32).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from .data import slug
+from .figures import FORMATS, method_colors, save
+from .render import Table
+from .tables import params_text
+
+CONVERGENCE_BASELINES = ("adamw_fused", "adamw_foreach")
+CONVERGENCE_KEYS = ["device_name", "model", "spec_hash", "corpus_digest"]
+TARGET_DELTA = 0.01
+FLAT_FRACTION = 0.2           # "flat": how much the validation loss still fell over the last 20% of the steps
+FIDELITY_KEYS = ["device_name", "vocab", "hidden", "tokens", "steps", "lr"]
+STANDARD_BF16 = "adamw_bf16"
+
+
+def _completed(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[(frame["status"] == "ok") & frame["completed"].fillna(False).astype(bool)]
+
+
+def convergence_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """(keys, completed ok runs) per device, model, settings and corpus."""
+    done = _completed(frame)
+    return [(dict(zip(CONVERGENCE_KEYS, keys)), group)
+            for keys, group in done.groupby(CONVERGENCE_KEYS, sort=True, dropna=False)]
+
+
+def _baseline(group: pd.DataFrame) -> str | None:
+    return next((b for b in CONVERGENCE_BASELINES if b in set(group["arm"])), None)
+
+
+def _arms(group: pd.DataFrame, baseline: str | None) -> list[str]:
+    arms = sorted(set(group["arm"]), key=lambda a: (a != baseline, not a.startswith("adamw"), a.startswith("forge"), a))
+    return arms
+
+
+def _title(keys: dict[str, Any], group: pd.DataFrame) -> str:
+    first = group.iloc[0]
+    return (f"{keys['model']} ({params_text(first['n_params'])}), {int(first['steps'])} steps of "
+            f"{int(first['batch'])}×{int(first['seq'])} bytes, lr {first['lr']:g}, {keys['device_name']}")
+
+
+def _tail_drop(val_step: Sequence[int], val_loss: Sequence[float], steps: int) -> float | None:
+    """How much the validation loss fell over the last ``FLAT_FRACTION`` of the run (nats)."""
+    points = [(s, v) for s, v in zip(val_step, val_loss)]
+    if len(points) < 2:
+        return None
+    start = steps * (1 - FLAT_FRACTION)
+    before = [v for s, v in points if s <= start]
+    return (before[-1] - points[-1][1]) if before else None
+
+
+def convergence_tables(frame: pd.DataFrame) -> list[Table]:
+    tables = []
+    for keys, group in convergence_groups(frame):
+        baseline = _baseline(group)
+        base_rows = {int(r["seed"]): r for r in group[group["arm"] == baseline].to_dict("records")} if baseline else {}
+        body, recs = [], []
+        for arm in _arms(group, baseline):
+            rows = group[group["arm"] == arm].to_dict("records")
+            val = np.array([r["final_val_loss"] for r in rows], dtype=float)
+            train = np.array([r["final_train_loss_smoothed"] for r in rows], dtype=float)
+            paired = [r for r in rows if int(r["seed"]) in base_rows]
+            dval = np.array([r["final_val_loss"] - base_rows[int(r["seed"])]["final_val_loss"] for r in paired])
+            dtrain = np.array([r["final_train_loss_smoothed"] - base_rows[int(r["seed"])]["final_train_loss_smoothed"]
+                               for r in paired])
+            drops = [d for d in (_tail_drop(r["val_step"], r["val_loss"], int(r["steps"])) for r in rows) if d is not None]
+            rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"] is not None]
+
+            def spread(values: np.ndarray, digits: int = 4) -> str:
+                if values.size == 0:
+                    return "—"
+                text = f"{values.mean():+.{digits}f}" if digits else f"{values.mean():.0f}"
+                return text + (f" ± {values.std(ddof=1):.{digits}f}" if values.size > 1 else "")
+
+            within = None if arm == baseline or dval.size == 0 else bool(abs(dval.mean()) <= TARGET_DELTA)
+            body.append([f"`{arm}`", str(len(rows)), f"{val.mean():.4f}" + (f" ± {val.std(ddof=1):.4f}" if val.size > 1 else ""),
+                         "baseline" if arm == baseline else spread(dval), f"{train.mean():.4f}",
+                         "baseline" if arm == baseline else spread(dtrain),
+                         "—" if within is None else ("yes" if within else "no"),
+                         "—" if not drops else f"{np.mean(drops):.4f}", "—" if not rates else f"{np.mean(rates):,.0f}"])
+            recs.append({**keys, "arm": arm, "seeds": len(rows), "final_val_loss_mean": float(val.mean()),
+                         "delta_val_mean": float(dval.mean()) if dval.size and arm != baseline else None,
+                         "delta_train_smoothed_mean": float(dtrain.mean()) if dtrain.size and arm != baseline else None,
+                         "within_target": within, "val_drop_last_20pct": float(np.mean(drops)) if drops else None,
+                         "tokens_per_s": float(np.mean(rates)) if rates else None})
+        caption = (f"End of run, mean over seeds (± their standard deviation). Δ: the arm's value minus "
+                   f"`{baseline}`'s on the same seed (same initial weights and batches), in nats per byte; "
+                   f"target |Δ val| ≤ {TARGET_DELTA}. Smoothed train: mean training loss over the last 10% of "
+                   f"the steps. Last-20% drop: how much the validation loss still fell over the last 20% of "
+                   f"the steps (near 0: the curve has flattened).") if baseline else \
+            "No fused or foreach AdamW run completed here: no deltas."
+        tables.append(Table(slug("convergence", keys["device_name"], keys["model"], keys["spec_hash"]),
+                            f"Convergence, {_title(keys, group)}", caption,
+                            ["Arm", "Seeds", "Final val loss", "Δ val", "Smoothed train", "Δ train",
+                             f"|Δ val| ≤ {TARGET_DELTA}", "Last-20% drop", "Tokens/s"],
+                            body, "lrrrrrlrr", [], recs))
+    return tables
+
+
+def _smooth(values: Sequence[float], window: int) -> np.ndarray:
+    values = np.asarray(values, dtype=float)
+    if window <= 1 or values.size < window:
+        return values
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def convergence_figures(frame: pd.DataFrame, folder: Path, formats: Sequence[str] = FORMATS
+                        ) -> tuple[list[Path], str | None]:
+    groups = convergence_groups(frame)
+    if not groups:
+        return [], "no convergence run completed"
+    paths = []
+    for keys, group in groups:
+        baseline = _baseline(group)
+        arms = _arms(group, baseline)
+        colors = method_colors(arms)
+        fig = Figure(figsize=(13.0, 3.9))
+        ax_val, ax_train, ax_delta = fig.subplots(1, 3)
+        base = {int(r["seed"]): r for r in group[group["arm"] == baseline].to_dict("records")} if baseline else {}
+        for arm in arms:
+            rows = group[group["arm"] == arm].to_dict("records")
+            steps = np.asarray(rows[0]["val_step"], dtype=float)
+            vals = np.array([r["val_loss"] for r in rows if len(r["val_loss"]) == steps.size], dtype=float)
+            ax_val.plot(steps, vals.mean(0), color=colors[arm], label=arm)
+            if len(vals) > 1:
+                ax_val.fill_between(steps, vals.min(0), vals.max(0), color=colors[arm], alpha=0.15)
+            window = max(1, len(rows[0]["train_loss"]) // 50)
+            smoothed = np.mean([_smooth(r["train_loss"], window) for r in rows], axis=0)
+            ax_train.plot(np.arange(smoothed.size) + window, smoothed, color=colors[arm], label=arm)
+            diffs = [np.asarray(r["val_loss"]) - np.asarray(base[int(r["seed"])]["val_loss"])
+                     for r in rows if int(r["seed"]) in base and len(base[int(r["seed"])]["val_loss"]) == len(r["val_loss"])]
+            if diffs and arm != baseline:
+                ax_delta.plot(steps, np.mean(diffs, axis=0), color=colors[arm], marker=".", label=arm)
+        ax_delta.axhspan(-TARGET_DELTA, TARGET_DELTA, color="#2ca02c", alpha=0.12, label=f"±{TARGET_DELTA} nats")
+        ax_delta.axhline(0.0, color="black", linewidth=0.8)
+        for ax, title, ylabel in ((ax_val, "Validation loss (seed range shaded)", "nats per byte"),
+                                  (ax_train, "Training loss (moving average)", "nats per byte"),
+                                  (ax_delta, f"Validation loss − {baseline or 'baseline'}, same seed", "Δ nats per byte")):
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        low = min(float(np.min(r["val_loss"])) for r in group.to_dict("records"))
+        ax_val.set_ylim(low - 0.05, low + 1.5)
+        handles, labels = ax_val.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), title="arm", fontsize=8)
+        fig.suptitle(f"Convergence: {_title(keys, group)}")
+        fig.tight_layout()
+        paths += save(fig, folder, slug("convergence", keys["device_name"], keys["model"], keys["spec_hash"]), formats)
+    return paths, None
+
+
+def fidelity_run_tables(frame: pd.DataFrame) -> list[Table]:
+    tables = []
+    for keys, group in frame.groupby(FIDELITY_KEYS, sort=True, dropna=False):
+        keys = dict(zip(FIDELITY_KEYS, keys))
+        newest = group.sort_values("finished_at").groupby("arm", sort=False).tail(1)
+        standard = newest[newest["arm"] == STANDARD_BF16]
+        reference = float(standard["rms_rel"].iloc[0]) if not standard.empty else math.nan
+        order = [STANDARD_BF16, "forge_fp32", "forge_bf16", "forge_bf16_sr", "forge_int8", "forge_fp8"]
+        rows = sorted(newest.to_dict("records"), key=lambda r: (order.index(r["arm"]) if r["arm"] in order else 99, r["arm"]))
+        body, recs = [], []
+        for row in rows:
+            ratio = row["rms_rel"] / reference if reference and not math.isnan(reference) else None
+            body.append([f"`{row['arm']}`", row["gradient"], row["state_dtype"], f"{row['rms_rel']:.4e}",
+                         f"{row['max_abs_dw']:.3e}", f"{row['rms_rel_update']:.4e}",
+                         "—" if ratio is None else f"{ratio:.4f}"])
+            recs.append({**keys, "arm": row["arm"], "rms_rel": row["rms_rel"], "max_abs_dw": row["max_abs_dw"],
+                         "rms_rel_update": row["rms_rel_update"], "rms_rel_over_standard_bf16": ratio})
+        forge = newest[newest["arm"] == "forge_bf16"]
+        claim = []
+        if not forge.empty and not standard.empty:
+            holds = float(forge["rms_rel"].iloc[0]) <= reference
+            claim = [f"FORGE bf16 is {'no further from' if holds else 'further from'} fp32 than the standard bf16 "
+                     f"path here ({float(forge['rms_rel'].iloc[0]):.4e} against {reference:.4e})."]
+        tables.append(Table(slug("fidelity-app-e", keys["device_name"], keys["vocab"], keys["hidden"], keys["tokens"],
+                                 f"lr{keys['lr']:g}"),
+                            f"Fidelity against fp32, {int(keys['vocab'])}×{int(keys['hidden'])} head, "
+                            f"{int(keys['tokens'])} tokens, {int(keys['steps'])} steps, lr {keys['lr']:g}, "
+                            f"{keys['device_name']}",
+                            "Every arm: bf16 weights and inputs, the same W₀ and batches as the fp32 run (fp32 "
+                            "weights, gradient and moments). rms-rel = rms(W − W_fp32) / rms(W_fp32); of the update: "
+                            "over rms(W_fp32 − W₀); last column: rms-rel over the standard bf16 path's.",
+                            ["Arm", "Gradient", "Moments", "rms-rel", "max |dW|", "rms-rel of the update",
+                             "vs standard bf16"], body, "lllrrrr", claim, recs))
+    return tables
+
+
+__all__ = ["TARGET_DELTA", "convergence_figures", "convergence_groups", "convergence_tables", "fidelity_run_tables"]

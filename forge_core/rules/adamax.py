@@ -1,0 +1,106 @@
+"""Adamax (the infinity-norm Adam of Kingma & Ba 2015), as torch.optim.Adamax computes it.
+
+    g <- g + wd * w
+    exp_avg <- exp_avg + (1 - beta1) * (g - exp_avg)
+    exp_inf <- max(beta2 * exp_inf, |g| + eps)
+    w <- w - lr / (1 - beta1^t) * exp_avg / exp_inf
+
+``exp_inf`` is a magnitude, not a square: it is quantized as it is (no sqrt domain). The division
+reads the new ``exp_inf`` (at least eps), never a quantized one, so a block element rounded to zero
+divides nothing by zero.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .base import Rule, capturable_flag, known_hyperparameters
+
+DEFAULTS = {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
+    full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
+    lr, (beta1, beta2), eps, weight_decay = (float(full["lr"]), tuple(map(float, full["betas"])),
+                                             float(full["eps"]), float(full["weight_decay"]))
+    if not lr >= 0.0:
+        raise ValueError(f"adamax: lr must be >= 0, got {lr}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"adamax: betas must lie in [0, 1), got {(beta1, beta2)}")
+    if not eps >= 0.0:
+        raise ValueError(f"adamax: eps must be >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"adamax: weight_decay must be >= 0, got {weight_decay}")
+    return lr, beta1, beta2, eps, weight_decay
+
+
+def _check_step(step: int) -> None:
+    if int(step) < 1:
+        raise ValueError(f"adamax: step is 1-based, got {step}")
+
+
+def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+              hp: Mapping[str, Any], step: int) -> None:
+    """One Adamax step in place on fp32 tensors, op for op as torch's single-tensor Adamax."""
+    lr, beta1, beta2, eps, weight_decay = _checked(hp)
+    _check_step(step)
+    grad = grad32
+    if weight_decay != 0.0:
+        grad = grad.add(weight32, alpha=weight_decay)
+    exp_avg, exp_inf = states32["exp_avg"], states32["exp_inf"]
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps), out=exp_inf)
+    clr = lr / (1.0 - beta1 ** step)
+    weight32.addcdiv_(exp_avg, exp_inf, value=-clr)
+
+
+def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
+    """(weight_decay, 1 - beta1, beta2, eps, lr / (1 - beta1^step))."""
+    lr, beta1, beta2, eps, weight_decay = _checked(hp)
+    _check_step(step)
+    return (weight_decay, 1.0 - beta1, beta2, eps, lr / (1.0 - beta1 ** step))
+
+
+def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple[Any, ...]:
+    """``kernel_scalars`` for a float64 step tensor on the device (capturable)."""
+    lr, beta1, beta2, eps, weight_decay = _checked(hp)
+    return (weight_decay, 1.0 - beta1, beta2, eps, lr / (1.0 - torch.pow(beta1, step)))
+
+
+@triton.jit
+def epilogue(w, g, exp_avg, exp_inf, unused_third, weight_decay, one_minus_beta1, beta2, eps, clr, unused_c5,
+             unused_c6, unused_c7, FAST: tl.constexpr):
+    """Adamax on fp32 tiles."""
+    if weight_decay != 0.0:
+        g = g + weight_decay * w
+    exp_avg = exp_avg + one_minus_beta1 * (g - exp_avg)
+    exp_inf = tl.maximum(exp_inf * beta2, tl.abs(g) + eps)
+    if FAST:
+        w = w - clr * libdevice.fast_dividef(exp_avg, exp_inf)
+    else:
+        w = w - clr * (exp_avg / exp_inf)
+    return w, exp_avg, exp_inf, unused_third
+
+
+def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
+    """torch.optim.Adamax with the same hyper-parameters, for the parameters FORGE does not fuse."""
+    params = list(params)
+    return torch.optim.Adamax(params, **known_hyperparameters(hp, DEFAULTS), **capturable_flag(params, capturable))
+
+
+RULE = Rule(
+    name="adamax",
+    state_names=("exp_avg", "exp_inf"),
+    defaults=DEFAULTS,
+    reference=reference,
+    fallback_optimizer=fallback_optimizer,
+    epilogue=epilogue,
+    kernel_scalars=kernel_scalars,
+    kernel_scalars_on_device=kernel_scalars_on_device,
+    sqrt_domain_states=frozenset(),
+    signed_states=frozenset({"exp_avg"}),
+)

@@ -1,0 +1,87 @@
+"""``RuleOptimizer``: a torch.optim.Optimizer that steps every parameter with a rule's reference.
+
+What it is for: the unfused form of a rule that torch has no class for (AdaLomo, SM3, Adam-mini,
+LARS; the harness's unfused arm and the parity gate's reference), the fallback that steps what
+FORGE does not fuse (embeddings, norms, biases) with the same rule, and Adafactor's fallback in a
+capturable optimizer (torch's Adafactor reads norms on the host). The arithmetic is the rule's
+``reference``, the same function the fused path runs on a layer's G: fused and unfused differ only
+in how G is summed. A bf16 parameter of a regime-3 rule is stepped in place, op by op in fp32, as
+the fused path steps it.
+
+States follow torch's conventions: created at a parameter's first step, zero, in the parameter's
+dtype (so ``load_state_dict``'s cast to the parameter dtype is a no-op), of the shapes the rule
+asks for (``Rule.shapes_of_states``, keyed by the parameter's name when ``parameter_names`` gives
+one); ``step`` a float32 tensor, on the CPU (eager) or on the parameter's device (capturable: then
+the references get it as a tensor and nothing syncs with the host). The math runs in fp32.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .base import Rule
+
+
+class RuleOptimizer(torch.optim.Optimizer):
+    """``rule.reference`` on every parameter with a gradient (1-D and 2-D parameters)."""
+
+    def __init__(self, params: Any, rule: Rule, *, capturable: bool = False,
+                 parameter_names: Optional[Mapping[int, str]] = None, **hyperparameters: Any) -> None:
+        unknown = sorted(set(hyperparameters) - set(rule.defaults))
+        if unknown:
+            raise ValueError(f"{rule.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(rule.defaults)}")
+        defaults = {**rule.resolve_hp(hyperparameters), "capturable": bool(capturable)}
+        self.rule = rule
+        self.parameter_names: dict[int, str] = dict(parameter_names or {})
+        super().__init__(params, defaults)
+        probe = torch.zeros(1)
+        rule.reference(probe.clone(), probe.clone(), {name: torch.zeros(size) for name, size in
+                                                      rule.shapes_of_states((1,), defaults, "").items()}, defaults, 1)
+
+    def _new_state(self, parameter: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        if parameter.dim() not in (1, 2):
+            raise ValueError(f"{self.rule.name}: parameters must be 1-D or 2-D, got shape {tuple(parameter.shape)}")
+        device = parameter.device if group["capturable"] else torch.device("cpu")
+        state = {"step": torch.zeros((), dtype=torch.float32, device=device)}
+        name = self.parameter_names.get(id(parameter), "")
+        for key, shape in self.rule.shapes_of_states(tuple(parameter.shape), group, name).items():
+            state[key] = torch.zeros(shape, dtype=parameter.dtype, device=parameter.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is None:
+                    continue
+                if parameter.grad.is_sparse:
+                    raise RuntimeError(f"{self.rule.name} does not support sparse gradients")
+                state = self.state[parameter]
+                if not state:
+                    state.update(self._new_state(parameter, group))
+                state["step"] += 1
+                step = state["step"] if group["capturable"] else int(state["step"].item())
+                self._step_one(parameter, state, group, step)
+        return loss
+
+    def _step_one(self, parameter: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any], step: Any) -> None:
+        # the parameter in its own dtype: a regime-3 reference steps a bf16 weight op by op in fp32
+        # (forge_core.layer_step.deferred_update does the same), a regime-1 one needs fp32
+        weight = parameter if parameter.dtype == torch.float32 or self.rule.regime == 3 else parameter.float()
+        grad32 = parameter.grad.to(torch.float32, copy=True)
+        names = [key for key in state if key != "step"]
+        states32 = {key: (state[key] if state[key].dtype == torch.float32 else state[key].float()) for key in names}
+        self.rule.reference(weight, grad32, states32, group, step)
+        for key in names:
+            if states32[key].data_ptr() != state[key].data_ptr():
+                state[key].copy_(states32[key])
+        if weight.data_ptr() != parameter.data_ptr():
+            parameter.copy_(weight)
+
+
+__all__ = ["RuleOptimizer"]

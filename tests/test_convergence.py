@@ -1,0 +1,105 @@
+"""forge-bench convergence on a tiny GPT-2 and a slice of the standard library: rows, curves, resume."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+import forge_core.backends
+from forge_bench import convergence as conv
+from forge_bench.cli import app
+from forge_bench.corpus import build_corpus, is_validation_file, train_batch
+
+SPEC = conv.ConvergenceSpec(model="tiny-gpt2", steps=4, batch=2, seq=32, warmup=1, eval_every=2, eval_batches=2,
+                            checkpoint_every=2, corpus_max_bytes=2_000_000, dtype="float32")
+ARMS = ["adamw_foreach", "forge_bf16"]
+
+
+class Stop(Exception):
+    """Stands in for a kill in the middle of a run."""
+
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch) -> None:
+    """FORGE arms on the torch reference backend: what is under test here is the command (rows,
+    checkpoints, resume); the kernel's equality with it is tests/test_kernels.py's, and the CPU
+    interpreter would take minutes for these steps."""
+    monkeypatch.setattr(forge_core.backends, "interpreting", lambda: False)
+
+
+def test_corpus_is_the_standard_library_split_by_file_hash() -> None:
+    corpus = build_corpus(max_bytes=2_000_000)
+    assert corpus.train_files > corpus.val_files > 0 and corpus.vocab_size == 256
+    assert int(corpus.train.max()) < 256 and corpus.train.numel() > 1_000_000
+    assert is_validation_file("json/decoder.py") == is_validation_file("json/decoder.py")
+    first, again = train_batch(corpus, 2, 16, 0, 5), train_batch(corpus, 2, 16, 0, 5)
+    assert (first["input_ids"] == again["input_ids"]).all()
+    assert not (train_batch(corpus, 2, 16, 1, 5)["input_ids"] == first["input_ids"]).all()
+
+
+def test_runs_write_one_row_each_and_a_killed_run_resumes_to_the_same_curve(tmp_path: Path) -> None:
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    rows = conv.run_all(whole, SPEC, ARMS, [0], "cpu")
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["completed"] for r in rows)
+    for row in rows:
+        assert len(row["train_loss"]) == 4 and row["val_step"] == [2, 4] and math.isfinite(row["final_val_loss"])
+    assert rows[1]["n_fused_params"] > 0 and rows[0]["n_fused_params"] == 0
+    assert not any((whole / "checkpoints").glob("*.pt"))
+
+    def stop_after_step_3(arm: str, seed: int, done: int):
+        def on_step(step: int, loss):
+            if step == 3:
+                raise Stop
+        return on_step
+
+    with pytest.raises(Stop):
+        conv.run_all(killed, SPEC, ["forge_bf16"], [0], "cpu", stop_after_step_3)
+    partial = conv.read_row(conv.row_path(killed, "forge_bf16", 0))
+    assert partial["completed"] is False and partial["steps_done"] == 2      # the checkpoint's row
+    assert conv.checkpoint_path(killed, "forge_bf16", 0).exists()
+    assert conv.plan(killed, SPEC, ["forge_bf16"], [0]) == [("forge_bf16", 0, 2)]
+    conv.run_all(killed, SPEC, ["forge_bf16"], [0], "cpu")
+    assert conv.plan(killed, SPEC, ["forge_bf16"], [0]) == []
+    resumed = conv.read_row(conv.row_path(killed, "forge_bf16", 0))
+    uninterrupted = conv.read_row(conv.row_path(whole, "forge_bf16", 0))
+    for column in ("train_loss", "val_loss"):
+        assert resumed[column] == pytest.approx(uninterrupted[column], rel=1e-5, abs=1e-6), column
+    table = pq.read_table(conv.row_path(killed, "forge_bf16", 0))
+    assert table.schema.equals(conv.SCHEMA)
+
+
+def test_cli_runs_and_refuses_a_folder_of_other_settings(tmp_path: Path) -> None:
+    runner = CliRunner()
+    common = ["convergence", "--out", str(tmp_path), "--model", "tiny-gpt2", "--arms", "forge_int8,adamw_fused",
+              "--seeds", "0", "--batch", "2", "--seq", "16", "--warmup", "1", "--eval-every", "2", "--eval-batches",
+              "1", "--corpus-max-bytes", "2000000", "--device", "cpu"]
+    result = runner.invoke(app, common + ["--steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert conv.read_row(conv.row_path(tmp_path, "adamw_fused", 0))["status"] == "unavailable"   # needs CUDA
+    assert conv.read_row(conv.row_path(tmp_path, "forge_int8", 0))["completed"]
+    result = runner.invoke(app, common + ["--steps", "3"])
+    assert result.exit_code == 2 and "other settings" in result.output
+    result = runner.invoke(app, common + ["--steps", "2", "--arms", "no_such_arm"])
+    assert result.exit_code == 2 and "unknown method" in result.output
+
+
+def training_schema_markdown() -> str:
+    """The text of docs/training_results_schema.md: both kinds' columns."""
+    from forge_bench import fidelity
+    from forge_bench.run_rows import schema_markdown
+
+    return ("# Rows of forge-bench fidelity and forge-bench convergence\n\n"
+            "Each file has a `row_kind` column naming its kind (forge_bench/run_rows.py); `forge-bench report` "
+            "reads both beside the sweep's rows (docs/results_schema.md).\n\n"
+            + schema_markdown("fidelity: one row per arm and shape", fidelity.COLUMNS) + "\n"
+            + schema_markdown("convergence: one row per (arm, seed), the curves in list columns", conv.COLUMNS))
+
+
+def test_training_schema_doc_is_current() -> None:
+    """docs/training_results_schema.md is generated: regenerate it with
+    python -c "import sys; sys.path.insert(0, 'tests'); import test_convergence as t; open('docs/training_results_schema.md', 'w').write(t.training_schema_markdown())"."""
+    doc = Path(__file__).resolve().parent.parent / "docs" / "training_results_schema.md"
+    assert doc.read_text() == training_schema_markdown()

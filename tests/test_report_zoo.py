@@ -1,0 +1,98 @@
+"""The report's zoo and training-quality sections on rows made here from one real H100 row:
+coverage, the largest model of a family each arm fits, the family figure, the App. E fidelity
+table (and its claim line) and the convergence table and figure."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from forge_bench import convergence, fidelity
+from forge_bench.report import build_report
+from forge_bench.results import write_row
+from forge_bench.run_rows import KIND_COLUMN, write_rows
+
+H100_ROW = Path(__file__).resolve().parent / "fixtures" / "h100" / "llama-3.1-8b_b1_s512_adamw_fused_9a3c76cb2a.parquet"
+QWEN3 = {"qwen3-0.6b": 0.596e9, "qwen3-4b": 4.02e9, "qwen3-14b": 14.77e9}
+
+
+def _sweep_rows(folder: Path) -> None:
+    template = pq.read_table(H100_ROW).to_pylist()[0]
+    for model, n_params in QWEN3.items():
+        for method, fused in (("adamw_fused", 0.0), ("forge_bf16", 0.9), ("forge_int8", 0.9)):
+            row = copy.deepcopy(template)
+            fits = not (model == "qwen3-14b" and method != "forge_int8")
+            row.update(model=model, method=method, n_params=int(n_params), n_fused_params=int(fused * n_params),
+                       method_family="forge" if fused else "baseline", cell_id=f"{model}_{method}",
+                       status="ok" if fits else "oom_predicted", reason=None if fits else "needs more",
+                       peak_allocated_gib=(n_params / 1e9) * (8 if not fused else 5) if fits else None,
+                       step_ms_median=n_params / 1e8 if fits else None,
+                       method_settings=json.dumps({"not_fused": {"model.embed_tokens (1)": "tied"}} if fused else {}))
+            write_row(folder, row)
+
+
+def _training_rows(folder: Path) -> None:
+    base = {KIND_COLUMN: "fidelity", "vocab": 64, "hidden": 128, "tokens": 64, "steps": 5, "lr": 1e-3,
+            "device_name": "test GPU", "finished_at": "2026-01-01T00:00:00+00:00", "weight_dtype": "bfloat16"}
+    write_rows(folder / "fidelity.parquet", [
+        {**base, "arm": "adamw_bf16", "gradient": "bf16 (stored)", "state_dtype": "bf16", "rms_rel": 4.0e-3,
+         "max_abs_dw": 2e-3, "rms_rel_update": 3e-2},
+        {**base, "arm": "forge_bf16", "gradient": "fp32 tile (fused)", "state_dtype": "bf16", "rms_rel": 3.9e-3,
+         "max_abs_dw": 2e-3, "rms_rel_update": 2.9e-2}], fidelity.SCHEMA)
+    for arm, offset in (("adamw_fused", 0.0), ("forge_bf16", 0.004), ("forge_int8", 0.02)):
+        for seed in (0, 1):
+            curve = [3.0 - 0.1 * i + offset + 0.001 * seed for i in range(10)]
+            write_rows(folder / f"convergence_{arm}_seed{seed}.parquet", [{
+                KIND_COLUMN: "convergence", "arm": arm, "seed": seed, "status": "ok", "completed": True,
+                "model": "gpt2", "n_params": 85_000_000, "batch": 16, "seq": 512, "steps": 10, "steps_done": 10,
+                "lr": 6e-4, "spec_hash": "abc", "corpus_digest": "def", "device_name": "test GPU",
+                "train_loss": curve, "val_step": [5, 10], "val_loss": [curve[4], curve[9]],
+                "final_val_loss": curve[9], "final_train_loss_smoothed": curve[9], "tokens_per_s": 1e5}],
+                convergence.SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[Path, str]:
+    rows = tmp_path_factory.mktemp("rows")
+    _sweep_rows(rows / "sweep")
+    _training_rows(rows / "training")
+    out = tmp_path_factory.mktemp("report")
+    build_report(rows, out, formats=("png",))
+    return out, (out / "index.md").read_text()
+
+
+def test_coverage_table_gives_each_models_fused_share_and_arms(report) -> None:
+    out, index = report
+    assert "## Coverage across the model zoo" in index
+    line = next(l for l in index.splitlines() if l.startswith("| qwen3-4b |"))
+    assert "90.0%" in line and "model.embed_tokens (1)" in line
+    line14 = next(l for l in index.splitlines() if l.startswith("| qwen3-14b |"))
+    assert "oom_predicted / oom_predicted" in line14
+
+
+def test_largest_fit_table_and_family_figure(report) -> None:
+    out, index = report
+    assert "| `adamw_fused` | qwen3-4b" in index and "qwen3-14b (oom_predicted)" in index
+    assert "| `forge_int8` | qwen3-14b" in index
+    assert list((out / "figures").glob("family-scaling-qwen3-*.png"))
+
+
+def test_fidelity_and_convergence_sections(report) -> None:
+    out, index = report
+    assert "FORGE bf16 is no further from fp32 than the standard bf16 path here" in index
+    section = index.split("## Convergence on real text", 1)[1].splitlines()
+    forge = next(l for l in section if l.startswith("| `forge_bf16` | 2 |"))
+    assert "+0.0040" in forge and "| yes |" in forge
+    int8 = next(l for l in section if l.startswith("| `forge_int8` | 2 |"))
+    assert "+0.0200" in int8 and "| no |" in int8
+    assert list((out / "figures").glob("convergence-*.png"))
+
+
+def test_a_folder_of_training_rows_alone_gets_a_report(tmp_path: Path) -> None:
+    _training_rows(tmp_path / "rows")
+    page = build_report(tmp_path / "rows", tmp_path / "out", formats=("png",))
+    text = page.read_text()
+    assert "## Convergence on real text" in text and "## Fidelity against fp32 (App. E)" in text
