@@ -21,7 +21,7 @@ from forge_bench.arm import ArmUnavailable, TrainConfig, parameter_bytes, traina
 
 # bytes per parameter of the FORGE arms' optimizer states, for oom_predicted (no gradient pool):
 # two moments in the state dtype, plus an fp32 scale per 64-element block for int8
-FORGE_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64}
+FORGE_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64, "fp8": 2.0 + 2 * 4 / 64}
 
 
 def forge_bytes_per_param(state_dtype: str) -> Callable[[int], tuple[float, float]]:
