@@ -53,7 +53,9 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("model", _S, "model zoo key"),
     ("method", _S, "method registry key"),
     ("method_family", _S, "baseline | forge | peer"),
-    ("method_settings", _S, "JSON of the arm's settings (lr, betas, state dtype, ranks ...)"),
+    ("method_settings", _S, "JSON of the arm's settings (lr, betas, state dtype, ranks ...); an optimizer-family "
+                         "arm's name its `family`, whether it is `fused` and its `state_dtype` (the App. I table "
+                         "pairs rows by them)"),
     ("batch", _I, "sequences per step"),
     ("seq", _I, "tokens per sequence"),
     ("dtype", _S, "model weight dtype: bfloat16 | float32 | float16"),
@@ -129,7 +131,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
                   "kernel_configs (the fused kernel's tile per weight shape; '(tune cache)' when chosen by an earlier cell), tune_cache (that file), cuda_alloc_conf, memory_breakdown_bytes, "
                   "host_return_ms_median, energy_j_per_step and power_w_mean (NVML energy counter over the timed window), floor_terms, parity_rms_rel_global / parity_worst_param, "
-                  "a distributed cell's peak_allocated_gib_per_rank, peak_reserved_gib_per_rank, step_ms_median_per_rank, "
+                  "activation_checkpointing (true when the grid checkpoints every decoder layer), a distributed cell's peak_allocated_gib_per_rank, peak_reserved_gib_per_rank, step_ms_median_per_rank, "
                   "memory_breakdown_bytes_per_rank and tokens_per_step, "
                   "or a kernel benchmark's fields"),
 ]
