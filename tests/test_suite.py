@@ -146,7 +146,7 @@ def test_headline_cell_runs_alone_with_every_arm(name):
     s = load_suite(REPO / "suites" / name)
     head = select_cells(s.cells, "headline")
     assert {(c.model, c.batch, c.seq) for c in head} == {("llama-3.1-8b", 1, 512)}
-    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8"}
+    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8", "forge_fp8"}
     assert {c.method for c in select_cells(s.cells, "headline/*")} == core
     peers = {name for name, m in METHODS.items() if m.family == "peer" and not name.startswith("test_")}
     # the A/B arms of two FORGE options (side-stream overlap off; the chunked LM-head loss), graphed only
