@@ -55,7 +55,7 @@ def test_dry_run_lists_cells_and_writes_nothing(tmp_path):
                            "--dry-run", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "headline/llama-3.1-8b/b1/s512/forge_bf16" in res.output.replace("\n", "")
-    assert "7 of" in " ".join(res.stderr.split())     # rich wraps at the console width
+    assert "8 of" in " ".join(res.stderr.split())     # rich wraps at the console width
     assert not out.exists()
 
 
