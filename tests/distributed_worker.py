@@ -221,12 +221,21 @@ def scenario_dp_state_dict(out: dict[str, Any], folder: Path) -> None:
     out["params_resumed"] = flat_parameters(resumed_model)
 
 
+def place_mesh() -> Any:
+    """A one-dimensional mesh of every rank on this process's device type. FSDP2's ``fully_shard``
+    without a mesh takes the accelerator whenever there is one: on a GPU machine it would move the
+    gloo scenarios' CPU models to the GPU, and their CPU batches would no longer meet them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(PLACE["device"].type, (dist.get_world_size(),))
+
+
 def _fsdp_model() -> TinyLM:
     from torch.distributed.fsdp import fully_shard
     model = make_model()
+    mesh = place_mesh()
     for block in (model.up, model.down, model.head):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -268,9 +277,8 @@ def scenario_fsdp_checkpoint(out: dict[str, Any], folder: Path) -> None:
 
 
 def _tensor_parallel_model() -> tuple[TinyLM, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    mesh = init_device_mesh(PLACE["device"].type, (dist.get_world_size(),))
+    mesh = place_mesh()
     model = make_model()
     parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model, mesh
@@ -314,7 +322,7 @@ def scenario_refusals(out: dict[str, Any]) -> None:
     from forge_core.distributed import fuse_data_parallel, fuse_fsdp
     out["ddp"] = _message(lambda: forge_core.fuse(DistributedDataParallel(make_model()), probe_inputs=False))
     sharded = make_model()
-    fully_shard(sharded)
+    fully_shard(sharded, mesh=place_mesh())
     out["fsdp"] = _message(lambda: forge_core.fuse(sharded, probe_inputs=False))
     out["tensor_parallel"] = _message(lambda: forge_core.fuse(_tensor_parallel_model()[0], probe_inputs=False))
     out["capturable"] = _message(lambda: fuse_data_parallel(make_model(), capturable=True, probe_inputs=False))

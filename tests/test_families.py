@@ -1,7 +1,8 @@
 """The regime-1 rules (RMSprop, Adagrad, Adamax, NAdam, RAdam, SGD without momentum) and LAMB (regime 2)
 against torch.optim's class of the same name (LAMB: its reference), through ``forge_core.fuse``.
 
-CPU: the Triton kernels run in the interpreter (TRITON_INTERPRET=1, tests/conftest.py). A tiny model
+CPU: the Triton kernels run in the interpreter (TRITON_INTERPRET=1, tests/conftest.py); on a GPU machine
+the kernel tests run their tensors on the GPU (``DEVICE``), the interpreter being off there. A tiny model
 holds one fused Linear weight (37 x 45, 19 tokens: every tile ragged), its bias (the torch fallback
 optimizer) and an embedding (the row update, or the dense reference step). "Equal" is the largest
 difference over the largest magnitude of the torch tensor, at most 1e-5, for every weight and state
@@ -28,6 +29,7 @@ from forge_core.rules.lamb import Lamb
 from forge_core.state import ParamState
 
 TOKENS, DIN, DOUT, VOCAB = 19, 45, 37, 23
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # the CPU runs the kernels interpreted
 TORCH_CLASS = {"rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad, "adamax": torch.optim.Adamax,
                "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "sgd": torch.optim.SGD, "lamb": Lamb}
 CASES = {
@@ -46,6 +48,13 @@ CASES = {
     "lamb": dict(lr=1e-2, weight_decay=1e-2),
     "lamb_clipped": dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.0, trust_clip=True),
 }
+
+
+@pytest.fixture(autouse=True)
+def _untuned_tile(monkeypatch):
+    """The untuned default tile on the GPU: these shapes are too small for tuning to tell anything, and
+    tuning every rule's kernel would take most of the file's time (the interpreter has one fixed tile)."""
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
 
 
 def _rule_name(case: str) -> str:
@@ -68,9 +77,11 @@ class Tiny(nn.Module):
         return self.lin(self.emb(ids))
 
 
-def _batches(count: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(count: int, seed: int = 3, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids and output gradients drawn on the CPU (the same values on every machine), on ``device``."""
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, VOCAB, (TOKENS,), generator=generator), torch.randn(TOKENS, DOUT, generator=generator))
+    return [(torch.randint(0, VOCAB, (TOKENS,), generator=generator).to(device),
+             torch.randn(TOKENS, DOUT, generator=generator).to(device))
             for _ in range(count)]
 
 
@@ -84,6 +95,11 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tenso
 def _torch_optimizer(rule_name: str, params, hp: dict) -> torch.optim.Optimizer:
     extra = {} if rule_name == "lamb" else {"foreach": False}
     return TORCH_CLASS[rule_name](params, **hp, **extra)
+
+
+def _drawn(generator: torch.Generator, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Standard normal tensors drawn on the CPU (the same values on every machine), on ``DEVICE``."""
+    return [torch.randn(shape, generator=generator).to(DEVICE) for shape in shapes]
 
 
 def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
@@ -104,12 +120,12 @@ def _fused_states(opt: forge_core.ForgeOptimizer) -> dict[int, dict[str, torch.T
 def test_fp32_states_equal_the_torch_class(case: str, backend: str) -> None:
     rule_name, hp = _rule_name(case), CASES[case]
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny().to(DEVICE)
     twin = copy.deepcopy(model)
     opt = forge_core.fuse(model, rule_name, backend=backend, probe_inputs=False, **hp)
     reference = _torch_optimizer(rule_name, twin.parameters(), hp)
     assert opt.fused_module_names() == ["lin"] and len(opt.dense_weights()) == 1
-    for batch in _batches(_steps(case)):
+    for batch in _batches(_steps(case), device=DEVICE):
         _step(model, opt, batch)
         _step(twin, reference, batch)
     for (name, ours), theirs in zip(model.named_parameters(), twin.parameters()):
@@ -136,9 +152,9 @@ def test_radam_from_a_later_step_equals_torch(backend: str) -> None:
     count loaded into both optimizers first."""
     hp = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=1e-2)
     generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(DOUT, DIN, generator=generator)
-    exp_avg = torch.randn(DOUT, DIN, generator=generator) * 1e-2
-    exp_avg_sq = torch.rand(DOUT, DIN, generator=generator) * 1e-3
+    weight = torch.randn(DOUT, DIN, generator=generator).to(DEVICE)
+    exp_avg = (torch.randn(DOUT, DIN, generator=generator) * 1e-2).to(DEVICE)
+    exp_avg_sq = (torch.rand(DOUT, DIN, generator=generator) * 1e-3).to(DEVICE)
     state = ParamState(weight, get_rule("radam"), "fp32")
     state.store("exp_avg", exp_avg)
     state.store("exp_avg_sq", exp_avg_sq)
@@ -148,7 +164,7 @@ def test_radam_from_a_later_step_equals_torch(backend: str) -> None:
     opt.state[param].update(step=torch.tensor(39.0), exp_avg=exp_avg.clone(), exp_avg_sq=exp_avg_sq.clone())
     update = fused_wgrad_update if backend == "triton" else reference_wgrad_update
     for step in range(40, 45):
-        x, dy = torch.randn(TOKENS, DIN, generator=generator), torch.randn(TOKENS, DOUT, generator=generator)
+        x, dy = _drawn(generator, (TOKENS, DIN), (TOKENS, DOUT))
         update(x, dy, fused, state, hp, step)
         param.grad = dy.t() @ x
         opt.step()
@@ -196,8 +212,9 @@ QUANTIZED_CASES = ["rmsprop_momentum_centered", "rmsprop_centered", "adagrad", "
 
 
 def _storage_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    """bf16: one bf16 step; int8 / fp8: codes within one (in the interpreter the fp32 sums of G may
-    differ in order from the reference's, so a value next to a rounding boundary may go either way)."""
+    """bf16: one bf16 step; int8 / fp8: codes within one (the kernel's fp32 sums of G, in the interpreter
+    or on the GPU, may differ in order from the reference's, so a value next to a rounding boundary may go
+    either way)."""
     if ours.dtype in (torch.int8, torch.float8_e4m3fn):
         if ours.dtype == torch.float8_e4m3fn:
             bits_ours, bits_ref = ours.view(torch.uint8).int(), ref.view(torch.uint8).int()
@@ -223,11 +240,11 @@ def test_quantized_states_are_stored_as_the_reference_stores_them(case: str, sta
     rule_name, hp = _rule_name(case), CASES[case]
     rule = get_rule(rule_name)
     generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(DOUT, DIN, generator=generator)
+    (weight,) = _drawn(generator, (DOUT, DIN))
     fused_w, ref_w = weight.clone(), weight.clone()
     fused_s, ref_s = ParamState(weight, rule, state_dtype, hp), ParamState(weight, rule, state_dtype, hp)
     for step in (1, 2, 3):
-        x, dy = torch.randn(TOKENS, DIN, generator=generator), torch.randn(TOKENS, DOUT, generator=generator)
+        x, dy = _drawn(generator, (TOKENS, DIN), (TOKENS, DOUT))
         before = ref_w.clone()
         fused_wgrad_update(x, dy, fused_w, fused_s, hp, step)
         reference_wgrad_update(x, dy, ref_w, ref_s, hp, step)
@@ -253,13 +270,13 @@ FIDELITY = {"bf16": 0.01, "int8": 0.1, "fp8": 0.15}
 def test_quantized_states_stay_close_to_fp32_states(case: str, state_dtype: str) -> None:
     rule_name, hp = _rule_name(case), CASES[case]
     rule = get_rule(rule_name)
-    start = torch.randn(DOUT, DIN, generator=torch.Generator().manual_seed(5))
+    (start,) = _drawn(torch.Generator().manual_seed(5), (DOUT, DIN))
     runs = {}
     for dtype in ("fp32", state_dtype):
         weight, state = start.clone(), ParamState(start, rule, dtype, hp)
         generator = torch.Generator().manual_seed(6)
         for step in range(1, 7):
-            x, dy = torch.randn(TOKENS, DIN, generator=generator), torch.randn(TOKENS, DOUT, generator=generator)
+            x, dy = _drawn(generator, (TOKENS, DIN), (TOKENS, DOUT))
             fused_wgrad_update(x, dy, weight, state, hp, step)
         runs[dtype] = weight
     moved = (runs["fp32"] - start).square().mean().sqrt()
@@ -278,7 +295,7 @@ def test_an_embeddings_kept_int8_codes_take_the_third_state_slot() -> None:
     rule = get_rule("rmsprop")
     hp = rule.resolve_hp(CASES["rmsprop_momentum_centered"])
     generator = torch.Generator().manual_seed(8)
-    weight = torch.randn(VOCAB, 130, generator=generator) * 0.02
+    weight = (torch.randn(VOCAB, 130, generator=generator) * 0.02).to(DEVICE)
     kept_s = EmbeddingState(weight, rule, "int8", hp)
     assert kept_s.state_names == ("square_avg", "momentum_buffer", "grad_avg")
     raised_codes = 0
@@ -290,6 +307,7 @@ def test_an_embeddings_kept_int8_codes_take_the_third_state_slot() -> None:
         dense[ids] = row_grads
         slots = torch.full((VOCAB,), -1, dtype=torch.int32)
         slots[ids] = torch.arange(ids.numel(), dtype=torch.int32)
+        row_grads, dense, slots = row_grads.to(DEVICE), dense.to(DEVICE), slots.to(DEVICE)
         plain_w, spec_w = weight.clone(), weight.clone()
         plain_s, spec_s = ParamState(weight, rule, "int8", hp), EmbeddingState(weight, rule, "int8", hp)
         for other in (plain_s, spec_s):
@@ -373,14 +391,14 @@ def test_lamb_reference_is_the_textbook_algorithm_in_float64() -> None:
 def test_lamb_trust_ratio_is_one_where_a_norm_is_zero_and_clipped_at_one() -> None:
     hp = dict(lr=0.1, weight_decay=0.0)
     for backend_update in (fused_wgrad_update, reference_wgrad_update):
-        weight = torch.zeros(DOUT, DIN)            # ||w|| = 0: the ratio is 1, the step is Adam's
+        weight = torch.zeros(DOUT, DIN, device=DEVICE)      # ||w|| = 0: the ratio is 1, the step is Adam's
         state = ParamState(weight, get_rule("lamb"), "fp32")
-        x, dy = torch.randn(TOKENS, DIN), torch.randn(TOKENS, DOUT)
+        x, dy = torch.randn(TOKENS, DIN).to(DEVICE), torch.randn(TOKENS, DOUT).to(DEVICE)
         backend_update(x, dy, weight, state, hp, 1)
         grad = dy.t() @ x
         adam_direction = grad / (grad.abs() + 1e-6)          # m_hat / (sqrt(v_hat) + eps) at step 1
         assert _relative(weight, -0.1 * adam_direction) <= 1e-5
-    big = torch.full((DOUT, DIN), 4.0)             # ||w|| / ||r|| is about 4: clipped to 1
+    big = torch.full((DOUT, DIN), 4.0, device=DEVICE)       # ||w|| / ||r|| is about 4: clipped to 1
     state = ParamState(big, get_rule("lamb"), "fp32")
     clipped = big.clone()
     fused_wgrad_update(x, dy, clipped, state, dict(hp, trust_clip=True), 1)
@@ -393,7 +411,7 @@ def test_lamb_row_update_equals_its_dense_step_within_rounding() -> None:
 
     hp = CASES["lamb"]
     generator = torch.Generator().manual_seed(6)
-    start = torch.randn(VOCAB, DIN, generator=generator)
+    (start,) = _drawn(generator, (VOCAB, DIN))
     dense_w, rows_w = start.clone(), start.clone()
     rule = get_rule("lamb")
     dense_s, rows_s = ParamState(start, rule, "int8"), ParamState(start, rule, "int8")
@@ -404,6 +422,7 @@ def test_lamb_row_update_equals_its_dense_step_within_rounding() -> None:
         dense[ids] = row_grads
         slots = torch.full((VOCAB,), -1, dtype=torch.int32)
         slots[ids] = torch.arange(ids.numel(), dtype=torch.int32)
+        row_grads, dense, slots = row_grads.to(DEVICE), dense.to(DEVICE), slots.to(DEVICE)
         fused_wgrad_update(start.new_zeros(0, DIN), start.new_zeros(0, VOCAB), dense_w, dense_s, hp, step,
                            grad_accum=dense)
         row_update(rows_w, rows_s, hp, step, slots=slots, row_grads=row_grads)
