@@ -53,7 +53,9 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("model", _S, "model zoo key"),
     ("method", _S, "method registry key"),
     ("method_family", _S, "baseline | forge | peer"),
-    ("method_settings", _S, "JSON of the arm's settings (lr, betas, state dtype, ranks ...)"),
+    ("method_settings", _S, "JSON of the arm's settings (lr, betas, state dtype, ranks ...); an optimizer-family "
+                            "arm's name its `family`, whether it is `fused` and its `state_dtype` (the App. I table "
+                            "pairs rows by them)"),
     ("batch", _I, "sequences per step"),
     ("seq", _I, "tokens per sequence"),
     ("dtype", _S, "model weight dtype: bfloat16 | float32 | float16"),
@@ -87,6 +89,10 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
                                "ranks the largest rank's (each rank's in extra.peak_allocated_gib_per_rank)"),
     ("peak_reserved_gib", _F, "torch.cuda.max_memory_reserved over the timed window, GiB (2^30); with several ranks "
                               "the largest rank's"),
+    ("peak_process_gib", _F, "torch.cuda.max_memory_allocated over the whole measurement, GiB (2^30): the larger of "
+                             "the peak from the model's build to the timed window (tile tuning, warm-up, a CUDA "
+                             "graph's capture) and the window's own; the parity gate before it is left out. Null on a "
+                             "CPU, for a distributed cell, and in rows written before the column existed"),
     ("peak_reason", _S, "why the peak is null (CPU run, ...)"),
     ("mem_weights_gib", _F, "analytic: parameter bytes, GiB"),
     ("mem_optimizer_states_gib", _F, "analytic: optimizer state bytes (moments, scales), GiB"),
@@ -129,7 +135,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
                   "kernel_configs (the fused kernel's tile per weight shape; '(tune cache)' when chosen by an earlier cell), tune_cache (that file), cuda_alloc_conf, memory_breakdown_bytes, "
                   "host_return_ms_median, energy_j_per_step and power_w_mean (NVML energy counter over the timed window), floor_terms, parity_rms_rel_global / parity_worst_param, "
-                  "a distributed cell's peak_allocated_gib_per_rank, peak_reserved_gib_per_rank, step_ms_median_per_rank, "
+                  "activation_checkpointing (true when the grid checkpoints every decoder layer), a distributed cell's peak_allocated_gib_per_rank, peak_reserved_gib_per_rank, step_ms_median_per_rank, "
                   "memory_breakdown_bytes_per_rank and tokens_per_step, "
                   "or a kernel benchmark's fields"),
 ]
@@ -185,7 +191,7 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
 
 
 # columns of schema v1 that some stored rows lack: they read as null there
-LATER_COLUMNS = ("activations", "torch_threads", "world_size", "strategy", "bucket_cap_mb")
+LATER_COLUMNS = ("activations", "torch_threads", "world_size", "strategy", "bucket_cap_mb", "peak_process_gib")
 
 
 def iter_result_files(path: str | os.PathLike) -> list[Path]:
