@@ -39,7 +39,7 @@ import typer
 from forge_bench import families
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
-from forge_bench import results, telemetry
+from forge_bench import memory_model, results, telemetry
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.peer_probes import hide_peer_packages_except
 from forge_bench.suite import Cell, Suite, load_suite
@@ -408,19 +408,10 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
 # --- memory prediction ---------------------------------------------------------------------
 
 def predicted_bytes(cell: Cell, method: methods_mod.Method) -> dict[str, int]:
-    """A low estimate of what the cell needs: weights + states + gradients + activations."""
-    dtype_bytes = torch.empty((), dtype=models_mod.torch_dtype(cell.dtype)).element_size()
-    n = models_mod.param_count(cell.model)
-    states, grads = method.bytes_per_param(dtype_bytes) if method.bytes_per_param else (0.0, 0.0)
-    parts = {
-        "weights": n * dtype_bytes,
-        "optimizer_states": int(n * states),
-        "gradients": int(n * grads),
-        "activations": models_mod.activation_bytes_estimate(cell.model, cell.batch, cell.seq, dtype_bytes,
-                                                            cell.activations, cell.activation_checkpointing),
-    }
-    parts["total"] = sum(parts.values())
-    return parts
+    """A low estimate of what the cell needs: weights + states + gradients + activations
+    (``memory_model.predicted_bytes`` at the cell's model, shape, dtype and activations)."""
+    return memory_model.predicted_bytes(cell.model, method.bytes_per_param, cell.batch, cell.seq, cell.dtype,
+                                        cell.activations, cell.activation_checkpointing)
 
 
 def oom_prediction(cell: Cell, method: methods_mod.Method, device: str) -> str | None:
