@@ -54,8 +54,8 @@ def gpu_capacity_gib(gpu: str) -> float:
 
 
 def arm_bytes_per_param(arm: str) -> memory_model.BytesPerParam | None:
-    """The arm's ``Method.bytes_per_param``; a ``forge_<state>`` arm with no registry entry (fp8 moments
-    before a sweep arm exists for them) from its state bytes (``torch_arms.FORGE_STATE_BYTES``)."""
+    """The arm's ``Method.bytes_per_param``; a ``forge_<state>`` arm with no registry entry from its
+    state bytes (``torch_arms.FORGE_STATE_BYTES``), so every state format has a prediction."""
     method = METHODS.get(arm)
     if method is not None:
         return method.bytes_per_param

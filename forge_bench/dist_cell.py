@@ -1,10 +1,10 @@
 """One cell of a distributed arm: one torchrun process tree, every rank measures, rank 0 writes the row.
 
-The runner starts ``python -m forge_bench.dist_cell launch ...`` in a fresh session (``launch_command``).
+The runner starts ``python -m forge_bench.dist_cell launch ...`` in its own process group (``launch_command``).
 The launcher dies with the sweep (Linux parent-death signal) and runs torchrun in its own process
 (``torch.distributed.run``, ``--standalone``: a free port per cell), which starts ``world_size``
 ranks of ``python -m forge_bench.dist_cell rank ...``; each rank dies with the launcher. So a timeout
-(the runner kills the launcher's session) or a killed sweep leaves no rank on a GPU.
+(the runner kills the launcher's process group) or a killed sweep leaves no rank on a GPU.
 
 Each rank: the model on its device from the suite's seed (the same weights everywhere), the arm
 (``forge_bench/dist_arms.py``) on ``torch.distributed`` (NCCL on GPUs, gloo on the CPU), its own

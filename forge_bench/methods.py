@@ -194,6 +194,11 @@ ARMS: tuple[Method, ...] = (
            build=forge_builder("int8"), requires=FORGE_NEEDS, extra_check=forge_problem,
            settings={"state_dtype": "int8"}, parity_reference="adamw",
            bytes_per_param=forge_bytes_per_param("int8"), graphable=True),
+    Method(name="forge_fp8", family="forge",
+           description="FORGE fused wgrad + AdamW update, fp8 (e4m3) moments with per-64 block scales (forge_core.fuse)",
+           build=forge_builder("fp8"), requires=FORGE_NEEDS, extra_check=forge_problem,
+           settings={"state_dtype": "fp8"}, parity_reference="adamw",
+           bytes_per_param=forge_bytes_per_param("fp8"), graphable=True),
     # per state dtype: the A/B arm of forge_core.overlap (each update in line on the backward's
     # stream), then FORGE with the vocab-chunked LM-head loss
     Method(name="forge_bf16_inline", family="forge",
@@ -220,6 +225,12 @@ ARMS: tuple[Method, ...] = (
            build=forge_cce_builder("int8"), requires=FORGE_NEEDS, extra_check=forge_problem,
            settings={"state_dtype": "int8", "loss": "chunked_ce", "chunk_size": "auto"}, parity_reference="adamw",
            bytes_per_param=forge_bytes_per_param("int8"), graphable=True),
+    Method(name="forge_fp8_cce", family="forge",
+           description="FORGE fused wgrad + AdamW update, fp8 (e4m3) moments, with the vocab-chunked LM-head "
+                       "cross-entropy: no logits tensor, an untied LM head updated chunk by chunk (no weight gradient)",
+           build=forge_cce_builder("fp8"), requires=FORGE_NEEDS, extra_check=forge_problem,
+           settings={"state_dtype": "fp8", "loss": "chunked_ce", "chunk_size": "auto"}, parity_reference="adamw",
+           bytes_per_param=forge_bytes_per_param("fp8"), graphable=True),
     # the chunked loss on its own, without FORGE
     Method(name="adamw_fused_cce", family="baseline",
            description="torch.optim.AdamW(fused=True) with the vocab-chunked LM-head cross-entropy (no logits "

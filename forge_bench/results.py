@@ -54,8 +54,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("method", _S, "method registry key"),
     ("method_family", _S, "baseline | forge | peer"),
     ("method_settings", _S, "JSON of the arm's settings (lr, betas, state dtype, ranks ...); an optimizer-family "
-                            "arm's name its `family`, whether it is `fused` and its `state_dtype` (the App. I table "
-                            "pairs rows by them)"),
+                         "arm's name its `family`, whether it is `fused` and its `state_dtype` (the App. I table "
+                         "pairs rows by them)"),
     ("batch", _I, "sequences per step"),
     ("seq", _I, "tokens per sequence"),
     ("dtype", _S, "model weight dtype: bfloat16 | float32 | float16"),

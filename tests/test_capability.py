@@ -35,7 +35,7 @@ def test_predicted_bytes_of_a_tiny_model_equal_a_hand_computation():
     assert int8["total"] == 2185808
     fused = memory_model.predicted_bytes("tiny-llama", METHODS["adamw_fused"].bytes_per_param, 2, 16)
     assert fused["total"] == 2 * TINY_PARAMS + 4 * TINY_PARAMS + 2 * TINY_PARAMS + activations == 3838976
-    # the fp8 arm has no sweep entry: its bytes come from the state format (codes + a scale per 64)
+    # fp8 codes take the bytes int8 codes do: one byte per moment and a scale per 64
     fp8 = memory_model.predicted_bytes("tiny-llama", capability.arm_bytes_per_param("forge_fp8"), 2, 16)
     assert fp8 == int8
 

@@ -95,7 +95,7 @@ def test_missing_package_is_a_reason():
 
 def test_only_capturable_arms_run_in_cuda_graph_grids():
     core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8",
-            "forge_bf16_inline", "forge_int8_inline"}
+            "forge_fp8", "forge_fp8_cce", "forge_bf16_inline", "forge_int8_inline"}
     # the optimizer families (forge_bench.families): every FORGE arm, and the unfused arms whose step
     # does not read the device on the host (torch.optim.Adafactor reads two norms per weight)
     family_arms = {f"forge_{f}_{states}" for f in FAMILIES for states in STATE_DTYPES}

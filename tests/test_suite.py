@@ -146,11 +146,11 @@ def test_headline_cell_runs_alone_with_every_arm(name):
     s = load_suite(REPO / "suites" / name)
     head = select_cells(s.cells, "headline")
     assert {(c.model, c.batch, c.seq) for c in head} == {("llama-3.1-8b", 1, 512)}
-    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8"}
+    core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8", "forge_fp8"}
     assert {c.method for c in select_cells(s.cells, "headline/*")} == core
     peers = {name for name, m in METHODS.items() if m.family == "peer" and not name.startswith("test_")}
     # the A/B arms of two FORGE options (side-stream overlap off; the chunked LM-head loss), graphed only
-    new = {"forge_bf16_inline", "forge_int8_inline", "forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce"}
+    new = {"forge_bf16_inline", "forge_int8_inline", "forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce", "forge_fp8_cce"}
     assert {c.method for c in select_cells(s.cells, "headline_graph_new/*")} == new
     assert {c.method for c in head} == core | peers | new, "every registered arm runs at the headline shape"
     shapes = {(c.batch, c.seq) for c in s.cells if c.model == "llama-3.1-8b"}
