@@ -3,7 +3,9 @@
 Order: availability -> predicted memory (GPU) -> parity gate (where the arm claims a reference
 algorithm) -> build the full model -> warm-up -> ``repeats`` x ``timed_steps`` timed steps
 (CUDA events on a GPU, wall clock on a CPU) with the peak-memory counters reset at the start of
-the timed window and NVML read just before and after it.
+the timed window and NVML read just before and after it. The allocator's peak before that reset
+(model build, tile tuning, warm-up) joins the window's in ``peak_process_gib``: whether a run fits
+is decided by its highest peak, which may come before the window.
 
 The runner (runner.py) starts this module as ``python -m forge_bench.cell`` in a fresh process
 per cell (``main``: the per-cell child's entry; ``forge-bench cell`` runs the same from a shell).
@@ -37,7 +39,7 @@ import typer
 from forge_bench import families
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
-from forge_bench import results, telemetry
+from forge_bench import memory_model, results, telemetry
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.peer_probes import hide_peer_packages_except
 from forge_bench.suite import Cell, Suite, load_suite
@@ -219,6 +221,7 @@ class Timing:
     floor_terms: dict[str, Any] | None = None
     host_ms: list[float] = field(default_factory=list)
     energy: dict[str, float] = field(default_factory=dict)    # telemetry.window_energy of the timed window
+    peak_process_gib: float | None = None   # the allocator's peak from the model's build to the window's end
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -295,6 +298,11 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     spec, device = suite.spec, suite.spec.device
     on_cuda = device.startswith("cuda")
     graphed = on_cuda and cell.cuda_graph
+    if on_cuda:
+        # The process peak counts from here: the model's build, tile tuning, warm-up, capture and the
+        # timed window; the parity gate before it is not part of a training run.
+        torch.cuda.reset_peak_memory_stats()
+    before_window = 0     # the allocator's peak before the window's counters are reset, bytes
     model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed)
     models_mod.apply_activations(model, cell.activations)
     models_mod.apply_activation_checkpointing(model, cell.activation_checkpointing)
@@ -321,6 +329,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         # 8B model with fp32 moments does not fit twice).
         gc.collect()
         torch.cuda.empty_cache()
+        before_window = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step = GraphedStep(arm, batches[0])
         warm = [step(batches[i % BATCH_POOL]) for i in range(max(0, spec.warmup_steps - eager_warmup))]
@@ -331,6 +340,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
 
     nvml_before = telemetry.nvml_snapshot(torch.device(device).index or 0) if on_cuda else None
     if on_cuda and not graphed:
+        before_window = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     run_ms: list[list[float]] = []
     host_ms: list[float] = []
@@ -368,6 +378,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     if on_cuda:
         peak_alloc = torch.cuda.max_memory_allocated() / GIB
         peak_reserved = torch.cuda.max_memory_reserved() / GIB
+        peak_process = max(before_window / GIB, peak_alloc)
         peak_reason = None
         nvml_after = telemetry.nvml_snapshot(torch.device(device).index or 0)
         energy = telemetry.window_energy(nvml_before, nvml_after, time.perf_counter() - window_start,
@@ -375,7 +386,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         nvml = telemetry.nvml_columns(nvml_before, nvml_after)
     else:
         energy = {}
-        peak_alloc = peak_reserved = None
+        peak_alloc = peak_reserved = peak_process = None
         peak_reason = "CPU run: torch keeps no peak-memory counter for CPU tensors"
         nvml = telemetry.cpu_nvml_columns()
     values = _check_finite(losses, "timed")
@@ -390,25 +401,17 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         terms = gpu_measure.floor_terms(model, cell.batch * cell.seq, models_mod.torch_dtype(cell.dtype),
                                       torch.device(device))
     return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
-                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms, energy)
+                  int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms, energy,
+                  peak_process_gib=peak_process)
 
 
 # --- memory prediction ---------------------------------------------------------------------
 
 def predicted_bytes(cell: Cell, method: methods_mod.Method) -> dict[str, int]:
-    """A low estimate of what the cell needs: weights + states + gradients + activations."""
-    dtype_bytes = torch.empty((), dtype=models_mod.torch_dtype(cell.dtype)).element_size()
-    n = models_mod.param_count(cell.model)
-    states, grads = method.bytes_per_param(dtype_bytes) if method.bytes_per_param else (0.0, 0.0)
-    parts = {
-        "weights": n * dtype_bytes,
-        "optimizer_states": int(n * states),
-        "gradients": int(n * grads),
-        "activations": models_mod.activation_bytes_estimate(cell.model, cell.batch, cell.seq, dtype_bytes,
-                                                            cell.activations, cell.activation_checkpointing),
-    }
-    parts["total"] = sum(parts.values())
-    return parts
+    """A low estimate of what the cell needs: weights + states + gradients + activations
+    (``memory_model.predicted_bytes`` at the cell's model, shape, dtype and activations)."""
+    return memory_model.predicted_bytes(cell.model, method.bytes_per_param, cell.batch, cell.seq, cell.dtype,
+                                        cell.activations, cell.activation_checkpointing)
 
 
 def oom_prediction(cell: Cell, method: methods_mod.Method, device: str) -> str | None:
@@ -545,7 +548,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         status="ok", n_params=timing.n_params, n_fused_params=timing.n_fused_params,
         method_settings=timing.settings,
         peak_allocated_gib=timing.peak_allocated_gib, peak_reserved_gib=timing.peak_reserved_gib,
-        peak_reason=timing.peak_reason,
+        peak_process_gib=timing.peak_process_gib, peak_reason=timing.peak_reason,
         mem_weights_gib=gib.get("weights"), mem_optimizer_states_gib=gib.get("optimizer_states"),
         mem_gradients_gib=gib.get("gradients"),
         loss_first=timing.losses[0], loss_last=timing.losses[-1],

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
@@ -324,6 +325,68 @@ def report(
         raise _fail(str(exc)) from None
     out_console.print(f"report written to {out_dir}" + (f": {written}" if isinstance(written, (str, Path)) else ""),
                       highlight=False)
+
+
+def _csv_list(value: Optional[str]) -> list[str] | None:
+    return None if value is None else [item.strip() for item in value.split(",") if item.strip()]
+
+
+@app.command()
+def capability(
+    family: Annotated[str, typer.Option("--family", help="comma-separated zoo families whose sized models are "
+                                        "compared (qwen3: 0.6b ... 32b; llama: 3.2-1b, 3.2-3b, 3.1-8b)")] = "qwen3,llama",
+    models: Annotated[Optional[str], typer.Option("--models", help="comma-separated zoo models instead of the "
+                                                  "families' (one group)")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="comma-separated GPUs (default: A100-40, A100-80, "
+                                                "H100, H200, B200, B300)")] = None,
+    arms: Annotated[Optional[str], typer.Option("--arms", help="comma-separated arms (default: adamw_foreach, "
+                                                "adamw_fused, forge_bf16, forge_int8, forge_fp8, no_optimizer)")] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="sequences per step")] = 1,
+    seq: Annotated[int, typer.Option("--seq", min=1, help="tokens per sequence")] = 512,
+    dtype: Annotated[str, typer.Option("--dtype", help="weight dtype")] = "bfloat16",
+    activations: Annotated[str, typer.Option("--activations", help="hf | lean (forge_core.lean_activations)")] = "hf",
+    checkpointing: Annotated[bool, flag("--checkpointing", help="activation checkpointing of every decoder layer")] = False,
+    usable_fraction: Annotated[Optional[float], typer.Option("--usable-fraction", help="share of the nominal HBM a "
+                                                             "step may take (default: capability.USABLE_FRACTION, 0.95)")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="also write the table: .csv or .parquet")] = None,
+) -> None:
+    """The largest model of a family each arm can train per GPU, from the analytic memory model (paper App. O)."""
+    from forge_bench import capability as cap
+
+    if out is not None and out.suffix not in (".csv", ".parquet"):
+        raise _fail(f"--out {out}: the file must end in .csv or .parquet")
+    try:
+        found = cap.boundaries(gpus=_csv_list(gpus) or tuple(cap.GPUS), arms=_csv_list(arms) or cap.CAPABILITY_ARMS,
+                               families=_csv_list(family) or cap.DEFAULT_FAMILIES, models=_csv_list(models),
+                               batch=batch, seq=seq, dtype=dtype, activations=activations, checkpointed=checkpointing,
+                               usable_fraction=cap.USABLE_FRACTION if usable_fraction is None else usable_fraction)
+    except (cap.CapabilityError,) + _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    if not found:
+        raise _fail("nothing to compute: give at least one GPU, arm and family")
+    first = found[0]
+    setting = (f"batch {batch} x seq {seq}, {dtype}, {activations} activations" + (", checkpointed" if checkpointing else "")
+               + f"; usable: {first.usable_gib / first.hbm_gib:.0%} of the nominal HBM")
+    for family_name in dict.fromkeys(b.family for b in found):
+        table = Table(title=f"Largest {family_name} model each arm trains ({setting})", box=box.SIMPLE_HEAD,
+                      caption="fits / does not: the largest model predicted to fit and the next one (predicted GiB); "
+                              "B params: weights, states and gradients alone filling the usable memory")
+        for name, justify in (("GPU", "left"), ("arm", "left"), ("fits", "left"), ("does not", "left"),
+                              ("B params", "right")):
+            table.add_column(name, justify=justify, no_wrap=True)
+        for b in (b for b in found if b.family == family_name):
+            table.add_row(f"{b.gpu} {b.hbm_gib:g}", b.method,
+                          "none" if b.largest_fit is None else f"{b.largest_fit} ({cap.fmt_gib(b.largest_fit_gib)})",
+                          "—" if b.first_miss is None else f"{b.first_miss} ({cap.fmt_gib(b.first_miss_gib)})",
+                          f"{b.params_bound_b:.1f}")
+        out_console.print(table)
+    if out is not None:
+        import pandas as pd
+
+        frame = pd.DataFrame([b.as_record() for b in found])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(out, index=False) if out.suffix == ".csv" else frame.to_parquet(out, index=False)
+        out_console.print(f"written to {out}", highlight=False)
 
 
 @app.command()

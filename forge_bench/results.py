@@ -89,6 +89,10 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
                                "ranks the largest rank's (each rank's in extra.peak_allocated_gib_per_rank)"),
     ("peak_reserved_gib", _F, "torch.cuda.max_memory_reserved over the timed window, GiB (2^30); with several ranks "
                               "the largest rank's"),
+    ("peak_process_gib", _F, "torch.cuda.max_memory_allocated over the whole measurement, GiB (2^30): the larger of "
+                             "the peak from the model's build to the timed window (tile tuning, warm-up, a CUDA "
+                             "graph's capture) and the window's own; the parity gate before it is left out. Null on a "
+                             "CPU, for a distributed cell, and in rows written before the column existed"),
     ("peak_reason", _S, "why the peak is null (CPU run, ...)"),
     ("mem_weights_gib", _F, "analytic: parameter bytes, GiB"),
     ("mem_optimizer_states_gib", _F, "analytic: optimizer state bytes (moments, scales), GiB"),
@@ -187,7 +191,7 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
 
 
 # columns of schema v1 that some stored rows lack: they read as null there
-LATER_COLUMNS = ("activations", "torch_threads", "world_size", "strategy", "bucket_cap_mb")
+LATER_COLUMNS = ("activations", "torch_threads", "world_size", "strategy", "bucket_cap_mb", "peak_process_gib")
 
 
 def iter_result_files(path: str | os.PathLike) -> list[Path]:

@@ -19,8 +19,9 @@ from torch import nn
 
 from forge_bench.arm import ArmUnavailable, TrainConfig, parameter_bytes, trainable_parameters
 
-# bytes per parameter of the FORGE arms' optimizer states, for oom_predicted (no gradient pool):
-# two moments in the state dtype, plus an fp32 scale per 64-element block for int8
+# bytes per parameter of the FORGE arms' optimizer states, for oom_predicted and the capability
+# arithmetic (no gradient pool): two moments in the state dtype, plus an fp32 scale per 64-element
+# block for int8 and fp8 (forge_core.state)
 FORGE_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 64, "fp8": 2.0 + 2 * 4 / 64}
 
 

@@ -51,6 +51,7 @@ def test_ok_row_is_complete(suite, tmp_path):
     assert len(row.step_ms_run_medians) == 2 and row.step_ms_median > 0
     assert row.tokens_per_s == pytest.approx(32 / (row.step_ms_median / 1000))
     assert row.peak_allocated_gib != row.peak_allocated_gib and "CPU" in row.peak_reason  # null (NaN in pandas)
+    assert row.peak_process_gib != row.peak_process_gib                                 # null on a CPU too
     assert row.nvml_reason and row.sm_clock_mhz_before != row.sm_clock_mhz_before
     assert row.parity_steps == 4 and row.parity_rms_rel < 1e-5 and row.parity_model == "tiny-llama"
     assert row.mem_optimizer_states_gib == pytest.approx(2 * row.mem_weights_gib, rel=1e-3)
@@ -170,11 +171,23 @@ def test_graph_cell_replays_the_captured_step(tmp_path, method):
     assert code == 0 and row.status == "ok", row.reason
     assert row.timing_method == "cuda_graph_replay" and len(row.step_ms_all) == 8
     assert row.peak_allocated_gib > row.mem_weights_gib        # the capture's activations are counted
+    # the process peak covers the eager warm-up and the tile tuning before the capture, and the window
+    assert row.peak_process_gib >= row.peak_allocated_gib
     assert row.loss_last == row.loss_last and row.loss_last != row.loss_first   # the replays train
     if method.startswith("forge") or method.startswith("adamw_fused"):
         assert json.loads(row.method_settings)["capturable"] is True
     if method.endswith("_cce"):
         assert json.loads(row.method_settings)["chunk_size"] == 512     # tiny-llama's whole vocabulary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the process peak is read from the CUDA allocator")
+def test_eager_cell_process_peak_covers_the_steps_before_the_window(tmp_path):
+    path = tmp_path / "eager.yaml"
+    path.write_text(GRAPH_SUITE.replace("cuda_graph: true", "cuda_graph: false"))
+    code, row = run(load_suite(path), "forge_bf16", tmp_path / "r")
+    assert code == 0 and row.status == "ok", row.reason
+    assert row.peak_process_gib >= row.peak_allocated_gib > row.mem_weights_gib
 
 
 def test_graph_cell_of_an_arm_that_cannot_be_captured_is_unavailable(tmp_path):

@@ -854,3 +854,29 @@ def test_a_report_that_fails_half_way_leaves_the_previous_one_as_it_was(tmp_path
     assert "smoke_rerun_partial" in (out / "index.md").read_text()
     assert (out / "notes.md").read_text() == "the user's notes", "a file the report did not write moves along"
     assert sorted(p.name for p in out.parent.iterdir()) == ["smoke"]
+
+
+def test_headline_shows_the_process_peak_and_the_margin_check():
+    """The whole-process peak beside the window's, and per FORGE arm pass / miss against
+    MARGIN_TARGET_GIB (0.5 GiB); rows without the column (the committed fixtures) print —."""
+    from forge_bench.report import tables as report_tables
+    from forge_bench.report.data import load_rows
+
+    frame = load_rows([H100], on_foreign=None)
+    lean = frame[(frame["activations"] == "lean") & (frame["timing_method"] == "cuda_graph_replay")].copy()
+    assert lean["peak_process_gib"].isna().all()
+    process = {"forge_bf16": 0.25, "forge_int8": 2.0, "adamw_fused": 1.0}     # above each window peak, GiB
+    lean["peak_process_gib"] = [row.peak_allocated_gib + process[row.method] if row.method in process else None
+                                for row in lean.itertuples()]
+    [table] = report_tables.headline_tables(lean)
+    assert table.header[1:4] == ["Peak GiB", "Process peak GiB", "Margin"]
+    by_method = {rec["method"]: rec for rec in table.records}
+    lines = {rec["method"]: line for rec, line in zip(table.records, table.rows)}
+    bf16 = by_method["forge_bf16"]
+    assert bf16["peak_process_gib"] == pytest.approx(bf16["peak_gib"] + 0.25)
+    assert bf16["process_margin_gib"] == pytest.approx(0.25) and bf16["margin_ok"] is True
+    assert lines["forge_bf16"][3] == "+0.25 GiB pass"
+    assert by_method["forge_int8"]["margin_ok"] is False and lines["forge_int8"][3] == "+2.00 GiB miss"
+    # a baseline's margin is shown with no verdict: the target is FORGE's
+    assert lines["adamw_fused"][3] == "+1.00 GiB" and by_method["adamw_fused"]["margin_ok"] is None
+    assert lines["forge_bf16_cce"][2:4] == ["—", "—"] and by_method["forge_bf16_cce"]["margin_ok"] is None

@@ -106,3 +106,20 @@ def test_an_unreadable_row_file_is_never_done_and_is_named(tmp_path):
     assert results.set_aside(tmp_path / "c3.parquet").name == "c3.parquet.corrupt.1"
     assert moved.read_bytes() == b"these bytes are not parquet", "a file set aside before is kept"
     assert good.exists() and set(results.scan_rows(tmp_path).unreadable) == {tmp_path / "c2.parquet"}
+
+
+def test_the_process_peak_round_trips_and_old_rows_read_it_as_null(tmp_path):
+    """``peak_process_gib`` is written and read back as given; a row file without the column (written
+    by a harness without it) loads with the column null."""
+    import pyarrow as pa
+
+    results.write_row(tmp_path, {"cell_id": "with", "status": "ok", "peak_allocated_gib": 47.25,
+                                 "peak_process_gib": 49.5})
+    table = pq.read_table(tmp_path / "with.parquet")
+    assert table.schema.field("peak_process_gib").type == pa.float64()
+    old = table.drop_columns(["peak_process_gib"])
+    old = old.set_column(old.column_names.index("cell_id"), "cell_id", pa.array(["without"]))
+    pq.write_table(old, tmp_path / "without.parquet")
+    frame = results.load_results(tmp_path).set_index("cell_id")
+    assert frame.loc["with", "peak_process_gib"] == 49.5 and frame.loc["with", "peak_allocated_gib"] == 47.25
+    assert pd.isna(frame.loc["without", "peak_process_gib"])

@@ -312,3 +312,21 @@ def test_the_identity_text_does_not_move_when_python_adds_an_empty_field(monkeyp
     monkeypatch.setattr(ast.FunctionDef, "added_in_a_later_python", [], raising=False)
     assert tune_cache.code_only(source) == before
     assert before == tune_cache.code_only("def kernel(x, BLOCK):\n    return x * BLOCK\n")
+
+
+def test_tuning_a_shape_prints_one_progress_line_and_a_cache_hit_none(tuning, monkeypatch, capsys):
+    """A first use tunes for seconds per shape: one line on stderr says so; a shape read from the
+    cache, or FORGE_TUNE_QUIET=1, prints nothing."""
+    monkeypatch.delenv(tuning_module.QUIET_ENV, raising=False)
+    _step()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("forge_core: tuning")]
+    assert lines == [tuning_module.tuning_message(70, 90, 40, "fp32", len(CANDIDATES))]
+    assert "70x90 weight at 40 tokens, fp32 states (2 candidate tiles" in lines[0]
+    _new_process(monkeypatch)
+    _step(2)                                        # read from the cache file
+    assert "forge_core: tuning" not in capsys.readouterr().err
+    _new_process(monkeypatch)
+    monkeypatch.setenv(tuning_module.QUIET_ENV, "1")
+    monkeypatch.setenv(tune_cache.ENV, str(tuning[0].with_name("other.json")))    # a miss: tunes again, quietly
+    _step(3)
+    assert "forge_core: tuning" not in capsys.readouterr().err

@@ -9,7 +9,8 @@
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the optimizer families (App. I),
   batch x seq grid, model scaling, where memory goes, hardware comparison, fidelity, coverage across
   the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
-  and the targets; ``distributed.py``), scaling within a model family, what did not run; and from the rows of ``forge-bench fidelity`` and
+  and the targets; ``distributed.py``), scaling within a model family, capability (App. O: the largest
+  model per arm and GPU, measured beside predicted; ``app_o.py``), what did not run; and from the rows of ``forge-bench fidelity`` and
   ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E fidelity table and the
   convergence table (``training.py``);
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
@@ -32,7 +33,7 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import app_i, coverage, distributed, figures, folder, ratios, render, summary, tables, training
+from . import app_i, app_o, coverage, distributed, figures, folder, ratios, render, summary, tables, training
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -212,6 +213,10 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
                               family_note or "no family measured at two sizes")
     written += family_figs
     sections += figure_block(family_figs)
+    sections += table_section("Capability (App. O)", "capability", app_o.app_o_tables(frame),
+                              "The largest model each arm trains per GPU: measured in the rows beside the analytic "
+                              "memory model's prediction (`forge-bench capability`).", True,
+                              "no row from a GPU the capability arithmetic knows (A100, H100, H200, B200, B300)")
 
     # training quality: App. E fidelity and convergence on real text
     sections += _training_sections(table_section, figure_block, written, figure_dir, convergence_rows,

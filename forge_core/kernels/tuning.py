@@ -16,6 +16,7 @@ import dataclasses
 import io
 import os
 import statistics
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -149,6 +150,23 @@ def autotune_enabled() -> bool:
     return os.environ.get("FORGE_AUTOTUNE", "1") != "0"
 
 
+QUIET_ENV = "FORGE_TUNE_QUIET"
+"""``FORGE_TUNE_QUIET=1`` keeps the tuner's progress lines off stderr."""
+
+
+def tuning_message(m: int, n: int, k: int, state_dtype: str, n_candidates: int) -> str:
+    """The line the tuner prints before it times a shape: a first step that tunes takes seconds per
+    weight shape (an 8B model's first step, 40-80 s without a tune cache), and this says why."""
+    return (f"forge_core: tuning the fused kernel for a {m}x{n} weight at {k} tokens, {state_dtype} states "
+            f"({n_candidates} candidate tiles; {tune_cache.ENV} keeps the choice for later processes)...")
+
+
+def announce_tuning(m: int, n: int, k: int, state_dtype: str, n_candidates: int) -> None:
+    """Print ``tuning_message`` to stderr, unless ``FORGE_TUNE_QUIET`` is set to anything but 0."""
+    if os.environ.get(QUIET_ENV, "0") in ("", "0"):
+        print(tuning_message(m, n, k, state_dtype, n_candidates), file=sys.stderr, flush=True)
+
+
 def bench_ms(fn: Callable[[], None]) -> float:
     """Median ms of ``fn`` as an eager caller pays it (``do_bench``: launch cost included)."""
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
@@ -181,6 +199,7 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
             warnings.warn(f"{tune_cache.ENV}: {disk_path} holds a tile for {m}x{n} at {k} tokens made for another "
                           f"kernel source, Triton, GPU or candidate list (fingerprint {', '.join(stale)}, this one "
                           f"{fingerprint}); tuning again", RuntimeWarning, stacklevel=3)
+    announce_tuning(m, n, k, state_dtype, len(candidates))
     tuned = False
     try:
         scratch_weight = weight.detach().clone()
