@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dtensors import is_dtensor
 from .kernels import rowwise
 
 # transformers classes whose forward is exactly ``w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``
@@ -101,12 +102,14 @@ class SavedTensorScope:
         self.entries: dict[int, tuple[weakref.ref, _Recipe]] = {}
 
     def register(self, output: torch.Tensor, recipe: _Recipe) -> None:
+        if is_dtensor(output):              # a tensor-parallel DTensor has no storage to match on
+            return
         if output.is_contiguous() and output.storage_offset() == 0:
             self.entries[output.untyped_storage().data_ptr()] = (weakref.ref(output), recipe)
 
     def pack(self, saved: torch.Tensor) -> Any:
-        if not self.entries or saved.layout != torch.strided:
-            return saved
+        if not self.entries or saved.layout != torch.strided or is_dtensor(saved):
+            return saved                    # a DTensor (tensor parallel) has no storage of its own
         entry = self.entries.get(saved.untyped_storage().data_ptr())
         if entry is None:
             return saved

@@ -244,3 +244,26 @@ def test_lean_layer_keeps_less_on_the_gpu():
     plain, slim = saved_after_forward(False), saved_after_forward(True)
     saved_per_token = (plain - slim) / 512
     assert saved_per_token >= 90 * 1024, (plain, slim)
+
+
+def test_a_dtensor_passes_the_saved_tensor_hooks_untouched(tmp_path):
+    """Tensor parallel under lean activations: a DTensor (ColwiseParallel's weight, its outputs) has no
+    storage pointer to match on, so the scope keeps it as autograd would (torch's tp_adamw arm with
+    lean activations crashed on the data-pointer read)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = distribute_tensor(torch.randn(4, 6), mesh, [Replicate()])
+        scope = lean.SavedTensorScope()
+        plain = torch.randn(4, 6)
+        scope.register(plain, None)
+        scope.register(sharded, None)                # no storage: not registered, no error
+        assert len(scope.entries) == 1
+        assert scope.pack(sharded) is sharded
+        assert lean.SavedTensorScope.unpack(scope.pack(sharded)) is sharded
+    finally:
+        dist.destroy_process_group()
