@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/forge-bench report $(OUT) -o $(REPORT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # Wheels for the GPU machine's Python (3.12, no internet there): see scripts/fetch_wheels.sh
 wheels:

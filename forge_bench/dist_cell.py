@@ -297,7 +297,12 @@ def rank(
         code = run_rank(loaded, cell, out, run_id, attempt)
     finally:
         dist.destroy_process_group()
-    raise typer.Exit(code)
+    # The row is written and the group destroyed: leave without the interpreter's teardown, where a
+    # gloo rank on a loaded 2-core machine aborted in a C++ destructor ("terminate called without an
+    # active exception", SIGABRT) after its work was done, and torchrun reported the cell crashed (D70).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
