@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .base import Rule, known_hyperparameters
+from .checks import check_step
 
 DEFAULTS = {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10}
 
@@ -34,8 +35,7 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
 
 
 def _check_step(step: int) -> None:
-    if int(step) < 1:
-        raise ValueError(f"adagrad: step is 1-based, got {step}")
+    check_step("adagrad", step)
 
 
 def initial_state(name: str, hp: Mapping[str, Any]) -> float:

@@ -18,29 +18,20 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .base import Rule, capturable_flag, known_hyperparameters
+from .base import Rule
+from .checks import adam_hyperparameters, check_step, filled, torch_fallback
 
 DEFAULTS = {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
-    full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
-    lr, (beta1, beta2), eps, weight_decay = (float(full["lr"]), tuple(map(float, full["betas"])),
-                                             float(full["eps"]), float(full["weight_decay"]))
-    if not lr >= 0.0:
-        raise ValueError(f"adamax: lr must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"adamax: betas must lie in [0, 1), got {(beta1, beta2)}")
-    if not eps >= 0.0:
-        raise ValueError(f"adamax: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"adamax: weight_decay must be >= 0, got {weight_decay}")
+    full = filled(hp, DEFAULTS)
+    lr, beta1, beta2, eps, weight_decay = adam_hyperparameters("adamax", full)
     return lr, beta1, beta2, eps, weight_decay
 
 
 def _check_step(step: int) -> None:
-    if int(step) < 1:
-        raise ValueError(f"adamax: step is 1-based, got {step}")
+    check_step("adamax", step)
 
 
 def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
@@ -88,8 +79,7 @@ def epilogue(w, g, exp_avg, exp_inf, unused_third, weight_decay, one_minus_beta1
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.Adamax with the same hyper-parameters, for the parameters FORGE does not fuse."""
-    params = list(params)
-    return torch.optim.Adamax(params, **known_hyperparameters(hp, DEFAULTS), **capturable_flag(params, capturable))
+    return torch_fallback(torch.optim.Adamax, params, hp, DEFAULTS, capturable)
 
 
 RULE = Rule(

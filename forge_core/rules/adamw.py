@@ -15,28 +15,19 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .base import Rule, known_hyperparameters, torch_fused_flag
+from .checks import adam_hyperparameters, check_step, filled
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
-    full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
-    lr, (beta1, beta2), eps, weight_decay = (float(full["lr"]), tuple(map(float, full["betas"])),
-                                             float(full["eps"]), float(full["weight_decay"]))
-    if not lr >= 0.0:
-        raise ValueError(f"adamw: lr must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"adamw: betas must lie in [0, 1), got {(beta1, beta2)}")
-    if not eps >= 0.0:
-        raise ValueError(f"adamw: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"adamw: weight_decay must be >= 0, got {weight_decay}")
+    full = filled(hp, DEFAULTS)
+    lr, beta1, beta2, eps, weight_decay = adam_hyperparameters("adamw", full)
     return lr, beta1, beta2, eps, weight_decay
 
 
 def _check_step(step: int) -> None:
-    if int(step) < 1:
-        raise ValueError(f"adamw: step is 1-based, got {step}")
+    check_step("adamw", step)
 
 
 def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],

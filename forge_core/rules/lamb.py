@@ -36,28 +36,19 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .base import Rule, known_hyperparameters
+from .checks import adam_hyperparameters, check_step, filled
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.01, "trust_clip": False}
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, bool]:
-    full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
-    lr, (beta1, beta2), eps = float(full["lr"]), tuple(map(float, full["betas"])), float(full["eps"])
-    weight_decay = float(full["weight_decay"])
-    if not lr >= 0.0:
-        raise ValueError(f"lamb: lr must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"lamb: betas must lie in [0, 1), got {(beta1, beta2)}")
-    if not eps >= 0.0:
-        raise ValueError(f"lamb: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"lamb: weight_decay must be >= 0, got {weight_decay}")
+    full = filled(hp, DEFAULTS)
+    lr, beta1, beta2, eps, weight_decay = adam_hyperparameters("lamb", full)
     return lr, beta1, beta2, eps, weight_decay, bool(full["trust_clip"])
 
 
 def _check_step(step: int) -> None:
-    if int(step) < 1:
-        raise ValueError(f"lamb: step is 1-based, got {step}")
+    check_step("lamb", step)
 
 
 def trust_ratio(weight_norm: torch.Tensor, update_norm: torch.Tensor, trust_clip: bool) -> torch.Tensor:

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .base import Rule, capturable_flag, known_hyperparameters
+from .base import Rule
+from .checks import adam_hyperparameters, check_step, filled, torch_fallback
 
 DEFAULTS = {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "momentum_decay": 4e-3,
             "decoupled_weight_decay": False}
@@ -39,25 +40,16 @@ steps (16 MiB of float64)."""
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, float, bool]:
-    full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
-    lr, (beta1, beta2), eps = float(full["lr"]), tuple(map(float, full["betas"])), float(full["eps"])
-    weight_decay, momentum_decay = float(full["weight_decay"]), float(full["momentum_decay"])
-    if not lr >= 0.0:
-        raise ValueError(f"nadam: lr must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"nadam: betas must lie in [0, 1), got {(beta1, beta2)}")
-    if not eps >= 0.0:
-        raise ValueError(f"nadam: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"nadam: weight_decay must be >= 0, got {weight_decay}")
+    full = filled(hp, DEFAULTS)
+    lr, beta1, beta2, eps, weight_decay = adam_hyperparameters("nadam", full)
+    momentum_decay = float(full["momentum_decay"])
     if not momentum_decay >= 0.0:
         raise ValueError(f"nadam: momentum_decay must be >= 0, got {momentum_decay}")
     return lr, beta1, beta2, eps, weight_decay, momentum_decay, bool(full["decoupled_weight_decay"])
 
 
 def _check_step(step: int) -> None:
-    if int(step) < 1:
-        raise ValueError(f"nadam: step is 1-based, got {step}")
+    check_step("nadam", step)
 
 
 def mu(beta1: float, momentum_decay: float, step: float) -> float:
@@ -177,8 +169,7 @@ def epilogue(w, g, exp_avg, exp_avg_sq, unused_third, decay, weight_decay, one_m
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.NAdam with the same hyper-parameters, for the parameters FORGE does not fuse."""
-    params = list(params)
-    return torch.optim.NAdam(params, **known_hyperparameters(hp, DEFAULTS), **capturable_flag(params, capturable))
+    return torch_fallback(torch.optim.NAdam, params, hp, DEFAULTS, capturable)
 
 
 RULE = Rule(

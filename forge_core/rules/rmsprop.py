@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .base import Rule, capturable_flag, known_hyperparameters
+from .base import Rule
+from .checks import torch_fallback
 
 DEFAULTS = {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False}
 STATE_NAMES = ("square_avg", "momentum_buffer", "grad_avg")
@@ -146,8 +147,7 @@ def epilogue_centered(w, g, square_avg, grad_avg, unused_third, lr, alpha, one_m
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.RMSprop with the same hyper-parameters, for the parameters FORGE does not fuse."""
-    params = list(params)
-    return torch.optim.RMSprop(params, **known_hyperparameters(hp, DEFAULTS), **capturable_flag(params, capturable))
+    return torch_fallback(torch.optim.RMSprop, params, hp, DEFAULTS, capturable)
 
 
 RULE = Rule(
