@@ -395,7 +395,7 @@ def kernel(
     quick: Annotated[bool, flag("--quick", help="a few shapes and token counts only (CI)")] = False,
     shapes: Annotated[Optional[str], typer.Option("--shapes", help="comma-separated Llama-3.1-8B Linear names (q,k,v,o,gate,up,down,lm_head)")] = None,
     bts: Annotated[Optional[str], typer.Option("--bts", help="comma-separated token counts (batch x seq), e.g. 512,2048,8192")] = None,
-    state_dtypes: Annotated[Optional[str], typer.Option("--state-dtypes", help="comma-separated: fp32,bf16,int8")] = None,
+    state_dtypes: Annotated[Optional[str], typer.Option("--state-dtypes", help="comma-separated: fp32,bf16,int8,fp8")] = None,
 ) -> None:
     """Time the fused wgrad+update kernel per Llama-3.1-8B Linear shape (needs a GPU).
 
