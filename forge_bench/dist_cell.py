@@ -129,8 +129,10 @@ def measure_rank(suite: Suite, cell: Cell, method: methods_mod.Method, device: s
                for i in range(BATCH_POOL)]
     warm = [float(arm.step(batches[i % BATCH_POOL])) for i in range(spec.warmup_steps)]
     breakdown = {k: int(v) for k, v in arm.memory_breakdown().items()}
+    before_window = 0
     if on_cuda:
         torch.cuda.synchronize()
+        before_window = torch.cuda.max_memory_allocated()   # the rank's peak so far: build, tuning, warm-up
         torch.cuda.reset_peak_memory_stats()
     dist.barrier()
     gc.collect()
@@ -144,6 +146,7 @@ def measure_rank(suite: Suite, cell: Cell, method: methods_mod.Method, device: s
         "rank": rank, "run_ms": run_ms, "host_ms": host_ms, "losses": [float(loss) for loss in losses],
         "finite": _finite_everywhere(values, torch.device(device)),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if on_cuda else None,
+        "peak_process_gib": max(before_window, torch.cuda.max_memory_allocated()) / GIB if on_cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if on_cuda else None,
         "breakdown": breakdown, "n_params": n_params, "n_fused_params": int(getattr(arm, "n_fused_params", 0) or 0),
         "settings": {**dict(method.settings), **dict(getattr(arm, "settings", {}) or {})},
@@ -171,6 +174,7 @@ def cell_row(suite: Suite, cell: Cell, method: methods_mod.Method, run_id: str, 
         status="ok", started_at=started, n_params=first["n_params"], n_fused_params=first["n_fused_params"],
         method_settings=first["settings"],
         peak_allocated_gib=max(peaks) if on_cuda else None, peak_reserved_gib=max(reserved) if on_cuda else None,
+        peak_process_gib=max(g.get("peak_process_gib") or 0.0 for g in gathered) if on_cuda else None,
         peak_reason=None if on_cuda else "CPU run: torch keeps no peak-memory counter for CPU tensors",
         mem_weights_gib=gib.get("weights"), mem_optimizer_states_gib=gib.get("optimizer_states"),
         mem_gradients_gib=gib.get("gradients"), loss_first=losses[0], loss_last=losses[-1],

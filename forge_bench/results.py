@@ -91,8 +91,9 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
                               "the largest rank's"),
     ("peak_process_gib", _F, "torch.cuda.max_memory_allocated over the whole measurement, GiB (2^30): the larger of "
                              "the peak from the model's build to the timed window (tile tuning, warm-up, a CUDA "
-                             "graph's capture) and the window's own; the parity gate before it is left out. Null on a "
-                             "CPU, for a distributed cell, and in rows written before the column existed"),
+                             "graph's capture) and the window's own; the parity gate before it is left out; a distributed "
+                             "cell's is the largest rank's, from the rank's start. Null on a CPU and in rows written "
+                             "before the column existed"),
     ("peak_reason", _S, "why the peak is null (CPU run, ...)"),
     ("mem_weights_gib", _F, "analytic: parameter bytes, GiB"),
     ("mem_optimizer_states_gib", _F, "analytic: optimizer state bytes (moments, scales), GiB"),

@@ -131,3 +131,23 @@ def test_distributed_cells_are_torchrun_trees_with_one_row_each(plugin_env):
     assert "## Across GPUs" in details and "`forge_tp_bf16`" in details
     table = pd.read_csv(report.parent / "tables" / "distributed.csv")
     assert set(table["method"]) == {"forge_dp_bf16", "forge_fsdp2_bf16", "forge_tp_bf16", "test_dist_oom_once"}
+
+
+def test_a_distributed_row_takes_the_largest_ranks_peaks(plugin_env):
+    """Rank 0's row: the window peak and the whole-process peak are each the largest rank's (a run fits
+    only where its fullest rank fits), every rank's window peak kept in extra."""
+    import time
+
+    from forge_bench import dist_cell, telemetry
+
+    suite = load_suite(write_suite(plugin_env, SWEEP, "dist_row"))
+    cell = next(c for c in suite.cells if c.method == "forge_dp_bf16")
+    rank = {"run_ms": [[10.0, 11.0, 12.0]], "host_ms": [1.0], "losses": [2.0, 1.9, 1.8], "finite": True,
+            "peak_reserved_gib": 9.0, "breakdown": {"weights": 1 << 30}, "n_params": 10, "n_fused_params": 8,
+            "settings": {}}
+    gathered = [{**rank, "rank": 0, "peak_allocated_gib": 5.0, "peak_process_gib": 5.5},
+                {**rank, "rank": 1, "peak_allocated_gib": 6.0, "peak_process_gib": 6.25}]
+    row = dist_cell.cell_row(suite, cell, methods.get_method(cell.method), "run", 1, gathered,
+                             telemetry.cpu_nvml_columns(), "start", time.time())
+    assert row["peak_allocated_gib"] == 6.0 and row["peak_process_gib"] == 6.25
+    assert row["extra"]["peak_allocated_gib_per_rank"] == [5.0, 6.0]
