@@ -58,7 +58,6 @@ class LayerState(ParamState):
                        for state, size in rule.shapes_of_states(self.shape, hp, name).items()}
         self.scales = {state: None for state in self.values}
         self.state_names = tuple(self.values)
-        self.epilogue = None            # no kernel runs these states
         self.layer_sums = None
 
     def store(self, name: str, value32: torch.Tensor) -> None:

@@ -140,8 +140,6 @@ class ParamState:
         self.shape = tuple(weight.shape)
         self.state_names: tuple[str, ...] = rule.states_for(hp)
         """The states this weight holds, in the epilogue's order."""
-        self.epilogue = rule.epilogue_for(self.state_names)
-        """The rule's epilogue for these states (``Rule.epilogue_for``)."""
         storage = _STORAGE_DTYPE[state_dtype]
         self.values: dict[str, torch.Tensor] = {
             name: torch.zeros(self.shape, dtype=storage, device=weight.device) for name in self.state_names}
@@ -155,6 +153,12 @@ class ParamState:
             initial = rule.initial_value(name, hp)
             if initial != 0.0:
                 self.store(name, torch.full(self.shape, initial, dtype=torch.float32, device=weight.device))
+
+    @property
+    def epilogue(self) -> Any:
+        """The rule's epilogue for these states (``Rule.epilogue_for``): derived, so a view handed another
+        rule (``forge_core.distributed.affine``'s momentum share) runs that rule's epilogue."""
+        return self.rule.epilogue_for(self.state_names)
 
     @property
     def kernel_name(self) -> str:
@@ -228,7 +232,6 @@ class ParamState:
         view.rule = self.rule
         view.state_dtype = self.state_dtype
         view.state_names = self.state_names
-        view.epilogue = self.epilogue
         view.layer_sums = self.layer_sums
         view.shape = (stop - start, self.shape[1])
         view.values = {name: value[start:stop] for name, value in self.values.items()}

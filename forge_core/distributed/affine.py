@@ -107,7 +107,6 @@ class MomentumReduction:
         if state is None:
             state = binding.state.rows(0, binding.state.shape[0])
             state.rule = PARTIAL_MOMENTUM
-            state.epilogue = PARTIAL_MOMENTUM.epilogue_for(state.state_names)   # the view kept SGD's
             self._share_states[binding.index] = state
         return state
 
