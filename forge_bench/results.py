@@ -175,20 +175,24 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
     norm = normalize_row(row)
     if not norm["cell_id"]:
         raise ResultsError("row has no cell_id")
-    table = pa.Table.from_pylist([norm], schema=SCHEMA)
-    final = row_path(results_dir, norm["cell_id"])
-    fd, tmp = tempfile.mkstemp(dir=results_dir, prefix=".tmp-", suffix=".parquet.part")
+    return write_table_atomically(pa.Table.from_pylist([norm], schema=SCHEMA), row_path(results_dir, norm["cell_id"]))
+
+
+def write_table_atomically(table: pa.Table, path: Path) -> Path:
+    """Write ``table`` to ``path`` as parquet through a temp file in the same folder, fsync and
+    ``os.replace``: a reader (or a killed writer) never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".parquet.part")
     try:
         with os.fdopen(fd, "wb") as fh:
             pq.write_table(table, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return final
+    return path
 
 
 # columns of schema v1 that some stored rows lack: they read as null there

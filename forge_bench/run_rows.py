@@ -12,13 +12,14 @@ tables and figures beside the sweep's.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from forge_bench.results import write_table_atomically
 
 KIND_COLUMN = "row_kind"
 KINDS = ("fidelity", "convergence")
@@ -33,18 +34,7 @@ def write_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], schem
     if unknown:
         raise ValueError(f"{path.name}: columns not in the schema: {unknown}")
     table = pa.Table.from_pylist([{name: row.get(name) for name in names} for row in rows], schema=schema)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".parquet.part")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_table_atomically(table, path)
 
 
 def file_kind(path: str | os.PathLike) -> str | None:
