@@ -34,10 +34,6 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
     return lr, lr_decay, weight_decay, initial, eps
 
 
-def _check_step(step: int) -> None:
-    check_step("adagrad", step)
-
-
 def initial_state(name: str, hp: Mapping[str, Any]) -> float:
     """``sum`` starts at ``initial_accumulator_value``."""
     return _checked(hp)[3]
@@ -47,7 +43,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
               hp: Mapping[str, Any], step: int) -> None:
     """One Adagrad step in place on fp32 tensors, op for op as torch's single-tensor Adagrad."""
     lr, lr_decay, weight_decay, _, eps = _checked(hp)
-    _check_step(step)
+    check_step("adagrad", step)
     grad = grad32
     if weight_decay != 0.0:
         grad = grad.add(weight32, alpha=weight_decay)
@@ -61,7 +57,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
 def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     """(lr / (1 + (step - 1) * lr_decay), weight_decay, eps)."""
     lr, lr_decay, weight_decay, _, eps = _checked(hp)
-    _check_step(step)
+    check_step("adagrad", step)
     return (lr / (1 + (step - 1) * lr_decay), weight_decay, eps)
 
 

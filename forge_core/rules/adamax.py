@@ -30,15 +30,11 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
     return lr, beta1, beta2, eps, weight_decay
 
 
-def _check_step(step: int) -> None:
-    check_step("adamax", step)
-
-
 def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: int) -> None:
     """One Adamax step in place on fp32 tensors, op for op as torch's single-tensor Adamax."""
     lr, beta1, beta2, eps, weight_decay = _checked(hp)
-    _check_step(step)
+    check_step("adamax", step)
     grad = grad32
     if weight_decay != 0.0:
         grad = grad.add(weight32, alpha=weight_decay)
@@ -52,7 +48,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
 def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     """(weight_decay, 1 - beta1, beta2, eps, lr / (1 - beta1^step))."""
     lr, beta1, beta2, eps, weight_decay = _checked(hp)
-    _check_step(step)
+    check_step("adamax", step)
     return (weight_decay, 1.0 - beta1, beta2, eps, lr / (1.0 - beta1 ** step))
 
 

@@ -26,15 +26,11 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
     return lr, beta1, beta2, eps, weight_decay
 
 
-def _check_step(step: int) -> None:
-    check_step("adamw", step)
-
-
 def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: int) -> None:
     """One AdamW step in place on fp32 tensors: the spec the fused epilogue is tested against."""
     lr, beta1, beta2, eps, weight_decay = _checked(hp)
-    _check_step(step)
+    check_step("adamw", step)
     exp_avg, exp_avg_sq = states32["exp_avg"], states32["exp_avg_sq"]
     weight32.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(grad32, 1.0 - beta1)
@@ -48,7 +44,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
 def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     """Host-side float64 scalars: (decay factor, 1-b1, b2, 1-b2, lr/bc1, sqrt(bc2), eps)."""
     lr, beta1, beta2, eps, weight_decay = _checked(hp)
-    _check_step(step)
+    check_step("adamw", step)
     return (1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2,
             lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), eps)
 

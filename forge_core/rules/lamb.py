@@ -47,10 +47,6 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, 
     return lr, beta1, beta2, eps, weight_decay, bool(full["trust_clip"])
 
 
-def _check_step(step: int) -> None:
-    check_step("lamb", step)
-
-
 def trust_ratio(weight_norm: torch.Tensor, update_norm: torch.Tensor, trust_clip: bool) -> torch.Tensor:
     """||w|| / ||r||, 1 where either norm is 0, clamped at 1 with ``trust_clip``."""
     ratio = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm,
@@ -62,7 +58,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
               hp: Mapping[str, Any], step: int) -> None:
     """One LAMB step in place on fp32 tensors (the module docstring's algorithm)."""
     lr, beta1, beta2, eps, weight_decay, trust_clip = _checked(hp)
-    _check_step(step)
+    check_step("lamb", step)
     exp_avg, exp_avg_sq = states32["exp_avg"], states32["exp_avg_sq"]
     exp_avg.lerp_(grad32, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad32, grad32, value=1.0 - beta2)
@@ -77,7 +73,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
 def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     """(1 - beta1, beta2, 1 - beta2, sqrt(bc2) / bc1, eps * sqrt(bc2), weight_decay, lr, 1.0 with trust_clip)."""
     lr, beta1, beta2, eps, weight_decay, trust_clip = _checked(hp)
-    _check_step(step)
+    check_step("lamb", step)
     bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
     return (1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt / (1.0 - beta1 ** step), eps * bias_correction2_sqrt,
             weight_decay, lr, 1.0 if trust_clip else 0.0)

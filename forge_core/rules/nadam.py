@@ -48,10 +48,6 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, 
     return lr, beta1, beta2, eps, weight_decay, momentum_decay, bool(full["decoupled_weight_decay"])
 
 
-def _check_step(step: int) -> None:
-    check_step("nadam", step)
-
-
 def mu(beta1: float, momentum_decay: float, step: float) -> float:
     """The momentum coefficient mu_step, as torch computes it (float64)."""
     return beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
@@ -100,7 +96,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
               hp: Mapping[str, Any], step: int) -> None:
     """One NAdam step in place on fp32 tensors, op for op as torch's single-tensor NAdam."""
     lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled = _checked(hp)
-    _check_step(step)
+    check_step("nadam", step)
     exp_avg, exp_avg_sq = states32["exp_avg"], states32["exp_avg_sq"]
     bias_correction2 = 1.0 - beta2 ** step
     grad = grad32
@@ -132,7 +128,7 @@ def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     """(decay factor, coupled weight decay, 1 - beta1, beta2, 1 - beta2, eps * sqrt(bc2), the gradient's
     and the first moment's coefficients times sqrt(bc2))."""
     lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled = _checked(hp)
-    _check_step(step)
+    check_step("nadam", step)
     return _scalars(lr, beta1, beta2, eps, weight_decay, decoupled, mu(beta1, momentum_decay, step),
                     mu(beta1, momentum_decay, step + 1), mu_product(beta1, momentum_decay, step),
                     math.sqrt(1.0 - beta2 ** step))

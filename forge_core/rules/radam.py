@@ -32,10 +32,6 @@ def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, 
     return lr, beta1, beta2, eps, weight_decay, bool(full["decoupled_weight_decay"])
 
 
-def _check_step(step: int) -> None:
-    check_step("radam", step)
-
-
 def rho(beta2: float, step: float) -> tuple[float, float]:
     """(rho_inf, rho_t), as torch computes them."""
     rho_inf = 2 / (1 - beta2) - 1
@@ -51,7 +47,7 @@ def reference(weight32: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
               hp: Mapping[str, Any], step: int) -> None:
     """One RAdam step in place on fp32 tensors, op for op as torch's single-tensor RAdam."""
     lr, beta1, beta2, eps, weight_decay, decoupled = _checked(hp)
-    _check_step(step)
+    check_step("radam", step)
     grad = grad32
     if weight_decay != 0.0:
         if decoupled:
@@ -77,7 +73,7 @@ def kernel_scalars(hp: Mapping[str, Any], step: int) -> tuple[float, ...]:
     """(decay factor, coupled weight decay, 1 - beta1, beta2, 1 - beta2, the step's coefficient of the
     first moment, 1.0 for the rectified branch else 0.0, eps)."""
     lr, beta1, beta2, eps, weight_decay, decoupled = _checked(hp)
-    _check_step(step)
+    check_step("radam", step)
     rho_inf, rho_t = rho(beta2, step)
     coefficient = lr / (1 - beta1 ** step)
     adaptive = rho_t > 5.0
