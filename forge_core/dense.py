@@ -57,6 +57,11 @@ class EmbeddingState(ParamState):
         codes.copy_(torch.where(lost, torch.sign(value32).to(torch.int8), codes))
 
 
+def no_tokens(matrix: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(x, dY)`` for a zero-token fused step of ``rows`` rows of ``matrix`` (the accumulator alone)."""
+    return matrix.new_zeros((0, matrix.shape[1])), matrix.new_zeros((0, rows))
+
+
 class DenseWeight:
     """A 2-D fallback parameter (a vocabulary embedding, a tied or excluded weight) that
     ``step()`` updates with the fused kernel from its ``.grad``: zero tokens, the gradient as the
@@ -78,8 +83,7 @@ class DenseWeight:
         self.steps_done = 0
         """Optimizer steps in which this weight had a gradient; the next update uses steps_done + 1."""
         # Zero-token activations for the kernel call, made once (the launch plan is cached per layout).
-        self.no_x = weight.detach().new_zeros((0, weight.shape[1]))
-        self.no_dy = weight.detach().new_zeros((0, weight.shape[0]))
+        self.no_x, self.no_dy = no_tokens(weight.detach(), weight.shape[0])
         self.records_rows = False
         """Set by ``fuse`` when the weight is a ``ForgeEmbedding``'s: its backward calls ``record_rows``
         and the weight gets no ``.grad``; ``step()`` then updates it with ``kernels.row_update``."""

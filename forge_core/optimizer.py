@@ -37,7 +37,7 @@ from torch import nn
 
 from . import kernels
 from .backends import BACKENDS, check_capturable, resolve_backend
-from .dense import DenseWeight, step_dense, steppable_by_kernel
+from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
 from .dtensors import local_shard
 from .layer_step import LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
@@ -58,11 +58,6 @@ UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){de
                  "plain weights again and it cannot step them; call forge_core.fuse(model, ...) again for a new "
                  "optimizer, or use a torch optimizer")
 """``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
-
-
-def no_tokens(matrix: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(x, dY)`` for a zero-token fused step of ``rows`` rows of ``matrix`` (the accumulator alone)."""
-    return matrix.new_zeros((0, matrix.shape[1])), matrix.new_zeros((0, rows))
 
 
 class FusedWeight:

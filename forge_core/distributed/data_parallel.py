@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..dense import DenseWeight
+from ..dense import DenseWeight, no_tokens
 from ..optimizer import ForgeOptimizer, FusedWeight
 from .affine import MomentumReduction
 
@@ -311,10 +311,7 @@ class DataParallelUpdates:
             if 0 < binding.micro_batches < steps:
                 accumulator = binding.grad_accum
                 if self.momentum is not None:
-                    weight = binding.matrix
-                    no_x = weight.new_zeros((0, weight.shape[1]))
-                    no_dy = weight.new_zeros((0, weight.shape[0]))
-                    buffer = self.momentum.write_share(binding, no_x, no_dy)
+                    buffer = self.momentum.write_share(binding, *no_tokens(binding.matrix, binding.matrix.shape[0]))
                     dist.all_reduce(buffer, group=self.group)
                     self.momentum.step_weight(binding)
                 else:

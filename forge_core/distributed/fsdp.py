@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..dense import no_tokens
 from ..dtensors import contiguous_strides, dtensor_module, is_dtensor, local_shard
 from ..rules.base import Rule
 from ..state import ParamState, restore_entry, saved_entry
@@ -116,10 +117,8 @@ class FsdpForgeOptimizer(torch.optim.Optimizer):
             group = self.param_groups[shard.group_index]
             hp = {key: (group[key].item() if isinstance(group[key], torch.Tensor) else group[key])
                   for key in self.rule.defaults}
-            no_x = weight.new_zeros((0, weight.shape[1]))
-            no_dy = weight.new_zeros((0, weight.shape[0]))
             with torch.no_grad():
-                self._launch(no_x, no_dy, weight, shard.state, hp, step, grad_accum=gradient,
+                self._launch(*no_tokens(weight, weight.shape[0]), weight, shard.state, hp, step, grad_accum=gradient,
                              stochastic_rounding=self.stochastic_rounding,
                              seed=(shard.index * 1_000_003 + step) & 0x7FFFFFFF)
         parameter.grad = None
