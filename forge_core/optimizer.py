@@ -389,8 +389,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         group = self.param_groups[group_index]
         hyperparameters = {key: _scalar_hyperparameter(group[key]) for key in self.rule.defaults}
         owners = self._bindings or self._dense
-        problem = (self.rule.state_set_problem(owners[0].state.state_names, hyperparameters)
-                   if owners and self._layer_path is None else None)    # LayerState: Rule.state_shapes
+        problem = self.rule.state_set_problem(owners[0].state.state_names, hyperparameters) if owners else None
         if problem is not None:
             raise ValueError(problem)
         if task != -1:

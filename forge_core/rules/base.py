@@ -160,6 +160,8 @@ class Rule:
     def state_set_problem(self, held: tuple[str, ...], hp: Mapping[str, Any]) -> str | None:
         """Why ``hp`` cannot update a weight holding the states ``held`` (fixed when they were allocated,
         at ``fuse``: SGD's momentum raised from 0, RMSprop's momentum or centered switched), or None."""
+        if self.state_names_for is None:    # no hyper-parameter picks the states (the per-layer rules' shapes
+            return None                     # come from ``state_shapes`` instead)
         wanted = self.states_for(hp)
         if wanted == tuple(held):
             return None
