@@ -96,3 +96,12 @@ def test_a_folder_of_training_rows_alone_gets_a_report(tmp_path: Path) -> None:
     page = build_report(tmp_path / "rows", tmp_path / "out", formats=("png",))
     text = page.read_text()
     assert "## Convergence on real text" in text and "## Fidelity against fp32 (App. E)" in text
+
+
+def test_a_folder_of_training_rows_beside_sweep_folders_keeps_the_sweep_tables(tmp_path: Path) -> None:
+    _sweep_rows(tmp_path / "sweep")
+    _training_rows(tmp_path / "training")
+    page = build_report([tmp_path / "sweep", tmp_path / "training"], tmp_path / "out", formats=("png",))
+    index = (tmp_path / "out" / "index.md").read_text()
+    assert page.read_text().startswith("# FORGE benchmark summary")
+    assert "## Coverage across the model zoo" in index and "## Convergence on real text" in index

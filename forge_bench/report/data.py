@@ -54,18 +54,23 @@ def load_rows(results_dirs: str | Path | Sequence[str | Path],
     folders = as_folders(results_dirs)
     if not folders:
         raise NoResultsError("no results folder given")
-    frames = []
+    frames, empty = [], []
     for folder in folders:
         if not folder.exists():
             raise NoResultsError(f"results folder {folder} does not exist")
         if not iter_result_files(folder):
-            raise NoResultsError(f"no forge-bench parquet result files under {folder}")
+            empty.append(f"no forge-bench parquet result files under {folder}")
+            continue
         try:
             frames.append(load_results(folder, on_foreign))
         except ResultsError as exc:
             if on_foreign is None:
                 raise
-            raise NoResultsError(str(exc)) from None      # every parquet file there is of another kind
+            empty.append(str(exc))                         # every parquet file there is of another kind
+    if not frames:
+        raise NoResultsError(empty[0])
+    # A folder without sweep rows beside folders with them (a convergence run's, say) adds nothing
+    # here; the report reads its rows of the other kinds on their own.
     frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
     duplicated = frame["cell_id"].astype(str) + "/" + frame["run_id"].astype(str)
     if duplicated.duplicated().any():
