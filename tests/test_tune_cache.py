@@ -330,3 +330,19 @@ def test_tuning_a_shape_prints_one_progress_line_and_a_cache_hit_none(tuning, mo
     monkeypatch.setenv(tune_cache.ENV, str(tuning[0].with_name("other.json")))    # a miss: tunes again, quietly
     _step(3)
     assert "forge_core: tuning" not in capsys.readouterr().err
+
+
+def test_a_zero_token_launch_takes_the_default_tile_without_tuning(tuning, monkeypatch, capsys):
+    """A flush (the update with no tokens: accumulation's last step, an embedding no token reached) has
+    no GEMM to time: no candidate is timed, nothing is announced or written to the cache."""
+    path, timed = tuning
+    monkeypatch.delenv(tuning_module.QUIET_ENV, raising=False)
+    x = torch.zeros(0, 90).to(DEVICE)
+    dy = torch.zeros(0, 70).to(DEVICE)
+    weight = torch.randn(70, 90, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    state = ParamState(weight, get_rule("adamw"), "fp32")
+    before = weight.clone()
+    fused_wgrad_update(x, dy, weight, state, HP, 1)
+    assert not torch.equal(weight, before), "weight decay still moves the weight"
+    assert timed == [] and "forge_core: tuning" not in capsys.readouterr().err
+    assert not path.exists() or "x90" not in path.read_text()

@@ -146,6 +146,8 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
     else None. Both are timed on scratch copies of the weight and states."""
     if interpreting() or not tuning.autotune_enabled() or not isinstance(triton_config, TileConfig):
         return None
+    if x2.shape[0] == 0:            # a zero-token flush: nothing to time, the default Triton tile runs it
+        return None
     candidates = ws_choice.candidates_for(x2, dy2, weight, states, scales, state_dtype, grad_accum, stochastic,
                                           meta["NUM_SUMS"])
     if not candidates:

@@ -184,6 +184,11 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
         return TUNED[key]
     if not autotune_enabled():
         return default_config(m, n, k, input_bytes)      # not cached: tuning may be enabled later
+    if k == 0:
+        # a zero-token launch (a flush: the update without a gradient) has no GEMM to time: tuning it
+        # would compile and time every candidate for nothing, on a first step already long
+        TUNED[key] = default_config(m, n, k, input_bytes)
+        return TUNED[key]
     candidates = tuning_candidates(m, n, k, input_bytes, state_dtype)
     disk_path, disk_key = tune_cache.cache_path(), None
     if disk_path is not None:
