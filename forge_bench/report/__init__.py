@@ -7,7 +7,7 @@
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the optimizer families (App. I),
-  batch x seq grid, model scaling, where memory goes, hardware comparison, fidelity, coverage across
+  batch x seq grid, the constant-token law (``token_law.py``), model scaling, where memory goes, hardware comparison, fidelity, coverage across
   the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
   and the targets; ``distributed.py``), scaling within a model family, capability (App. O: the largest
   model per arm and GPU, measured beside predicted; ``app_o.py``), what did not run; and from the rows of ``forge-bench fidelity`` and
@@ -33,7 +33,8 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import app_i, app_o, coverage, distributed, figures, folder, ratios, render, summary, tables, training
+from . import (app_i, app_o, coverage, distributed, figures, folder, ratios, render, summary, tables, token_law,
+               training)
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -162,6 +163,11 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
     grid_figs, _ = figures.grid_figures(frame, figure_dir, colors, formats)
     written += grid_figs
     sections += figure_block(grid_figs)
+
+    sections += table_section("Constant-token law", "token_law", token_law.token_law_tables(frame),
+                              "Peaks along each anti-diagonal of the batch × seq grid (equal tokens per step), "
+                              "across the runs of one device and model.", True,
+                              "no method measured ok at two shapes of one token count")
 
     # scaling
     sections += table_section("Model scaling", "scaling", tables.scaling_tables(frame),

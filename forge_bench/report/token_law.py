@@ -1,0 +1,100 @@
+"""The constant-token law (paper Table 2): a step's peak depends on batch x seq only through their
+product, the tokens per step, so along each anti-diagonal of the batch x seq grid (b1 x s2048,
+b2 x s1024, b4 x s512) one method's peaks are equal.
+
+``token_law_points`` finds, per device x model x dtype x timing x activations x method, every token
+count measured at two or more shapes and the relative spread of their peaks ((max - min) / min);
+``token_law_tables`` renders them with the verdict against ``TOLERANCE``. Peaks are compared across
+runs: allocator peaks repeat exactly between runs of the same code, unlike step times, and the grid
+of a GPU is often measured one anti-diagonal cell per run. A change of code that moved one cell's
+peak would show here as a spread, which is the point of the check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from .data import group_title, method_cell, ordered_methods, records, run_label, slug, timing_slug
+from .ratios import as_number, as_text
+from .render import Table
+
+TOLERANCE = 0.01
+LAW_KEYS = ["device_name", "model", "dtype", "timing", "activations"]
+
+
+@dataclass(frozen=True)
+class TokenLawPoint:
+    """One method's peaks at one token count: (batch, seq, peak GiB, run id) per shape, and their spread."""
+    keys: dict[str, Any]
+    method: str
+    tokens: int
+    shapes: tuple[tuple[int, int, float, str], ...]
+
+    @property
+    def spread(self) -> float:
+        peaks = [peak for _, _, peak, _ in self.shapes]
+        return (max(peaks) - min(peaks)) / min(peaks)
+
+    @property
+    def holds(self) -> bool:
+        return self.spread <= TOLERANCE
+
+
+def _newest_ok_per_shape(rows: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """The latest finished ok row with a peak at each (batch, seq)."""
+    chosen: dict[tuple[int, int], dict[str, Any]] = {}
+    for row in rows:
+        if as_text(row.get("status")) != "ok" or as_number(row.get("peak_allocated_gib")) is None:
+            continue
+        shape = (int(row["batch"]), int(row["seq"]))
+        if shape not in chosen or (as_text(row.get("finished_at")) or "") > (as_text(chosen[shape].get("finished_at")) or ""):
+            chosen[shape] = row
+    return chosen
+
+
+def token_law_points(frame: pd.DataFrame) -> list[TokenLawPoint]:
+    """Every (group, method, token count) measured ok at two or more batch x seq shapes."""
+    points = []
+    for key_values, group in frame.groupby(LAW_KEYS, sort=True, dropna=False):
+        keys = dict(zip(LAW_KEYS, key_values))
+        for method in ordered_methods(group):
+            by_shape = _newest_ok_per_shape(records(group[group["method"] == method]))
+            by_tokens: dict[int, list[tuple[int, int, float, str]]] = {}
+            for (batch, seq), row in sorted(by_shape.items()):
+                by_tokens.setdefault(batch * seq, []).append(
+                    (batch, seq, float(row["peak_allocated_gib"]), as_text(row.get("run_id")) or ""))
+            points += [TokenLawPoint(keys, method, tokens, tuple(shapes))
+                       for tokens, shapes in sorted(by_tokens.items()) if len(shapes) >= 2]
+    return points
+
+
+def token_law_tables(frame: pd.DataFrame) -> list[Table]:
+    """One table per device x model x dtype x timing x activations with an anti-diagonal measured."""
+    points = token_law_points(frame)
+    tables = []
+    for key_values in dict.fromkeys(tuple(p.keys[k] for k in LAW_KEYS) for p in points):
+        keys = dict(zip(LAW_KEYS, key_values))
+        group = [p for p in points if tuple(p.keys[k] for k in LAW_KEYS) == key_values]
+        rows, recs = [], []
+        for point in group:
+            shapes = " · ".join(f"b{b}×s{s} {peak:.2f}" for b, s, peak, _ in point.shapes)
+            runs = sorted({run for *_, run in point.shapes})
+            rows.append([method_cell(point.method), str(point.tokens), shapes, f"{point.spread * 100:.2f}%",
+                         "yes" if point.holds else "no", ", ".join(run_label(r) for r in runs)])
+            recs.append({**keys, "method": point.method, "tokens": point.tokens, "spread": point.spread,
+                         "holds": point.holds, "shapes": [f"b{b}xs{s}" for b, s, _, _ in point.shapes],
+                         "peaks_gib": [peak for _, _, peak, _ in point.shapes]})
+        held = sum(p.holds for p in group)
+        name = slug("token-law", keys["device_name"], keys["model"], keys["dtype"], timing_slug(keys))
+        tables.append(Table(
+            name, f"Constant-token law, {group_title(keys)}",
+            f"Peak GiB of each method at the shapes of one token count (batch × seq), their spread "
+            f"((max − min) / min) and whether it is within {TOLERANCE:.0%}: {held} of {len(group)} hold.",
+            ["Method", "Tokens", "Peaks by shape (GiB)", "Spread", f"≤ {TOLERANCE:.0%}", "Runs"],
+            rows, "lrlrll", [], recs))
+    return tables
+
+
+__all__ = ["LAW_KEYS", "TOLERANCE", "TokenLawPoint", "token_law_points", "token_law_tables"]
