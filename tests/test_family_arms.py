@@ -26,6 +26,7 @@ from forge_bench.arm import TrainConfig
 from forge_bench.family_table import FAMILIES
 from forge_bench.methods import METHODS
 from forge_bench.report import app_i, build_report
+from forge_bench.report.data import load_rows
 from forge_bench.suite import Cell, load_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,3 +215,17 @@ def test_app_i_rows_are_found_by_their_settings():
     assert app_i.family_key(row) == ("sm3", False, "bf16")
     assert app_i.family_key({"method_settings": json.dumps({"optimizer": "x"})}) is None
     assert app_i.paper_text("sm3", "bf16") == "—"
+
+
+def test_app_i_names_why_a_pair_has_no_speedup(tmp_path):
+    """Two rows of one run at SM clocks more than 5% apart: no speed-up, and a footnote says why."""
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    rows = _fixture_rows(folder)
+    fused = next(r for r in rows if r["method"] == "forge_adafactor_bf16")
+    fused.update(sm_clock_mhz_before=1545.0, sm_clock_mhz_after=1545.0, step_ms_median=200.0)   # slower at lower clocks
+    pq.write_table(pa.Table.from_pylist([fused], schema=pq.read_schema(TEMPLATE)), folder / f"{fused['cell_id']}.parquet")
+    table = next(t for t in app_i.app_i_tables(load_rows(folder)))
+    line = next(r for r in table.rows if r[:2] == ["Adafactor", "bf16"])
+    assert line[9] == "n/a (different run)"
+    assert any(note.startswith("Adafactor (bf16): n/a (different run): SM clocks differ") for note in table.footnotes)

@@ -113,6 +113,9 @@ def app_i_tables(frame: pd.DataFrame) -> list[Table]:
                 fused, unfused = pair(fused_rows, unfused_rows)
                 change, speed = ratios.peak_change(fused, unfused), ratios.speedup(fused, unfused)
                 saved = _saved(fused, unfused) if fused is not None else None
+                for ratio in (change, speed):
+                    if fused is not None and ratio.text == ratios.DIFFERENT_RUN and ratio.refusal:
+                        notes.append(f"{family.label} ({states}): {ratios.DIFFERENT_RUN}: {ratio.refusal}")
                 for row in (unfused, fused):
                     if row is not None and as_text(row.get("status")) != "ok":
                         notes.append(f"{row.get('method')}: {as_text(row.get('status'))}: {why_not_run(row)}")
