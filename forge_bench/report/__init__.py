@@ -6,7 +6,8 @@
   headline cell, the peers and the batch x seq grid, linking the details;
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
-* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the optimizer families (App. I),
+* ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the paper's Table 1 (mean ± sd, TF/s;
+  ``table1.py``), the optimizer families (App. I),
   batch x seq grid, the constant-token law (``token_law.py``), model scaling, where memory goes, hardware comparison, fidelity, coverage across
   the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
   and the targets; ``distributed.py``), scaling within a model family, capability (App. O: the largest
@@ -33,8 +34,8 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import (app_i, app_o, coverage, distributed, figures, folder, ratios, render, summary, tables, token_law,
-               training)
+from . import (app_i, app_o, coverage, distributed, figures, folder, ratios, render, summary, table1, tables,
+               token_law, training)
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -144,6 +145,11 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
     head_figs = figures.headline_figures(frame, figure_dir, colors, formats)
     written += head_figs
     sections += figure_block(head_figs) or ["_No headline figure: no row ran ok._", ""]
+
+    # the paper's Table 1: mean ± sd and TF/s per arm, the paper's figures beside
+    sections += table_section("Table 1", "table1", table1.table1_tables(frame),
+                              "Per device, model and shape: every arm's peak, median and mean ± sd step and model "
+                              "TF/s, with the paper's row where it has one.", False, "no rows")
 
     # App. I: every optimizer family fused against unfused
     sections += table_section("Optimizer families (App. I)", "app-i", app_i.app_i_tables(frame),
