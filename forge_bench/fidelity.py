@@ -29,9 +29,11 @@ Rows: one per arm and shape (``SCHEMA``), ``fidelity_<V>x<H>_bt<BT>.parquet`` in
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
-from typing import Any, Callable, Optional
+import os
+from typing import Any, Callable, Iterator, Optional
 
 import pyarrow as pa
 import torch
@@ -141,6 +143,25 @@ def run_arm(arm: str, initial: torch.Tensor, batches, hyper: dict[str, Any], dev
     return head.weight.detach().float().cpu(), loss, used_backend
 
 
+AUTOTUNE_ENV = "FORGE_AUTOTUNE"
+
+
+@contextlib.contextmanager
+def untuned_kernel() -> Iterator[None]:
+    """The fused kernel on its default tile inside the block (``FORGE_AUTOTUNE=0``), unless the caller
+    set ``FORGE_AUTOTUNE`` itself. A tile changes the speed, not what fidelity measures (the tiles sum
+    the same fp32 products over the tokens, in an order that moves the result by fp32 rounding), and
+    tuning compiles and times each candidate: 20-30 s per arm on an H100."""
+    if AUTOTUNE_ENV in os.environ:
+        yield
+        return
+    os.environ[AUTOTUNE_ENV] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(AUTOTUNE_ENV, None)
+
+
 def measure(vocab: int, hidden: int, tokens: int, *, steps: int = 20, lr: float = 1e-3,
             betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
             seed: int = 0, device: str = "cpu", arm_names: Optional[list[str]] = None,
@@ -166,7 +187,8 @@ def measure(vocab: int, hidden: int, tokens: int, *, steps: int = 20, lr: float 
     for arm in chosen:
         if on_arm is not None:
             on_arm(arm)
-        weight, loss, used_backend = run_arm(arm, initial, batches, hyper, where, backend)
+        with untuned_kernel():
+            weight, loss, used_backend = run_arm(arm, initial, batches, hyper, where, backend)
         error = (weight - reference).double()
         rows.append({
             KIND_COLUMN: "fidelity", "arm": arm, "weight_dtype": "bfloat16",
@@ -189,4 +211,5 @@ def file_name(vocab: int, hidden: int, tokens: int, lr: float) -> str:
     return f"fidelity_{vocab}x{hidden}_bt{tokens}_lr{lr:g}.parquet"
 
 
-__all__ = ["COLUMNS", "PAPER_SHAPE", "SCHEMA", "arms", "file_name", "measure", "run_arm"]
+__all__ = ["AUTOTUNE_ENV", "COLUMNS", "PAPER_SHAPE", "SCHEMA", "arms", "file_name", "measure", "run_arm",
+           "untuned_kernel"]

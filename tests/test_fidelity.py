@@ -52,3 +52,34 @@ def test_paper_shape_forge_bf16_is_no_further_from_fp32_than_the_standard_bf16_p
     print("\n[fidelity App. E] " + ", ".join(f"{arm} rms-rel {row['rms_rel']:.4e} max|dW| {row['max_abs_dw']:.3e}"
                                              for arm, row in rows.items()))
     assert rows["forge_bf16"]["rms_rel"] <= rows["adamw_bf16"]["rms_rel"]
+
+
+def test_the_arms_run_the_kernel_untuned_and_leave_the_environment_as_it_was(monkeypatch):
+    """Tuning times tiles for speed, which fidelity does not measure: inside an arm FORGE_AUTOTUNE is 0,
+    after it unset again; a value the caller set stays untouched."""
+    import os
+
+    seen = []
+    monkeypatch.delenv(fidelity.AUTOTUNE_ENV, raising=False)
+    with fidelity.untuned_kernel():
+        seen.append(os.environ.get(fidelity.AUTOTUNE_ENV))
+    assert seen == ["0"] and fidelity.AUTOTUNE_ENV not in os.environ
+    monkeypatch.setenv(fidelity.AUTOTUNE_ENV, "1")
+    with fidelity.untuned_kernel():
+        seen.append(os.environ.get(fidelity.AUTOTUNE_ENV))
+    assert seen[-1] == "1" and os.environ[fidelity.AUTOTUNE_ENV] == "1"
+
+
+def test_measure_runs_each_arm_inside_the_untuned_block(monkeypatch):
+    import os
+
+    real, seen = fidelity.run_arm, []
+
+    def recording(arm, *args, **kwargs):
+        seen.append((arm, os.environ.get(fidelity.AUTOTUNE_ENV)))
+        return real(arm, *args, **kwargs)
+
+    monkeypatch.delenv(fidelity.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(fidelity, "run_arm", recording)
+    fidelity.measure(8, 16, 4, steps=1, arm_names=["adamw_bf16"], device="cpu")
+    assert seen == [("fp32", None), ("adamw_bf16", "0")]
