@@ -331,6 +331,8 @@ def scenario_refusals(out: dict[str, Any]) -> None:
     out["state_int8"] = _message(lambda: fuse_data_parallel(make_model(), "sgd", momentum=0.9, reduce="state",
                                                             state_dtype="int8", probe_inputs=False))
     out["fsdp_plain"] = _message(lambda: fuse_fsdp(make_model()))
+    out["fsdp_overlap"] = _message(lambda: fuse_fsdp(make_model(), overlap=True))
+    out["fsdp_probe"] = _message(lambda: fuse_fsdp(make_model(), probe_inputs=True))
 
 
 SCENARIOS: dict[str, Callable[..., None]] = {

@@ -230,6 +230,8 @@ def test_tensor_parallel_state_dict_round_trip_per_rank(results):
     ("state_adamw", "reduce='state' cannot reduce this optimizer's state: rule 'adamw' is not affine"),
     ("state_int8", "an all-reduce adds values, not int8 block-quantized codes"),
     ("fsdp_plain", "fuse_fsdp: the model is not sharded by FSDP2"),
+    ("fsdp_overlap", "fuse_fsdp: overlap=True is not supported (each shard is updated in the backward"),
+    ("fsdp_probe", "fuse_fsdp: probe_inputs=True is not supported (FSDP2's layers stay nn.Linear"),
 ])
 def test_refusals_are_one_line(results, case, expected):
     message = scenario(results, "refusals")[0][case]

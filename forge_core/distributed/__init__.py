@@ -131,13 +131,17 @@ def fuse_fsdp(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float]
     The model's Linear layers stay ``nn.Linear`` (FSDP2 needs their unsharded gradients to
     reduce-scatter). ``accumulate_steps=k``: FSDP2 adds the micro-batches' shards, the k-th updates.
     Not supported (one-line error): ``capturable``, ``max_grad_norm``, ``dense_2d=False``,
-    ``embedding_rows`` (every 2-D shard is stepped by the kernel from its gradient shard)."""
+    ``embedding_rows`` (every 2-D shard is stepped by the kernel from its gradient shard), ``overlap=True``
+    and ``probe_inputs=True`` (``fuse``'s defaults; here the update runs inside FSDP2's backward and the
+    layers stay ``nn.Linear``): pass them False or leave them out."""
     entry = "fuse_fsdp"
     _require_initialized(entry)
     _refuse(entry, hyperparameters, {
         "capturable": "FSDP2's collectives are issued by the host",
         "max_grad_norm": "global-norm clipping needs every gradient before any weight moves",
-        "embedding_rows": "an FSDP2 embedding's gradient is reduce-scattered as a dense shard"})
+        "embedding_rows": "an FSDP2 embedding's gradient is reduce-scattered as a dense shard",
+        "overlap": "each shard is updated in the backward where FSDP2 delivers its gradient, not on a side stream",
+        "probe_inputs": "FSDP2's layers stay nn.Linear, so there is no swapped layer whose bypass a probe could catch"})
     if hyperparameters.get("dense_2d") is False:
         raise ValueError(f"{entry}: dense_2d=False is not supported (every 2-D shard is stepped by the kernel)")
     for key in ("capturable", "max_grad_norm", "embedding_rows", "dense_2d", "overlap", "probe_inputs"):
