@@ -456,6 +456,22 @@ def tune_cache_rekey(
                       f"wrote {written} entries to {target}", highlight=False)
 
 
+@tune_cache_app.command("ship")
+def tune_cache_ship(
+    sources: Annotated[list[Path], typer.Argument(help="tune caches whose choices ship with the package")],
+) -> None:
+    """Add SOURCES' choices (re-keyed to this tree) to the package's per-GPU-model files, which a
+    first step reads after FORGE_TUNE_CACHE."""
+    from forge_bench import tune_cache
+
+    try:
+        written = tune_cache.ship(sources)
+    except tune_cache.TuneCacheError as exc:
+        raise _fail(str(exc)) from None
+    for target, (added, total) in sorted(written.items()):
+        out_console.print(f"{target}: {added} entries added or replaced, {total} in the file", highlight=False)
+
+
 def main() -> None:
     app()
 

@@ -1,5 +1,5 @@
-"""``forge-bench tune-cache``: check a ``FORGE_TUNE_CACHE`` file against this tree's kernel, or re-key
-its tile choices to it.
+"""``forge-bench tune-cache``: check a ``FORGE_TUNE_CACHE`` file against this tree's kernel, re-key
+its tile choices to it, or ship them with the package.
 
 Why: every entry of a tune cache is keyed by a fingerprint of the kernel's source, so any change to
 the kernel makes the new tree tune again, and the tuner's pick among candidates a few percent apart
@@ -8,6 +8,11 @@ well as the code. ``rekey`` writes the same choices under the fingerprints this 
 entry keeps its own Triton version and GPU name); ``check`` counts the entries this tree accepts
 (a GPU CI baseline's cache must match the tree it checks). A re-keyed file is for A/Bs, not a
 tuning result: its tiles are the other kernel's choices.
+
+``ship`` adds caches' entries, re-keyed and with their CUDA device index made 0, to the package's
+per-GPU-model files (``forge_core/tune_caches/<gpu>.json``): a first step on a shipped shape then
+starts without tuning (40-80 s for an 8B model otherwise). ``tests/test_tune_cache.py`` keeps every
+shipped entry current: a kernel change re-ships them (``ship`` on the shipped files themselves).
 
 The fingerprints are forge_core's (``forge_core.kernels.rekey_tune_cache_entries`` and
 ``count_current_tune_cache_entries``); this module reads and writes the file.
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_core import kernels
+from forge_core.kernels.tune_cache import FORMAT_VERSION, SHIPPED_DIR, portable_key, shipped_file_name
 
 
 class TuneCacheError(ValueError):
@@ -45,22 +51,51 @@ def check(path: Path) -> tuple[int, int]:
     return int(current), int(total)
 
 
+def _rekeyed(source: Path, entries: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``kernels.rekey_tune_cache_entries``, its error as one line naming the file."""
+    try:
+        return kernels.rekey_tune_cache_entries(entries)
+    except (ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TuneCacheError(f"{source}: {first}") from None
+
+
 def rekey(source: Path, target: Path) -> tuple[int, int]:
     """Write ``source``'s entries under this tree's fingerprints to ``target`` (atomically, in the
     source's format version); returns (entries written, keys that changed)."""
     data, entries = read_cache(source)
-    try:
-        rekeyed, changed = kernels.rekey_tune_cache_entries(entries)
-    except (ValueError, KeyError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TuneCacheError(f"{source}: {first}") from None
-    body = json.dumps({**data, "entries": rekeyed}, indent=1, sort_keys=True)
+    rekeyed, changed = _rekeyed(source, entries)
+    _write_json(target, {**data, "entries": rekeyed})
+    return len(rekeyed), int(changed)
+
+
+def _write_json(target: Path, data: dict[str, Any]) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(body)
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, target)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise TuneCacheError(f"cannot write {target}: {exc}") from None
-    return len(rekeyed), int(changed)
+
+
+def ship(sources: list[Path], folder: Path = SHIPPED_DIR) -> dict[Path, tuple[int, int]]:
+    """Add the sources' entries, re-keyed to this tree with portable keys, to ``folder``'s file of
+    each entry's GPU model (an entry of a later source replaces the same key's earlier one).
+    Returns per file written: (entries added or replaced, entries in the file now)."""
+    by_file: dict[Path, dict[str, Any]] = {}
+    for source in sources:
+        rekeyed, _ = _rekeyed(source, read_cache(source)[1])
+        for key, entry in rekeyed.items():
+            device = entry.get("device") if isinstance(entry, dict) else None
+            if not isinstance(device, str) or not device:
+                raise TuneCacheError(f"{source}: entry {key!r} names no device")
+            by_file.setdefault(folder / shipped_file_name(device), {})[portable_key(key)] = entry
+    written = {}
+    for target, added in by_file.items():
+        current = read_cache(target)[1] if target.exists() else {}
+        merged = {**current, **added}
+        _write_json(target, {"version": FORMAT_VERSION, "entries": merged})
+        written[target] = (len(added), len(merged))
+    return written

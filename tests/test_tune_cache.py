@@ -346,3 +346,56 @@ def test_a_zero_token_launch_takes_the_default_tile_without_tuning(tuning, monke
     assert not torch.equal(weight, before), "weight decay still moves the weight"
     assert timed == [] and "forge_core: tuning" not in capsys.readouterr().err
     assert not path.exists() or "x90" not in path.read_text()
+
+
+# --- the choices shipped with the package ------------------------------------------------------------
+
+def test_a_shipped_choice_is_used_without_tuning_and_can_be_turned_off(tuning, monkeypatch, tmp_path):
+    """A first process tunes into its cache; shipped (re-keyed, per GPU model) it lets a fresh process
+    with no FORGE_TUNE_CACHE skip tuning; FORGE_TUNE_SHIPPED=0 tunes again."""
+    from forge_bench import tune_cache as bench_tune_cache
+
+    path, timed = tuning
+    _step()
+    tuned = len(timed)
+    assert tuned > 0
+    shipped_dir = tmp_path / "shipped"
+    written = bench_tune_cache.ship([path], folder=shipped_dir)
+    target = shipped_dir / tune_cache.shipped_file_name(tuning_module.device_name(torch.empty(0, device=DEVICE)))
+    assert list(written) == [target] and written[target][1] == len(json.loads(path.read_text())["entries"])
+    monkeypatch.setattr(tune_cache, "SHIPPED_DIR", shipped_dir)
+    monkeypatch.delenv(tune_cache.ENV)
+    _new_process(monkeypatch)
+    _step(2)
+    assert len(timed) == tuned, "the shipped choice is read, nothing is timed"
+    assert len(tuning_module.FROM_DISK) == 1
+    _new_process(monkeypatch)
+    monkeypatch.setenv(tune_cache.SHIPPED_ENV, "0")
+    _step(3)
+    assert len(timed) > tuned
+
+
+def test_shipped_keys_hold_no_device_index():
+    key = "abc|((4096, 4096), 512, torch.bfloat16, torch.bfloat16, 'adamw', 'bf16', False, False, False, 'cuda:3')"
+    assert tune_cache.portable_key(key).endswith("'cuda:0')")
+    assert tune_cache.shipped_file_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3.json"
+    assert tune_cache.shipped_file_name("NVIDIA H200") == "nvidia-h200.json"
+
+
+SHIPPED_FILES = sorted(tune_cache.SHIPPED_DIR.glob("*.json"))
+
+
+@pytest.mark.skipif(hopper_ws.GLUON_IMPORT_ERROR is not None, reason="the shipped Gluon choices' fingerprints need Gluon")
+@pytest.mark.parametrize("path", SHIPPED_FILES, ids=[p.name for p in SHIPPED_FILES])
+def test_every_shipped_choice_is_current_for_this_tree(path):
+    """A kernel change without re-shipping would make every first step tune again, silently: re-ship
+    with ``forge-bench tune-cache ship forge_core/tune_caches/*.json``."""
+    entries = json.loads(path.read_text())["entries"]
+    assert entries and count_current_tune_cache_entries(entries) == (len(entries), len(entries)), (
+        f"{path.name}: re-ship with forge-bench tune-cache ship {path}")
+    assert {tune_cache.shipped_file_name(e["device"]) for e in entries.values()} == {path.name}
+    assert all(tune_cache.portable_key(k) == k for k in entries)
+
+
+def test_the_package_ships_h100_and_h200_choices():
+    assert {p.name for p in SHIPPED_FILES} >= {"nvidia-h100-80gb-hbm3.json", "nvidia-h200.json"}

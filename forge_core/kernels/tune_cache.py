@@ -21,6 +21,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -28,12 +29,43 @@ from typing import Any, Callable
 
 ENV = "FORGE_TUNE_CACHE"
 FORMAT_VERSION = 1
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tune_caches"
+"""Tile choices that ship with the package, one file per GPU model (``shipped_file_name``): a first
+step on a shape tuned here starts without tuning. Read-only; after ``FORGE_TUNE_CACHE``."""
+SHIPPED_ENV = "FORGE_TUNE_SHIPPED"
+"""``FORGE_TUNE_SHIPPED=0`` ignores the shipped choices (tune every shape in this process)."""
+_DEVICE_INDEX = re.compile(r"'cuda:\d+'")
 
 
 def cache_path() -> Path | None:
     """The file named by ``FORGE_TUNE_CACHE``, or None when tuning results stay in the process."""
     value = os.environ.get(ENV, "").strip()
     return Path(value) if value else None
+
+
+def shipped_file_name(device_name: str) -> str:
+    """The shipped cache's file name for a GPU model: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3.json``."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ".json"
+
+
+def shipped_path(device_name: str) -> Path | None:
+    """The shipped cache of this GPU model, or None (none ships, or ``FORGE_TUNE_SHIPPED=0``)."""
+    if os.environ.get(SHIPPED_ENV, "1").strip() == "0":
+        return None
+    path = SHIPPED_DIR / shipped_file_name(device_name)
+    return path if path.is_file() else None
+
+
+def portable_key(key: str) -> str:
+    """An entry key with its CUDA device index made 0: every rank of a job on one GPU model (``cuda:3``
+    too) finds the choice shipped for that model."""
+    return _DEVICE_INDEX.sub("'cuda:0'", key)
+
+
+def lookup_shipped(device_name: str, key: str, make_config: Callable[..., Any]) -> Any | None:
+    """The shipped configuration for ``key`` on this GPU model, or None."""
+    path = shipped_path(device_name)
+    return lookup(path, portable_key(key), make_config) if path is not None else None
 
 
 def fingerprint(kernel_identity: str, triton_version: str, device_name: str, candidates: list[Any]) -> str:

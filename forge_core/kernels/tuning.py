@@ -176,7 +176,8 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
                  states: list[torch.Tensor], scales: list[torch.Tensor | None], grad_accum: torch.Tensor | None,
                  scalars: tuple[float, ...] | torch.Tensor, seed: int, meta: Mapping[str, Any]) -> TileConfig:
     """The tile for tuning key ``key``: chosen before in this process, read from ``FORGE_TUNE_CACHE``,
-    or tuned now on scratch copies of the weight and states (then kept in both)."""
+    then from the choices shipped for this GPU model (``tune_cache.SHIPPED_DIR``), or tuned now on
+    scratch copies of the weight and states (then kept in the process and in ``FORGE_TUNE_CACHE``)."""
     m, n = weight.shape
     k = x2.shape[0]
     input_bytes = x2.element_size()
@@ -190,15 +191,19 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
         TUNED[key] = default_config(m, n, k, input_bytes)
         return TUNED[key]
     candidates = tuning_candidates(m, n, k, input_bytes, state_dtype)
-    disk_path, disk_key = tune_cache.cache_path(), None
-    if disk_path is not None:
+    disk_path, disk_key, gpu = tune_cache.cache_path(), None, device_name(weight)
+    shipped = tune_cache.shipped_path(gpu)
+    if disk_path is not None or shipped is not None:
         fingerprint = _tuning_fingerprint(weight, meta, candidates)
         disk_key = tune_cache.entry_key(key, fingerprint)
-        cached = tune_cache.lookup(disk_path, disk_key, TileConfig)
-        if cached is not None:
-            TUNED[key] = cached
-            FROM_DISK.add(key)
-            return cached
+    cached = tune_cache.lookup(disk_path, disk_key, TileConfig) if disk_path is not None else None
+    if cached is None and shipped is not None:
+        cached = tune_cache.lookup_shipped(gpu, disk_key, TileConfig)
+    if cached is not None:
+        TUNED[key] = cached
+        FROM_DISK.add(key)
+        return cached
+    if disk_path is not None:
         stale = tune_cache.other_fingerprints(disk_path, key)
         if stale:
             warnings.warn(f"{tune_cache.ENV}: {disk_path} holds a tile for {m}x{n} at {k} tokens made for another "
@@ -226,9 +231,9 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
         tuned = True
         del scratch_weight, scratch_states, scratch_scales
     TUNED[key] = config
-    if tuned and disk_key is not None:
+    if tuned and disk_path is not None:
         tune_cache.store(disk_path, disk_key, config, {
-            "shape": f"{m}x{n}", "tokens": k, "device": device_name(weight), "triton": triton.__version__})
+            "shape": f"{m}x{n}", "tokens": k, "device": gpu, "triton": triton.__version__})
     return config
 
 

@@ -149,23 +149,28 @@ def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None
            run_ws: Callable[[WsConfig], None], time_ms: Callable[[Callable[[], None]], float],
            identity: str, note: dict[str, Any]) -> WsConfig | None:
     """The choice for ``key`` (a tuning key plus how the kernels were timed: "graph" or "eager"), in the
-    process, then on disk, else measured with ``choose``.
+    process, then in ``FORGE_TUNE_CACHE``, then among the choices shipped for this GPU model, else
+    measured with ``choose``.
     ``identity``: what the choice depends on besides the key (both kernels' sources, the Triton
     tile, the Triton version, the GPU); ``run_*`` must only touch scratch copies."""
     if key in CHOSEN:
         return CHOSEN[key]
     if not candidates:
         return None
-    path = tune_cache.cache_path()
-    disk_key = None
-    if path is not None:
+    path, gpu = tune_cache.cache_path(), note.get("device", "")
+    shipped = tune_cache.shipped_path(gpu) if gpu else None
+    disk_key = cached = None
+    if path is not None or shipped is not None:
         disk_key = tune_cache.entry_key(key + ("hopper_ws",), disk_fingerprint(identity, candidates))
+    if path is not None:
         cached = tune_cache.lookup(path, disk_key, _Decision)
-        if cached is not None:
-            config = WsConfig(**cached.hopper_ws) if cached.hopper_ws is not None else None
-            CHOSEN[key] = config
-            FROM_DISK.add(key)
-            return config
+    if cached is None and shipped is not None:
+        cached = tune_cache.lookup_shipped(gpu, disk_key, _Decision)
+    if cached is not None:
+        config = WsConfig(**cached.hopper_ws) if cached.hopper_ws is not None else None
+        CHOSEN[key] = config
+        FROM_DISK.add(key)
+        return config
     config, medians = choose(run_triton, {c: (lambda c=c: run_ws(c)) for c in candidates}, time_ms)
     CHOSEN[key] = config
     if path is not None and medians:
