@@ -254,10 +254,34 @@ def load_table(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] 
     return pa.concat_tables(tables)
 
 
+CHECKPOINTED = "checkpointed"
+"""The ``activations`` a report gives a row whose grid ran activation checkpointing (``extra``'s
+``activation_checkpointing``): its memory and time compare only with rows checkpointed too."""
+
+
+def _checkpointed(extra: object) -> bool:
+    if not isinstance(extra, str) or "activation_checkpointing" not in extra:
+        return False
+    try:
+        return bool(json.loads(extra).get("activation_checkpointing"))
+    except (ValueError, AttributeError):
+        return False
+
+
 def with_activations(frame):
-    """``frame`` with its ``activations`` filled: rows from before the column existed are hf."""
-    values = frame["activations"].fillna("hf") if "activations" in frame else "hf"
+    """``frame`` with its ``activations`` filled: rows from before the column existed are hf, and a
+    checkpointed grid's rows are ``CHECKPOINTED``."""
+    values = frame["activations"].fillna("hf") if "activations" in frame else _constant_column(frame, "hf")
+    if "extra" in frame:
+        values = values.where(~frame["extra"].map(_checkpointed), CHECKPOINTED)
     return frame.assign(activations=values)
+
+
+def _constant_column(frame, value: str):
+    """A column of ``value`` on ``frame``'s index."""
+    import pandas as pd
+
+    return pd.Series([value] * len(frame), index=frame.index, dtype=object)
 
 
 def load_results(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] | None = None):

@@ -123,3 +123,14 @@ def test_the_process_peak_round_trips_and_old_rows_read_it_as_null(tmp_path):
     frame = results.load_results(tmp_path).set_index("cell_id")
     assert frame.loc["with", "peak_process_gib"] == 49.5 and frame.loc["with", "peak_allocated_gib"] == 47.25
     assert pd.isna(frame.loc["without", "peak_process_gib"])
+
+
+def test_a_checkpointed_grids_rows_are_their_own_activations():
+    """A row whose grid ran activation checkpointing compares only with checkpointed rows: the report
+    reads its activations as 'checkpointed' (lean and hf rows, and rows without the column, unchanged)."""
+    frame = pd.DataFrame({
+        "activations": ["hf", "lean", "hf", None],
+        "extra": ['{"activation_checkpointing": true}', "{}", None, '{"activation_checkpointing": false}']})
+    assert list(results.with_activations(frame)["activations"]) == [results.CHECKPOINTED, "lean", "hf", "hf"]
+    assert list(results.with_activations(pd.DataFrame({"extra": ['{"activation_checkpointing": true}', "{}"]}))
+                ["activations"]) == [results.CHECKPOINTED, "hf"]

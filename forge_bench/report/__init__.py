@@ -7,7 +7,7 @@
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the paper's Table 1 (mean ± sd, TF/s;
-  ``table1.py``), the optimizer families (App. I),
+  ``table1.py``), the optimizer families (App. I), composability (``composability.py``),
   batch x seq grid, the constant-token law (``token_law.py``), model scaling, where memory goes, hardware comparison, fidelity, coverage across
   the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
   and the targets; ``distributed.py``), scaling within a model family, capability (App. O: the largest
@@ -34,8 +34,8 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import (app_i, app_o, coverage, distributed, figures, folder, ratios, render, summary, table1, tables,
-               token_law, training)
+from . import (app_i, app_o, composability, coverage, distributed, figures, folder, ratios, render, summary,
+               table1, tables, token_law, training)
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -155,6 +155,12 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
     sections += table_section("Optimizer families (App. I)", "app-i", app_i.app_i_tables(frame),
                               "Each optimizer family fused against unfused, per state format, with the paper's "
                               "App. I figures beside the fp32 lines.", True, "no optimizer-family rows")
+
+    # composability: FORGE with another memory technique, against each alone (paper Fig. 5)
+    sections += table_section("Composability", "composability", composability.composability_tables(frame),
+                              "FORGE composed with activation checkpointing, 8-bit states and factored moments, "
+                              "against each alone, in one run (suites/composability.yaml).", True,
+                              "no run holds FORGE alone beside another memory technique alone")
 
     # the floor
     sections += table_section("FORGE against its floor", "floor", tables.floor_tables(frame),

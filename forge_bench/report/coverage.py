@@ -92,7 +92,7 @@ def coverage_tables(frame: pd.DataFrame) -> list[Table]:
         if body:
             tables.append(Table(slug("coverage", keys["device_name"], keys["dtype"],
                                      "graph" if keys["timing"] != "eager" else None,
-                                     "lean" if keys["activations"] == "lean" else None),
+                                     keys["activations"] if keys["activations"] != "hf" else None),
                                 f"Coverage, {group_title(keys)}",
                                 "Per model: the share of its parameters FORGE updates inside backward; then fused "
                                 "AdamW / FORGE bf16 / FORGE int8: resident optimizer state (GiB, analytic), peak "

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from forge_bench.results import ResultsError, iter_result_files, load_results, with_activations
+from forge_bench.results import CHECKPOINTED, ResultsError, iter_result_files, load_results, with_activations
 from forge_bench.zoo import model_family
 
 from .ratios import as_number, as_text, comparable, incomparable_reason
@@ -260,6 +260,8 @@ def group_title(keys: Mapping[str, Any]) -> str:
         parts.append("CUDA-graph replay")
     if keys.get("activations") == "lean":
         parts.append("lean activations")
+    elif keys.get("activations") == CHECKPOINTED:
+        parts.append("activation checkpointing")
     if "run_id" in keys:
         parts.append(f"run {run_label(keys['run_id'])}")
     return " · ".join(parts)
@@ -269,7 +271,8 @@ def timing_slug(keys: Mapping[str, Any]) -> str | None:
     """The file-name part that keeps a CUDA-graph (or lean-activations) group's outputs apart from
     the eager ones (None for eager hf groups, whose file names carry no mark)."""
     parts = (["graph"] if keys.get("timing") == GRAPH_TIMING else []) + \
-        (["lean"] if keys.get("activations") == "lean" else [])
+        (["lean"] if keys.get("activations") == "lean" else []) + \
+        (["ckpt"] if keys.get("activations") == CHECKPOINTED else [])
     return "-".join(parts) or None
 
 

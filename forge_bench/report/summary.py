@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from forge_bench.results import CHECKPOINTED
+
 from . import ratios, tables
 from .data import (EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, choose_baseline, device_label,
                    find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell, newest_run,
@@ -25,8 +27,8 @@ VARIANT_ORDER = [(EAGER_TIMING, "hf"), (GRAPH_TIMING, "hf"), (EAGER_TIMING, "lea
 
 def variant_label(timing: str, activations: str) -> str:
     """A column name for one timing of the headline cell."""
-    lean = ", lean activations" if activations == "lean" else ""
-    return ("CUDA graph" if timing == GRAPH_TIMING else "eager") + lean
+    flavor = {"lean": ", lean activations", CHECKPOINTED: ", activation checkpointing"}.get(activations, "")
+    return ("CUDA graph" if timing == GRAPH_TIMING else "eager") + flavor
 
 
 def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
