@@ -26,8 +26,9 @@ from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.dist_arms import (STRATEGIES, build_ddp_adamw_fused, build_fsdp2_adamw, build_tp_adamw,
                                    forge_dp_builder, forge_fsdp2_builder, forge_tp_builder)
 from forge_bench.peer_probes import availability_check
-from forge_bench.torch_arms import (adamw_builder, build_adamw_fp32_states, build_adamw_fused_cce, build_no_optimizer,
-                                    build_sgd, forge_builder, forge_bytes_per_param, forge_cce_builder, forge_problem)
+from forge_bench.torch_arms import (GALORE_SETTINGS, adamw_builder, build_adamw_fp32_states, build_adamw_fused_cce,
+                                    build_no_optimizer, build_sgd, forge_builder, forge_bytes_per_param,
+                                    forge_cce_builder, forge_galore_builder, forge_problem)
 
 __all__ = ["METHODS", "Arm", "ArmUnavailable", "Method", "PluginError", "TrainConfig", "get_method",
            "load_plugins", "register"]
@@ -313,6 +314,11 @@ ARMS: tuple[Method, ...] = (
            settings={"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std",
                      "projection_svd": "svd_lowrank"},
            bytes_per_param=peers.bytes_low_rank),
+    Method(name="forge_galore_bf16", family="forge",
+           description="FORGE composed with GaLore: each hidden weight's G projected to rank 128 (randomized SVD) "
+                       "and stepped by AdamW in its backward, bf16 moments and projections",
+           build=forge_galore_builder("bf16"), requires=FORGE_NEEDS, extra_check=forge_problem,
+           settings={"state_dtype": "bf16", **GALORE_SETTINGS}, bytes_per_param=peers.bytes_in_backward),
     Method(name="apollo_adamw", family="peer",
            description="APOLLO AdamW: channel-wise scaling from a rank-256 random projection",
            build=peers.build_apollo_adamw, requires=("apollo_torch",), extra_check=availability_check("apollo_torch"),

@@ -204,6 +204,29 @@ def forge_builder(state_dtype: str, overlap: bool = True) -> Callable[[nn.Module
     return build
 
 
+GALORE_SETTINGS = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "svd": "randomized"}
+"""FORGE with GaLore's projection as the galore_adamw_rsvd peer runs GaLore alone (its README's
+rank, gap and scale; the randomized SVD), so that the composability table compares like with like."""
+
+
+def forge_galore_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], ForgeArm]:
+    """FORGE composed with GaLore: each hidden weight's G projected and stepped in its backward."""
+    def build(model: nn.Module, cfg: TrainConfig) -> ForgeArm:
+        import forge_core
+
+        if cfg.capturable:
+            raise ArmUnavailable("forge_galore: the projection refresh is a host decision; it cannot be captured")
+        optimizer = forge_core.fuse(model, "galore_adamw", lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                    weight_decay=cfg.weight_decay, state_dtype=state_dtype, **GALORE_SETTINGS)
+        settings = {"optimizer": "forge_core.fuse(galore_adamw)", "lr": cfg.lr, "betas": list(cfg.betas),
+                    "eps": cfg.eps, "weight_decay": cfg.weight_decay, "state_dtype": state_dtype, **GALORE_SETTINGS}
+        left_out = not_fused_summary(optimizer.excluded_modules)
+        if left_out:
+            settings["not_fused"] = left_out
+        return ForgeArm(model, optimizer, settings)
+    return build
+
+
 def not_fused_summary(excluded: Mapping[str, str]) -> dict[str, str]:
     """``fuse``'s left-out modules, one entry per module kind: layer indices become ``*`` and the
     count is appended ("backbone.layers.*.mixer.out_proj (48): the model reads its .weight ...")."""

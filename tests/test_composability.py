@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from forge_bench.report import build_report
-from forge_bench.report.composability import NOT_BUILT, composability_tables
+from forge_bench.report.composability import composability_tables
 from forge_bench.report.data import load_rows
 from forge_bench.results import write_row
 from forge_bench.suite import load_suite
@@ -21,7 +21,7 @@ ARMS = [("adamw_fused", False, 59.9, 133.0, "ok"), ("forge_bf16", False, 48.7, 1
         ("adamw_fused", True, 57.0, 160.0, "ok"), ("forge_bf16", True, 44.0, 150.0, "ok"),
         ("bnb_adamw8bit", False, 45.2, 350.0, "ok"), ("forge_int8", False, 35.6, 140.0, "ok"),
         ("adafactor_unfused", False, 31.1, 243.0, "ok"), ("forge_adafactor_bf16", False, None, None, "oom"),
-        ("galore_adamw_rsvd", False, 37.0, 160.0, "ok")]
+        ("galore_adamw_rsvd", False, 37.0, 160.0, "ok"), ("forge_galore_bf16", False, 24.5, 170.0, "ok")]
 
 
 def _rows(folder: Path) -> None:
@@ -42,7 +42,7 @@ def test_each_technique_alone_forge_alone_and_composed(tmp_path: Path) -> None:
                                                      "44.00 / 150.0", "4.70"]
     assert lines["8-bit states"][2:] == ["45.20 / 350.0", "48.70 / 120.0", "35.60 / 140.0", "9.60"]
     assert lines["factored moments (Adafactor)"][4:] == ["oom", "—"]
-    assert lines["low-rank projection (GaLore)"][4:] == ["not built", "—"] and table.footnotes == [NOT_BUILT]
+    assert lines["low-rank projection (GaLore)"][4:] == ["24.50 / 170.0", "12.50"]
     record = next(r for r in table.records if r["technique"] == "8-bit states")
     assert abs(record["composed_below_best_alone_gib"] - (min(45.2, 48.7) - 35.6)) < 1e-9
     build_report(tmp_path / "rows", tmp_path / "out", formats=("png",))
@@ -55,4 +55,4 @@ def test_the_suite_runs_every_arm_of_the_table_in_one_run() -> None:
     arms = {(c.method, c.activation_checkpointing) for c in suite.cells}
     assert {("adamw_fused", False), ("forge_bf16", False), ("adamw_fused", True), ("forge_bf16", True),
             ("bnb_adamw8bit", False), ("forge_int8", False), ("adafactor_unfused", False),
-            ("forge_adafactor_bf16", False), ("galore_adamw_rsvd", False)} <= arms
+            ("forge_adafactor_bf16", False), ("galore_adamw_rsvd", False), ("forge_galore_bf16", False)} <= arms

@@ -158,7 +158,7 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
 
     # composability: FORGE with another memory technique, against each alone (paper Fig. 5)
     sections += table_section("Composability", "composability", composability.composability_tables(frame),
-                              "FORGE composed with activation checkpointing, 8-bit states and factored moments, "
+                              "FORGE composed with activation checkpointing, 8-bit states, factored moments and GaLore, "
                               "against each alone, in one run (suites/composability.yaml).", True,
                               "no run holds FORGE alone beside another memory technique alone")
 

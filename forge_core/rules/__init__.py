@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from .base import Rule
-from . import (adafactor, adagrad, adalomo, adam_mini, adamax, adamw, lamb, lars, lion, muon, nadam, radam, rmsprop,
-               sgd, sm3)
+from . import (adafactor, adagrad, adalomo, adam_mini, adamax, adamw, galore_adamw, lamb, lars, lion, muon, nadam, radam,
+               rmsprop, sgd, sm3)
 
 RULES: dict[str, Rule] = {
     adamw.RULE.name: adamw.RULE,
@@ -21,6 +21,7 @@ RULES: dict[str, Rule] = {
     sm3.RULE.name: sm3.RULE,
     adam_mini.RULE.name: adam_mini.RULE,
     lars.RULE.name: lars.RULE,
+    galore_adamw.RULE.name: galore_adamw.RULE,
 }
 
 
