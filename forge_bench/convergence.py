@@ -132,7 +132,8 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("val_loss", pa.list_(_F), "mean validation loss at each val_step, nats per byte"),
     ("final_val_loss", _F, "validation loss after the last step"),
     ("final_train_loss_smoothed", _F, "mean training loss over the last 10% of the steps"),
-    ("tokens_per_s", _F, "training tokens per second of the steps of this process (evaluation and checkpoints excluded)"),
+    ("tokens_per_s", _F, "training tokens per second of the steps of this process (evaluation and checkpoints excluded, "
+                         "and the steps before its first evaluation or checkpoint: tile tuning and compiles)"),
     ("train_wall_s", _F, "seconds of training steps, summed over resumes"),
     ("device_name", _S, "torch.cuda.get_device_name or the CPU model"),
     ("device_count", _I, "visible CUDA devices"),
@@ -304,7 +305,8 @@ def run_one(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, val: lis
             on_step(state.step, None)
     close_window()
     flush()
-    tokens, seconds = sum(t for t, _ in rates), sum(s for _, s in rates)
+    timed = rates[1:] if len(rates) > 1 else rates      # the process's first window holds its tuning and compiles
+    tokens, seconds = sum(t for t, _ in timed), sum(s for _, s in timed)
     row = _row(spec, arm, seed, corpus, state, status=status, reason=why, completed=True, n_params=n_params,
                n_fused=n_fused, tokens_per_s=tokens / seconds if seconds > 0 else None, environment=environment)
     write_rows(path, [row], SCHEMA)
