@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from forge_bench import results
 from forge_bench.report import NoResultsError, build_report, ratios
 from forge_bench.report.data import run_label
 from forge_bench.zoo import model_family
@@ -718,6 +719,25 @@ def test_summary_grid_takes_each_shape_from_its_own_run(tmp_path):
         assert line[f"b{batch}×s{seq}"] == f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}"
 
 
+def test_summary_grid_passes_over_a_newer_run_without_the_baseline(tmp_path):
+    """A FORGE-only run at a shape (a margin check, say), newer than the grid's run there, would leave
+    that shape without a ratio: the summary takes the newest run with the baseline beside FORGE."""
+    rows = raw_rows(GRID)
+    folder = tmp_path / "rows"
+    shutil.copytree(GRID, folder)
+    forge_only = dict(next(r for r in rows if r["method"] == "forge_bf16" and (r["batch"], r["seq"]) == (1, 32)))
+    forge_only.update(run_id="20991231T000000Z-margin-abcdef", cell_id=forge_only["cell_id"] + "_margin",
+                      finished_at="2099-12-31T00:00:00+00:00")
+    results.write_row(folder / "margin", forge_only)
+    build_report(folder, tmp_path / "out", formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "out" / "README.md").read_text())
+    [title] = [t for t in tables if t.startswith("Batch × sequence grid")]
+    [line] = tables[title]
+    at = [r for r in rows if (r["batch"], r["seq"]) == (1, 32)]
+    row, base = (next(r for r in at if r["method"] == m) for m in ("forge_bf16", "adamw_foreach"))
+    assert line["b1×s32"] == f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}"
+
+
 # --- a results folder holding other parquet files -----------------------------------------------------
 
 def test_a_parquet_of_another_kind_is_named_and_skipped(tmp_path, capsys):
@@ -771,8 +791,6 @@ def test_memory_reads_in_mib_where_gib_would_round_to_zero(built):
 
 def _rows_of_models(tmp_path: Path, models: dict[str, int]) -> Path:
     """A results folder with one ok adamw_foreach and one forge_bf16 row per model (one run, one shape)."""
-    from forge_bench import results
-
     folder = tmp_path / "rows"
     for model, n_params in models.items():
         for method, family in (("adamw_foreach", "baseline"), ("forge_bf16", "forge")):

@@ -134,7 +134,8 @@ def peers_section(frame: pd.DataFrame) -> list[str]:
 def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     """FORGE's memory saving / speed-up at every batch x seq measured on this device, of ``model``
     where it has two or more shapes (else of the model with the most): each shape from the newest
-    run that measured a FORGE arm there, each ratio within that run. The timing with the most shapes
+    run that measured a FORGE arm beside its baseline there (a FORGE-only run, e.g. a margin check,
+    would leave the shape without a ratio), each ratio within that run. The timing with the most shapes
     is shown (then CUDA graph over eager, lean over hf)."""
     core = frame[frame["method_family"].isin(CORE_FAMILIES)]
     forge_ok = core[(core["status"] == "ok") & (core["method_family"] == "forge")]
@@ -155,7 +156,11 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     per_shape: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for batch, seq in columns:
         at_shape = variant[(variant["batch"] == batch) & (variant["seq"] == seq)]
-        run = newest_run(at_shape[(at_shape["status"] == "ok") & (at_shape["method_family"] == "forge")])
+        ok_at_shape = at_shape[at_shape["status"] == "ok"]
+        forge_runs = ok_at_shape[ok_at_shape["method_family"] == "forge"]
+        beside_baseline = forge_runs[forge_runs["run_id"].isin(
+            ok_at_shape[ok_at_shape["method_family"] == "baseline"]["run_id"])]
+        run = newest_run(beside_baseline if not beside_baseline.empty else forge_runs)
         per_shape[(batch, seq)] = records(at_shape[at_shape["run_id"] == run])
     methods = dict.fromkeys(r["method"] for r in tables.sorted_rows([r for rows in per_shape.values() for r in rows])
                             if r.get("method_family") == "forge")
@@ -164,7 +169,8 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     runs = ", ".join(f"b{b}×s{q} run {run_label(rows[0]['run_id'])}" for (b, q), rows in per_shape.items())
     lines = [f"### Batch × sequence grid: {title}", "",
              "FORGE's memory saving (share of the baseline's peak) / speed-up against the baseline of the same "
-             f"run and shape. Each shape from the newest run that measured it: {runs}.", "",
+             f"run and shape. Each shape from the newest run that measured FORGE beside its baseline there (else "
+             f"the newest with FORGE): {runs}.", "",
              "| Method | " + " | ".join(f"b{b}×s{q}" for b, q in columns) + " |", "|:--|" + "--:|" * len(columns)]
     for method in methods:
         cells = []
