@@ -81,7 +81,12 @@ def source_identity(fn: Any) -> str:
 
     Why not Triton's own ``cache_key``: that adds the function's starting line number, so an edit
     anywhere above the kernel (an import) would throw away every tile choice on disk although the
-    kernel is the same, and each FORGE cell of the GPU smoke suite would tune again for ~70 s."""
+    kernel is the same, and each FORGE cell of the GPU smoke suite would tune again for ~70 s.
+    Kept per function for the process (a kernel's source does not change under it): every new weight
+    shape looks its choice up under this hash."""
+    known = _IDENTITIES.get(id(fn))
+    if known is not None and known[0] is fn:
+        return known[1]
     visited: set[int] = set()
     parts: list[str] = []
 
@@ -105,7 +110,12 @@ def source_identity(fn: Any) -> str:
                 parts.append(f"{name}:{ref}={value!r}")
 
     visit(fn)
-    return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
+    identity = hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
+    _IDENTITIES[id(fn)] = (fn, identity)
+    return identity
+
+
+_IDENTITIES: dict[int, tuple[Any, str]] = {}
 
 
 def code_only(source: str) -> str:
