@@ -229,3 +229,16 @@ def test_app_i_names_why_a_pair_has_no_speedup(tmp_path):
     line = next(r for r in table.rows if r[:2] == ["Adafactor", "bf16"])
     assert line[9] == "n/a (different run)"
     assert any(note.startswith("Adafactor (bf16): n/a (different run): SM clocks differ") for note in table.footnotes)
+
+
+def test_app_i_takes_an_unfused_row_without_its_fused_twin(tmp_path):
+    """A sweep of an unfused arm alone (or a FORGE arm at other states) leaves a family's line with
+    the unfused numbers and no ratio, rather than failing the report."""
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    rows = _fixture_rows(folder)
+    fused = next(r for r in rows if r["method"] == "forge_adafactor_bf16")
+    (folder / f"{fused['cell_id']}.parquet").unlink()
+    table = next(t for t in app_i.app_i_tables(load_rows(folder)))
+    line = next(r for r in table.rows if r[:2] == ["Adafactor", "bf16"])
+    assert line[3] == "31.00" and line[4] == "not run" and line[6] == "—" and line[9] == "—"

@@ -111,7 +111,10 @@ def app_i_tables(frame: pd.DataFrame) -> list[Table]:
                 if not fused_rows and not unfused_rows:
                     continue
                 fused, unfused = pair(fused_rows, unfused_rows)
-                change, speed = ratios.peak_change(fused, unfused), ratios.speedup(fused, unfused)
+                if fused is not None:
+                    change, speed = ratios.peak_change(fused, unfused), ratios.speedup(fused, unfused)
+                else:                                # the unfused arm alone (a sweep of it only)
+                    change = speed = ratios.Ratio(None, "—", refusal="no FORGE row")
                 saved = _saved(fused, unfused) if fused is not None else None
                 for ratio in (change, speed):
                     if fused is not None and ratio.text == ratios.DIFFERENT_RUN and ratio.refusal:
