@@ -222,6 +222,8 @@ class Timing:
     host_ms: list[float] = field(default_factory=list)
     energy: dict[str, float] = field(default_factory=dict)    # telemetry.window_energy of the timed window
     peak_process_gib: float | None = None   # the allocator's peak from the model's build to the window's end
+    first_step_s: float | None = None       # the first training step's wall time: tile tuning and compiles included
+    build_to_first_step_s: float | None = None   # from the model's build to the first step's end
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -303,6 +305,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         # timed window; the parity gate before it is not part of a training run.
         torch.cuda.reset_peak_memory_stats()
     before_window = 0     # the allocator's peak before the window's counters are reset, bytes
+    build_started = time.perf_counter()
     model = models_mod.build_model(cell.model, cell.dtype, device, seed=spec.seed)
     models_mod.apply_activations(model, cell.activations)
     models_mod.apply_activation_checkpointing(model, cell.activation_checkpointing)
@@ -313,7 +316,13 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
                for i in range(BATCH_POOL)]
 
     eager_warmup = GRAPH_EAGER_WARMUP if graphed else spec.warmup_steps
-    warm = eager_steps(arm, batches, eager_warmup, side_stream=graphed)
+    # The first step alone, synced: what a user waits for before training moves (tile tuning or the
+    # tune-cache lookups, compiles, the optimizer's state allocation); then the rest, in the same order.
+    first_started = time.perf_counter()
+    warm = eager_steps(arm, batches, min(1, eager_warmup), side_stream=graphed)
+    _sync(device)
+    first_ended = time.perf_counter()
+    warm += eager_steps(arm, batches[1:] + batches[:1], max(0, eager_warmup - 1), side_stream=graphed)
     if warm:
         _check_finite(warm, "warm-up")
     del warm
@@ -402,7 +411,9 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
                                       torch.device(device))
     return Timing(run_ms, values, peak_alloc, peak_reserved, peak_reason, breakdown, n_params,
                   int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms, energy,
-                  peak_process_gib=peak_process)
+                  peak_process_gib=peak_process,
+                  first_step_s=first_ended - first_started if eager_warmup else None,
+                  build_to_first_step_s=first_ended - build_started if eager_warmup else None)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -560,6 +571,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         # time the step is launch-bound and its jitter is the host's, not the GPU's.
         extra["host_return_ms_median"] = statistics.median(timing.host_ms)
     extra.update(timing.energy)
+    if timing.first_step_s is not None:
+        extra["first_step_s"] = timing.first_step_s
+        extra["build_to_first_step_s"] = timing.build_to_first_step_s
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
     kernel_configs, tune_cache_file = _tuned_kernel_configs()

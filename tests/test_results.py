@@ -134,3 +134,26 @@ def test_a_checkpointed_grids_rows_are_their_own_activations():
     assert list(results.with_activations(frame)["activations"]) == [results.CHECKPOINTED, "lean", "hf", "hf"]
     assert list(results.with_activations(pd.DataFrame({"extra": ['{"activation_checkpointing": true}', "{}"]}))
                 ["activations"]) == [results.CHECKPOINTED, "hf"]
+
+
+def test_a_cell_records_its_first_step_time(tmp_path, monkeypatch):
+    """The first training step is timed on its own (what a user waits for before training moves) and
+    lies inside the time from the model's build; a cell without warm-up records neither."""
+    import json
+
+    from forge_bench.cell import run_cell
+    from forge_bench.suite import load_suite
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for warmup in (2, 0):
+        suite_path = tmp_path / f"s{warmup}.yaml"
+        suite_path.write_text(f"device: cpu\ndtype: float32\nwarmup_steps: {warmup}\ntimed_steps: 2\nrepeats: 1\n"
+                              "parity: {enabled: false}\nmodels: [tiny-gpt2]\nbatch: [1]\nseq: [8]\nmethods: [sgd]\n")
+        suite = load_suite(suite_path)
+        run_cell(suite, suite.cells[0], tmp_path / f"out{warmup}", "r1")
+        row = pq.read_table(results.row_path(tmp_path / f"out{warmup}", suite.cells[0].cell_id)).to_pylist()[0]
+        extra = json.loads(row["extra"])
+        if warmup:
+            assert 0 < extra["first_step_s"] <= extra["build_to_first_step_s"] <= row["wall_s"]
+        else:
+            assert "first_step_s" not in extra and "build_to_first_step_s" not in extra

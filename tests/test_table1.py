@@ -54,8 +54,17 @@ def test_the_table_on_h100_rows(tmp_path: Path) -> None:
     row = pq.read_table(ROW).to_pylist()[0]
     mean, sd = mean_sd(row)
     assert line[1] == f"{row['peak_allocated_gib']:.2f}" and line[4] == f"{tflops(row):.0f}"
-    assert line[3].startswith(f"{mean:.2f} ± ") and line[5] == "48.36 GB / 110.2 ms"
-    assert next(r for r in graph.rows if r[0] == "`adamw_fused`")[5] == "60.08 GB / 134.3 ms"
+    assert line[3].startswith(f"{mean:.2f} ± ") and line[5] == "—" and line[6] == "48.36 GB / 110.2 ms"
+    assert next(r for r in graph.rows if r[0] == "`adamw_fused`")[6] == "60.08 GB / 134.3 ms"
     build_report(H100, tmp_path / "out", formats=("png",))
     assert "## Table 1" in (tmp_path / "out" / "index.md").read_text()
     assert (tmp_path / "out" / "tables" / "table1.csv").exists()
+
+
+def test_the_first_step_column_reads_the_rows_extra() -> None:
+    row = pq.read_table(ROW).to_pylist()[0]
+    row["extra"] = json.dumps({**json.loads(row["extra"] or "{}"), "first_step_s": 12.34})
+    single = load_rows(H100)
+    single = single[single["cell_id"] == row["cell_id"]].assign(extra=row["extra"])
+    [table] = table1_tables(single)
+    assert table.rows[0][5] == "12.3" and table.records[0]["first_step_s"] == 12.34

@@ -20,6 +20,7 @@ import pandas as pd
 from forge_bench import zoo
 
 from .data import HEADLINE_KEYS, fmt_ms, fmt_number, group_title, key_parts, method_cell, records, run_label, slug
+from . import ratios
 from .ratios import as_number, as_text
 from .render import Table
 from .tables import sorted_rows
@@ -102,29 +103,31 @@ def table1_tables(frame: pd.DataFrame) -> list[Table]:
             mean, sd = mean_sd(row) if ok else (None, None)
             throughput = tflops(row)
             paper = paper_text(str(keys["model"]), int(keys["batch"]), int(keys["seq"]), str(row["method"]))
+            first_step = as_number(ratios.json_field(row.get("extra")).get("first_step_s"))
             body.append([method_cell(str(row["method"]), [row])]
                         + ([run_label(row.get("run_id"))] if several_runs else [])
                         + [fmt_number(row.get("peak_allocated_gib")) if ok else as_text(row.get("status")) or "—",
                            fmt_ms(row.get("step_ms_median")) if ok else "—",
                            "—" if mean is None else f"{fmt_ms(mean)} ± {fmt_number(sd, 2 if sd < 10 else 1)}",
                            fmt_number(throughput, 0) if throughput is not None else "—",
-                           paper])
+                           fmt_number(first_step, 1), paper])
             recs.append({**keys, "method": row["method"], "run_id": row.get("run_id"), "status": row.get("status"),
                          "peak_gib": as_number(row.get("peak_allocated_gib")) if ok else None,
                          "step_ms_median": as_number(row.get("step_ms_median")) if ok else None,
-                         "step_ms_mean": mean, "step_ms_sd": sd, "tflops": throughput,
+                         "step_ms_mean": mean, "step_ms_sd": sd, "tflops": throughput, "first_step_s": first_step,
                          "paper": paper})
         if not body:
             continue
         has_paper = any(line[-1] != "—" for line in body)
         caption = ("Peak: the timed window's allocated GiB; step: the median, and mean ± sd over every timed "
-                   "step; TF/s: model FLOPs per step (6 N T + 12 L H S T) over the median step"
+                   "step; TF/s: model FLOPs per step (6 N T + 12 L H S T) over the median step; first step: the "
+                   "first training step's wall time, tile tuning or tune-cache lookups and compiles included"
                    + (f"; the paper's figure ({PAPER_GPU}, GB as the paper prints them) beside ours." if has_paper
                       else "."))
         tables.append(Table(slug("table1", *key_parts(keys)), f"Table 1, {group_title(keys)}", caption,
                             ["Method"] + (["Run"] if several_runs else [])
-                            + ["Peak GiB", "Step ms", "Mean ± sd ms", "TF/s", f"Paper ({PAPER_GPU})"],
-                            body, "l" + ("l" if several_runs else "") + "rrrrl", [], recs))
+                            + ["Peak GiB", "Step ms", "Mean ± sd ms", "TF/s", "First step s", f"Paper ({PAPER_GPU})"],
+                            body, "l" + ("l" if several_runs else "") + "rrrrrl", [], recs))
     return tables
 
 
