@@ -79,11 +79,11 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
         second = states32["exp_avg_sq"]
         second.lerp_(update.square().add_(eps1), like(new_weight, second))
         update.mul_(second.rsqrt())
-    update.div_(at_least(rms(update) / clip, 1.0))
+    clipped = at_least(rms(update) / clip, 1.0)
     scale = lr * at_least(rms(weight), eps2)
     if weight_decay != 0.0:
         weight.mul_(1.0 - scale * weight_decay)
-    weight.add_(update.mul_(-scale))
+    weight.addcmul_(update, -scale / clipped)     # W - scale U / clipped in one pass (no scaled copy of U)
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
