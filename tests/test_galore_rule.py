@@ -124,20 +124,31 @@ def test_fused_equals_the_reference_on_the_unfused_gradient() -> None:
     assert shapes == [(4, 45), (45, 4)]             # up (45 x 30): m >= n, (m, r); down (17 x 45): (r, n)
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_state_dict_resume_is_bit_identical(state_dtype: str) -> None:
+def test_the_randomized_basis_is_seeded_and_leaves_the_random_stream_alone() -> None:
+    generator = torch.Generator().manual_seed(2)
+    grad = torch.randn(50, 30, generator=generator)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    first = orthogonal_basis(grad, 4, "randomized")
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.manual_seed(7)
+    assert torch.equal(orthogonal_basis(grad, 4, "randomized"), first)
+
+
+@pytest.mark.parametrize("state_dtype, svd", [("fp32", "full"), ("bf16", "full"), ("bf16", "randomized")])
+def test_state_dict_resume_is_bit_identical(state_dtype: str, svd: str) -> None:
     batches = _batches(6)
     straight, source = Block(), Block()
-    straight_opt = _fuse(straight, state_dtype=state_dtype)
+    straight_opt = _fuse(straight, state_dtype=state_dtype, svd=svd)
     _train(straight, straight_opt, batches)
-    first = _fuse(source, state_dtype=state_dtype)
+    first = _fuse(source, state_dtype=state_dtype, svd=svd)
     _train(source, first, batches[:4])                       # the projection refreshed at step 4
     buffer = io.BytesIO()
     torch.save({"model": source.state_dict(), "optimizer": first.state_dict()}, buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
     resumed = Block(seed=3)
-    resumed_opt = _fuse(resumed, state_dtype=state_dtype)
+    resumed_opt = _fuse(resumed, state_dtype=state_dtype, svd=svd)
     resumed.load_state_dict(checkpoint["model"])
     resumed_opt.load_state_dict(checkpoint["optimizer"])
     _train(resumed, resumed_opt, batches[4:])

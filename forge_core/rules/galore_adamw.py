@@ -36,6 +36,7 @@ DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0,
 SVD_KINDS = ("full", "randomized")
 RANDOMIZED_OVERSAMPLING = 10
 RANDOMIZED_ITERATIONS = 2
+RANDOMIZED_SEED = 0
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, int, int, float, str]:
@@ -79,7 +80,15 @@ def orthogonal_basis(grad: torch.Tensor, r: int, svd: str) -> torch.Tensor:
     (r x n) when m >= n, else its top-r left singular vectors (m x r)."""
     m, n = grad.shape
     if svd == "randomized":
-        u, _, v = torch.svd_lowrank(grad, q=min(r + RANDOMIZED_OVERSAMPLING, m, n), niter=RANDOMIZED_ITERATIONS)
+        # the range finder's random matrix from a fixed seed, on a forked RNG: the projection is the
+        # same on a resumed run, and the training's own random stream (dropout) is left as it was
+        with torch.random.fork_rng(devices=[grad.device] if grad.is_cuda else []):
+            if grad.is_cuda:
+                with torch.cuda.device(grad.device):
+                    torch.cuda.manual_seed(RANDOMIZED_SEED)
+            else:
+                torch.random.default_generator.manual_seed(RANDOMIZED_SEED)
+            u, _, v = torch.svd_lowrank(grad, q=min(r + RANDOMIZED_OVERSAMPLING, m, n), niter=RANDOMIZED_ITERATIONS)
         return v[:, :r].t() if m >= n else u[:, :r]
     u, _, vh = torch.linalg.svd(grad, full_matrices=False)
     return vh[:r, :] if m >= n else u[:, :r]
