@@ -37,6 +37,7 @@ from torch import nn
 
 from . import kernels
 from .backends import BACKENDS, check_capturable, resolve_backend
+from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
 from .dtensors import local_shard
 from .layer_step import LayerPath, takes_layer_path
@@ -212,10 +213,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class ForgeOptimizer(torch.optim.Optimizer):
+class ForgeOptimizer(BackwardUpdateOptimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
     Built by ``forge_core.fuse``; not meant to be constructed directly."""
+
+    ADD_PARAM_GROUP_REFUSAL = ("ForgeOptimizer decides fused vs fallback parameters at fuse() time; "
+                               "add_param_group is not supported (fuse the model again instead)")
 
     def __init__(self, params: list[nn.Parameter], bindings: list[FusedWeight], *, rule: Rule,
                  hyperparameters: Mapping[str, Any], state_dtype: str, stochastic_rounding: bool,
@@ -224,19 +228,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                  dense_2d: bool = True, parameter_names: Optional[Mapping[int, str]] = None) -> None:
         if capturable:
             check_capturable(rule, backend, accumulate_steps, stochastic_rounding, bindings)
-        self._constructing = True
-        super().__init__([{"params": params}], dict(hyperparameters))
-        self._constructing = False
-        self.rule = rule
-        self.state_dtype = state_dtype
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.accumulate_steps = int(accumulate_steps)
-        self.backend = backend
+        super().__init__(params, rule=rule, hyperparameters=hyperparameters, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, accumulate_steps=accumulate_steps, backend=backend)
         self.excluded_modules: dict[str, str] = dict(excluded)
         """Linear-like modules left unfused: qualified name -> reason."""
         self._model_parameters = model_parameters
-        self._update_function: Callable[..., None] = (
-            kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
         self._bindings = bindings
         self._layer_path = LayerPath(rule, state_dtype, hyperparameters, accumulate_steps, lambda b: (
             self._kernel_hyperparameters(b.group_index),
@@ -518,13 +514,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for dense in self._dense:
             dense.recorded_rows = []
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_constructing", True):
-            super().add_param_group(param_group)
-            return
-        raise NotImplementedError("ForgeOptimizer decides fused vs fallback parameters at fuse() time; "
-                                  "add_param_group is not supported (fuse the model again instead)")
 
     def _sync_fallback_hyperparameters(self) -> None:
         for ours, theirs in zip(self.param_groups, self._fallback.param_groups):

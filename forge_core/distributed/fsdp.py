@@ -26,9 +26,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
-from .. import kernels
 from ..dense import no_tokens
 from ..dtensors import contiguous_strides, dtensor_module, is_dtensor, local_shard
+from ..backward_update import BackwardUpdateOptimizer
 from ..rules.base import Rule
 from ..state import ParamState, restore_entry, saved_entry
 
@@ -59,24 +59,18 @@ def kernel_steppable(parameter: nn.Parameter, rule: Rule) -> bool:
     return parameter.dtype in (torch.float32, torch.bfloat16) and local.is_contiguous()
 
 
-class FsdpForgeOptimizer(torch.optim.Optimizer):
+class FsdpForgeOptimizer(BackwardUpdateOptimizer):
     """A torch optimizer over an FSDP2 model whose 2-D weight shards are updated in the backward
     (see the module docstring); built by ``forge_core.distributed.fuse_fsdp``."""
+
+    ADD_PARAM_GROUP_REFUSAL = "the FSDP optimizer decides its shards at fuse_fsdp() time; add_param_group is not supported"
 
     def __init__(self, model: nn.Module, *, rule: Rule, hyperparameters: Mapping[str, Any], state_dtype: str,
                  stochastic_rounding: bool, accumulate_steps: int, backend: str) -> None:
         names = {id(p): name for name, p in model.named_parameters()}
         params = [p for p in model.parameters() if p.requires_grad]
-        self._constructing = True
-        super().__init__([{"params": params}], dict(hyperparameters))
-        self._constructing = False
-        self.rule = rule
-        self.state_dtype = state_dtype
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.accumulate_steps = int(accumulate_steps)
-        self.backend = backend
-        self._launch: Callable[..., None] = (kernels.fused_wgrad_update if backend == "triton"
-                                             else kernels.reference_wgrad_update)
+        super().__init__(params, rule=rule, hyperparameters=hyperparameters, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, accumulate_steps=accumulate_steps, backend=backend)
         self.sharded: list[ShardedWeight] = []
         self._by_parameter: dict[int, ShardedWeight] = {}
         self._hooks = []
@@ -118,7 +112,7 @@ class FsdpForgeOptimizer(torch.optim.Optimizer):
             hp = {key: (group[key].item() if isinstance(group[key], torch.Tensor) else group[key])
                   for key in self.rule.defaults}
             with torch.no_grad():
-                self._launch(*no_tokens(weight, weight.shape[0]), weight, shard.state, hp, step, grad_accum=gradient,
+                self._update_function(*no_tokens(weight, weight.shape[0]), weight, shard.state, hp, step, grad_accum=gradient,
                              stochastic_rounding=self.stochastic_rounding,
                              seed=(shard.index * 1_000_003 + step) & 0x7FFFFFFF)
         parameter.grad = None
@@ -126,13 +120,6 @@ class FsdpForgeOptimizer(torch.optim.Optimizer):
         self.shard_updates += 1
 
     # -- torch.optim.Optimizer interface ---------------------------------------------------------
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_constructing", True):
-            super().add_param_group(param_group)
-            return
-        raise NotImplementedError("the FSDP optimizer decides its shards at fuse_fsdp() time; add_param_group "
-                                  "is not supported")
 
     def sharded_parameters(self) -> list[nn.Parameter]:
         """The weights whose shards are stepped in the backward (they keep no ``.grad``)."""
