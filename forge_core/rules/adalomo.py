@@ -24,8 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .base import Rule, known_hyperparameters
-from .rule_optimizer import RuleOptimizer
+from .rule_optimizer import reference_rule
 from .scalars import at_least, like, rms, step_value
 
 DEFAULTS = {"lr": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "weight_decay": 0.0, "eps": (1e-30, 1e-3)}
@@ -86,19 +85,11 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.addcmul_(update, -scale / clipped)     # W - scale U / clipped in one pass (no scaled copy of U)
 
 
-def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
-    """A ``RuleOptimizer`` on this reference (torch has no AdaLomo)."""
-    return RuleOptimizer(params, RULE, capturable=capturable, **known_hyperparameters(hp, DEFAULTS))
-
-
-RULE = Rule(
+RULE = reference_rule(
     name="adalomo",
     state_names=("exp_avg_sq_row", "exp_avg_sq_col"),
     defaults=DEFAULTS,
     reference=reference,
-    fallback_optimizer=fallback_optimizer,
-    regime=3,
     state_shapes=state_shapes,
-    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
 )

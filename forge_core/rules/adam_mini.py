@@ -29,8 +29,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .base import Rule, known_hyperparameters
-from .rule_optimizer import RuleOptimizer
+from .rule_optimizer import reference_rule
 from .scalars import square_root, step_value
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "head_dim": None}
@@ -97,21 +96,12 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.view(blocks, -1).addcdiv_(exp_avg.view(blocks, -1), denominator)
 
 
-def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
-    """A ``RuleOptimizer`` on this reference (torch has no Adam-mini); without names every matrix is
-    partitioned by rows."""
-    return RuleOptimizer(params, RULE, capturable=capturable, **known_hyperparameters(hp, DEFAULTS))
-
-
-RULE = Rule(
+RULE = reference_rule(
     name="adam_mini",
     state_names=("exp_avg", "exp_avg_sq"),
     defaults=DEFAULTS,
     reference=reference,
-    fallback_optimizer=fallback_optimizer,
-    regime=3,
     state_shapes=state_shapes,
-    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
     signed_states=frozenset({"exp_avg"}),
 )

@@ -28,8 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .base import Rule, known_hyperparameters
-from .rule_optimizer import RuleOptimizer
+from .rule_optimizer import reference_rule
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "rank": 128,
             "update_proj_gap": 200, "scale": 0.25, "svd": "full"}
@@ -125,23 +124,14 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
         weight.add_(weight, alpha=-lr * weight_decay)
 
 
-def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
-    """A ``RuleOptimizer`` on this reference without a projection (``rank=0``): galore_torch's AdamW,
-    the weight decay after the update, for what FORGE does not project."""
-    return RuleOptimizer(params, RULE, capturable=capturable, **{**known_hyperparameters(hp, DEFAULTS), "rank": 0})
-
-
-RULE = Rule(
+RULE = reference_rule(
     name="galore_adamw",
     state_names=("projector", "exp_avg", "exp_avg_sq"),
     defaults=DEFAULTS,
     reference=reference,
-    fallback_optimizer=fallback_optimizer,
-    regime=3,
     state_shapes=state_shapes,
-    state_dtypes=frozenset({"fp32", "bf16"}),
     signed_states=frozenset({"projector", "exp_avg"}),
     hidden_weights_only=True,
-    fallback_hyperparameters=lambda hp: {**hp, "rank": 0},
+    fallback_overrides={"rank": 0},        # the fallback's parameters (head, embeddings, vectors) are not projected
     refusals={"capturable": "the projection is refreshed every update_proj_gap steps, a decision on the host"},
 )

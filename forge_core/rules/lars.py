@@ -19,8 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .base import Rule, known_hyperparameters
-from .rule_optimizer import RuleOptimizer
+from .rule_optimizer import reference_rule
 from .scalars import norm
 
 DEFAULTS = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0, "trust_coefficient": 1e-3, "eps": 1e-8}
@@ -58,19 +57,11 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.sub_(buffer)
 
 
-def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
-    """A ``RuleOptimizer`` on this reference (torch has no LARS)."""
-    return RuleOptimizer(params, RULE, capturable=capturable, **known_hyperparameters(hp, DEFAULTS))
-
-
-RULE = Rule(
+RULE = reference_rule(
     name="lars",
     state_names=("momentum_buffer",),
     defaults=DEFAULTS,
     reference=reference,
-    fallback_optimizer=fallback_optimizer,
-    regime=3,
-    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
     signed_states=frozenset({"momentum_buffer"}),
 )

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .base import Rule
+from .base import Rule, known_hyperparameters
 
 
 class RuleOptimizer(torch.optim.Optimizer):
@@ -84,4 +84,21 @@ class RuleOptimizer(torch.optim.Optimizer):
             parameter.copy_(weight)
 
 
-__all__ = ["RuleOptimizer"]
+def reference_rule(*, fallback_overrides: Optional[Mapping[str, Any]] = None, **fields: Any) -> Rule:
+    """A regime-3 rule torch has no class for: ``Rule(**fields)`` whose fallback optimizer (what FORGE
+    does not fuse, and the harness's unfused arm) is a ``RuleOptimizer`` on the rule's own reference,
+    with ``fallback_overrides`` over the group's values (at construction and at every step); states in
+    fp32 or bf16, as the per-layer path stores them."""
+    overrides = dict(fallback_overrides or {})
+
+    def fallback_optimizer(params: Any, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
+        return RuleOptimizer(params, rule, capturable=capturable,
+                             **{**known_hyperparameters(hp, rule.defaults), **overrides})
+
+    if overrides:          # kept on every step too, when the optimizer syncs the fallback's groups with its own
+        fields["fallback_hyperparameters"] = lambda hp: {**hp, **overrides}
+    rule = Rule(fallback_optimizer=fallback_optimizer, regime=3, state_dtypes=frozenset({"fp32", "bf16"}), **fields)
+    return rule
+
+
+__all__ = ["RuleOptimizer", "reference_rule"]

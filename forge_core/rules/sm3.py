@@ -22,8 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .base import Rule, known_hyperparameters
-from .rule_optimizer import RuleOptimizer
+from .rule_optimizer import reference_rule
 from .scalars import row_blocks
 
 DEFAULTS = {"lr": 0.1, "momentum": 0.0, "eps": 1e-30}
@@ -87,20 +86,12 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.add_(update, alpha=-lr)
 
 
-def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
-    """A ``RuleOptimizer`` on this reference (torch has no SM3)."""
-    return RuleOptimizer(params, RULE, capturable=capturable, **known_hyperparameters(hp, DEFAULTS))
-
-
-RULE = Rule(
+RULE = reference_rule(
     name="sm3",
     state_names=("row_accumulator", "col_accumulator", "momentum_buffer"),
     defaults=DEFAULTS,
     reference=reference,
-    fallback_optimizer=fallback_optimizer,
-    regime=3,
     state_shapes=state_shapes,
-    state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,
     signed_states=frozenset({"momentum_buffer"}),
 )
