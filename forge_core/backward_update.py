@@ -34,6 +34,12 @@ class BackwardUpdateOptimizer(torch.optim.Optimizer):
         self._update_function: Callable[..., None] = (
             kernels.fused_wgrad_update if backend == "triton" else kernels.reference_wgrad_update)
 
+    def packed_param_groups(self, index_of: Mapping[int, int]) -> list[dict[str, Any]]:
+        """The param groups as torch's ``state_dict`` lays them out: their values, and each parameter
+        as its index (``index_of``: ``id(parameter)`` -> index)."""
+        return [{**{key: value for key, value in group.items() if key != "params"},
+                 "params": [index_of[id(p)] for p in group["params"]]} for group in self.param_groups]
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_constructing", True):      # torch.optim.Optimizer.__init__ adds the group
             super().add_param_group(param_group)

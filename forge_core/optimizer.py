@@ -583,11 +583,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
                 state[index_of[id(dense.weight)]] = saved_entry(dense)
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
-        groups = []
-        for group in self.param_groups:
-            packed = {key: value for key, value in group.items() if key != "params"}
-            packed["params"] = [index_of[id(p)] for p in group["params"]]
-            groups.append(packed)
+        groups = self.packed_param_groups(index_of)
         groups.append({"params": [len(index_of)], GUARD_GROUP_KEY: GUARD_GROUP_NOTE})
         forge = {
             "rule": self.rule.name, "state_dtype": self.state_dtype, "steps_taken": self._steps_taken,

@@ -188,11 +188,7 @@ class FsdpForgeOptimizer(BackwardUpdateOptimizer):
                                                     for key, value in saved_entry(shard).items()}
         for parameter, parameter_state in self._fallback.state.items():
             state[index_of[id(parameter)]] = dict(parameter_state)
-        groups = []
-        for group in self.param_groups:
-            packed = {key: value for key, value in group.items() if key != "params"}
-            packed["params"] = [index_of[id(p)] for p in group["params"]]
-            groups.append(packed)
+        groups = self.packed_param_groups(index_of)
         forge = {"rule": self.rule.name, "state_dtype": self.state_dtype, "steps_taken": self._steps_taken,
                  "sharded": sorted(index_of[id(s.parameter)] for s in self.sharded)}
         return {"state": state, "param_groups": groups, "forge": forge}
