@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -62,10 +63,16 @@ def portable_key(key: str) -> str:
     return _DEVICE_INDEX.sub("'cuda:0'", key)
 
 
-def lookup_shipped(device_name: str, key: str, make_config: Callable[..., Any]) -> Any | None:
-    """The shipped configuration for ``key`` on this GPU model, or None."""
-    path = shipped_path(device_name)
-    return lookup(path, portable_key(key), make_config) if path is not None else None
+def lookup_shipped(path: Path, key: str, make_config: Callable[..., Any]) -> Any | None:
+    """The configuration for ``key`` in the shipped cache ``path`` (``shipped_path``), or None. The file
+    is read once per process: it does not change under a running job, unlike a ``FORGE_TUNE_CACHE``
+    that other processes write."""
+    return _config(_read_shipped(path).get(portable_key(key)), key, path, make_config)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_shipped(path: Path) -> dict[str, Any]:
+    return _read(path)
 
 
 def fingerprint(kernel_identity: str, triton_version: str, device_name: str, candidates: list[Any]) -> str:
@@ -177,14 +184,17 @@ def _read(path: Path) -> dict[str, Any]:
 
 def lookup(path: Path, key: str, make_config: Callable[..., Any]) -> Any | None:
     """The cached configuration for ``key`` built by ``make_config(**fields)``, or None."""
-    fields = _read(path).get(key)
+    return _config(_read(path).get(key), key, path, make_config)
+
+
+def _config(fields: Any, key: str, path: Path, make_config: Callable[..., Any]) -> Any | None:
     if not isinstance(fields, dict) or not isinstance(fields.get("config"), dict):
         return None
     try:
         return make_config(**fields["config"])
     except (TypeError, ValueError) as exc:
         warnings.warn(f"{ENV}: entry {key} of {path} is not a tile configuration ({exc}); tuning instead",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=3)
         return None
 
 

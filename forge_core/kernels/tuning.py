@@ -198,7 +198,7 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
         disk_key = tune_cache.entry_key(key, fingerprint)
     cached = tune_cache.lookup(disk_path, disk_key, TileConfig) if disk_path is not None else None
     if cached is None and shipped is not None:
-        cached = tune_cache.lookup_shipped(gpu, disk_key, TileConfig)
+        cached = tune_cache.lookup_shipped(shipped, disk_key, TileConfig)
     if cached is not None:
         TUNED[key] = cached
         FROM_DISK.add(key)

@@ -165,7 +165,7 @@ def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None
     if path is not None:
         cached = tune_cache.lookup(path, disk_key, _Decision)
     if cached is None and shipped is not None:
-        cached = tune_cache.lookup_shipped(gpu, disk_key, _Decision)
+        cached = tune_cache.lookup_shipped(shipped, disk_key, _Decision)
     if cached is not None:
         config = WsConfig(**cached.hopper_ws) if cached.hopper_ws is not None else None
         CHOSEN[key] = config
