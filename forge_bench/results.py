@@ -272,17 +272,10 @@ def _checkpointed(extra: object) -> bool:
 def with_activations(frame):
     """``frame`` with its ``activations`` filled: rows from before the column existed are hf, and a
     checkpointed grid's rows are ``CHECKPOINTED``."""
-    values = frame["activations"].fillna("hf") if "activations" in frame else _constant_column(frame, "hf")
-    if "extra" in frame:
-        values = values.where(~frame["extra"].map(_checkpointed), CHECKPOINTED)
-    return frame.assign(activations=values)
-
-
-def _constant_column(frame, value: str):
-    """A column of ``value`` on ``frame``'s index."""
-    import pandas as pd
-
-    return pd.Series([value] * len(frame), index=frame.index, dtype=object)
+    framed = frame.assign(activations=frame["activations"].fillna("hf") if "activations" in frame else "hf")
+    if "extra" in framed:
+        framed["activations"] = framed["activations"].where(~framed["extra"].map(_checkpointed), CHECKPOINTED)
+    return framed
 
 
 def load_results(path: str | os.PathLike, on_foreign: Callable[[Path, str], None] | None = None):

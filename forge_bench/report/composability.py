@@ -29,7 +29,7 @@ class Composition:
     """A technique: the arm that uses it alone and the FORGE arm composed with it, as (method, activations)."""
     label: str
     alone: tuple[str, str]
-    composed: tuple[str, str] | None      # None: forge_core has no such composition
+    composed: tuple[str, str]
 
 
 COMPOSITIONS = (
@@ -38,12 +38,9 @@ COMPOSITIONS = (
     Composition("factored moments (Adafactor)", ("adafactor_unfused", "hf"), ("forge_adafactor_bf16", "hf")),
     Composition("low-rank projection (GaLore)", ("galore_adamw_rsvd", "hf"), ("forge_galore_bf16", "hf")),
 )
-NOT_BUILT = "not built"
 
 
-def _row(rows: list[dict[str, Any]], arm: tuple[str, str] | None) -> dict[str, Any] | None:
-    if arm is None:
-        return None
+def _row(rows: list[dict[str, Any]], arm: tuple[str, str]) -> dict[str, Any] | None:
     hits = [r for r in rows if r.get("method") == arm[0] and r.get("activations") == arm[1]]
     return max(hits, key=lambda r: as_text(r.get("finished_at")) or "") if hits else None
 
@@ -76,7 +73,7 @@ def composability_tables(frame: pd.DataFrame) -> list[Table]:
             better = min((p for p in (_peak(alone), _peak(forge)) if p is not None), default=None)
             below = None if better is None or _peak(composed) is None else better - _peak(composed)
             body.append([composition.label, _cell(base), _cell(alone), _cell(forge),
-                         _cell(composed) if composition.composed else NOT_BUILT,
+                         _cell(composed),
                          fmt_number(below)])
             recs.append({**keys, "technique": composition.label, "baseline_peak_gib": _peak(base),
                          "alone_peak_gib": _peak(alone), "forge_peak_gib": _peak(forge),
