@@ -20,12 +20,12 @@ The fingerprints are forge_core's (``forge_core.kernels.rekey_tune_cache_entries
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from forge_core import kernels
-from forge_core.kernels.tune_cache import FORMAT_VERSION, SHIPPED_DIR, portable_key, shipped_file_name
+from forge_core.kernels import tune_cache
+from forge_core.kernels.tune_cache import SHIPPED_DIR, portable_key, shipped_file_name
 
 
 class TuneCacheError(ValueError):
@@ -65,18 +65,15 @@ def rekey(source: Path, target: Path) -> tuple[int, int]:
     source's format version); returns (entries written, keys that changed)."""
     data, entries = read_cache(source)
     rekeyed, changed = _rekeyed(source, entries)
-    _write_json(target, {**data, "entries": rekeyed})
+    _write(target, rekeyed, {key: value for key, value in data.items() if key != "entries"})
     return len(rekeyed), int(changed)
 
 
-def _write_json(target: Path, data: dict[str, Any]) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+def _write(target: Path, entries: dict[str, Any], header: dict[str, Any] | None = None) -> None:
+    """forge_core's atomic tune-cache write, its OSError as one line naming the file."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, target)
+        tune_cache.write(target, entries, header)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise TuneCacheError(f"cannot write {target}: {exc}") from None
 
 
@@ -96,6 +93,6 @@ def ship(sources: list[Path], folder: Path = SHIPPED_DIR) -> dict[Path, tuple[in
     for target, added in by_file.items():
         current = read_cache(target)[1] if target.exists() else {}
         merged = {**current, **added}
-        _write_json(target, {"version": FORMAT_VERSION, "entries": merged})
+        _write(target, merged)
         written[target] = (len(added), len(merged))
     return written

@@ -26,7 +26,7 @@ import re
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 ENV = "FORGE_TUNE_CACHE"
 FORMAT_VERSION = 1
@@ -217,12 +217,14 @@ def store(path: Path, key: str, config: Any, note: dict[str, Any]) -> None:
                       RuntimeWarning, stacklevel=2)
 
 
-def write(path: Path, entries: dict[str, Any]) -> None:
-    """The whole file, atomically (a temporary file, then a rename); OSError when it cannot be written."""
+def write(path: Path, entries: dict[str, Any], header: Mapping[str, Any] | None = None) -> None:
+    """The whole file, atomically (a temporary file, then a rename); OSError when it cannot be written.
+    ``header``: other top-level fields to keep (a re-keyed file keeps its source's, version included)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"version": FORMAT_VERSION, "entries": entries}, indent=1, sort_keys=True))
+        body = {"version": FORMAT_VERSION, **(header or {}), "entries": entries}
+        tmp.write_text(json.dumps(body, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
