@@ -151,3 +151,38 @@ def test_a_distributed_row_takes_the_largest_ranks_peaks(plugin_env):
                              telemetry.cpu_nvml_columns(), "start", time.time())
     assert row["peak_allocated_gib"] == 6.0 and row["peak_process_gib"] == 6.25
     assert row["extra"]["peak_allocated_gib_per_rank"] == [5.0, 6.0]
+
+
+def _dist_row(method: str, peak: float, ms: float, spread: float = 0.01, **extra) -> dict:
+    """A measured distributed row with what the target table reads (one run, one device, one clock)."""
+    return {"run_id": "r1", "device_name": "NVIDIA H200", "torch_version": "2.11", "triton_version": "3.6",
+            "cuda_version": "13.0", "status": "ok", "method": method, "world_size": 2, "bucket_cap_mb": None,
+            "peak_allocated_gib": peak, "step_ms_median": ms, "step_ms_spread_max": spread,
+            "sm_clock_mhz_after": 1500.0, "n_params": 2 ** 30, **extra}
+
+
+@pytest.mark.parametrize("forge_ms, spread, fsdp_delta, dp_verdict, fsdp_verdict, speed_text", [
+    (95.0, 0.01, -0.5, "met", "met", "1.05×"),
+    (103.0, 0.08, 0.002, "met", "met (parity)", "~0.97×"),   # 3% slower inside both cells' noise; a 2 MiB peak gap
+    (120.0, 0.01, 0.5, "not met", "not met", "0.83×"),      # 20% slower, outside the noise; FSDP2 0.5 GiB above
+])
+def test_distributed_targets_read_noise_and_parity_as_the_report_does(forge_ms, spread, fsdp_delta, dp_verdict,
+                                                                         fsdp_verdict, speed_text):
+    from forge_bench.report.distributed import target_table
+    rows = [_dist_row("ddp_adamw_fused", 40.0, 100.0, spread, bucket_cap_mb=25.0),
+            _dist_row("forge_dp_bf16", 38.0, forge_ms, spread, bucket_cap_mb=25.0),   # saves the whole 2 GiB pool
+            _dist_row("fsdp2_adamw", 30.0, 100.0), _dist_row("forge_fsdp2_bf16", 30.0 + fsdp_delta, 100.0)]
+    keys = {"run_id": "r1", "device_name": "NVIDIA H200", "model": "m", "dtype": "bfloat16", "batch": 2, "seq": 16,
+            "timing": "eager", "activations": "hf"}
+    table = target_table(keys, rows, [2])
+    (line,) = table.rows
+    assert (line[6], line[8]) == (dp_verdict, fsdp_verdict)
+    assert (line[4], line[5]) == ("100%", speed_text)
+
+
+def test_the_first_page_counts_a_distributed_folder_and_points_to_its_section(tmp_path):
+    from forge_bench.report.summary import summary_markdown
+    dist = pd.DataFrame([_dist_row("forge_dp_bf16", 38.0, 100.0), _dist_row("ddp_adamw_fused", 40.0, 100.0)])
+    page = summary_markdown(dist.iloc[0:0], "`x`", "index.md", dist)
+    assert "2 rows (2 ok) from `x`: 1 run on H200" in page
+    assert "2 of them are distributed cells (world sizes 2)" in page and "index.md#across-gpus" in page

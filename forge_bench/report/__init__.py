@@ -250,7 +250,7 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
     index.write_text("\n".join(header + sections).rstrip() + "\n")
     written.append(index)
     first_page = out_dir / SUMMARY
-    first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS))
+    first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS, distributed_rows))
     written.append(first_page)
     folder.write_manifest(out_dir, written)
 

@@ -6,10 +6,12 @@ is a row of the table and each world size a block of columns. A second table rea
 
 * FORGE-DP (``forge_dp_bf16``) against DDP + fused AdamW (``ddp_adamw_fused``) at the same world size
   and bucket: the per-rank peak saved, as a share of the bf16 gradient pool (2 bytes per
-  parameter; target >= 90%), the step-time ratio (target: no loss of speed, >= 1.00x), and the
+  parameter; target >= 90%), the step-time ratio (target: no loss of speed: >= 1.00x, or a
+  difference inside the two cells' step-time noise, marked ~ as everywhere in the report), and the
   spread of FORGE-DP's peak over the world sizes (target: flat);
 * FORGE-FSDP2 (``forge_fsdp2_bf16``) against FSDP2 + AdamW (``fsdp2_adamw``): the per-rank peak
-  difference (target: parity or better, <= 0).
+  difference (target: parity or better, <= ``FSDP_PARITY_GIB``: the allocator's peaks of two
+  processes differ by a few MiB of small buffers when the sharded states are the same).
 
 Ratios are taken only within one run (``run_id``), as everywhere in the report.
 """
@@ -23,13 +25,15 @@ from matplotlib.figure import Figure
 
 from .data import fmt_memory, fmt_ms, fmt_number, group_title, memory_unit, one_per_key, records, run_label, slug
 from .figures import FORMATS, save
-from .ratios import as_number, as_text
+from .ratios import as_number, as_text, speedup
 from .render import Table
 
 DIST_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FORGE_DP, DDP = "forge_dp_bf16", "ddp_adamw_fused"
 FORGE_FSDP, FSDP = "forge_fsdp2_bf16", "fsdp2_adamw"
 POOL_SHARE_TARGET = 0.90
+FSDP_PARITY_GIB = 0.01
+"""FORGE-FSDP2's per-rank peak counts as at parity with FSDP2 + AdamW's within this many GiB."""
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 """Bytes per parameter of the gradient pool (one gradient in the weight dtype)."""
 ARM_ORDER = ("ddp_adamw_fused", "forge_dp_bf16", "forge_dp_int8", "fsdp2_adamw", "forge_fsdp2_bf16",
@@ -135,19 +139,23 @@ def target_table(keys: Mapping[str, Any], rows: list[dict[str, Any]], worlds: li
                 pool = DTYPE_BYTES.get(str(keys["dtype"]), 2) * float(ddp.get("n_params") or 0) / 2 ** 30
                 saved = float(ddp["peak_allocated_gib"]) - float(forge["peak_allocated_gib"])
                 share = saved / pool if pool else None
-                speed = (as_number(ddp.get("step_ms_median")) or 0.0) / (as_number(forge.get("step_ms_median")) or 1.0)
-                met = share is not None and share >= POOL_SHARE_TARGET and speed >= 1.0
+                speed = speedup(forge, ddp)
+                as_fast = speed.is_number and (speed.value >= 1.0 or speed.within_noise)
+                met = share is not None and share >= POOL_SHARE_TARGET and as_fast
+                verdict = "met" if met else ("n/a (time)" if not speed.is_number and share is not None
+                                             and share >= POOL_SHARE_TARGET else "not met")
                 line += [fmt_number(saved), fmt_number(pool), f"{share:.0%}" if share is not None else "—",
-                         f"{speed:.2f}x", "met" if met else "not met"]
-                record.update(dp_saved_gib=saved, bf16_pool_gib=pool, dp_pool_share=share, dp_speed_ratio=speed,
-                              dp_target_met=met)
+                         speed.text, verdict]
+                record.update(dp_saved_gib=saved, bf16_pool_gib=pool, dp_pool_share=share, dp_speed_ratio=speed.value,
+                              dp_speed_within_noise=speed.within_noise, dp_target_met=met if speed.is_number else None)
             else:
                 line += ["—"] * 5
             if fsdp_forge and fsdp and None not in (as_number(fsdp_forge.get("peak_allocated_gib")),
                                                      as_number(fsdp.get("peak_allocated_gib"))):
                 delta = float(fsdp_forge["peak_allocated_gib"]) - float(fsdp["peak_allocated_gib"])
-                line += [fmt_number(delta), "met" if delta <= 0.0 else "not met"]
-                record.update(fsdp_peak_delta_gib=delta, fsdp_target_met=delta <= 0.0)
+                verdict = "met" if delta < -FSDP_PARITY_GIB else ("met (parity)" if delta <= FSDP_PARITY_GIB else "not met")
+                line += [fmt_number(delta), verdict]
+                record.update(fsdp_peak_delta_gib=delta, fsdp_target_met=delta <= FSDP_PARITY_GIB)
             else:
                 line += ["—", "—"]
             body.append(line)
@@ -161,8 +169,9 @@ def target_table(keys: Mapping[str, Any], rows: list[dict[str, Any]], worlds: li
                      f"{max(dp_peaks):.2f} GiB (target: flat in N).")
     notes.append(f"Targets: FORGE-DP saves at least {POOL_SHARE_TARGET:.0%} of the gradient pool (one gradient "
                  "per parameter in the weight dtype: 2 bytes in bf16) per rank against DDP + fused AdamW, at no "
-                 "loss of speed (DDP ms / "
-                 "FORGE-DP ms >= 1.00); FORGE-FSDP2's per-rank peak at or below FSDP2 + AdamW's.")
+                 "loss of speed (DDP ms / FORGE-DP ms >= 1.00, or ~: a difference inside the two cells' "
+                 f"step-time noise); FORGE-FSDP2's per-rank peak at or below FSDP2 + AdamW's (parity: within "
+                 f"{FSDP_PARITY_GIB:g} GiB).")
     header = ["N", "DP bucket MB", "DP saved GiB", "gradient pool GiB", "saved / pool", "DDP / FORGE-DP time",
               "DP target", "FSDP2 Δpeak GiB", "FSDP2 target"]
     return Table(slug("distributed-targets", keys["device_name"], keys["model"], keys["dtype"], keys["batch"],

@@ -191,17 +191,28 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     return lines + [""] + _nothing_fused_lines([r for rows in per_shape.values() for r in rows])
 
 
-def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "index.md") -> str:
-    """The whole first page, as Markdown."""
-    ok = int((frame["status"] == "ok").sum())
+def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "index.md",
+                     distributed_rows: pd.DataFrame | None = None) -> str:
+    """The whole first page, as Markdown. ``frame``: the one-process rows the page's tables read;
+    ``distributed_rows`` (the distributed arms') are counted and pointed to (their section is in
+    ``details``)."""
+    every = frame if distributed_rows is None else pd.concat([frame, distributed_rows])
+    ok = int((every["status"] == "ok").sum())
+    runs = every["run_id"].nunique()
     devices = sorted({str(d) for d in frame["device_name"]}, key=lambda d: (device_label(d), d))
+    all_devices = sorted({str(d) for d in every["device_name"] if isinstance(d, str)}, key=lambda d: (device_label(d), d))
     lines = ["# FORGE benchmark summary", "",
-             f"{len(frame)} rows ({ok} ok) from {results_text}: {frame['run_id'].nunique()} runs on "
-             f"{', '.join(device_label(d) for d in devices)}. Memory in GiB (2^30 bytes), or in MiB (2^20 bytes) where "
+             f"{len(every)} rows ({ok} ok) from {results_text}: {runs} run{'' if runs == 1 else 's'} on "
+             f"{', '.join(device_label(d) for d in all_devices)}. Memory in GiB (2^30 bytes), or in MiB (2^20 bytes) where "
              f"a table's header says so; times in ms. "
              f"Ratios only between rows of one run on one device; {ratios.NOISE_MARK} = inside the step-time "
              f"noise, ≥ / ≤ = a bound (the two cells ran at SM clocks apart). Every run, table and figure, and the "
              f"rule for ratios: [{details}]({details}).", ""]
+    if distributed_rows is not None and len(distributed_rows):
+        worlds = sorted({int(n) for n in distributed_rows["world_size"].dropna()})
+        lines += [f"{len(distributed_rows)} of them are distributed cells (world sizes "
+                  f"{', '.join(str(n) for n in worlds)}): their tables and targets are the Across GPUs "
+                  f"section of [{details}]({details}#across-gpus).", ""]
     for device in devices:
         on_device = frame[frame["device_name"] == device]
         lines += [f"## {device_label(device)}" + (f" ({device})" if device_label(device) != device else ""), ""]
