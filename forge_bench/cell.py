@@ -37,6 +37,7 @@ import torch
 import typer
 
 from forge_bench import families
+from forge_bench import lanes
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
 from forge_bench import memory_model, results, telemetry
@@ -496,6 +497,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     machine_boot = telemetry.boot_id()
     if machine_boot is not None:
         extra["boot_id"] = machine_boot   # the report's time ratios need one host (ratios.py)
+    extra.update(lanes.lane_extra())      # GPUs and neighbours of a cell run beside others (--gpus)
     device = suite.spec.device
 
     reason = None

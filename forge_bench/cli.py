@@ -56,13 +56,14 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from forge_bench.lanes import LaneError
     from forge_bench.methods import PluginError
     from forge_bench.models import ModelError
     from forge_bench.results import ResultsError
     from forge_bench.runner import RunnerError
     from forge_bench.suite import SuiteError
 
-    return SuiteError, RunnerError, PluginError, ResultsError, ModelError
+    return SuiteError, RunnerError, PluginError, ResultsError, ModelError, LaneError
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
@@ -112,8 +113,10 @@ def sweep(
     stop_after: Annotated[Optional[float], typer.Option("--stop-after", help="seconds: start no new cell after this long (a time-boxed GPU); finish later with --resume", min=0.0)] = None,
     tune_cache: Annotated[Optional[str], typer.Option("--tune-cache", help="file where the cells share the fused kernel's tile choices (default: OUT/tune_cache.json, or an exported FORGE_TUNE_CACHE); 'off': every cell tunes on its own")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads of each CPU cell (default: the suite's cpu_threads, 1); recorded in each row's torch_threads")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="run cells side by side on these GPUs, e.g. 0,1,2,3: each cell (its own process) gets world-size of them as CUDA_VISIBLE_DEVICES, in the suite's order; rows record extra.gpus and extra.cells_beside (default: one cell at a time)")] = None,
 ) -> None:
     """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
+    from forge_bench import lanes
     from forge_bench import results as results_mod
     from forge_bench import runner
     from forge_bench.suite import load_suite
@@ -123,7 +126,10 @@ def sweep(
                     f"(write --resume, not --resume {suite})")
     resume = resume or retry_failed
     try:
+        gpu_list = lanes.parse_gpus(gpus) if gpus is not None else None
         loaded = load_suite(suite)
+        if gpu_list and loaded.spec.device_type != "cuda":
+            raise _fail(f"--gpus runs CUDA cells side by side; suite {loaded.path} runs on {loaded.spec.device}")
         cells = loaded.select(only)
         if not cells:
             raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "
@@ -172,7 +178,8 @@ def sweep(
                                                 on_start=on_start, on_done=on_done, tick=progress.refresh,
                                                 plan=plan, stop_after_s=stop_after,
                                                 tune_cache=runner.default_tune_cache(out_dir, tune_cache),
-                                                retry_failed=retry_failed, threads=threads, on_set_aside=on_set_aside)
+                                                retry_failed=retry_failed, threads=threads, on_set_aside=on_set_aside,
+                                                gpus=gpu_list)
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")

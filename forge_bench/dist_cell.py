@@ -38,6 +38,7 @@ import torch.distributed as dist
 import typer
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from forge_bench import lanes
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
 from forge_bench import results, telemetry
@@ -188,6 +189,7 @@ def cell_row(suite: Suite, cell: Cell, method: methods_mod.Method, run_id: str, 
         "memory_breakdown_bytes_per_rank": [g["breakdown"] for g in gathered],
         "host_return_ms_median": statistics.median(first["host_ms"]),
         "tokens_per_step": tokens,
+        **lanes.lane_extra(),
     }
     return row
 

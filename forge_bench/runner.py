@@ -28,13 +28,15 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from forge_bench import methods as methods_mod
-from forge_bench import results
+from forge_bench import lanes, results
 from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, base_row, run_cell
 from forge_bench.dist_cell import launch_command, oom_markers
 from forge_bench.suite import Cell, Suite
@@ -163,11 +165,15 @@ TUNE_CACHE_ENV = "FORGE_TUNE_CACHE"      # forge_core.kernels.tune_cache.ENV, sp
                                          # sweep process never imports Triton (a test pins the two equal)
 
 
-def _child_env(cell: Cell | None = None, tune_cache: str | None = None) -> dict[str, str]:
+def _child_env(cell: Cell | None = None, tune_cache: str | None = None,
+               lane: Mapping[str, str] | None = None) -> dict[str, str]:
     """The cell process must import this very source tree (no install needed on a GPU box). Graph
     cells get ``GRAPH_CELL_ALLOC_CONF`` unless the user set PYTORCH_CUDA_ALLOC_CONF themselves.
-    ``tune_cache``: the FORGE_TUNE_CACHE the cell gets ("" turns it off; None: as inherited)."""
+    ``tune_cache``: the FORGE_TUNE_CACHE the cell gets ("" turns it off; None: as inherited).
+    ``lane``: the GPUs of a cell run beside others (``lanes.child_env``)."""
     env = dict(os.environ)
+    env.pop(lanes.CELLS_BESIDE, None)
+    env.update(lane or {})
     if tune_cache is not None:
         env[TUNE_CACHE_ENV] = tune_cache
     paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -200,9 +206,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, timeout_s: float,
                tick: Callable[[], None] | None = None, tune_cache: str | None = None,
-               threads: int | None = None) -> tuple[int | None, Path]:
+               threads: int | None = None, lane: Mapping[str, str] | None = None) -> tuple[int | None, Path]:
     """Run the cell process; returns (exit code or None when killed at the timeout, stderr file).
-    ``threads``: the CPU cell's torch threads (None: the suite's ``cpu_threads``)."""
+    ``threads``: the CPU cell's torch threads (None: the suite's ``cpu_threads``); ``lane``: its GPUs
+    when it runs beside other cells. ``tick`` may raise to stop the cell (its process group dies)."""
     log_dir = out_dir / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path = log_dir / f"{cell.cell_id}.attempt{attempt}.out"
@@ -215,7 +222,7 @@ def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: in
         if threads is not None:
             cmd += ["--threads", str(threads)]
     with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell, tune_cache),
+        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell, tune_cache, lane),
                                 cwd=os.getcwd(), start_new_session=True)
         deadline = time.monotonic() + timeout_s
         try:
@@ -248,7 +255,8 @@ def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str
 
 
 def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
-            tune_cache: str | None = None, threads: int | None = None) -> dict[str, Any]:
+            tune_cache: str | None = None, threads: int | None = None,
+            lane: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
     method = methods_mod.METHODS.get(cell.method)
     if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph, cell.world_size) is not None:
@@ -256,7 +264,7 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick, tune_cache, threads)
+        rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick, tune_cache, threads, lane)
         if rc is None:
             row = _runner_row(suite, cell, run_id, attempt, "timeout",
                               f"killed after the per-cell timeout of {cell.timeout_s:g} s",
@@ -292,20 +300,25 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               plan: tuple[str, dict[str, Any] | None, set[str]] | None = None,
               stop_after_s: float | None = None, tune_cache: str | None = None,
               retry_failed: bool = False, threads: int | None = None,
-              on_set_aside: Callable[[Path, Path, str], None] | None = None) -> tuple[str, list[CellOutcome]]:
+              on_set_aside: Callable[[Path, Path, str], None] | None = None,
+              gpus: list[str] | None = None) -> tuple[str, list[CellOutcome]]:
     """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
 
     ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
     the one used); otherwise it is asked here. ``stop_after_s``: start no new cell once this many
     seconds have passed (a time-boxed machine); the cells left have no row, and ``--resume`` runs
-    them later under the same run id. Outcomes are returned for the cells that ran or were done.
+    them later under the same run id. Outcomes are returned, in the cells' order, for the cells that
+    ran or were done.
     ``tune_cache``: the cells' FORGE_TUNE_CACHE (``default_tune_cache``); None leaves it as inherited.
     ``retry_failed``: as ``plan_run``'s; a cell run again loses its old row first, so that the row
     read after its process is the new one. ``threads``: the CPU cells' torch threads (None: the
     suite's). Every row file that does not read is moved aside first (``results.set_aside``) and
     reported to ``on_set_aside(file, moved_to, why)``: its cell is not done and runs again.
+    ``gpus``: run cells side by side on these GPUs (``forge_bench.lanes``); None: one at a time.
     """
     out_dir = Path(out_dir)
+    if gpus and suite.spec.device_type != "cuda":
+        raise RunnerError(f"--gpus runs CUDA cells side by side; suite {suite.name!r} runs on {suite.spec.device}")
     run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed,
                                               retry_failed=retry_failed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -315,25 +328,72 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
         moved = results.set_aside(path)
         if on_set_aside:
             on_set_aside(path, moved, why)
-    outcomes: list[CellOutcome] = []
+    outcomes: dict[int, CellOutcome] = {}
+    report_lock = threading.Lock()          # on_done and tick are called from the lanes' threads
+
+    def finish(index: int, outcome: CellOutcome) -> None:
+        with report_lock:
+            outcomes[index] = outcome
+            if on_done:
+                on_done(outcome)
+
+    pool = lanes.GpuPool(gpus) if gpus else None
+    stop = threading.Event()
+
+    def lane_tick() -> None:
+        if stop.is_set():
+            raise RuntimeError("the sweep stopped")       # spawn_cell kills the cell's process group
+        if tick:
+            with report_lock:
+                tick()
+
+    def run_in_lane(index: int, cell: Cell, taken: list[str], beside: int) -> None:
+        try:
+            row = run_one(suite, cell, out_dir, run_id, lane_tick, tune_cache, threads, lanes.child_env(taken, beside))
+            finish(index, CellOutcome(cell, row.get("status", "?"), row))
+        finally:
+            pool.give_back(taken)
+
     started = time.monotonic()
-    for index, cell in enumerate(cells):
-        if (stop_after_s is not None and cell.cell_id not in done
-                and time.monotonic() - started >= stop_after_s):
-            break
-        if cell.cell_id in done:
-            kept = _load_row(out_dir, cell.cell_id) or {}
-            outcome = CellOutcome(cell, kept.get("status", "?"), kept, skipped=True)
-        else:
+
+    def over_time() -> bool:
+        return stop_after_s is not None and time.monotonic() - started >= stop_after_s
+
+    futures = []
+    executor = ThreadPoolExecutor(max_workers=len(gpus)) if pool else None
+    try:
+        for index, cell in enumerate(cells):
+            if cell.cell_id in done:
+                kept = _load_row(out_dir, cell.cell_id) or {}
+                finish(index, CellOutcome(cell, kept.get("status", "?"), kept, skipped=True))
+                continue
+            if over_time():
+                break
+            if pool is None:
+                if on_start:
+                    on_start(cell, index, len(cells))
+                results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
+                row = run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads)
+                finish(index, CellOutcome(cell, row.get("status", "?"), row))
+                continue
+            taken, beside = pool.take(pool.share_of(cell.world_size))
+            if over_time():
+                pool.give_back(taken)
+                break
             if on_start:
-                on_start(cell, index, len(cells))
-            results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
-            row = run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads)
-            outcome = CellOutcome(cell, row.get("status", "?"), row)
-        outcomes.append(outcome)
-        if on_done:
-            on_done(outcome)
-    return run_id, outcomes
+                with report_lock:
+                    on_start(cell, index, len(cells))
+            results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)
+            futures.append(executor.submit(run_in_lane, index, cell, taken, beside))
+    except BaseException:
+        stop.set()          # Ctrl-C or an error: the running cells are killed, nothing keeps running
+        raise
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=True)
+    for future in futures:
+        future.result()     # a lane's unexpected error surfaces here, after every cell has ended
+    return run_id, [outcomes[i] for i in sorted(outcomes)]
 
 
 def default_tune_cache(out_dir: Path, option: str | None) -> str:

@@ -115,13 +115,29 @@ def boot_id(path: Path = BOOT_ID_FILE) -> str | None:
     return text or None
 
 
+def nvml_handle(pynvml: Any, cuda_index: int) -> Any:
+    """The NVML handle of CUDA device ``cuda_index`` of this process. NVML numbers every GPU of the
+    host and ignores CUDA_VISIBLE_DEVICES, so a cell given GPU 2 (``forge-bench sweep --gpus``, or
+    any launcher that sets it) would otherwise read GPU 0's clocks, power and energy. An entry of
+    CUDA_VISIBLE_DEVICES is a host index (in PCI bus order, which the sweep sets with
+    CUDA_DEVICE_ORDER) or a GPU UUID."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in visible.split(",") if e.strip()] if visible else []
+    if not entries or cuda_index >= len(entries):
+        return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    entry = entries[cuda_index]
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)
+
+
 def _nvml_device_name(index: int) -> str | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+            name = pynvml.nvmlDeviceGetName(nvml_handle(pynvml, index))
         finally:
             pynvml.nvmlShutdown()
         return name.decode() if isinstance(name, bytes) else str(name)
@@ -132,8 +148,7 @@ def _nvml_device_name(index: int) -> str | None:
 def device_info(device: str) -> dict[str, Any]:
     """Name and count of the devices. The name comes from NVML first: the sweep process writes rows
     too (timeouts, crashes) and must not create a CUDA context, which would hold GPU memory that
-    the cell processes then miss. (Assumes CUDA_VISIBLE_DEVICES is unset or maps index 0 to the
-    first GPU NVML lists, as on a one-GPU machine.)"""
+    the cell processes then miss (``nvml_handle`` follows CUDA_VISIBLE_DEVICES)."""
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -189,7 +204,7 @@ def nvml_snapshot(device_index: int = 0) -> dict[str, Any]:
         return out
     problems = []
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        handle = nvml_handle(pynvml, device_index)
         probes = {
             "sm_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
             "mem_clock_mhz": lambda: float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)),
@@ -266,7 +281,7 @@ class EnergyCounter:
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        self._handle = nvml_handle(pynvml, device_index)
         self.read_j()                # fails here, not inside a measurement, where the board has no counter
 
     def read_j(self) -> float:

@@ -1,0 +1,171 @@
+"""``forge-bench sweep --gpus``: cells side by side on disjoint GPUs, in the suite's order, each
+recording its lane; bad values and CPU suites refused in one line; a stopped sweep stops its lanes.
+
+The scheduling tests replace ``runner.run_one`` (which would start a CUDA cell process) with a
+recorder: the CPU machine has no GPU, and what is pinned here is which GPUs each cell is given
+and when, not the cell itself (tests/test_runner.py runs real cell processes)."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from forge_bench import lanes, runner
+from forge_bench.cli import app
+from forge_bench.suite import load_suite
+
+CUDA_SUITE = """
+device: cuda
+dtype: bfloat16
+warmup_steps: 1
+timed_steps: 2
+repeats: 1
+parity: {enabled: false}
+grids:
+  - {name: one, models: [tiny-llama], batch: [1], seq: [8], methods: [sgd, adamw_fused, no_optimizer, adamw_foreach]}
+  - {name: two, models: [tiny-llama], batch: [2], seq: [8], methods: [forge_dp_bf16], world_size: [2]}
+  - {name: last, models: [tiny-llama], batch: [1], seq: [16], methods: [sgd]}
+"""
+
+
+def cuda_suite(tmp_path: Path):
+    path = tmp_path / "lanes.yaml"
+    path.write_text(CUDA_SUITE)
+    return load_suite(path)
+
+
+class Recorder:
+    """Stands in for run_one: notes each cell's lane and its start / end, holds the cell a while."""
+
+    def __init__(self, hold_s: float = 0.3):
+        self.hold_s = hold_s
+        self.calls: list[dict] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, suite, cell, out_dir, run_id, tick=None, tune_cache=None, threads=None, lane=None):
+        record = {"cell": cell.cell_id, "world": cell.world_size, "lane": dict(lane or {}), "start": time.monotonic()}
+        with self.lock:
+            self.calls.append(record)
+        end = time.monotonic() + self.hold_s
+        while time.monotonic() < end:
+            if tick:
+                tick()
+            time.sleep(0.02)
+        record["end"] = time.monotonic()
+        return {"status": "ok", "cell_id": cell.cell_id}
+
+
+def test_cells_run_side_by_side_on_disjoint_gpus_in_the_suites_order(tmp_path, monkeypatch):
+    suite = cuda_suite(tmp_path)
+    recorder = Recorder()
+    monkeypatch.setattr(runner, "run_one", recorder)
+    run_id, outcomes = runner.run_sweep(suite, suite.cells, tmp_path / "out", gpus=["0", "1", "2"])
+
+    assert [o.cell.cell_id for o in outcomes] == [c.cell_id for c in suite.cells], "outcomes in the suite's order"
+    assert sorted(c["cell"] for c in recorder.calls) == sorted(c.cell_id for c in suite.cells), "each cell once"
+    order = [c.cell_id for c in suite.cells]
+    starts = sorted(recorder.calls, key=lambda c: c["start"])
+    assert [c["cell"] for c in starts] == order, "no cell starts before one listed earlier"
+    for call in recorder.calls:
+        gpus = call["lane"][lanes.VISIBLE].split(",")
+        assert len(gpus) == call["world"] and set(gpus) <= {"0", "1", "2"}
+        assert int(call["lane"][lanes.CELLS_BESIDE]) <= 2
+    for a in recorder.calls:          # cells that overlapped in time never shared a GPU
+        for b in recorder.calls:
+            if a is not b and a["start"] < b["end"] and b["start"] < a["end"]:
+                assert not set(a["lane"][lanes.VISIBLE].split(",")) & set(b["lane"][lanes.VISIBLE].split(","))
+    first_three = starts[:3]
+    assert max(c["start"] for c in first_three) < min(c["end"] for c in first_three), "three one-GPU cells at once"
+    assert (tmp_path / "out" / runner.MANIFEST).is_file() and run_id
+
+
+def test_a_cell_wider_than_the_pool_gets_every_gpu(tmp_path, monkeypatch):
+    suite = cuda_suite(tmp_path)
+    recorder = Recorder(hold_s=0.05)
+    monkeypatch.setattr(runner, "run_one", recorder)
+    wide = [c for c in suite.cells if c.world_size == 2]
+    runner.run_sweep(suite, wide, tmp_path / "out", gpus=["5"])
+    (call,) = recorder.calls
+    assert call["lane"] == {lanes.VISIBLE: "5", lanes.ORDER: "PCI_BUS_ID", lanes.CELLS_BESIDE: "0"}
+
+
+def test_stop_after_starts_no_cell_once_the_time_is_up(tmp_path, monkeypatch):
+    suite = cuda_suite(tmp_path)
+    recorder = Recorder(hold_s=0.4)
+    monkeypatch.setattr(runner, "run_one", recorder)
+    _, outcomes = runner.run_sweep(suite, suite.cells, tmp_path / "out", gpus=["0", "1"], stop_after_s=0.2)
+    assert len(outcomes) == len(recorder.calls) == 2, "the two cells started at once finish; no later one starts"
+
+
+def test_a_stopped_sweep_stops_the_cells_beside(tmp_path, monkeypatch):
+    suite = cuda_suite(tmp_path)
+    recorder = Recorder(hold_s=30.0)
+    monkeypatch.setattr(runner, "run_one", recorder)
+
+    def on_start(cell, index, total):
+        if index == 2:
+            raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_sweep(suite, suite.cells, tmp_path / "out", gpus=["0", "1", "2"], on_start=on_start)
+    assert time.monotonic() - t0 < 10.0, "the running cells were stopped, not waited for"
+    assert len(recorder.calls) == 2 and all("end" not in c for c in recorder.calls)
+
+
+def test_a_cell_records_its_lane_and_a_lone_cell_records_none(monkeypatch):
+    monkeypatch.delenv(lanes.CELLS_BESIDE, raising=False)
+    assert lanes.lane_extra() == {}
+    monkeypatch.setenv(lanes.VISIBLE, "2,3")
+    monkeypatch.setenv(lanes.CELLS_BESIDE, "1")
+    assert lanes.lane_extra() == {"gpus": "2,3", "cells_beside": 1}
+    env = runner._child_env(None, None, None)
+    assert lanes.CELLS_BESIDE not in env, "a cell run alone does not inherit a lane mark"
+    env = runner._child_env(None, None, lanes.child_env(["1"], 0))
+    assert (env[lanes.VISIBLE], env[lanes.CELLS_BESIDE]) == ("1", "0")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("", "name at least one GPU"),
+    ("0,1,0", "GPU 0 named more than once"),
+])
+def test_bad_gpu_lists_are_refused_in_one_line(value, message):
+    with pytest.raises(lanes.LaneError, match=message):
+        lanes.parse_gpus(value)
+
+
+def test_the_cli_refuses_gpus_for_a_cpu_suite_and_a_repeated_gpu(tmp_path):
+    cli = CliRunner()
+    result = cli.invoke(app, ["sweep", "--out", str(tmp_path / "out"), "--gpus", "0,1"])
+    assert result.exit_code != 0 and "--gpus runs CUDA cells side by side" in result.output
+    suite = tmp_path / "lanes.yaml"
+    suite.write_text(CUDA_SUITE)
+    result = cli.invoke(app, ["sweep", str(suite), "--out", str(tmp_path / "out"), "--gpus", "1,1"])
+    assert result.exit_code != 0 and "GPU 1 named more than once" in result.output
+    assert not (tmp_path / "out").exists(), "a refused sweep writes nothing"
+
+
+class FakeNvml:
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return ("index", index)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("uuid", uuid)
+
+
+@pytest.mark.parametrize("visible, cuda_index, handle", [
+    (None, 1, ("index", 1)),                       # every GPU visible: CUDA's index is the host's
+    ("2,3", 0, ("index", 2)),                      # a lane on GPUs 2 and 3: rank 0 reads GPU 2, not GPU 0
+    ("2,3", 1, ("index", 3)),
+    ("GPU-7f1c", 0, ("uuid", "GPU-7f1c")),
+])
+def test_telemetry_reads_the_gpu_the_cell_runs_on(monkeypatch, visible, cuda_index, handle):
+    from forge_bench import telemetry
+    if visible is None:
+        monkeypatch.delenv(lanes.VISIBLE, raising=False)
+    else:
+        monkeypatch.setenv(lanes.VISIBLE, visible)
+    assert telemetry.nvml_handle(FakeNvml(), cuda_index) == handle
