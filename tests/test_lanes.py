@@ -169,3 +169,23 @@ def test_telemetry_reads_the_gpu_the_cell_runs_on(monkeypatch, visible, cuda_ind
     else:
         monkeypatch.setenv(lanes.VISIBLE, visible)
     assert telemetry.nvml_handle(FakeNvml(), cuda_index) == handle
+
+
+def test_real_cell_processes_beside_each_other_write_their_rows_with_their_lane(tmp_path, monkeypatch):
+    """End to end with cell processes: the sweep's own availability check is skipped so that each
+    CUDA cell really starts; on this GPU-less machine each process then writes its `unavailable`
+    row itself, with the lane it was given."""
+    import json
+
+    from forge_bench import methods, results
+    path = tmp_path / "one_gpu.yaml"
+    path.write_text(CUDA_SUITE.split("  - {name: two")[0])
+    suite = load_suite(path)
+    monkeypatch.setattr(methods.Method, "unavailable_reason", lambda self, *args, **kwargs: None)
+    _, outcomes = runner.run_sweep(suite, suite.cells, tmp_path / "out", gpus=["0", "1"])
+    frame = results.load_results(tmp_path / "out")
+    assert len(frame) == len(suite.cells) == len(outcomes) == 4
+    assert set(frame["status"]) == {"unavailable"}
+    assert frame["reason"].str.contains("no CUDA device is visible").all()
+    lanes_seen = [json.loads(e) for e in frame["extra"]]
+    assert {e["gpus"] for e in lanes_seen} <= {"0", "1"} and all(e["cells_beside"] in (0, 1) for e in lanes_seen)
