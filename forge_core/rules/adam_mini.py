@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .checks import adam_hyperparameters
 from .rule_optimizer import reference_rule
 from .scalars import square_root, step_value
 
@@ -39,17 +40,8 @@ HEAD_PARTITIONED = ("q_proj", "k_proj", "wq", "wk", "query", "key")
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, Optional[int]]:
     full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
-    lr, (beta1, beta2), eps, weight_decay = (float(full["lr"]), tuple(float(b) for b in full["betas"]),
-                                             float(full["eps"]), float(full["weight_decay"]))
+    lr, beta1, beta2, eps, weight_decay = adam_hyperparameters("adam_mini", full)
     head_dim = None if full["head_dim"] is None else int(full["head_dim"])
-    if not lr >= 0.0:
-        raise ValueError(f"adam_mini: lr must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"adam_mini: betas must lie in [0, 1), got {(beta1, beta2)}")
-    if not eps >= 0.0:
-        raise ValueError(f"adam_mini: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"adam_mini: weight_decay must be >= 0, got {weight_decay}")
     if head_dim is not None and head_dim < 1:
         raise ValueError(f"adam_mini: head_dim must be a positive integer or None, got {full['head_dim']}")
     return lr, beta1, beta2, eps, weight_decay, head_dim
