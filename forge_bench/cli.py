@@ -128,8 +128,7 @@ def sweep(
     try:
         gpu_list = lanes.parse_gpus(gpus) if gpus is not None else None
         loaded = load_suite(suite)
-        if gpu_list and loaded.spec.device_type != "cuda":
-            raise _fail(f"--gpus runs CUDA cells side by side; suite {loaded.path} runs on {loaded.spec.device}")
+        runner.check_gpus(loaded, gpu_list)
         cells = loaded.select(only)
         if not cells:
             raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "

@@ -53,13 +53,11 @@ class GpuPool:
         than the pool has (its own availability check then says what it lacks)."""
         return max(1, min(int(world_size or 1), len(self.gpus)))
 
-    def take(self, count: int, stop: threading.Event | None = None) -> tuple[list[str], int] | None:
-        """``count`` free GPUs (lowest first) and how many cells were running before this one;
-        None when ``stop`` was set while waiting."""
+    def take(self, count: int) -> tuple[list[str], int]:
+        """``count`` free GPUs (lowest first) and how many cells were running before this one. The
+        wait wakes twice a second, so that Ctrl-C reaches the sweep's thread while it waits."""
         with self._changed:
             while len(self._free) < count:
-                if stop is not None and stop.is_set():
-                    return None
                 self._changed.wait(timeout=0.5)
             taken = [g for g in self.gpus if g in self._free][:count]
             for gpu in taken:
@@ -73,11 +71,6 @@ class GpuPool:
             self._free.extend(gpus)
             self._running -= 1
             self._changed.notify_all()
-
-    def wait_idle(self) -> None:
-        with self._changed:
-            while self._running:
-                self._changed.wait(timeout=0.5)
 
 
 def child_env(gpus: list[str], beside: int) -> dict[str, str]:

@@ -292,6 +292,12 @@ def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable
     raise AssertionError("unreachable")
 
 
+def check_gpus(suite: Suite, gpus: list[str] | None) -> None:
+    """``--gpus`` places CUDA cells; a CPU suite has nothing to place (``RunnerError``, one line)."""
+    if gpus and suite.spec.device_type != "cuda":
+        raise RunnerError(f"--gpus runs CUDA cells side by side; suite {suite.name!r} runs on {suite.spec.device}")
+
+
 def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: bool = False,
               allow_mixed: bool = False,
               on_start: Callable[[Cell, int, int], None] | None = None,
@@ -317,8 +323,7 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
     ``gpus``: run cells side by side on these GPUs (``forge_bench.lanes``); None: one at a time.
     """
     out_dir = Path(out_dir)
-    if gpus and suite.spec.device_type != "cuda":
-        raise RunnerError(f"--gpus runs CUDA cells side by side; suite {suite.name!r} runs on {suite.spec.device}")
+    check_gpus(suite, gpus)
     run_id, manifest, done = plan or plan_run(out_dir, suite, resume=resume, allow_mixed=allow_mixed,
                                               retry_failed=retry_failed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -347,10 +352,13 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
             with report_lock:
                 tick()
 
+    def run_and_finish(index: int, cell: Cell, lane: Mapping[str, str] | None) -> None:
+        row = run_one(suite, cell, out_dir, run_id, lane_tick, tune_cache, threads, lane)
+        finish(index, CellOutcome(cell, row.get("status", "?"), row))
+
     def run_in_lane(index: int, cell: Cell, taken: list[str], beside: int) -> None:
         try:
-            row = run_one(suite, cell, out_dir, run_id, lane_tick, tune_cache, threads, lanes.child_env(taken, beside))
-            finish(index, CellOutcome(cell, row.get("status", "?"), row))
+            run_and_finish(index, cell, lanes.child_env(taken, beside))
         finally:
             pool.give_back(taken)
 
@@ -369,22 +377,19 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
                 continue
             if over_time():
                 break
-            if pool is None:
-                if on_start:
-                    on_start(cell, index, len(cells))
-                results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
-                row = run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads)
-                finish(index, CellOutcome(cell, row.get("status", "?"), row))
-                continue
-            taken, beside = pool.take(pool.share_of(cell.world_size))
-            if over_time():
-                pool.give_back(taken)
-                break
+            if pool is not None:
+                taken, beside = pool.take(pool.share_of(cell.world_size))
+                if over_time():
+                    pool.give_back(taken)
+                    break
             if on_start:
                 with report_lock:
                     on_start(cell, index, len(cells))
-            results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)
-            futures.append(executor.submit(run_in_lane, index, cell, taken, beside))
+            results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
+            if pool is None:
+                run_and_finish(index, cell, None)
+            else:
+                futures.append(executor.submit(run_in_lane, index, cell, taken, beside))
     except BaseException:
         stop.set()          # Ctrl-C or an error: the running cells are killed, nothing keeps running
         raise
