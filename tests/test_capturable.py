@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import forge_core
 from forge_core.kernels import NUM_SCALARS, fused_wgrad_update
@@ -99,6 +100,32 @@ def test_device_scalars_equal_the_host_scalars_in_fp32(rule_name: str, step: int
     assert torch.equal(device, host), (device, host)
 
 
+class _HostReads(TorchDispatchMode):
+    """Records every op that copies a device value to the host (``item()``, ``tolist()``, a tensor
+    used as a Python index): inside a CUDA graph capture each one fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rule_name", CAPTURABLE_RULES)
+def test_device_scalars_never_read_the_step_on_the_host(rule_name: str) -> None:
+    """What a captured step recomputes at every replay must stay on the device (NAdam's mu_product
+    table was once indexed by the step tensor, an item() that broke its graph capture)."""
+    rule = get_rule(rule_name)
+    hp = rule.resolve_hp(HYPERPARAMETERS.get(rule_name, {}))
+    rule.kernel_scalars_on_device(hp, torch.tensor(3.0, dtype=torch.float64))   # builds any table outside
+    with _HostReads() as mode:
+        rule.kernel_scalars_on_device(hp, torch.tensor(4.0, dtype=torch.float64))
+    assert mode.reads == []
+
+
 @pytest.mark.parametrize("rule_name", CAPTURABLE_RULES)
 def test_capturable_training_is_bit_identical_to_the_default_path(rule_name: str) -> None:
     """Same kernels, same fp32 scalars (from the device buffer instead of launch arguments), an LR
@@ -176,12 +203,13 @@ def test_device_scalars_argument_is_checked() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_a_captured_training_step_replays_like_eager_steps() -> None:
+@pytest.mark.parametrize("rule_name", CAPTURABLE_RULES)
+def test_a_captured_training_step_replays_like_eager_steps(rule_name: str) -> None:
     """forward + backward (fused updates) + opt.step() captured once, replayed 4 times, equals 4
     eager capturable steps bit for bit (step count and bias corrections advance on the device)."""
     eager, graphed = _mlp(), _mlp()
-    eager_opt = _fuse(eager, capturable=True, **HYPERPARAMETERS["adamw"])
-    graph_opt = _fuse(graphed, capturable=True, **HYPERPARAMETERS["adamw"])
+    eager_opt = _fuse(eager, optimizer=rule_name, capturable=True, **HYPERPARAMETERS.get(rule_name, {}))
+    graph_opt = _fuse(graphed, optimizer=rule_name, capturable=True, **HYPERPARAMETERS.get(rule_name, {}))
     batches = _batches(7)
     for batch in batches[:3]:                    # warm-up: tuning, compilation, fallback state
         _train_step(eager, eager_opt, batch)

@@ -139,7 +139,9 @@ def kernel_scalars_on_device(hp: Mapping[str, Any], step: torch.Tensor) -> tuple
     device table (``device_mu_products``), the rest by torch ops on the step."""
     lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled = _checked(hp)
     table = device_mu_products(beta1, momentum_decay, step.device)
-    product = table[step.clamp(max=table.numel() - 1).long()]
+    # gather, not ``table[index]``: indexing with a 0-d tensor reads the index on the host (an
+    # item(), which a CUDA graph capture refuses)
+    product = table.gather(0, step.clamp(max=table.numel() - 1).long().reshape(1)).reshape(())
     mu_now = beta1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
     mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (step + 1.0) * momentum_decay))
     return _scalars(lr, beta1, beta2, eps, weight_decay, decoupled, mu_now, mu_next, product,
