@@ -789,7 +789,7 @@ def test_memory_reads_in_mib_where_gib_would_round_to_zero(built):
         assert all("GiB" in list(lines[0])[1] for lines in tables.values())
 
 
-def _rows_of_models(tmp_path: Path, models: dict[str, int]) -> Path:
+def _rows_of_models(tmp_path: Path, models: dict[str, int], activations: str = "hf") -> Path:
     """A results folder with one ok adamw_foreach and one forge_bf16 row per model (one run, one shape)."""
     folder = tmp_path / "rows"
     for model, n_params in models.items():
@@ -800,8 +800,22 @@ def _rows_of_models(tmp_path: Path, models: dict[str, int]) -> Path:
                 "dtype": "float32", "device_name": "CPU X", "device_type": "cpu", "n_params": n_params,
                 "n_fused_params": (0 if model == "tiny-gpt2" else n_params // 2) if family == "forge" else 0,
                 "step_ms_median": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "mem_weights_gib": n_params * 4 / 2**30,
-                "timing_method": "wall_clock", "finished_at": "2026-01-01T00:00:00+00:00"})
+                "timing_method": "wall_clock", "activations": activations,
+                "finished_at": "2026-01-01T00:00:00+00:00"})
     return folder
+
+
+def test_a_headline_measured_only_with_checkpointing_has_its_column(tmp_path):
+    """A folder whose largest model ran only with activation checkpointing (a capability cell) gets a
+    headline column for it, not an empty table."""
+    out = tmp_path / "out"
+    build_report(_rows_of_models(tmp_path, {"llama-3.2-1b": 1235814400}, activations="checkpointed"), out,
+                 formats=("png",))
+    tables = parse_markdown_tables((out / "README.md").read_text())
+    [headline] = [t for t in tables if t.startswith("Headline")]
+    [column] = list(tables[headline][0])[1:]
+    assert column.startswith("eager, activation checkpointing (run ")
+    assert [line[column].split(" (")[1] for line in tables[headline]] == ["baseline)", "~1.00×)"]
 
 
 def test_model_scaling_compares_sizes_within_one_family_only(tmp_path):

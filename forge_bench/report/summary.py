@@ -73,7 +73,8 @@ def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[st
     rows = frame[(frame["model"] == model) & (frame["batch"] == batch) & (frame["seq"] == seq)
                  & frame["method_family"].isin(CORE_FAMILIES)]
     columns: list[tuple[str, list[dict[str, Any]], str | None]] = []
-    for timing, activations in VARIANT_ORDER:
+    present = sorted(set(zip(rows["timing"], rows["activations"])), key=str)
+    for timing, activations in VARIANT_ORDER + [v for v in present if v not in VARIANT_ORDER]:
         variant = rows[(rows["timing"] == timing) & (rows["activations"] == activations)]
         if variant.empty:
             continue
