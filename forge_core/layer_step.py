@@ -11,6 +11,10 @@ layer's backward, after the weight-gradient GEMM, instead of in the fused kernel
   the next layer. The gradient residency is one layer's G (the rules compute their elementwise
   temporaries into G, in row blocks where they need one: ``rules.scalars.row_blocks``), never the
   model's gradient pool; ``track_gradient_residency`` measures it.
+* The largest such weight (an LM head: 4x the size of any other Llama-3.1-8B weight) is stepped at
+  the end of the backward instead (``LayerPath.defers``), from the ``X`` and ``dY`` it keeps: its G
+  then exists after the activations are freed, not beside them at the start of the backward, where
+  the step's peak is. It waits only where its fp32 G is larger than twice what it keeps.
 
 States are ``LayerState``s: a ``ParamState`` whose tensors may have other shapes than the weight
 (row and column statistics, one second moment per block), stored fp32 or bf16.
@@ -168,11 +172,17 @@ class LayerPath:
     blocks; ``arguments(binding) -> (hp, step)`` is the optimizer's: the group's hyper-parameters
     and the 1-based step (the device count when capturable)."""
 
+    defer_largest = True
+    """Step the one largest weight at the end of the backward (``defers``); False steps every weight
+    inside its own backward."""
+
     def __init__(self, rule: Rule, state_dtype: str, hyperparameters: Mapping[str, Any], accumulate_steps: int,
                  arguments: Callable[[Any], tuple[Mapping[str, Any], Any]]) -> None:
         self.rule, self.state_dtype, self.accumulate_steps = rule, state_dtype, int(accumulate_steps)
         self.hyperparameters = dict(hyperparameters)
         self.arguments = arguments
+        self.sizes: list[int] = []
+        """Element counts of the attached weights (``defers`` looks for a single largest)."""
         self.state_accumulates = rule.state_accumulates is not None and bool(rule.state_accumulates(hyperparameters))
         """The rule takes earlier micro-batches into its own state: no fp32 accumulator."""
 
@@ -180,6 +190,7 @@ class LayerPath:
         """Give a fused weight (``optimizer.FusedWeight``) its ``LayerState`` and, when micro-batches
         need one, its fp32 accumulator."""
         binding.state = LayerState(binding.matrix, self.rule, self.state_dtype, self.hyperparameters, binding.name)
+        self.sizes.append(binding.matrix.numel())
         if self.accumulate_steps > 1 and not self.state_accumulates:
             binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.matrix.device)
 
@@ -188,10 +199,29 @@ class LayerPath:
         or ``step()``'s flush of fewer (``last`` and zero tokens); the accumulator is cleared after."""
         hp, step = self.arguments(binding)
         first = binding.micro_batches == 1 and (not last or self.accumulate_steps == 1)
-        layer_wgrad_update(x, dy, binding.matrix, binding.state, hp, step, grad_accum=binding.grad_accum,
-                           accumulate_steps=self.accumulate_steps, first_micro_batch=first, last_micro_batch=last)
-        if last and binding.grad_accum is not None:
-            binding.grad_accum.zero_()
+
+        def update() -> None:
+            layer_wgrad_update(x, dy, binding.matrix, binding.state, hp, step, grad_accum=binding.grad_accum,
+                               accumulate_steps=self.accumulate_steps, first_micro_batch=first,
+                               last_micro_batch=last)
+            if last and binding.grad_accum is not None:
+                binding.grad_accum.zero_()
+
+        if last and self.defers(binding.matrix, x, dy):
+            torch.autograd.Variable._execution_engine.queue_callback(update)
+        else:
+            update()
+
+    def defers(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> bool:
+        """Whether ``weight``'s step waits for the end of the running backward: a deferred rule's (a
+        ``layer_update`` rule forms no G), inside an autograd backward, the single largest attached
+        weight, and its fp32 G more than twice the bytes of the ``x`` and ``dy`` kept for it."""
+        if not self.defer_largest or self.rule.layer_update is not None or torch._C._current_graph_task_id() == -1:
+            return False
+        size = weight.numel()
+        if size != max(self.sizes, default=0) or self.sizes.count(size) != 1:
+            return False
+        return 4 * size > 2 * (x.numel() * x.element_size() + dy.numel() * dy.element_size())
 
     def row_update_error(self, name: str) -> ValueError:
         """Why ``name`` cannot be updated row block by row block (the chunked LM-head loss)."""

@@ -140,6 +140,60 @@ def test_the_gradient_residency_is_one_layer() -> None:
     opt.step()
 
 
+class WideHead(nn.Module):
+    """A body and a head 10x its size, run on few tokens: the head's fp32 G outweighs twice its kept X
+    and dY, so its step waits for the end of the backward (``LayerPath.defers``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Linear(30, 40, bias=False)
+        self.head = nn.Linear(40, 400, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _wide_head_losses(rule: str, defer: bool, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tuple[nn.Module, list[tuple]]:
+    """Train a ``WideHead`` 4 steps (the head deferred or not); the shapes of the Gs in forming order."""
+    import forge_core.layer_step as layer_step
+    import forge_core.wgrad_gemm as wgrad_gemm
+
+    monkeypatch.setattr(layer_step.LayerPath, "defer_largest", defer)
+    formed: list[tuple] = []
+    original = wgrad_gemm.weight_gradient
+
+    def recording(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        formed.append((dy2.shape[1], x2.shape[1]))
+        return original(dy2, x2)
+
+    monkeypatch.setattr(layer_step, "weight_gradient", recording)
+    model = WideHead()
+    opt = forge_core.fuse(model, rule, probe_inputs=torch.zeros(2, 30), **{**DEFERRED[rule], **kwargs})
+    generator = torch.Generator().manual_seed(5)
+    steps = kwargs.get("accumulate_steps", 1)
+    for _ in range(4):
+        for _ in range(steps):
+            (model(torch.randn(2, 3, 30, generator=generator)) - 0.5).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, formed
+
+
+@pytest.mark.parametrize("rule", sorted(DEFERRED))
+@pytest.mark.parametrize("accumulate_steps", [1, 2])
+def test_the_largest_weight_steps_at_the_end_of_the_backward_to_the_same_result(
+        rule: str, accumulate_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's G forms after the body's (it waits for the backward's end, past the activations'
+    peak), and the weights equal bit for bit those of stepping the head inside its own backward."""
+    deferred, order = _wide_head_losses(rule, True, monkeypatch, accumulate_steps=accumulate_steps)
+    in_place, in_place_order = _wide_head_losses(rule, False, monkeypatch, accumulate_steps=accumulate_steps)
+    head, body = (400, 40), (40, 30)
+    assert order == [body, head] * 4 and in_place_order == [head, body] * 4
+    for (name, a), b in zip(deferred.named_parameters(), in_place.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("rule", sorted(DEFERRED))
 def test_state_dict_resume_is_bit_identical(rule: str, state_dtype: str) -> None:
