@@ -190,7 +190,7 @@ def _fixture_rows(folder: Path) -> list[dict]:
 def test_app_i_table_from_fixture_rows(tmp_path):
     folder = tmp_path / "rows"
     folder.mkdir()
-    _fixture_rows(folder)
+    rows = _fixture_rows(folder)
     out = tmp_path / "report"
     build_report(folder, out, formats=("png",))
     csv_rows = list(__import__("csv").DictReader((out / "tables" / "app-i.csv").open()))
@@ -204,7 +204,12 @@ def test_app_i_table_from_fixture_rows(tmp_path):
     assert float(bf16["speedup"]) == pytest.approx(2.0) and bf16["paper_speedup"] == ""
     assert by_key[("muon", "fp32")]["speedup"] == ""          # the unfused arm did not fit: no ratio
     markdown = (out / "tables" / "app-i.md").read_text()
-    assert "| Adafactor | fp32 | torch.optim.Adafactor | 61.00 | 35.50 | 25.50 | -41.8% |" in markdown
+    pool = 2 * float(fp32["fused_peak_gib"] and next(r for r in rows if r["method"] == "adafactor_unfused"
+                                                      and r["dtype"] == "float32")["n_params"]) / 2 ** 30
+    assert float(fp32["pool_share"]) == pytest.approx((61.0 - 35.5) / pool) and fp32["target_met"] == "True"
+    assert by_key[("muon", "fp32")]["target_met"] == ""      # no unfused row to hold it to
+    share = f"{(61.0 - 35.5) / pool:.0%}"
+    assert f"| Adafactor | fp32 | torch.optim.Adafactor | 61.00 | 35.50 | 25.50 | {share} | -41.8% |" in markdown
     assert "3.20×" in markdown and "peak −27%…−54%, step −32%…−71%, 3.4× faster" in markdown
     assert "| Muon | fp32 |" in markdown and "oom_predicted" in markdown
     assert "Optimizer families (App. I)" in (out / "index.md").read_text()
@@ -227,7 +232,7 @@ def test_app_i_names_why_a_pair_has_no_speedup(tmp_path):
     pq.write_table(pa.Table.from_pylist([fused], schema=pq.read_schema(TEMPLATE)), folder / f"{fused['cell_id']}.parquet")
     table = next(t for t in app_i.app_i_tables(load_rows(folder)))
     line = next(r for r in table.rows if r[:2] == ["Adafactor", "bf16"])
-    assert line[9] == "n/a (different run)"
+    assert line[10] == "n/a (different run)" and line[11].endswith("of the pool)")   # the saving decides it
     assert any(note.startswith("Adafactor (bf16): n/a (different run): SM clocks differ") for note in table.footnotes)
 
 
@@ -241,4 +246,4 @@ def test_app_i_takes_an_unfused_row_without_its_fused_twin(tmp_path):
     (folder / f"{fused['cell_id']}.parquet").unlink()
     table = next(t for t in app_i.app_i_tables(load_rows(folder)))
     line = next(r for r in table.rows if r[:2] == ["Adafactor", "bf16"])
-    assert line[3] == "31.00" and line[4] == "not run" and line[6] == "—" and line[9] == "—"
+    assert line[3] == "31.00" and line[4] == "not run" and line[6] == line[7] == line[10] == line[11] == "—"

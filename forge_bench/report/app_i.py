@@ -19,13 +19,18 @@ from . import ratios
 from .data import fmt_ms, fmt_number, group_title, records, slug, timing_slug
 from .ratios import as_number, as_text, json_field
 from .render import Table
+from .targets import POOL_SHARE_TARGET, PoolVerdict, pool_and_speed
 from .tables import why_not_run
 
 APP_I_KEYS = ["device_name", "model", "batch", "seq", "timing", "activations"]
 WEIGHT_STATES = {"float32": "fp32", "bfloat16": "bf16"}
 """The state format of an unfused arm: torch keeps its states in the weight dtype."""
-HEADER = ["Family", "States", "Unfused arm", "Unfused peak GiB", "FORGE peak GiB", "Saved GiB", "Peak change",
-          "Unfused step ms", "FORGE step ms", "Speed-up", "App. I (fp32)"]
+HEADER = ["Family", "States", "Unfused arm", "Unfused peak GiB", "FORGE peak GiB", "Saved GiB", "Pool share",
+          "Peak change", "Unfused step ms", "FORGE step ms", "Speed-up", "Target", "App. I (fp32)"]
+BF16_BYTES = 2
+"""The target's pool is the bf16 gradient pool (one bf16 gradient per parameter), whatever the weights' dtype."""
+STRICTLY_FASTER = frozenset({"muon"})
+"""Families whose target asks FORGE to be faster than the unfused optimizer, not only no slower."""
 
 
 def family_key(row: Mapping[str, Any]) -> tuple[str, bool, str] | None:
@@ -92,6 +97,16 @@ def _saved(fused: Mapping[str, Any] | None, unfused: Mapping[str, Any] | None) -
     return as_number(unfused.get("peak_allocated_gib")) - as_number(fused.get("peak_allocated_gib"))
 
 
+def target_verdict(family: str, fused: Mapping[str, Any] | None, unfused: Mapping[str, Any] | None,
+                   saved: float | None, speed: ratios.Ratio) -> PoolVerdict | None:
+    """The family's target (``targets.pool_and_speed``) against the bf16 gradient pool of the model; None
+    where a row is missing or did not measure."""
+    if fused is None or unfused is None or saved is None:
+        return None
+    pool = BF16_BYTES * float(as_number(unfused.get("n_params")) or 0) / 2 ** 30
+    return pool_and_speed(saved, pool, speed, strictly_faster=family in STRICTLY_FASTER)
+
+
 def app_i_tables(frame: pd.DataFrame) -> list[Table]:
     """One App. I table per device, model, shape and timing that holds family rows."""
     rows = [(key, r) for r in records(frame) if (key := family_key(r)) is not None]
@@ -122,16 +137,21 @@ def app_i_tables(frame: pd.DataFrame) -> list[Table]:
                 for row in (unfused, fused):
                     if row is not None and as_text(row.get("status")) != "ok":
                         notes.append(f"{row.get('method')}: {as_text(row.get('status'))}: {why_not_run(row)}")
+                verdict = target_verdict(family.name, fused, unfused, saved, speed)
+                share = verdict.share if verdict is not None else None
                 body.append([family.label, states, family.unfused, _peak(unfused), _peak(fused),
-                             fmt_number(saved), change.text if fused else "—", _step(unfused), _step(fused),
-                             speed.text if fused else "—", paper_text(family.name, states)])
+                             fmt_number(saved), f"{share:.0%}" if share is not None else "—",
+                             change.text if fused else "—", _step(unfused), _step(fused),
+                             speed.text if fused else "—", verdict.long_text if verdict else "—",
+                             paper_text(family.name, states)])
                 numbers.append({
                     "family": family.name, "states": states,
                     "unfused_method": as_text(unfused.get("method")) if unfused else None,
                     "fused_method": as_text(fused.get("method")) if fused else None,
                     "unfused_peak_gib": as_number(unfused.get("peak_allocated_gib")) if unfused else None,
                     "fused_peak_gib": as_number(fused.get("peak_allocated_gib")) if fused else None,
-                    "saved_gib": saved, "peak_change": change.value if fused else None,
+                    "saved_gib": saved, "pool_share": share, "target_met": verdict.met if verdict else None,
+                    "peak_change": change.value if fused else None,
                     "unfused_step_ms": as_number(unfused.get("step_ms_median")) if unfused else None,
                     "fused_step_ms": as_number(fused.get("step_ms_median")) if fused else None,
                     "speedup": speed.value if fused else None,
@@ -145,9 +165,12 @@ def app_i_tables(frame: pd.DataFrame) -> list[Table]:
                     timing_slug(keys))
         caption = ("Per optimizer family: the unfused optimizer against FORGE with the same state format "
                    "(fp32: App. I's setting, fp32 weights; bf16: bf16 weights). Saved GiB = unfused peak − "
-                   "FORGE peak; peak change and speed-up are FORGE against the unfused arm of the same run.")
+                   "FORGE peak; pool share = saved over the model's bf16 gradient pool; peak change and speed-up are "
+                   f"FORGE against the unfused arm of the same run. Target: FORGE saves at least {POOL_SHARE_TARGET:.0%} "
+                   "of the bf16 gradient pool and is no slower (~: inside the step-time noise, not measurably "
+                   "slower); Muon's is faster.")
         tables.append(Table(name=name, title=f"App. I: optimizer families · {group_title(keys)}", caption=caption,
-                            header=HEADER, rows=body, align="lllrrrrrrrl", footnotes=sorted(set(notes)),
+                            header=HEADER, rows=body, align="lllrrrrrrrrll", footnotes=sorted(set(notes)),
                             records=numbers))
     return tables
 

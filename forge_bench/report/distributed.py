@@ -27,11 +27,11 @@ from .data import fmt_memory, fmt_ms, fmt_number, group_title, memory_unit, one_
 from .figures import FORMATS, save
 from .ratios import as_number, as_text, speedup
 from .render import Table
+from .targets import POOL_SHARE_TARGET, pool_and_speed
 
 DIST_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FORGE_DP, DDP = "forge_dp_bf16", "ddp_adamw_fused"
 FORGE_FSDP, FSDP = "forge_fsdp2_bf16", "fsdp2_adamw"
-POOL_SHARE_TARGET = 0.90
 FSDP_PARITY_GIB = 0.01
 """FORGE-FSDP2's per-rank peak counts as at parity with FSDP2 + AdamW's within this many GiB."""
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -138,15 +138,13 @@ def target_table(keys: Mapping[str, Any], rows: list[dict[str, Any]], worlds: li
                                                as_number(ddp.get("peak_allocated_gib"))):
                 pool = DTYPE_BYTES.get(str(keys["dtype"]), 2) * float(ddp.get("n_params") or 0) / 2 ** 30
                 saved = float(ddp["peak_allocated_gib"]) - float(forge["peak_allocated_gib"])
-                share = saved / pool if pool else None
                 speed = speedup(forge, ddp)
-                saves_pool = share is not None and share >= POOL_SHARE_TARGET
-                undecided = saves_pool and not speed.is_number        # the ratio rule refused the times
-                met = saves_pool and speed.is_number and (speed.value >= 1.0 or speed.within_noise)
+                verdict = pool_and_speed(saved, pool, speed)
+                share = verdict.share
                 line += [fmt_number(saved), fmt_number(pool), f"{share:.0%}" if share is not None else "—",
-                         speed.text, "n/a (time)" if undecided else ("met" if met else "not met")]
+                         speed.text, verdict.text]
                 record.update(dp_saved_gib=saved, bf16_pool_gib=pool, dp_pool_share=share, dp_speed_ratio=speed.value,
-                              dp_speed_within_noise=speed.within_noise, dp_target_met=None if undecided else met)
+                              dp_speed_within_noise=speed.within_noise, dp_target_met=verdict.met)
             else:
                 line += ["—"] * 5
             if fsdp_forge and fsdp and None not in (as_number(fsdp_forge.get("peak_allocated_gib")),

@@ -1,0 +1,46 @@
+"""The memory-and-speed target that FORGE's arms are held to against their unfused twins: save at
+least ``POOL_SHARE_TARGET`` of the gradient pool the twin holds, at no loss of speed. One verdict
+for the distributed table (FORGE-DP against DDP) and the App. I table (each family against its
+unfused optimizer), through the report's one ratio rule (``ratios.speedup``: noise, clock bounds,
+refusals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ratios import Ratio
+
+POOL_SHARE_TARGET = 0.90
+
+
+@dataclass(frozen=True)
+class PoolVerdict:
+    """``met``: None when the times could not be divided (the saving alone cannot decide it);
+    ``text``: met / not met / n/a (time); ``why``: what missed, for a table with room for it."""
+    share: float | None
+    met: bool | None
+    text: str
+    why: str = ""
+
+    @property
+    def long_text(self) -> str:
+        return f"{self.text} ({self.why})" if self.why else self.text
+
+
+def pool_and_speed(saved_gib: float, pool_gib: float, speed: Ratio, strictly_faster: bool = False) -> PoolVerdict:
+    """Whether ``saved_gib`` is at least the target share of ``pool_gib`` and ``speed`` (the twin's step
+    over FORGE's) is no slower: a ratio of at least 1, or one inside the two cells' step-time noise
+    (not measurably slower). ``strictly_faster``: the speed part asks a ratio above 1 outside the noise."""
+    share = saved_gib / pool_gib if pool_gib else None
+    if share is None or share < POOL_SHARE_TARGET:
+        return PoolVerdict(share, False, "not met", f"{share:.0%} of the pool" if share is not None else "no pool")
+    if not speed.is_number:
+        return PoolVerdict(share, None, "n/a (time)")
+    if strictly_faster:
+        fast = speed.value > 1.0 and not speed.within_noise
+    else:
+        fast = speed.value >= 1.0 or speed.within_noise
+    return PoolVerdict(share, fast, "met" if fast else "not met", "" if fast else
+                       ("not faster" if strictly_faster else "slower"))
+
+
+__all__ = ["POOL_SHARE_TARGET", "PoolVerdict", "pool_and_speed"]
