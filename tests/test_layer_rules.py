@@ -181,13 +181,13 @@ def _wide_head_losses(rule: str, defer: bool, monkeypatch: pytest.MonkeyPatch, *
 
 
 @pytest.mark.parametrize("rule", sorted(DEFERRED))
-@pytest.mark.parametrize("accumulate_steps", [1, 2])
+@pytest.mark.parametrize("options", [{"accumulate_steps": 1}, {"accumulate_steps": 2}, {"capturable": True}])
 def test_the_largest_weight_steps_at_the_end_of_the_backward_to_the_same_result(
-        rule: str, accumulate_steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        rule: str, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """The head's G forms after the body's (it waits for the backward's end, past the activations'
     peak), and the weights equal bit for bit those of stepping the head inside its own backward."""
-    deferred, order = _wide_head_losses(rule, True, monkeypatch, accumulate_steps=accumulate_steps)
-    in_place, in_place_order = _wide_head_losses(rule, False, monkeypatch, accumulate_steps=accumulate_steps)
+    deferred, order = _wide_head_losses(rule, True, monkeypatch, **options)
+    in_place, in_place_order = _wide_head_losses(rule, False, monkeypatch, **options)
     head, body = (400, 40), (40, 30)
     assert order == [body, head] * 4 and in_place_order == [head, body] * 4
     for (name, a), b in zip(deferred.named_parameters(), in_place.parameters()):
@@ -413,19 +413,21 @@ def test_gradient_residency_is_one_layer_on_the_gpu(rule: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rule", ["muon", *sorted(DEFERRED)])
-def test_capturable_step_replays_in_a_cuda_graph(rule: str) -> None:
-    """Forward, backward (the per-layer steps on the side stream) and ``opt.step()`` captured once and
-    replayed: three replays after two eager steps equal five eager steps."""
+@pytest.mark.parametrize("wide_head", [False, True])
+def test_capturable_step_replays_in_a_cuda_graph(rule: str, wide_head: bool) -> None:
+    """Forward, backward (the per-layer steps on the side stream; a ``WideHead``'s head at the end of
+    the backward) and ``opt.step()`` captured once and replayed: three replays after two eager steps
+    equal five eager steps."""
     hp = DEFERRED.get(rule, {"lr": 0.02, "weight_decay": 0.1})
-    model = Attention().cuda()
+    model = (WideHead() if wide_head else Attention()).cuda()
     twin = copy.deepcopy(model)
     probe = torch.zeros(2, 30, device="cuda")
     captured = forge_core.fuse(model, rule, probe_inputs=probe, capturable=True, **hp)
     eager = forge_core.fuse(twin, rule, probe_inputs=probe, **hp)
-    batches = [x.cuda() for x in _batches(5)]
+    batches = [x.cuda()[:2, :3] if wide_head else x.cuda() for x in _batches(5)]
 
     def step(m: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
-        _loss(m, x).backward()
+        ((m(x) - 0.5).square().mean() if wide_head else _loss(m, x)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
