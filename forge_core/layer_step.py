@@ -182,7 +182,9 @@ class LayerPath:
         self.hyperparameters = dict(hyperparameters)
         self.arguments = arguments
         self.sizes: list[int] = []
-        """Element counts of the attached weights (``defers`` looks for a single largest)."""
+        """Element counts of the attached weights."""
+        self.single_largest: int | None = None
+        """The element count of the one largest attached weight; None while two share the largest size."""
         self.state_accumulates = rule.state_accumulates is not None and bool(rule.state_accumulates(hyperparameters))
         """The rule takes earlier micro-batches into its own state: no fp32 accumulator."""
 
@@ -191,6 +193,8 @@ class LayerPath:
         need one, its fp32 accumulator."""
         binding.state = LayerState(binding.matrix, self.rule, self.state_dtype, self.hyperparameters, binding.name)
         self.sizes.append(binding.matrix.numel())
+        largest = max(self.sizes)
+        self.single_largest = largest if self.sizes.count(largest) == 1 else None
         if self.accumulate_steps > 1 and not self.state_accumulates:
             binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.matrix.device)
 
@@ -216,10 +220,9 @@ class LayerPath:
         """Whether ``weight``'s step waits for the end of the running backward: a deferred rule's (a
         ``layer_update`` rule forms no G), inside an autograd backward, the single largest attached
         weight, and its fp32 G more than twice the bytes of the ``x`` and ``dy`` kept for it."""
-        if not self.defer_largest or self.rule.layer_update is not None or torch._C._current_graph_task_id() == -1:
-            return False
         size = weight.numel()
-        if size != max(self.sizes, default=0) or self.sizes.count(size) != 1:
+        if (not self.defer_largest or size != self.single_largest or self.rule.layer_update is not None
+                or torch._C._current_graph_task_id() == -1):
             return False
         return 4 * size > 2 * (x.numel() * x.element_size() + dy.numel() * dy.element_size())
 
