@@ -19,7 +19,7 @@ from . import ratios
 from .data import fmt_ms, fmt_number, group_title, records, slug, timing_slug
 from .ratios import as_number, as_text, json_field
 from .render import Table
-from .targets import POOL_SHARE_TARGET, PoolVerdict, pool_and_speed
+from .targets import POOL_SHARE_TARGET, PoolVerdict, gradient_pool_gib, pool_and_speed
 from .tables import why_not_run
 
 APP_I_KEYS = ["device_name", "model", "batch", "seq", "timing", "activations"]
@@ -103,7 +103,7 @@ def target_verdict(family: str, fused: Mapping[str, Any] | None, unfused: Mappin
     where a row is missing or did not measure."""
     if fused is None or unfused is None or saved is None:
         return None
-    pool = BF16_BYTES * float(as_number(unfused.get("n_params")) or 0) / 2 ** 30
+    pool = gradient_pool_gib(as_number(unfused.get("n_params")), BF16_BYTES)
     return pool_and_speed(saved, pool, speed, strictly_faster=family in STRICTLY_FASTER)
 
 

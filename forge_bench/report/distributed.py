@@ -27,7 +27,7 @@ from .data import fmt_memory, fmt_ms, fmt_number, group_title, memory_unit, one_
 from .figures import FORMATS, save
 from .ratios import as_number, as_text, speedup
 from .render import Table
-from .targets import POOL_SHARE_TARGET, pool_and_speed
+from .targets import POOL_SHARE_TARGET, gradient_pool_gib, pool_and_speed
 
 DIST_KEYS = ["run_id", "device_name", "model", "dtype", "batch", "seq", "timing", "activations"]
 FORGE_DP, DDP = "forge_dp_bf16", "ddp_adamw_fused"
@@ -136,7 +136,7 @@ def target_table(keys: Mapping[str, Any], rows: list[dict[str, Any]], worlds: li
             record: dict[str, Any] = {**keys, "world_size": n, "bucket_cap_mb": bucket}
             if forge and ddp and None not in (as_number(forge.get("peak_allocated_gib")),
                                                as_number(ddp.get("peak_allocated_gib"))):
-                pool = DTYPE_BYTES.get(str(keys["dtype"]), 2) * float(ddp.get("n_params") or 0) / 2 ** 30
+                pool = gradient_pool_gib(ddp.get("n_params"), DTYPE_BYTES.get(str(keys["dtype"]), 2))
                 saved = float(ddp["peak_allocated_gib"]) - float(forge["peak_allocated_gib"])
                 speed = speedup(forge, ddp)
                 verdict = pool_and_speed(saved, pool, speed)

@@ -12,6 +12,11 @@ from .ratios import Ratio
 POOL_SHARE_TARGET = 0.90
 
 
+def gradient_pool_gib(n_params: object, bytes_per_parameter: int) -> float:
+    """The gradient pool a model of ``n_params`` parameters holds: one gradient per parameter, GiB."""
+    return bytes_per_parameter * float(n_params or 0) / 2 ** 30
+
+
 @dataclass(frozen=True)
 class PoolVerdict:
     """``met``: None when the times could not be divided (the saving alone cannot decide it);
@@ -43,4 +48,4 @@ def pool_and_speed(saved_gib: float, pool_gib: float, speed: Ratio, strictly_fas
                        ("not faster" if strictly_faster else "slower"))
 
 
-__all__ = ["POOL_SHARE_TARGET", "PoolVerdict", "pool_and_speed"]
+__all__ = ["POOL_SHARE_TARGET", "PoolVerdict", "gradient_pool_gib", "pool_and_speed"]
