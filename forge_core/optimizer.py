@@ -550,7 +550,8 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
-        self._fallback.step()
+        if any(group["params"] for group in self._fallback.param_groups):
+            self._fallback.step()   # torch refuses to capture a non-capturable step even with no parameters
         for binding in self._bindings:
             if binding.micro_batches == self.accumulate_steps:
                 binding.steps_done += 1

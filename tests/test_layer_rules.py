@@ -230,6 +230,22 @@ def test_capturable_steps_read_the_device_step_and_match_eager(rule: str) -> Non
         assert _relative_error(a.detach(), b.detach()) <= 1e-5, name
 
 
+def test_a_model_with_every_weight_fused_never_steps_the_empty_fallback(monkeypatch) -> None:
+    """torch refuses to capture a non-capturable optimizer's step even when it holds no parameter
+    (Muon's AdamW fallback over a bias-free ``WideHead``), so an empty fallback is never stepped."""
+    model = WideHead()
+    opt = forge_core.fuse(model, "muon", probe_inputs=torch.zeros(2, 30), lr=0.02)
+    assert not any(group["params"] for group in opt.fallback_optimizer.param_groups)
+
+    def refuse() -> None:
+        raise AssertionError("the empty fallback was stepped")
+    monkeypatch.setattr(opt.fallback_optimizer, "step", refuse)
+    before = model.head.weight.detach().clone()
+    (model(torch.randn(2, 3, 30)) - 0.5).square().mean().backward()
+    opt.step()
+    assert not torch.equal(before, model.head.weight)
+
+
 @pytest.mark.parametrize("rule", sorted(DEFERRED))
 def test_micro_batches_use_the_fp32_accumulator(rule: str) -> None:
     k = 2
