@@ -11,10 +11,12 @@ layer's backward, after the weight-gradient GEMM, instead of in the fused kernel
   the next layer. The gradient residency is one layer's G (the rules compute their elementwise
   temporaries into G, in row blocks where they need one: ``rules.scalars.row_blocks``), never the
   model's gradient pool; ``track_gradient_residency`` measures it.
-* The largest such weight (an LM head: 4x the size of any other Llama-3.1-8B weight) is stepped at
-  the end of the backward instead (``LayerPath.defers``), from the ``X`` and ``dY`` it keeps: its G
-  then exists after the activations are freed, not beside them at the start of the backward, where
-  the step's peak is. It waits only where its fp32 G is larger than twice what it keeps.
+* The largest such weight (an LM head: 4x the size of any other Llama-3.1-8B weight) is stepped
+  later instead (``LayerPath.defers``), from the ``X`` and ``dY`` it keeps: right after the last of
+  the other fused weights has stepped in this backward, or at the backward's end if that never
+  comes. Its G then exists after the activations are freed, not beside them at the start of the
+  backward, and before the unfused parameters' gradients (an untied embedding's, as large as a
+  bf16 head) are formed. It waits only where its fp32 G is larger than twice what it keeps.
 
 States are ``LayerState``s: a ``ParamState`` whose tensors may have other shapes than the weight
 (row and column statistics, one second moment per block), stored fp32 or bf16.
@@ -166,6 +168,23 @@ def layer_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     deferred_update(rule, x2, dy2, weight, state, hp, step, grad_accum)
 
 
+@dataclass
+class PendingUpdate:
+    """The deferred step of the largest weight in one backward (graph task ``task``): it runs once,
+    when ``others_left`` other fused weights have stepped or at the backward's end, whichever is first."""
+
+    task: int
+    update: Optional[Callable[[], None]]
+    others_left: int
+    done: bool = False
+
+    def run(self) -> None:
+        update, self.update = self.update, None      # drop the kept X and dY once stepped
+        if not self.done and update is not None:
+            self.done = True
+            update()
+
+
 class LayerPath:
     """What a ``ForgeOptimizer`` whose rule takes this path does with its fused weights: their
     states and accumulators (``attach``), their backward (``backward``), and the refusal of row
@@ -187,6 +206,10 @@ class LayerPath:
         """The element count of the one largest attached weight; None while two share the largest size."""
         self.state_accumulates = rule.state_accumulates is not None and bool(rule.state_accumulates(hyperparameters))
         """The rule takes earlier micro-batches into its own state: no fp32 accumulator."""
+        self.pending: PendingUpdate | None = None
+        """The largest weight's step while it waits (``defers``)."""
+        self.stepped: tuple[int, int] = (-1, 0)
+        """(graph task id, how many weights have stepped in that backward)."""
 
     def attach(self, binding: Any) -> None:
         """Give a fused weight (``optimizer.FusedWeight``) its ``LayerState`` and, when micro-batches
@@ -211,13 +234,26 @@ class LayerPath:
             if last and binding.grad_accum is not None:
                 binding.grad_accum.zero_()
 
+        task = torch._C._current_graph_task_id()
+        stepped = self.stepped[1] if self.stepped[0] == task else 0
         if last and self.defers(binding.matrix, x, dy):
-            torch.autograd.Variable._execution_engine.queue_callback(update)
-        else:
-            update()
+            pending = self.pending = PendingUpdate(task, update, others_left=len(self.sizes) - 1 - stepped)
+            torch.autograd.Variable._execution_engine.queue_callback(pending.run)
+            if pending.others_left <= 0:
+                pending.run()
+            return
+        update()
+        if not last:
+            return
+        self.stepped = (task, stepped + 1)
+        pending = self.pending
+        if pending is not None and pending.task == task and not pending.done:
+            pending.others_left -= 1
+            if pending.others_left <= 0:
+                pending.run()       # every other fused weight has stepped: their activations are gone
 
     def defers(self, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> bool:
-        """Whether ``weight``'s step waits for the end of the running backward: a deferred rule's (a
+        """Whether ``weight``'s step waits for the other weights' steps (``PendingUpdate``): a deferred rule's (a
         ``layer_update`` rule forms no G), inside an autograd backward, the single largest attached
         weight, and its fp32 G more than twice the bytes of the ``x`` and ``dy`` kept for it."""
         size = weight.numel()
@@ -232,5 +268,5 @@ class LayerPath:
                           "row block (the chunked LM-head loss): use the model's own loss")
 
 
-__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "LayerState", "deferred_update",
+__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "LayerState", "PendingUpdate", "deferred_update",
            "layer_wgrad_update", "takes_layer_path", "track_gradient_residency"]

@@ -194,6 +194,44 @@ def test_the_largest_weight_steps_at_the_end_of_the_backward_to_the_same_result(
         assert torch.equal(a, b), name
 
 
+class EmbeddedWideHead(WideHead):
+    """``WideHead`` behind an unfused embedding, whose gradient is formed last in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(50, 30)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.embedding(tokens))
+
+
+@pytest.mark.parametrize("rule", sorted(DEFERRED))
+def test_the_largest_weight_steps_before_the_unfused_gradients_are_formed(
+        rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's step runs once the last other fused weight has stepped, so its G never coexists
+    with the embedding's gradient; the result equals stepping the head inside its own backward."""
+    import forge_core.layer_step as layer_step
+
+    model = EmbeddedWideHead()
+    twin = copy.deepcopy(model)
+    opt = forge_core.fuse(model, rule, probe_inputs=torch.zeros(2, 3, dtype=torch.long), **DEFERRED[rule])
+    head_stepped_first: list[bool] = []
+    before = model.head.weight.detach().clone()
+    model.embedding.weight.register_post_accumulate_grad_hook(
+        lambda _: head_stepped_first.append(not torch.equal(before, model.head.weight)))
+    tokens = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
+    (model(tokens) - 0.5).square().mean().backward()
+    assert head_stepped_first == [True]
+    opt.step()
+
+    monkeypatch.setattr(layer_step.LayerPath, "defer_largest", False)
+    twin_opt = forge_core.fuse(twin, rule, probe_inputs=torch.zeros(2, 3, dtype=torch.long), **DEFERRED[rule])
+    (twin(tokens) - 0.5).square().mean().backward()
+    twin_opt.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("rule", sorted(DEFERRED))
 def test_state_dict_resume_is_bit_identical(rule: str, state_dtype: str) -> None:
