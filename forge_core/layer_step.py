@@ -35,6 +35,11 @@ from .rules.base import Rule
 from .state import ParamState
 from .wgrad_gemm import accumulate_product, weight_gradient
 
+try:
+    from .kernels import factored
+except ImportError:  # pragma: no cover - a torch-only install: the rules' plain-torch references run
+    factored = None
+
 LAYER_STATE_DTYPES = ("fp32", "bf16")
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -133,7 +138,11 @@ def deferred_update(rule: Rule, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
         grad32.add_(grad_accum)
     with torch.no_grad():
         states32 = {name: _fp32_view(value) for name, value in state.values.items()}
-        rule.reference(weight.detach(), grad32, states32, hp, step)
+        if rule.matrix_step is not None and factored is not None and factored.runs_here(grad32) \
+                and weight.stride(-1) == 1:
+            rule.matrix_step(weight.detach(), grad32, states32, hp, step, factored)
+        else:
+            rule.reference(weight.detach(), grad32, states32, hp, step)
         del grad32
         for name, value in states32.items():
             state.store(name, value)

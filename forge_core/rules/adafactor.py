@@ -14,6 +14,8 @@ A vector keeps an unfactored ``variance`` instead of ``r`` and ``c``. The row an
 all of G, so no weight tile can step alone: the fused path forms the layer's G, runs this
 reference on it and frees it inside the layer's backward (``forge_core.layer_step``). ``V`` and ``U``
 are computed in row blocks into G (``scalars.row_blocks``), so the step holds G and one block.
+Where Triton runs, the layer path takes ``matrix_step`` instead: the same arithmetic in three reads
+of G (``forge_core.kernels.factored``).
 
 Differences from torch.optim.Adafactor, none of which changes an fp32 result beyond rounding:
 ``alpha`` and ``max(1, rms(U) / d)`` are 0-d device tensors, where torch reads both norms on the
@@ -31,7 +33,7 @@ import torch
 
 from .base import Rule, known_hyperparameters
 from .rule_optimizer import RuleOptimizer
-from .scalars import at_least, at_most, like, rms, row_blocks, step_value
+from .scalars import at_least, at_most, like, rms, row_blocks, square_root, step_value
 
 DEFAULTS = {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0, "maximize": False}
 
@@ -97,6 +99,31 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.addcmul_(update, -alpha / denominator)      # W + coef U in one pass (no scaled copy of U)
 
 
+def matrix_step(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+                hp: Mapping[str, Any], step: Any, kernels: Any) -> None:
+    """``reference`` for a 2-D weight, its three passes over G run by ``kernels``
+    (``forge_core.kernels.factored``: the row and column sums of G^2, the sum of U^2, then W), so G
+    is read three times and never written; the algebra on the row and column vectors is the same."""
+    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
+    grad = grad32.neg_() if maximize else grad32
+    t = step_value(step)
+    one_minus_beta2 = t ** beta2_decay
+    rho = at_most(t ** -0.5, lr)
+    alpha = at_least(rms(weight), eps2) * rho
+    if weight_decay != 0.0:
+        weight.mul_(1.0 - lr * weight_decay)
+    row_var, col_var = states32["row_var"], states32["col_var"]
+    rows, cols = grad.shape
+    row_sums, col_sums = kernels.square_sums(grad)
+    row_var.lerp_(row_sums.div_(cols).view_as(row_var), like(one_minus_beta2, row_var))
+    col_var.lerp_(col_sums.div_(rows).view_as(col_var), like(one_minus_beta2, col_var))
+    row_factor = row_var.div(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)).reshape(-1)
+    col = col_var.reshape(-1)
+    update_rms = square_root(kernels.update_square_sum(grad, row_factor, col, eps1 * eps1) / grad.numel())
+    coefficient = -alpha / at_least(update_rms / d, 1.0)
+    kernels.apply_update(weight, grad, row_factor, col, eps1 * eps1, coefficient)
+
+
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.Adafactor with the same hyper-parameters; a ``RuleOptimizer`` on this reference
     when capturable (torch's reads two norms on the host per parameter)."""
@@ -114,6 +141,7 @@ RULE = Rule(
     reference=reference,
     fallback_optimizer=fallback_optimizer,
     regime=3,
+    matrix_step=matrix_step,
     state_shapes=state_shapes,
     state_dtypes=frozenset({"fp32", "bf16"}),
     layer_capturable=True,

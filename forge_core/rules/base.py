@@ -107,6 +107,12 @@ class Rule:
     weight, states, hp, step, *, grad_accum, first_micro_batch, last_micro_batch)`` with the layer's
     flattened input and output gradient, the weight and its stored states, updated in place. A
     regime-3 rule leaves it None: the layer path forms G and runs ``reference``."""
+    matrix_step: Callable[..., None] | None = None
+    """A regime-3 rule's ``reference`` for a 2-D weight with its passes over G in Triton kernels:
+    ``matrix_step(weight, grad32, states32, hp, step, kernels)``, where ``kernels`` is the module
+    that runs them (``forge_core.kernels.factored``, handed in so a rule imports no kernel module).
+    The layer path takes it where those kernels run (a CUDA G, or the CPU interpreter); the same
+    arithmetic as ``reference``, to rounding. None: ``reference`` always."""
     state_shapes: Callable[[tuple[int, ...], Mapping[str, Any], str], dict[str, tuple[int, ...]]] | None = None
     """``state_shapes(parameter_shape, hp, name) -> {state name: shape}`` for a rule whose states are
     not parameter-shaped (row / column / block statistics); ``name`` is the parameter's or module's
