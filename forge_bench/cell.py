@@ -225,6 +225,7 @@ class Timing:
     peak_process_gib: float | None = None   # the allocator's peak from the model's build to the window's end
     first_step_s: float | None = None       # the first training step's wall time: tile tuning and compiles included
     build_to_first_step_s: float | None = None   # from the model's build to the first step's end
+    launches_per_step: dict[str, float] | None = None   # fused-kernel launches per eager timed step, by path
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -360,6 +361,9 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     # Llama-8B step by ~40%. Collect once, then keep it off for the timed window only.
     gc.collect()
     gc.disable()
+    kernels = sys.modules.get("forge_core.kernels")     # loaded by a FORGE arm only: no import here
+    if kernels is not None:
+        kernels.reset_launch_paths()
     window_start = time.perf_counter()
     try:
         for _ in range(spec.repeats):
@@ -400,6 +404,9 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         peak_reason = "CPU run: torch keeps no peak-memory counter for CPU tensors"
         nvml = telemetry.cpu_nvml_columns()
     values = _check_finite(losses, "timed")
+    launches = kernels.launch_paths() if kernels is not None and not graphed else {}
+    launches_per_step = ({path: count / step_index for path, count in launches.items()}
+                         if step_index and any(launches.values()) else None)
     settings = {**dict(method.settings), **dict(getattr(arm, "settings", {}) or {})}
     terms = None
     if on_cuda and method.name == FLOOR_METHOD:
@@ -414,7 +421,8 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
                   int(getattr(arm, "n_fused_params", 0) or 0), settings, nvml, terms, host_ms, energy,
                   peak_process_gib=peak_process,
                   first_step_s=first_ended - first_started if eager_warmup else None,
-                  build_to_first_step_s=first_ended - build_started if eager_warmup else None)
+                  build_to_first_step_s=first_ended - build_started if eager_warmup else None,
+                  launches_per_step=launches_per_step)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -578,6 +586,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         extra["build_to_first_step_s"] = timing.build_to_first_step_s
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
+    if timing.launches_per_step is not None:
+        extra["fused_launches_per_step"] = timing.launches_per_step
     kernel_configs, tune_cache_file = _tuned_kernel_configs()
     if kernel_configs:
         extra["kernel_configs"] = kernel_configs

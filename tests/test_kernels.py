@@ -769,3 +769,22 @@ def test_a_gpu_launch_asks_for_fp_fusion_and_keeps_its_register_cap(monkeypatch)
     assert capped.kwargs["enable_fp_fusion"] is True and capped.kwargs["maxnreg"] == 128
     uncapped = launch.make_plan(TileConfig(64, 64, 32, 8, 4, 2), x2, dy2, weight, states, scales, None, meta)
     assert uncapped.kwargs["enable_fp_fusion"] is True and "maxnreg" not in uncapped.kwargs
+
+
+def test_launches_are_counted_by_path():
+    """Every fused launch counts once, as ``direct`` (a kept plan's launcher) or ``jit``; the
+    interpreter never launches directly, and ``reset_launch_paths`` zeroes the counts."""
+    from forge_core.kernels import launch_paths, reset_launch_paths
+
+    weight = torch.randn(6, 40)
+    state = ParamState(weight, get_rule("adamw"), "fp32")
+    x, dy = _inputs(6, 40, (9,))
+    reset_launch_paths()
+    for step in (1, 2, 3):
+        fused_wgrad_update(x, dy, weight, state, HP["adamw"], step)
+    counts = launch_paths()
+    assert sum(counts.values()) == 3
+    if DEVICE == "cpu":
+        assert counts == {"direct": 0, "jit": 3}
+    reset_launch_paths()
+    assert launch_paths() == {"direct": 0, "jit": 0}

@@ -24,7 +24,7 @@ from .tile_config import TileConfig
 try:
     from .device import triton_available
     from .dispatch import fused_wgrad_update
-    from .launch import NUM_SCALARS
+    from .launch import NUM_SCALARS, launch_paths, reset_launch_paths
     from .tuning import (count_current_tune_cache_entries, describe_tuned_configs, rekey_tune_cache_entries,
                          tuned_configs)
 except ImportError:  # pragma: no cover - a torch-only install without Triton
@@ -35,6 +35,13 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
     def triton_available() -> bool:
         """No Triton: the fused kernel cannot run here."""
         return False
+
+    def launch_paths() -> dict[str, int]:
+        """No Triton: no fused-kernel launch."""
+        return {"direct": 0, "jit": 0}
+
+    def reset_launch_paths() -> None:
+        """No Triton: nothing to reset."""
 
     def tuned_configs() -> dict[tuple, Any]:
         """No Triton: nothing is tuned."""
@@ -53,5 +60,5 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
         raise RuntimeError("checking a tune cache needs Triton (the fingerprints hash the kernels' sources)")
 
 __all__ = ["NUM_SCALARS", "TileConfig", "count_current_tune_cache_entries", "describe_tuned_configs",
-           "fused_wgrad_update", "reference_wgrad_update", "rekey_tune_cache_entries", "triton_available",
-           "tuned_configs"]
+           "fused_wgrad_update", "launch_paths", "reference_wgrad_update", "rekey_tune_cache_entries",
+           "reset_launch_paths", "triton_available", "tuned_configs"]

@@ -128,7 +128,9 @@ class WsPlan:
     def run(self, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor) -> None:
         """One launch: direct from the second on, through the JIT before (or when the direct one declines)."""
         if self.direct is not None and self.direct(x2, dy2, scalars):
+            launch.LAUNCH_PATHS["direct"] += 1
             return
+        launch.LAUNCH_PATHS["jit"] += 1
         compiled = hopper_ws.launch(x2, dy2, self.weight, self.states, self.epilogue, scalars, self.config,
                                     check=False, scales=self.scales, sqrt_domain=self.sqrt_domain)
         if not self.launched:

@@ -130,6 +130,23 @@ def make_plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: t
 _NO_SCALARS = (0.0,) * NUM_SCALARS
 
 
+LAUNCH_PATHS = {"direct": 0, "jit": 0}
+"""Fused-kernel launches by path since the last ``reset_launch_paths``: ``direct`` (a kept plan's
+launcher, ~20 us of host time) or ``jit`` (through Triton's JIT: ~100-240 us; a first launch, or a
+direct launcher that declined). Why: an eager step is host-bound at batch 1, and a layer whose
+launches stay on the JIT costs it ~0.2 ms a step; the harness records the counts per timed step."""
+
+
+def reset_launch_paths() -> None:
+    """Zero ``LAUNCH_PATHS`` (the harness, at the timed window's start)."""
+    LAUNCH_PATHS["direct"] = LAUNCH_PATHS["jit"] = 0
+
+
+def launch_paths() -> dict[str, int]:
+    """A copy of ``LAUNCH_PATHS``."""
+    return dict(LAUNCH_PATHS)
+
+
 def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
              seed: int, grad_accum: torch.Tensor | None = None):
     """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
@@ -139,7 +156,9 @@ def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tup
     if plan.direct is not None:
         descriptors = (None, None) if plan.direct_builds_descriptors else _tma_descriptors(plan, x2, dy2)
         if plan.direct((x2, dy2, *descriptors, *tail)):
+            LAUNCH_PATHS["direct"] += 1
             return None
+    LAUNCH_PATHS["jit"] += 1
     return fused_wgrad_update_kernel[plan.grid](x2, dy2, *_tma_descriptors(plan, x2, dy2), *tail, **plan.kwargs)
 
 
