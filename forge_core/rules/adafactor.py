@@ -67,18 +67,23 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
     raise ValueError(f"adafactor: parameters must be 1-D or 2-D, got shape {shape}")
 
 
+def _begin_step(weight: torch.Tensor, grad32: torch.Tensor, hp: Mapping[str, Any],
+                step: Any) -> tuple[torch.Tensor, Any, Any, float, float]:
+    """What both forms of the step do first: the sign of G, ``t^beta2_decay``, ``alpha`` (from the
+    weight before its decay), the decoupled weight decay. Returns (G, 1 - beta2_t, alpha, eps1, d)."""
+    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
+    t = step_value(step)
+    alpha = at_least(rms(weight), eps2) * at_most(t ** -0.5, lr)
+    if weight_decay != 0.0:
+        weight.mul_(1.0 - lr * weight_decay)
+    return (grad32.neg_() if maximize else grad32), t ** beta2_decay, alpha, eps1, d
+
+
 def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
     """One Adafactor step in place (``weight``: fp32 or bf16, each op computed in fp32; fp32 states);
     ``grad32`` is consumed: it may be overwritten."""
-    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
-    grad = grad32.neg_() if maximize else grad32
-    t = step_value(step)
-    one_minus_beta2 = t ** beta2_decay
-    rho = at_most(t ** -0.5, lr)
-    alpha = at_least(rms(weight), eps2) * rho
-    if weight_decay != 0.0:
-        weight.mul_(1.0 - lr * weight_decay)
+    grad, one_minus_beta2, alpha, eps1, d = _begin_step(weight, grad32, hp, step)
     if grad.dim() == 2:
         row_var, col_var = states32["row_var"], states32["col_var"]
         row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
@@ -104,14 +109,7 @@ def matrix_step(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
     """``reference`` for a 2-D weight, its three passes over G run by ``kernels``
     (``forge_core.kernels.factored``: the row and column sums of G^2, the sum of U^2, then W), so G
     is read three times and never written; the algebra on the row and column vectors is the same."""
-    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
-    grad = grad32.neg_() if maximize else grad32
-    t = step_value(step)
-    one_minus_beta2 = t ** beta2_decay
-    rho = at_most(t ** -0.5, lr)
-    alpha = at_least(rms(weight), eps2) * rho
-    if weight_decay != 0.0:
-        weight.mul_(1.0 - lr * weight_decay)
+    grad, one_minus_beta2, alpha, eps1, d = _begin_step(weight, grad32, hp, step)
     row_var, col_var = states32["row_var"], states32["col_var"]
     rows, cols = grad.shape
     row_sums, col_sums = kernels.square_sums(grad)
