@@ -1,10 +1,11 @@
-"""Adafactor's Triton passes over G (``forge_core.kernels.factored``) and the rule's ``matrix_step``.
+"""The factored rules' Triton passes over G (``forge_core.kernels.factored``) and their ``matrix_step``.
 
 What each test pins:
 * each pass equals its torch expression on odd shapes (tails in both dimensions, more than one
   column span), fp32 and bf16 weights;
-* ``matrix_step`` equals Adafactor's plain-torch reference (the spec) within 1e-5 relative in fp32,
-  with weight decay and maximize, over several steps, and is deterministic;
+* ``matrix_step`` equals the plain-torch reference (the spec) of Adafactor and of AdaLomo within
+  1e-5 relative in fp32, with weight decay, maximize, clipping and zero rows, over several steps,
+  and is deterministic;
 * the layer path takes it for 2-D weights where the kernels run, and a fused model then still
   equals torch.optim.Adafactor.
 """
@@ -62,6 +63,21 @@ def test_the_update_and_its_square_sum_equal_torch(shape: tuple[int, int], weigh
     assert _relative_error(weight, expected) <= (1e-6 if weight_dtype == torch.float32 else 4e-3)
 
 
+def test_scales_multiply_g_by_both_factors() -> None:
+    generator = torch.Generator().manual_seed(6)
+    shape = SHAPES[0]
+    grad = torch.randn(shape, generator=generator).to(_device())
+    row_scale = torch.rand(shape[0], generator=generator).to(_device()) + 0.5
+    col_scale = torch.rand(shape[1], generator=generator).to(_device()) + 0.5
+    update = grad * row_scale[:, None] * col_scale[None, :]
+    total = factored.update_square_sum(grad, row_scale, col_scale, 0.0, scales=True)
+    assert _relative_error(total, update.square().sum()) <= 1e-5
+    weight = torch.randn(shape, generator=generator).to(_device())
+    expected = weight + 0.5 * update
+    factored.apply_update(weight, grad, row_scale, col_scale, 0.0, torch.tensor(0.5, device=_device()), scales=True)
+    assert _relative_error(weight, expected) <= 1e-6
+
+
 def test_apply_update_refuses_a_weight_of_another_shape() -> None:
     grad = torch.zeros(4, 6, device=_device())
     with pytest.raises(ValueError, match=r"must be a row-major matrix of G's shape \(4, 6\)"):
@@ -69,27 +85,46 @@ def test_apply_update_refuses_a_weight_of_another_shape() -> None:
                               torch.ones(6, device=_device()), 1e-6, torch.tensor(1.0, device=_device()))
 
 
-@pytest.mark.parametrize("hp", [{"lr": 1e-2}, {"lr": 1e-2, "weight_decay": 0.1},
-                                {"lr": 3e-2, "maximize": True, "d": 2.0}])
-def test_matrix_step_equals_the_reference_over_steps(hp: dict) -> None:
-    rule = get_rule("adafactor")
+MATRIX_CASES = [
+    ("adafactor", {"lr": 1e-2}), ("adafactor", {"lr": 1e-2, "weight_decay": 0.1}),
+    ("adafactor", {"lr": 3e-2, "maximize": True, "d": 2.0}),
+    ("adalomo", {"lr": 1e-2}), ("adalomo", {"lr": 1e-2, "weight_decay": 0.1, "clip_threshold": 0.5}),
+]
+
+
+def _zero_states(rule_name: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    rule = get_rule(rule_name)
+    return {name: torch.zeros(size, device=_device())
+            for name, size in rule.state_shapes(shape, rule.defaults, "weight").items()}
+
+
+@pytest.mark.parametrize("rule_name, hp", MATRIX_CASES)
+def test_matrix_step_equals_the_reference_over_steps(rule_name: str, hp: dict) -> None:
+    """Five steps on an odd shape, the second with a row and a column of G at zero (AdaLomo's
+    tiny eps: its two inverse roots stay finite where their product would underflow)."""
+    rule = get_rule(rule_name)
     generator = torch.Generator().manual_seed(2)
     shape = (37, 301)
     weight = torch.randn(shape, generator=generator).to(_device())
     twin = weight.clone()
-    states = {"row_var": torch.zeros(shape[0], 1, device=_device()), "col_var": torch.zeros(1, shape[1], device=_device())}
+    states = _zero_states(rule_name, shape)
     twin_states = copy.deepcopy(states)
     for step in range(1, 6):
         grad = torch.randn(shape, generator=generator).to(_device())
+        if step == 2:
+            grad[3].zero_()
+            grad[:, 5].zero_()
         rule.matrix_step(weight, grad.clone(), states, hp, step, factored)
         rule.reference(twin, grad.clone(), twin_states, hp, step)
+        assert torch.isfinite(weight).all()
         assert _relative_error(weight, twin) <= 1e-5, step
         for name in states:
             assert _relative_error(states[name], twin_states[name]) <= 1e-5, (step, name)
 
 
-def test_matrix_step_is_deterministic() -> None:
-    rule = get_rule("adafactor")
+@pytest.mark.parametrize("rule_name", ["adafactor", "adalomo"])
+def test_matrix_step_is_deterministic(rule_name: str) -> None:
+    rule = get_rule(rule_name)
     generator = torch.Generator().manual_seed(3)
     shape = (factored.ROWS * 3 + 5, factored.COLUMN_SPAN + 300)
     grad = torch.randn(shape, generator=generator).to(_device())
@@ -97,10 +132,9 @@ def test_matrix_step_is_deterministic() -> None:
     results = []
     for _ in range(2):
         weight = start.clone()
-        states = {"row_var": torch.zeros(shape[0], 1, device=_device()),
-                  "col_var": torch.zeros(1, shape[1], device=_device())}
+        states = _zero_states(rule_name, shape)
         rule.matrix_step(weight, grad.clone(), states, {"lr": 1e-2}, 1, factored)
-        results.append((weight, states["row_var"], states["col_var"]))
+        results.append((weight, *states.values()))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

@@ -1,4 +1,4 @@
-"""The passes over a layer's fp32 G of a factored second-moment rule (Adafactor), in Triton.
+"""The passes over a layer's fp32 G of the factored second-moment rules (Adafactor, AdaLomo), in Triton.
 
 Why: stepped in plain torch ops, Adafactor's update of a 2-D weight reads or writes its fp32 G
 about ten times (two norms, the layer-sized estimate ``(r / mean(r)) c`` formed, clamped and
@@ -12,8 +12,10 @@ traffic made the per-layer path slower than torch.optim.Adafactor on bf16 gradie
 * ``apply_update``: ``W <- W + coef U`` (``coef`` a 0-d device tensor: no host sync, so a CUDA
   graph can capture it), one read of G and one of W, W written once in its own dtype.
 
-The rule file keeps the step's algebra (``rules.adafactor.matrix_step``) and its plain-torch
-``reference``, which this path is tested against.
+AdaLomo's ``U = G / sqrt(r_i / mean(r)) / sqrt(c_j)`` takes the two inverse roots as scales
+(``scales=True``): its tiny ``eps`` makes the product ``r_i c_j`` underflow where the two roots do not.
+Each rule file keeps the step's algebra (``matrix_step``) and its plain-torch ``reference``, which
+this path is tested against.
 """
 from __future__ import annotations
 
@@ -58,8 +60,10 @@ def _square_sums_kernel(G, ROW_PARTIAL, COL_PARTIAL, R, C, stride_g,
 
 
 @triton.jit
-def _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR: tl.constexpr, BC: tl.constexpr):
-    """This program's tile of ``U = G / sqrt(max(a_i c_j, eps^2))``, its offsets and mask."""
+def _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR: tl.constexpr, BC: tl.constexpr,
+                     SCALES: tl.constexpr):
+    """This program's tile of ``U = G / sqrt(max(a_i c_j, eps^2))`` (``SCALES``: ``U = G a_i c_j``,
+    the factors already inverse roots), its offsets and mask."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     row_mask = rows < R
@@ -68,22 +72,24 @@ def _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR: tl.constexp
     a = tl.load(ROW_FACTOR + rows, mask=row_mask, other=1.0)
     c = tl.load(COL + cols, mask=col_mask, other=1.0)
     g = tl.load(G + rows.to(tl.int64)[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    if SCALES:
+        return g * a[:, None] * c[None, :], rows, cols, mask
     estimate = tl.maximum(a[:, None] * c[None, :], eps_sq)
     return g * tl.math.rsqrt(estimate), rows, cols, mask
 
 
 @triton.jit
 def _update_square_sum_kernel(G, ROW_FACTOR, COL, PARTIAL, R, C, stride_g, eps_sq,
-                              BR: tl.constexpr, BC: tl.constexpr):
-    u, rows, cols, mask = _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR, BC)
+                              BR: tl.constexpr, BC: tl.constexpr, SCALES: tl.constexpr):
+    u, rows, cols, mask = _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR, BC, SCALES)
     program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(PARTIAL + program, tl.sum(tl.sum(u * u, axis=1), axis=0))
 
 
 @triton.jit
 def _apply_update_kernel(W, G, ROW_FACTOR, COL, COEF, R, C, stride_w, stride_g, eps_sq,
-                         BR: tl.constexpr, BC: tl.constexpr):
-    u, rows, cols, mask = _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR, BC)
+                         BR: tl.constexpr, BC: tl.constexpr, SCALES: tl.constexpr):
+    u, rows, cols, mask = _scaled_gradient(G, ROW_FACTOR, COL, R, C, stride_g, eps_sq, BR, BC, SCALES)
     offsets = rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
     w = tl.load(W + offsets, mask=mask, other=0.0).to(tl.float32)
     coef = tl.load(COEF)
@@ -106,26 +112,28 @@ def _grid(grad: torch.Tensor) -> tuple[int, int]:
     return triton.cdiv(grad.shape[0], ROWS), triton.cdiv(grad.shape[1], COLS)
 
 
-def update_square_sum(grad: torch.Tensor, row_factor: torch.Tensor, col: torch.Tensor, eps_sq: float) -> torch.Tensor:
+def update_square_sum(grad: torch.Tensor, row_factor: torch.Tensor, col: torch.Tensor, eps_sq: float,
+                      scales: bool = False) -> torch.Tensor:
     """The sum of U^2 over the layer (a 0-d fp32 tensor), ``U = G / sqrt(max(a_i c_j, eps_sq))`` with
-    ``a = row_factor`` (R,) and ``c = col`` (C,); G is only read."""
+    ``a = row_factor`` (R,) and ``c = col`` (C,); with ``scales``, ``U = G a_i c_j`` (the factors are
+    inverse roots already; ``eps_sq`` unused). G is only read."""
     grid = _grid(grad)
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=grad.device)
     _update_square_sum_kernel[grid](grad, row_factor, col, partial, grad.shape[0], grad.shape[1], grad.stride(0),
-                                    float(eps_sq), BR=ROWS, BC=COLS)
+                                    float(eps_sq), BR=ROWS, BC=COLS, SCALES=bool(scales))
     return partial.sum()
 
 
 def apply_update(weight: torch.Tensor, grad: torch.Tensor, row_factor: torch.Tensor, col: torch.Tensor,
-                 eps_sq: float, coef: torch.Tensor) -> None:
-    """``weight += coef * U`` in place (computed in fp32, rounded once to the weight's dtype); ``coef``:
-    a 0-d fp32 tensor on the weight's device."""
+                 eps_sq: float, coef: torch.Tensor, scales: bool = False) -> None:
+    """``weight += coef * U`` in place (computed in fp32, rounded once to the weight's dtype), U as in
+    ``update_square_sum``; ``coef``: a 0-d fp32 tensor on the weight's device."""
     if weight.shape != grad.shape or weight.stride(1) != 1:
         raise ValueError(f"apply_update: weight {tuple(weight.shape)} (strides {weight.stride()}) must be a "
                          f"row-major matrix of G's shape {tuple(grad.shape)}")
     _apply_update_kernel[_grid(grad)](weight, grad, row_factor, col, coef.reshape(()).to(torch.float32),
                                       grad.shape[0], grad.shape[1], weight.stride(0), grad.stride(0),
-                                      float(eps_sq), BR=ROWS, BC=COLS)
+                                      float(eps_sq), BR=ROWS, BC=COLS, SCALES=bool(scales))
 
 
 __all__ = ["COLUMN_SPAN", "COLS", "DECORATED_FOR_INTERPRETER", "ROWS", "apply_update", "runs_here", "square_sums",

@@ -16,7 +16,9 @@ A vector keeps an unfactored second moment. Hyper-parameters and defaults follow
 package's AdaLomo: ``lr=1e-3, clip_threshold=1.0, decay_rate=-0.8, weight_decay=0.0,
 eps=(1e-30, 1e-3)``; its loss scaling and gradient clipping (which need every gradient first) are
 not part of the rule. torch has no AdaLomo: the unfused form and the fallback are a
-``RuleOptimizer`` on this reference, which is the spec.
+``RuleOptimizer`` on this reference, which is the spec. Where Triton runs, the layer path takes
+``matrix_step`` for a 2-D weight: the same arithmetic in three reads of G
+(``forge_core.kernels.factored``).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from .rule_optimizer import reference_rule
-from .scalars import at_least, like, rms, step_value
+from .scalars import at_least, like, rms, square_root, step_value
 
 DEFAULTS = {"lr": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "weight_decay": 0.0, "eps": (1e-30, 1e-3)}
 
@@ -85,6 +87,29 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.addcmul_(update, -scale / clipped)     # W - scale U / clipped in one pass (no scaled copy of U)
 
 
+def matrix_step(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
+                hp: Mapping[str, Any], step: Any, kernels: Any) -> None:
+    """``reference`` for a 2-D weight, its passes over G run by ``kernels``
+    (``forge_core.kernels.factored``: the row and column sums of G^2, the sum of U^2 with the two
+    inverse roots as scales, then W): G is read three times and never written."""
+    lr, clip, decay_rate, weight_decay, eps1, eps2 = _checked(hp)
+    new_weight = step_value(step) ** decay_rate
+    row, col = states32["exp_avg_sq_row"], states32["exp_avg_sq_col"]
+    rows, cols = grad32.shape
+    row_sums, col_sums = kernels.square_sums(grad32)
+    row.lerp_(row_sums.div_(cols).add_(eps1).view_as(row), like(new_weight, row))
+    col.lerp_(col_sums.div_(rows).add_(eps1).view_as(col), like(new_weight, col))
+    row_scale = (row / row.mean()).rsqrt_().reshape(-1)
+    col_scale = col.rsqrt().reshape(-1)
+    update_rms = square_root(kernels.update_square_sum(grad32, row_scale, col_scale, 0.0, scales=True)
+                             / grad32.numel())
+    clipped = at_least(update_rms / clip, 1.0)
+    scale = lr * at_least(rms(weight), eps2)
+    if weight_decay != 0.0:
+        weight.mul_(1.0 - scale * weight_decay)
+    kernels.apply_update(weight, grad32, row_scale, col_scale, 0.0, -scale / clipped, scales=True)
+
+
 RULE = reference_rule(
     name="adalomo",
     state_names=("exp_avg_sq_row", "exp_avg_sq_col"),
@@ -92,4 +117,5 @@ RULE = reference_rule(
     reference=reference,
     state_shapes=state_shapes,
     layer_capturable=True,
+    matrix_step=matrix_step,
 )
