@@ -12,6 +12,9 @@ What each test pins:
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,3 +166,15 @@ def test_the_layer_path_takes_the_kernels_and_still_equals_torch_adafactor(monke
     assert sorted(set(calls)) == [(17, 45), (45, 30)]
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         assert _relative_error(a.detach(), b.detach()) <= 1e-5, name
+
+
+def test_the_kernels_compile_for_sm90_on_a_machine_without_a_gpu() -> None:
+    """What the interpreter cannot show: each kernel through Triton's sm_90 compile, at the LM head's
+    shape with a bf16 weight (in a process without TRITON_INTERPRET, which would replace them)."""
+    code = ("import torch; from forge_core.kernels import factored; "
+            "compiled = factored.compile_offline(128256, 4096, torch.bfloat16); "
+            "print(len(compiled), sum(len(k.asm['cubin']) > 0 for k in compiled))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["5", "5"]

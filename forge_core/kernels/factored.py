@@ -136,5 +136,29 @@ def apply_update(weight: torch.Tensor, grad: torch.Tensor, row_factor: torch.Ten
                                       float(eps_sq), BR=ROWS, BC=COLS, SCALES=bool(scales))
 
 
-__all__ = ["COLUMN_SPAN", "COLS", "DECORATED_FOR_INTERPRETER", "ROWS", "apply_update", "runs_here", "square_sums",
-           "update_square_sum"]
+def compile_offline(rows: int, cols: int, weight_dtype: torch.dtype = torch.bfloat16, capability: int = 90) -> list:
+    """The three kernels (both forms of the update) compiled for ``sm_<capability>`` without a GPU,
+    as a launch on a ``rows x cols`` G would bind them (CPU tensors stand in; ``offline_compile``).
+    Needs kernels decorated without ``TRITON_INTERPRET``."""
+    from .offline_compile import compile_for_gpu
+
+    if DECORATED_FOR_INTERPRETER:
+        raise RuntimeError("factored.compile_offline: the kernels were decorated for the interpreter; "
+                           "unset TRITON_INTERPRET")
+    grad, weight = torch.empty(rows, cols), torch.empty(rows, cols, dtype=weight_dtype)
+    row_vector, col_vector, scalar = torch.empty(rows), torch.empty(cols), torch.empty(())
+    tiles = dict(BR=ROWS, BC=COLS)
+    compiled = [compile_for_gpu(_square_sums_kernel, (grad, torch.empty(2, rows), torch.empty(2, cols), rows, cols,
+                                                      grad.stride(0)), dict(tiles, SPAN=COLUMN_SPAN), capability)]
+    for scales in (False, True):
+        compiled.append(compile_for_gpu(_update_square_sum_kernel, (grad, row_vector, col_vector, torch.empty(2),
+                                                                    rows, cols, grad.stride(0), 1e-6),
+                                        dict(tiles, SCALES=scales), capability))
+        compiled.append(compile_for_gpu(_apply_update_kernel, (weight, grad, row_vector, col_vector, scalar, rows,
+                                                               cols, weight.stride(0), grad.stride(0), 1e-6),
+                                        dict(tiles, SCALES=scales), capability))
+    return compiled
+
+
+__all__ = ["COLUMN_SPAN", "COLS", "DECORATED_FOR_INTERPRETER", "ROWS", "apply_update", "compile_offline", "runs_here",
+           "square_sums", "update_square_sum"]
