@@ -7,21 +7,37 @@ benchmark's wall time. With ``--gpus``, each cell still runs in a process (tree)
 and cells start in the suite's order as soon as enough are free (a wider cell waits for the
 narrower ones started before it, so no cell overtakes one listed earlier).
 
+Several sweeps on one host (say one per suite, each with ``--gpus 0,1,2,3``) share the GPUs: a
+cell claims each GPU it takes with an exclusive lock on a file of the GPU's name in
+``FORGE_BENCH_GPU_LOCK_DIR`` (default ``<temp dir>/forge-bench-gpus``), held until it ends, so no
+two sweeps' cells run on one GPU and no GPU idles while another sweep has cells waiting. (A GPU
+named by index in one sweep and by UUID in another is not recognised as the same.)
+
 What side by side shares: the host's CPU cores, memory bandwidth and PCIe root, not a GPU. Each
-row records the GPUs it ran on and how many other cells were running when it started
-(``extra.gpus``, ``extra.cells_beside``), so that a reader can keep a ratio's cells under the
-same setting. This module imports neither torch nor Triton: the sweep process stays light.
+row records the GPUs it ran on and how many other cells were running when it started, its own
+sweep's and, one per GPU of its pool they hold, other sweeps' (``extra.gpus``,
+``extra.cells_beside``), so that a reader can keep a ratio's cells under the same setting. This
+module imports neither torch nor Triton: the sweep process stays light.
 """
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable, Optional
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no claims across processes, only within the sweep
+    fcntl = None
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 ORDER = "CUDA_DEVICE_ORDER"
 CELLS_BESIDE = "FORGE_BENCH_CELLS_BESIDE"
 """Set by the sweep for a cell started beside others: how many were running at its start."""
+LOCK_DIR = "FORGE_BENCH_GPU_LOCK_DIR"
+"""Where the sweeps of one host claim GPUs (one lock file per GPU name)."""
 
 
 class LaneError(ValueError):
@@ -39,35 +55,92 @@ def parse_gpus(text: str) -> list[str]:
     return gpus
 
 
-class GpuPool:
-    """The free GPUs; ``take`` blocks until a cell's share is free, ``give_back`` returns it."""
+class GpuClaims:
+    """Exclusive locks on GPU names, shared by every sweep process of the host (``LOCK_DIR``)."""
 
-    def __init__(self, gpus: list[str]):
+    def __init__(self, lock_dir: Optional[str] = None):
+        self.lock_dir = lock_dir or os.environ.get(LOCK_DIR) or os.path.join(tempfile.gettempdir(), "forge-bench-gpus")
+        self._held: dict[str, int] = {}
+
+    def _path(self, gpu: str) -> str:
+        return os.path.join(self.lock_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", gpu) + ".lock")
+
+    def claim(self, gpu: str) -> bool:
+        """Lock ``gpu`` for this process; False when another sweep holds it."""
+        if fcntl is None:
+            return True
+        os.makedirs(self.lock_dir, exist_ok=True)
+        fd = os.open(self._path(gpu), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._held[gpu] = fd
+        return True
+
+    def release(self, gpu: str) -> None:
+        fd = self._held.pop(gpu, None)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def held_elsewhere(self, gpus: list[str]) -> int:
+        """How many of ``gpus`` (none held here) another sweep holds now (a claim tried and let go)."""
+        busy = 0
+        for gpu in gpus:
+            if self.claim(gpu):
+                self.release(gpu)
+            else:
+                busy += 1
+        return busy
+
+
+class GpuPool:
+    """The free GPUs; ``take`` blocks until a cell's share is free here and unclaimed by any other
+    sweep of the host (``GpuClaims``), ``give_back`` returns it."""
+
+    def __init__(self, gpus: list[str], claims: Optional[GpuClaims] = None):
         self.gpus = list(gpus)
         self._free = list(gpus)
         self._running = 0
         self._changed = threading.Condition()
+        self._claims = claims or GpuClaims()
 
     def share_of(self, world_size: int) -> int:
         """GPUs a cell of this world size takes: its world size, or every GPU when it needs more
         than the pool has (its own availability check then says what it lacks)."""
         return max(1, min(int(world_size or 1), len(self.gpus)))
 
-    def take(self, count: int) -> tuple[list[str], int]:
-        """``count`` free GPUs (lowest first) and how many cells were running before this one. The
+    def take(self, count: int, give_up: Callable[[], bool] = lambda: False) -> Optional[tuple[list[str], int]]:
+        """``count`` free GPUs (lowest first) and how many cells were running beside (this sweep's,
+        and one per GPU of the pool another sweep holds); None once ``give_up()`` while waiting. The
         wait wakes twice a second, so that Ctrl-C reaches the sweep's thread while it waits."""
         with self._changed:
-            while len(self._free) < count:
+            while True:
+                claimed: list[str] = []
+                for gpu in [g for g in self.gpus if g in self._free]:
+                    if len(claimed) == count:
+                        break
+                    if self._claims.claim(gpu):
+                        claimed.append(gpu)
+                if len(claimed) == count:
+                    for gpu in claimed:
+                        self._free.remove(gpu)
+                    elsewhere = self._claims.held_elsewhere([g for g in self._free])
+                    beside = self._running + elsewhere
+                    self._running += 1
+                    return claimed, beside
+                for gpu in claimed:
+                    self._claims.release(gpu)
+                if give_up():
+                    return None
                 self._changed.wait(timeout=0.5)
-            taken = [g for g in self.gpus if g in self._free][:count]
-            for gpu in taken:
-                self._free.remove(gpu)
-            beside = self._running
-            self._running += 1
-            return taken, beside
 
     def give_back(self, gpus: list[str]) -> None:
         with self._changed:
+            for gpu in gpus:
+                self._claims.release(gpu)
             self._free.extend(gpus)
             self._running -= 1
             self._changed.notify_all()

@@ -378,7 +378,10 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
             if over_time():
                 break
             if pool is not None:
-                taken, beside = pool.take(pool.share_of(cell.world_size))
+                lane = pool.take(pool.share_of(cell.world_size), give_up=over_time)
+                if lane is None:
+                    break
+                taken, beside = lane
                 if over_time():
                     pool.give_back(taken)
                     break

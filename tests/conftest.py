@@ -18,3 +18,13 @@ if not torch.cuda.is_available():
 import forge_core.kernels.dispatch  # noqa: E402,F401
 import forge_core.kernels.rowwise  # noqa: E402,F401
 import forge_core.lm_head_loss  # noqa: E402,F401
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_gpu_claims(tmp_path_factory, monkeypatch):
+    """Each test claims ``--gpus`` lanes in a folder of its own (``forge_bench.lanes.GpuClaims``):
+    tests running at once in other pytest workers must not wait on, or count, each other's cells."""
+    monkeypatch.setenv("FORGE_BENCH_GPU_LOCK_DIR", str(tmp_path_factory.mktemp("gpu-claims")))

@@ -189,3 +189,38 @@ def test_real_cell_processes_beside_each_other_write_their_rows_with_their_lane(
     assert frame["reason"].str.contains("no CUDA device is visible").all()
     lanes_seen = [json.loads(e) for e in frame["extra"]]
     assert {e["gpus"] for e in lanes_seen} <= {"0", "1"} and all(e["cells_beside"] in (0, 1) for e in lanes_seen)
+
+
+def test_two_sweeps_of_one_host_never_share_a_gpu(tmp_path):
+    """Two pools over the same GPUs (two sweep processes: separate lock files' descriptors conflict
+    as across processes): the second takes what the first does not hold, counts the first's cell
+    beside it, and waits for a GPU the first holds until it is given back."""
+    first = lanes.GpuPool(["0", "1"], lanes.GpuClaims(str(tmp_path)))
+    second = lanes.GpuPool(["0", "1"], lanes.GpuClaims(str(tmp_path)))
+    assert first.take(1) == (["0"], 0)
+    assert second.take(1) == (["1"], 1)
+    waited: dict = {}
+    thread = threading.Thread(target=lambda: waited.setdefault("lane", second.take(1)))
+    thread.start()
+    time.sleep(0.7)
+    assert "lane" not in waited             # GPU 0 is the first sweep's, GPU 1 its own: it waits
+    first.give_back(["0"])
+    thread.join(timeout=5)
+    assert waited["lane"] == (["0"], 1)
+
+
+def test_a_waiting_take_gives_up_when_told(tmp_path):
+    holder = lanes.GpuPool(["3"], lanes.GpuClaims(str(tmp_path)))
+    waiting = lanes.GpuPool(["3"], lanes.GpuClaims(str(tmp_path)))
+    assert holder.take(1) == (["3"], 0)
+    deadline = time.monotonic() + 0.3
+    assert waiting.take(1, give_up=lambda: time.monotonic() > deadline) is None
+    holder.give_back(["3"])
+    assert waiting.take(1) == (["3"], 0)
+
+
+def test_gpu_names_become_lock_file_names(tmp_path):
+    claims = lanes.GpuClaims(str(tmp_path))
+    assert claims.claim("GPU-1a2b/3c")
+    assert [p.name for p in tmp_path.iterdir()] == ["GPU-1a2b_3c.lock"]
+    claims.release("GPU-1a2b/3c")
