@@ -127,7 +127,7 @@ class GpuPool:
                 if len(claimed) == count:
                     for gpu in claimed:
                         self._free.remove(gpu)
-                    elsewhere = self._claims.held_elsewhere([g for g in self._free])
+                    elsewhere = self._claims.held_elsewhere(list(self._free))
                     beside = self._running + elsewhere
                     self._running += 1
                     return claimed, beside

@@ -138,8 +138,7 @@ def deferred_update(rule: Rule, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
         grad32.add_(grad_accum)
     with torch.no_grad():
         states32 = {name: _fp32_view(value) for name, value in state.values.items()}
-        if rule.matrix_step is not None and factored is not None and factored.runs_here(grad32) \
-                and weight.stride(-1) == 1:
+        if rule.matrix_step is not None and factored is not None and factored.runs_here(grad32, weight):
             rule.matrix_step(weight.detach(), grad32, states32, hp, step, factored)
         else:
             rule.reference(weight.detach(), grad32, states32, hp, step)
@@ -180,17 +179,16 @@ def layer_wgrad_update(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
 @dataclass
 class PendingUpdate:
     """The deferred step of the largest weight in one backward (graph task ``task``): it runs once,
-    when ``others_left`` other fused weights have stepped or at the backward's end, whichever is first."""
+    when ``others_left`` other fused weights have stepped or at the backward's end, whichever is
+    first; ``update`` is None once it ran (which drops the X and dY it kept)."""
 
     task: int
     update: Optional[Callable[[], None]]
     others_left: int
-    done: bool = False
 
     def run(self) -> None:
-        update, self.update = self.update, None      # drop the kept X and dY once stepped
-        if not self.done and update is not None:
-            self.done = True
+        update, self.update = self.update, None
+        if update is not None:
             update()
 
 
@@ -201,8 +199,8 @@ class LayerPath:
     and the 1-based step (the device count when capturable)."""
 
     defer_largest = True
-    """Step the one largest weight at the end of the backward (``defers``); False steps every weight
-    inside its own backward."""
+    """Step the one largest weight after the other weights of the backward (``defers``); False steps
+    every weight inside its own backward."""
 
     def __init__(self, rule: Rule, state_dtype: str, hyperparameters: Mapping[str, Any], accumulate_steps: int,
                  arguments: Callable[[Any], tuple[Mapping[str, Any], Any]]) -> None:
@@ -256,7 +254,7 @@ class LayerPath:
             return
         self.stepped = (task, stepped + 1)
         pending = self.pending
-        if pending is not None and pending.task == task and not pending.done:
+        if pending is not None and pending.task == task and pending.update is not None:
             pending.others_left -= 1
             if pending.others_left <= 0:
                 pending.run()       # every other fused weight has stepped: their activations are gone

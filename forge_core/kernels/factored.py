@@ -33,10 +33,16 @@ ROWS, COLS = 32, 256
 COLUMN_SPAN = 2048
 
 
-def runs_here(grad: torch.Tensor) -> bool:
-    """Whether these kernels can take ``grad`` (a contiguous fp32 matrix on their device)."""
+def runs_here(grad: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether these kernels can take ``grad`` (a row-major fp32 matrix on their device) and, when
+    given, ``weight`` (a row-major matrix of G's shape: what ``apply_update`` refuses otherwise)."""
     return (grad.dim() == 2 and grad.dtype == torch.float32 and grad.stride(1) == 1
-            and runs_on_device_of(grad, DECORATED_FOR_INTERPRETER))
+            and runs_on_device_of(grad, DECORATED_FOR_INTERPRETER)
+            and (weight is None or _takes_weight(weight, grad)))
+
+
+def _takes_weight(weight: torch.Tensor, grad: torch.Tensor) -> bool:
+    return weight.shape == grad.shape and weight.stride(1) == 1
 
 
 @triton.jit
@@ -128,7 +134,7 @@ def apply_update(weight: torch.Tensor, grad: torch.Tensor, row_factor: torch.Ten
                  eps_sq: float, coef: torch.Tensor, scales: bool = False) -> None:
     """``weight += coef * U`` in place (computed in fp32, rounded once to the weight's dtype), U as in
     ``update_square_sum``; ``coef``: a 0-d fp32 tensor on the weight's device."""
-    if weight.shape != grad.shape or weight.stride(1) != 1:
+    if not _takes_weight(weight, grad):
         raise ValueError(f"apply_update: weight {tuple(weight.shape)} (strides {weight.stride()}) must be a "
                          f"row-major matrix of G's shape {tuple(grad.shape)}")
     _apply_update_kernel[_grid(grad)](weight, grad, row_factor, col, coef.reshape(()).to(torch.float32),
