@@ -36,9 +36,11 @@ from .state import ParamState
 from .wgrad_gemm import accumulate_product, weight_gradient
 
 try:
-    from .kernels import factored
+    from .kernels import factored as MATRIX_KERNELS
 except ImportError:  # pragma: no cover - a torch-only install: the rules' plain-torch references run
-    factored = None
+    MATRIX_KERNELS = None
+"""The factored rules' Triton passes that ``Rule.matrix_step`` takes (``forge_core.kernels.factored``);
+None without Triton."""
 
 LAYER_STATE_DTYPES = ("fp32", "bf16")
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -138,8 +140,8 @@ def deferred_update(rule: Rule, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
         grad32.add_(grad_accum)
     with torch.no_grad():
         states32 = {name: _fp32_view(value) for name, value in state.values.items()}
-        if rule.matrix_step is not None and factored is not None and factored.runs_here(grad32, weight):
-            rule.matrix_step(weight.detach(), grad32, states32, hp, step, factored)
+        if rule.matrix_step is not None and MATRIX_KERNELS is not None and MATRIX_KERNELS.runs_here(grad32, weight):
+            rule.matrix_step(weight.detach(), grad32, states32, hp, step, MATRIX_KERNELS)
         else:
             rule.reference(weight.detach(), grad32, states32, hp, step)
         del grad32
@@ -275,5 +277,5 @@ class LayerPath:
                           "row block (the chunked LM-head loss): use the model's own loss")
 
 
-__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "LayerState", "PendingUpdate", "deferred_update",
+__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "MATRIX_KERNELS", "LayerState", "PendingUpdate", "deferred_update",
            "layer_wgrad_update", "takes_layer_path", "track_gradient_residency"]

@@ -40,7 +40,7 @@ from .backends import BACKENDS, check_capturable, resolve_backend
 from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
 from .dtensors import local_shard
-from .layer_step import LayerPath, takes_layer_path
+from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
@@ -262,8 +262,12 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
         self.capturable = bool(capturable)
-        self._fallback = rule.fallback_optimizer([{"params": list(self._torch_params)}], capturable=self.capturable,
-                                                 **hyperparameters)
+        fallback_groups = [{"params": list(self._torch_params)}]
+        if rule.forge_fallback is not None:
+            self._fallback = rule.forge_fallback(fallback_groups, capturable=self.capturable,
+                                                 matrix_kernels=MATRIX_KERNELS, **hyperparameters)
+        else:
+            self._fallback = rule.fallback_optimizer(fallback_groups, capturable=self.capturable, **hyperparameters)
         self._steps_taken = 0
         self.distributed: Optional[DistributedUpdates] = None   # data parallel: forge_core.reduction
         self._unfused = False

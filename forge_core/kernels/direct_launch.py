@@ -13,10 +13,13 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
 import triton
+
+from .device import interpreting
 
 
 def direct_launch_enabled() -> bool:
@@ -38,6 +41,97 @@ def constexpr_tail(kernel: Any) -> tuple[str, ...] | None:
     if not all(flags[first:]):
         return None
     return tuple(name for name, _ in flagged[first:])
+
+
+@dataclass(frozen=True)
+class CompiledLaunch:
+    """What launching a compiled kernel without the JIT needs, read once from it (``launch_parts``)."""
+    run: Any
+    function: Any
+    packed: Any
+    metadata: Callable[..., Any]
+    constexprs: tuple
+    knobs: Any
+    current_stream: Callable[[int], Any]
+    current_device: Callable[[], int]
+    device_index: int
+
+
+def launch_parts(kernel: Any, compiled: Any, constexprs: Mapping[str, Any]) -> CompiledLaunch | None:
+    """The pieces of a direct launch of ``compiled`` (``kernel`` compiled with ``constexprs``), or None
+    where this Triton lays out its kernels or compiled handles otherwise (the JIT then runs)."""
+    names = constexpr_tail(kernel)
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    driver = getattr(getattr(triton, "runtime", None), "driver", None)
+    needed = ("run", "function", "packed_metadata", "launch_metadata")
+    if names is None or knobs is None or driver is None or not all(hasattr(compiled, a) for a in needed):
+        return None
+    try:
+        values = tuple(constexprs[name] for name in names)
+        current_stream, current_device = driver.active.get_current_stream, driver.active.get_current_device
+        device_index = current_device()
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+    return CompiledLaunch(compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata,
+                          values, knobs, current_stream, current_device, device_index)
+
+
+def compiled_launcher(kernel: Any, compiled: Any, grid: tuple[int, ...],
+                      constexprs: Mapping[str, Any]) -> Callable[[tuple], bool] | None:
+    """A launch of ``compiled`` on ``grid`` that takes the runtime arguments only, in order, and skips
+    the JIT's binding, specialising and hashing; it returns False, launching nothing, when another
+    device is current than at the first launch. Sound only for arguments that specialise as the
+    compiled launch's did (the caller keys its launchers on that: ``LaunchCache``)."""
+    parts = launch_parts(kernel, compiled, constexprs)
+    if parts is None:
+        return None
+    grid_x, grid_y, grid_z = (tuple(grid) + (1, 1))[:3]
+
+    def launch(args: tuple) -> bool:
+        if parts.current_device() != parts.device_index:
+            return False
+        stream = parts.current_stream(parts.device_index)
+        parts.run(grid_x, grid_y, grid_z, stream, parts.function, parts.packed,
+                  parts.metadata(grid, stream, *args, *parts.constexprs), parts.knobs.launch_enter_hook,
+                  parts.knobs.launch_exit_hook, *args, *parts.constexprs)
+        return True
+
+    return launch
+
+
+def specialisation(value: Any) -> Any:
+    """What Triton's JIT specialises a runtime argument on, as a hashable key: a tensor's dtype,
+    device and 16-byte alignment, an int's value (its width and divisibility follow from it), a
+    float's type only (floats are never specialised)."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.device, value.data_ptr() % 16 == 0)
+    if isinstance(value, float):
+        return float
+    return value
+
+
+class LaunchCache:
+    """Launches of one kernel that go through Triton's JIT once per specialisation (grid, argument
+    specialisation, constexprs) and directly after that. Why: the factored rules launch three
+    kernels per weight per step, and through the JIT each costs about 100 us of host time on an
+    eager step that is host-bound (``forge_core.kernels.factored``)."""
+
+    def __init__(self, kernel: Any, counts: dict[str, int] | None = None) -> None:
+        self.kernel = kernel
+        self.launchers: dict[tuple, Callable[[tuple], bool] | None] = {}
+        self.counts = counts if counts is not None else {"direct": 0, "jit": 0}
+        """Launches by path (``direct`` / ``jit``); a shared dict when given (``launch.LAUNCH_PATHS``)."""
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, **constexprs: Any) -> None:
+        key = (tuple(grid), tuple(specialisation(a) for a in args), tuple(sorted(constexprs.items())))
+        launcher = self.launchers.get(key)
+        if launcher is not None and launcher(args):
+            self.counts["direct"] += 1
+            return
+        self.counts["jit"] += 1
+        compiled = self.kernel[grid](*args, **constexprs)
+        if key not in self.launchers and compiled is not None and not interpreting() and direct_launch_enabled():
+            self.launchers[key] = compiled_launcher(self.kernel, compiled, grid, constexprs)
 
 
 TRITON_36_BASE_ARGS = "iiiKKppOOOOOO"      # grid xyz, stream, function, cooperative, pdl, 2 scratches, 4 objects

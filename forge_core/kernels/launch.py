@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..rules.base import KERNEL_SCALARS, MAX_STATES, Rule, check_scalar_count
 from ..state import QBLOCK, ParamState
 from .device import interpreting
-from .direct_launch import constexpr_tail, direct_launch_enabled, raw_tma_launch
+from .direct_launch import compiled_launcher, direct_launch_enabled, launch_parts, raw_tma_launch
 from .tile_config import TileConfig
 from .tile_kernel import fused_wgrad_update_kernel
 
@@ -194,48 +194,29 @@ def direct_launcher(compiled: Any, plan: LaunchPlan) -> Callable[[tuple], bool] 
     None where this Triton lays out its compiled kernels differently (the JIT path then stays). For a
     TMA plan whose compiled kernel ``raw_tma_launch`` understands, the launch encodes the descriptors
     itself and ``plan.direct_builds_descriptors`` is set, so ``run_plan`` builds none for it."""
-    names = constexpr_tail(fused_wgrad_update_kernel)
-    runtime_knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
-    driver = getattr(getattr(triton, "runtime", None), "driver", None)
-    needed = ("run", "function", "packed_metadata", "launch_metadata")
-    if names is None or runtime_knobs is None or driver is None or not all(hasattr(compiled, a) for a in needed):
+    parts = launch_parts(fused_wgrad_update_kernel, compiled, plan.kwargs)
+    if parts is None:
         return None
-    try:
-        constexprs = tuple(plan.kwargs[name] for name in names)
-        current_stream, current_device = driver.active.get_current_stream, driver.active.get_current_device
-        device_index = current_device()
-    except (KeyError, AttributeError, RuntimeError):
-        return None
-    run, function, packed, metadata = compiled.run, compiled.function, compiled.packed_metadata, compiled.launch_metadata
     grid = plan.grid
-    grid_x = grid[0]
     raw = raw_tma_launch(compiled) if plan.tma else None
-    if raw is not None:
-        launcher, cooperative, pdl, (x_meta, dy_meta), encode = raw
-        plan.direct_builds_descriptors = True
+    if raw is None:
+        return compiled_launcher(fused_wgrad_update_kernel, compiled, grid, plan.kwargs)
+    launcher, cooperative, pdl, (x_meta, dy_meta), encode = raw
+    plan.direct_builds_descriptors = True
+    grid_x, constexprs, knobs = grid[0], parts.constexprs, parts.knobs
 
-        def launch_encoding_descriptors(args: tuple) -> bool:
-            if current_device() != device_index:
-                return False
-            stream = current_stream(device_index)
-            x2, dy2 = args[0], args[1]
-            launcher(grid_x, 1, 1, stream, function, cooperative, pdl, None, None, packed,
-                     metadata(grid, stream, *args, *constexprs), runtime_knobs.launch_enter_hook,
-                     runtime_knobs.launch_exit_hook, x2, dy2, *encode(x2, x_meta), *encode(dy2, dy_meta),
-                     *args[4:], *constexprs)
-            return True
-
-        return launch_encoding_descriptors
-
-    def launch(args: tuple) -> bool:
-        if current_device() != device_index:
+    def launch_encoding_descriptors(args: tuple) -> bool:
+        if parts.current_device() != parts.device_index:
             return False
-        stream = current_stream(device_index)
-        run(grid_x, 1, 1, stream, function, packed, metadata(grid, stream, *args, *constexprs),
-            runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook, *args, *constexprs)
+        stream = parts.current_stream(parts.device_index)
+        x2, dy2 = args[0], args[1]
+        launcher(grid_x, 1, 1, stream, parts.function, cooperative, pdl, None, None, parts.packed,
+                 parts.metadata(grid, stream, *args, *constexprs), knobs.launch_enter_hook,
+                 knobs.launch_exit_hook, x2, dy2, *encode(x2, x_meta), *encode(dy2, dy_meta),
+                 *args[4:], *constexprs)
         return True
 
-    return launch
+    return launch_encoding_descriptors
 
 
 def go_direct(plan: LaunchPlan, compiled: Any) -> None:

@@ -15,7 +15,7 @@ all of G, so no weight tile can step alone: the fused path forms the layer's G, 
 reference on it and frees it inside the layer's backward (``forge_core.layer_step``). ``V`` and ``U``
 are computed in row blocks into G (``scalars.row_blocks``), so the step holds G and one block.
 Where Triton runs, the layer path takes ``matrix_step`` instead: the same arithmetic in three reads
-of G (``forge_core.kernels.factored``).
+of G and three Triton launches (``forge_core.kernels.factored``).
 
 Differences from torch.optim.Adafactor, none of which changes an fp32 result beyond rounding:
 ``alpha`` and ``max(1, rms(U) / d)`` are 0-d device tensors, where torch reads both norms on the
@@ -33,7 +33,7 @@ import torch
 
 from .base import Rule, known_hyperparameters
 from .rule_optimizer import RuleOptimizer
-from .scalars import at_least, at_most, like, rms, row_blocks, square_root, step_value
+from .scalars import at_least, at_most, like, rms, row_blocks, step_value
 
 DEFAULTS = {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0, "maximize": False}
 
@@ -67,23 +67,17 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
     raise ValueError(f"adafactor: parameters must be 1-D or 2-D, got shape {shape}")
 
 
-def _begin_step(weight: torch.Tensor, grad32: torch.Tensor, hp: Mapping[str, Any],
-                step: Any) -> tuple[torch.Tensor, Any, Any, float, float]:
-    """What both forms of the step do first: the sign of G, ``t^beta2_decay``, ``alpha`` (from the
-    weight before its decay), the decoupled weight decay. Returns (G, 1 - beta2_t, alpha, eps1, d)."""
-    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
-    t = step_value(step)
-    alpha = at_least(rms(weight), eps2) * at_most(t ** -0.5, lr)
-    if weight_decay != 0.0:
-        weight.mul_(1.0 - lr * weight_decay)
-    return (grad32.neg_() if maximize else grad32), t ** beta2_decay, alpha, eps1, d
-
-
 def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
     """One Adafactor step in place (``weight``: fp32 or bf16, each op computed in fp32; fp32 states);
     ``grad32`` is consumed: it may be overwritten."""
-    grad, one_minus_beta2, alpha, eps1, d = _begin_step(weight, grad32, hp, step)
+    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
+    t = step_value(step)
+    one_minus_beta2 = t ** beta2_decay
+    alpha = at_least(rms(weight), eps2) * at_most(t ** -0.5, lr)      # from the weight before its decay
+    if weight_decay != 0.0:
+        weight.mul_(1.0 - lr * weight_decay)
+    grad = grad32.neg_() if maximize else grad32
     if grad.dim() == 2:
         row_var, col_var = states32["row_var"], states32["col_var"]
         row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
@@ -106,20 +100,26 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
 
 def matrix_step(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
                 hp: Mapping[str, Any], step: Any, kernels: Any) -> None:
-    """``reference`` for a 2-D weight, its three passes over G run by ``kernels``
-    (``forge_core.kernels.factored``: the row and column sums of G^2, the sum of U^2, then W), so G
-    is read three times and never written; the algebra on the row and column vectors is the same."""
-    grad, one_minus_beta2, alpha, eps1, d = _begin_step(weight, grad32, hp, step)
+    """``reference`` for a 2-D weight, its passes over G run by ``kernels``
+    (``forge_core.kernels.factored``: the row and column means of G^2 with the sum of W^2, the sum
+    of U^2, then W with its decay), so G is read three times and never written, and the scalars
+    (``alpha``, the clipping, the decay) are computed in the last kernel. ``maximize`` flips the
+    update's sign instead of G's (the squares do not see it). The weight decay and the update
+    round a bf16 weight once, where the reference rounds after each."""
+    lr, beta2_decay, eps1, eps2, d, weight_decay, maximize = _checked(hp)
+    t = step_value(step)
+    one_minus_beta2 = t ** beta2_decay
+    rho = at_most(t ** -0.5, lr)
     row_var, col_var = states32["row_var"], states32["col_var"]
-    rows, cols = grad.shape
-    row_sums, col_sums = kernels.square_sums(grad)
-    row_var.lerp_(row_sums.div_(cols).view_as(row_var), like(one_minus_beta2, row_var))
-    col_var.lerp_(col_sums.div_(rows).view_as(col_var), like(one_minus_beta2, col_var))
-    row_factor = row_var.div(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)).reshape(-1)
-    col = col_var.reshape(-1)
-    update_rms = square_root(kernels.update_square_sum(grad, row_factor, col, eps1 * eps1) / grad.numel())
-    coefficient = -alpha / at_least(update_rms / d, 1.0)
-    kernels.apply_update(weight, grad, row_factor, col, eps1 * eps1, coefficient)
+    rows, cols = grad32.shape
+    sums = kernels.square_sums(grad32, weight, 1.0 / cols, 1.0 / rows)
+    row_var.lerp_(sums.rows.view_as(row_var), like(one_minus_beta2, row_var))
+    col_var.lerp_(sums.cols.view_as(col_var), like(one_minus_beta2, col_var))
+    factors = kernels.Factors(row_var, row_var.mean(), col_var, mean_floor=eps1, eps_sq=eps1 * eps1)
+    update_squares = kernels.update_square_sum(grad32, factors)
+    scalars = kernels.StepScalars(rho=like(rho, row_var), eps2=eps2, d=d, sign=-1.0 if maximize else 1.0,
+                                  decay_rate=lr * weight_decay)
+    kernels.apply_update(weight, grad32, factors, update_squares, sums.weight_squares, scalars)
 
 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
@@ -132,12 +132,22 @@ def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.opt
     return torch.optim.Adafactor(params, **known)
 
 
+def forge_fallback(params, capturable: bool = False, matrix_kernels: Any = None, **hp: Any) -> torch.optim.Optimizer:
+    """What a ForgeOptimizer steps the parameters it does not fuse with (``Rule.forge_fallback``): a
+    ``RuleOptimizer`` on this reference, which syncs nothing with the host, and steps a 2-D parameter
+    (the embedding) with ``matrix_step`` where ``matrix_kernels`` run. The unfused arm stays
+    torch.optim.Adafactor (``fallback_optimizer``)."""
+    return RuleOptimizer(params, RULE, capturable=capturable, matrix_kernels=matrix_kernels,
+                         **known_hyperparameters(hp, DEFAULTS))
+
+
 RULE = Rule(
     name="adafactor",
     state_names=("row_var", "col_var"),
     defaults=DEFAULTS,
     reference=reference,
     fallback_optimizer=fallback_optimizer,
+    forge_fallback=forge_fallback,
     regime=3,
     matrix_step=matrix_step,
     state_shapes=state_shapes,

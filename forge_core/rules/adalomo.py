@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from .rule_optimizer import reference_rule
-from .scalars import at_least, like, rms, square_root, step_value
+from .scalars import at_least, like, rms, step_value
 
 DEFAULTS = {"lr": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "weight_decay": 0.0, "eps": (1e-30, 1e-3)}
 
@@ -90,24 +90,21 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
 def matrix_step(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
                 hp: Mapping[str, Any], step: Any, kernels: Any) -> None:
     """``reference`` for a 2-D weight, its passes over G run by ``kernels``
-    (``forge_core.kernels.factored``: the row and column sums of G^2, the sum of U^2 with the two
-    inverse roots as scales, then W): G is read three times and never written."""
+    (``forge_core.kernels.factored``: the row and column means of G^2 with the sum of W^2, the sum
+    of U^2 with the two inverse roots as scales, then W with its decay): G is read three times and
+    never written, and the scalars (``s``, the clipping, the decay) are computed in the last kernel.
+    The weight decay and the update round a bf16 weight once, where the reference rounds after each."""
     lr, clip, decay_rate, weight_decay, eps1, eps2 = _checked(hp)
     new_weight = step_value(step) ** decay_rate
     row, col = states32["exp_avg_sq_row"], states32["exp_avg_sq_col"]
     rows, cols = grad32.shape
-    row_sums, col_sums = kernels.square_sums(grad32)
-    row.lerp_(row_sums.div_(cols).add_(eps1).view_as(row), like(new_weight, row))
-    col.lerp_(col_sums.div_(rows).add_(eps1).view_as(col), like(new_weight, col))
-    row_scale = (row / row.mean()).rsqrt_().reshape(-1)
-    col_scale = col.rsqrt().reshape(-1)
-    update_rms = square_root(kernels.update_square_sum(grad32, row_scale, col_scale, 0.0, scales=True)
-                             / grad32.numel())
-    clipped = at_least(update_rms / clip, 1.0)
-    scale = lr * at_least(rms(weight), eps2)
-    if weight_decay != 0.0:
-        weight.mul_(1.0 - scale * weight_decay)
-    kernels.apply_update(weight, grad32, row_scale, col_scale, 0.0, -scale / clipped, scales=True)
+    sums = kernels.square_sums(grad32, weight, 1.0 / cols, 1.0 / rows)
+    row.lerp_(sums.rows.add_(eps1).view_as(row), like(new_weight, row))
+    col.lerp_(sums.cols.add_(eps1).view_as(col), like(new_weight, col))
+    factors = kernels.Factors(row, row.mean(), col, scales=True)
+    update_squares = kernels.update_square_sum(grad32, factors)
+    scalars = kernels.StepScalars(rho=lr, eps2=eps2, d=clip, decay_rate=weight_decay, decay_by_alpha=True)
+    kernels.apply_update(weight, grad32, factors, update_squares, sums.weight_squares, scalars)
 
 
 RULE = reference_rule(

@@ -123,6 +123,13 @@ class Rule:
     fallback_hyperparameters: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     """Our param group's values -> the fallback optimizer's (Muon's ``adamw_*`` keys become AdamW's
     ``lr``, ``betas``, ...). None: the same keys."""
+    forge_fallback: Callable[..., torch.optim.Optimizer] | None = None
+    """``forge_fallback(params_or_groups, capturable=False, matrix_kernels=None, **hp)``: what a
+    ``ForgeOptimizer`` steps its unfused parameters with, where that should not be the unfused arm's
+    ``fallback_optimizer``: the factored rules' ``RuleOptimizer``, which reads no norm on the host
+    (torch.optim.Adafactor reads two per parameter: 133 syncs in an eager Llama-3.1-8B step) and
+    steps 2-D parameters (the embedding) with ``matrix_step`` on ``matrix_kernels``. None:
+    ``fallback_optimizer``."""
     layer_capturable: bool = False
     """Regimes 2 and 3: the layer update runs device ops only (no host sync; the step may be a 0-d
     device tensor), so ``fuse(..., capturable=True)`` can capture it in a CUDA graph."""

@@ -27,13 +27,17 @@ class RuleOptimizer(torch.optim.Optimizer):
     """``rule.reference`` on every parameter with a gradient (1-D and 2-D parameters)."""
 
     def __init__(self, params: Any, rule: Rule, *, capturable: bool = False,
-                 parameter_names: Optional[Mapping[int, str]] = None, **hyperparameters: Any) -> None:
+                 parameter_names: Optional[Mapping[int, str]] = None, matrix_kernels: Any = None,
+                 **hyperparameters: Any) -> None:
         unknown = sorted(set(hyperparameters) - set(rule.defaults))
         if unknown:
             raise ValueError(f"{rule.name}: unknown hyper-parameter(s) {unknown}; known: {sorted(rule.defaults)}")
         defaults = {**rule.resolve_hp(hyperparameters), "capturable": bool(capturable)}
         self.rule = rule
         self.parameter_names: dict[int, str] = dict(parameter_names or {})
+        self.matrix_kernels = matrix_kernels if rule.matrix_step is not None else None
+        """The kernels ``rule.matrix_step`` runs a 2-D parameter's step on (where they take its
+        gradient: ``runs_here``), reading the gradient in its own dtype; None: ``reference`` always."""
         super().__init__(params, defaults)
         probe = torch.zeros(1)
         rule.reference(probe.clone(), probe.clone(), {name: torch.zeros(size) for name, size in
@@ -70,18 +74,26 @@ class RuleOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, parameter: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any], step: Any) -> None:
-        # the parameter in its own dtype: a regime-3 reference steps a bf16 weight op by op in fp32
-        # (forge_core.layer_step.deferred_update does the same), a regime-1 one needs fp32
-        weight = parameter if parameter.dtype == torch.float32 or self.rule.regime == 3 else parameter.float()
-        grad32 = parameter.grad.to(torch.float32, copy=True)
-        names = [key for key in state if key != "step"]
-        states32 = {key: (state[key] if state[key].dtype == torch.float32 else state[key].float()) for key in names}
-        self.rule.reference(weight, grad32, states32, group, step)
-        for key in names:
-            if states32[key].data_ptr() != state[key].data_ptr():
-                state[key].copy_(states32[key])
-        if weight.data_ptr() != parameter.data_ptr():
-            parameter.copy_(weight)
+        states32 = {key: (value if value.dtype == torch.float32 else value.float())
+                    for key, value in state.items() if key != "step"}
+        kernels = self.matrix_kernels
+        if kernels is not None and parameter.dim() == 2 and kernels.runs_here(parameter.grad, parameter):
+            # the gradient is only read (no fp32 copy of it: an embedding's is 2 GB at Llama-3.1-8B)
+            self.rule.matrix_step(parameter, parameter.grad, states32, group, step, kernels)
+        else:
+            # the parameter in its own dtype: a regime-3 reference steps a bf16 weight op by op in fp32
+            # (forge_core.layer_step.deferred_update does the same), a regime-1 one needs fp32
+            weight = parameter if parameter.dtype == torch.float32 or self.rule.regime == 3 else parameter.float()
+            self.rule.reference(weight, parameter.grad.to(torch.float32, copy=True), states32, group, step)
+            if weight.data_ptr() != parameter.data_ptr():
+                parameter.copy_(weight)
+        self._store(state, states32)
+
+    @staticmethod
+    def _store(state: dict[str, Any], states32: Mapping[str, torch.Tensor]) -> None:
+        for key, value in states32.items():
+            if value.data_ptr() != state[key].data_ptr():
+                state[key].copy_(value)
 
 
 def reference_rule(*, fallback_overrides: Optional[Mapping[str, Any]] = None, **fields: Any) -> Rule:
@@ -95,6 +107,13 @@ def reference_rule(*, fallback_overrides: Optional[Mapping[str, Any]] = None, **
         return RuleOptimizer(params, rule, capturable=capturable,
                              **{**known_hyperparameters(hp, rule.defaults), **overrides})
 
+    def forge_fallback(params: Any, capturable: bool = False, matrix_kernels: Any = None,
+                       **hp: Any) -> torch.optim.Optimizer:
+        return RuleOptimizer(params, rule, capturable=capturable, matrix_kernels=matrix_kernels,
+                             **{**known_hyperparameters(hp, rule.defaults), **overrides})
+
+    if fields.get("matrix_step") is not None:      # a ForgeOptimizer's fallback takes the kernels too
+        fields["forge_fallback"] = forge_fallback
     if overrides:          # kept on every step too, when the optimizer syncs the fallback's groups with its own
         fields["fallback_hyperparameters"] = lambda hp: {**hp, **overrides}
     rule = Rule(fallback_optimizer=fallback_optimizer, regime=3, state_dtypes=frozenset({"fp32", "bf16"}), **fields)
