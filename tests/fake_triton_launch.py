@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def descriptor_meta(block: list[int], swizzle: int = 128, elem_type: int = 5, elem_size: int = 2) -> dict:
@@ -74,3 +75,34 @@ def install(monkeypatch, descriptor_indices: set[int], metas: list[dict], device
     monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": FakeActive()})())
     fake.compiled, fake.driver = FakeCompiled(), nvidia_driver
     return fake
+
+
+def plain_compiled(calls: list, metadata: Any = None) -> Any:
+    """A compiled kernel without descriptors whose ``run`` appends its arguments to ``calls``;
+    ``launch_metadata`` returns ``metadata(grid, stream, *args)`` (None without it)."""
+
+    class PlainCompiled:
+        function, packed_metadata = "function-handle", "packed"
+
+        @staticmethod
+        def run(*args):
+            calls.append(args)
+
+        @staticmethod
+        def launch_metadata(grid, stream, *args):
+            return metadata(grid, stream, *args) if metadata is not None else None
+
+    return PlainCompiled()
+
+
+class FakeActive:
+    """``triton.runtime.driver.active``: a current device to change, streams ``stream_base + index``."""
+
+    def __init__(self, device: int = 0, stream_base: int = 1000) -> None:
+        self.device, self.stream_base = device, stream_base
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, index):
+        return self.stream_base + index

@@ -187,14 +187,20 @@ def test_matrix_step_is_deterministic(rule_name: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_the_layer_path_takes_the_kernels_and_still_equals_torch_adafactor(monkeypatch) -> None:
-    calls: list[tuple[int, ...]] = []
+def _stepped_shapes(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the weights ``factored.apply_update`` steps from now on, in order."""
+    shapes: list[tuple[int, ...]] = []
     original = factored.apply_update
 
     def counting(weight, *args) -> None:
-        calls.append(tuple(weight.shape))
+        shapes.append(tuple(weight.shape))
         original(weight, *args)
     monkeypatch.setattr(factored, "apply_update", counting)
+    return shapes
+
+
+def test_the_layer_path_takes_the_kernels_and_still_equals_torch_adafactor(monkeypatch) -> None:
+    calls = _stepped_shapes(monkeypatch)
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(30, 45), nn.Tanh(), nn.Linear(45, 17)).to(_device())
     twin = copy.deepcopy(model)
@@ -263,13 +269,7 @@ def test_a_forge_optimizer_steps_its_embedding_with_the_kernels(monkeypatch, rul
     equals the unfused arm (torch.optim.Adafactor, or the AdaLomo reference)."""
     from forge_core.rules.rule_optimizer import RuleOptimizer
 
-    shapes: list[tuple[int, ...]] = []
-    original = factored.apply_update
-
-    def counting(weight, *args) -> None:
-        shapes.append(tuple(weight.shape))
-        original(weight, *args)
-    monkeypatch.setattr(factored, "apply_update", counting)
+    shapes = _stepped_shapes(monkeypatch)
     torch.manual_seed(9)
     model = _Embedded().to(_device())
     twin = copy.deepcopy(model)

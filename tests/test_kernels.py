@@ -571,36 +571,18 @@ def test_direct_launcher_passes_runtime_arguments_then_constexprs(monkeypatch):
     another layout."""
     import triton
 
+    from fake_triton_launch import FakeActive, plain_compiled
+
     calls = []
-
-    class FakeCompiled:
-        function, packed_metadata = "function-handle", "packed"
-
-        @staticmethod
-        def run(*args):
-            calls.append(args)
-
-        @staticmethod
-        def launch_metadata(grid, stream, *args):
-            return ("metadata", grid, stream, len(args))
-
-    class FakeActive:
-        device = 3
-
-        def get_current_device(self):
-            return self.device
-
-        def get_current_stream(self, index):
-            return 1000 + index
-
-    active = FakeActive()
+    compiled = plain_compiled(calls, lambda grid, stream, *args: ("metadata", grid, stream, len(args)))
+    active = FakeActive(device=3)
     monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": active})())
     names = constexpr_tail(tile_kernel.fused_wgrad_update_kernel)
     assert names[0] == "EPILOGUE" and names[-1] == "QB" and "seed" not in names
     kwargs = {name: f"value-of-{name}" for name in names}
     kwargs.update(num_warps=4, num_stages=2)          # launch options, not kernel parameters
     plan = launch.LaunchPlan(TileConfig(32, 64, 32, 8, 4, 1), (7,), (), kwargs)
-    direct = launch.direct_launcher(FakeCompiled(), plan)
+    direct = launch.direct_launcher(compiled, plan)
     runtime_args = ("x2", "dy2", 5, 0.5)
     assert direct(runtime_args) is True
     (call,) = calls

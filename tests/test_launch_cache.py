@@ -9,10 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fake_triton_launch import FakeActive, plain_compiled
 from forge_core.kernels import direct_launch
 
 
 def _fake_kernel(jit_calls: list):
+    """A kernel whose JIT launch records its call and returns a compiled kernel recording into ``launched``."""
     def kernel_fn(X, n, scale, BLOCK: tl.constexpr, MODE: tl.constexpr):
         pass
 
@@ -22,7 +24,7 @@ def _fake_kernel(jit_calls: list):
         def __getitem__(self, grid):
             def jit_launch(*args, **constexprs):
                 jit_calls.append((grid, args, constexprs))
-                return FakeCompiled()
+                return plain_compiled(launched)
             return jit_launch
 
     return FakeKernel()
@@ -31,31 +33,9 @@ def _fake_kernel(jit_calls: list):
 launched: list = []
 
 
-class FakeCompiled:
-    function, packed_metadata = "function-handle", "packed"
-
-    @staticmethod
-    def run(*args):
-        launched.append(args)
-
-    @staticmethod
-    def launch_metadata(grid, stream, *args):
-        return None
-
-
-class FakeActive:
-    device = 0
-
-    def get_current_device(self):
-        return self.device
-
-    def get_current_stream(self, index):
-        return 500 + index
-
-
 @pytest.fixture
 def fake_driver(monkeypatch):
-    active = FakeActive()
+    active = FakeActive(stream_base=500)
     monkeypatch.setattr(triton.runtime, "driver", type("FakeDriver", (), {"active": active})())
     monkeypatch.setattr(direct_launch, "interpreting", lambda: False)
     monkeypatch.delenv("FORGE_DIRECT_LAUNCH", raising=False)
