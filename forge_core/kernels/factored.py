@@ -88,6 +88,11 @@ GRADIENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 is read in its own dtype, every op in fp32."""
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain Python (``triton.cdiv`` is a JIT function: about 4 us a host call)."""
+    return -(-a // b)
+
+
 def runs_here(grad: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether these kernels can take ``grad`` (a row-major matrix of ``GRADIENT_DTYPES`` on their
     device) and, when given, ``weight`` (a row-major matrix of G's shape: what ``apply_update``
@@ -185,8 +190,8 @@ def square_sums(grad: torch.Tensor, weight: torch.Tensor | None = None, row_scal
     """Every row's sum of G^2 times ``row_scale`` (R,), every column's times ``col_scale`` (C,), fp32,
     and with ``weight`` (G's shape) the sum of W^2 (0-d fp32): one read of ``grad`` and ``weight``."""
     rows, cols = grad.shape
-    spans = triton.cdiv(cols, COLUMN_SPAN)
-    row_tiles = triton.cdiv(rows, ROWS)
+    spans = _cdiv(cols, COLUMN_SPAN)
+    row_tiles = _cdiv(rows, ROWS)
     if weight is not None and not _takes_weight(weight, grad):
         raise ValueError(_weight_error(weight, grad, "square_sums"))
     row_partial = torch.empty((spans, rows), dtype=torch.float32, device=grad.device)
@@ -202,7 +207,7 @@ def square_sums(grad: torch.Tensor, weight: torch.Tensor | None = None, row_scal
 
 
 def _grid(grad: torch.Tensor) -> tuple[int, int]:
-    return triton.cdiv(grad.shape[0], ROWS), triton.cdiv(grad.shape[1], COLS)
+    return _cdiv(grad.shape[0], ROWS), _cdiv(grad.shape[1], COLS)
 
 
 def _factor_args(factors: Factors) -> tuple:
