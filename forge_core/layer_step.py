@@ -277,5 +277,5 @@ class LayerPath:
                           "row block (the chunked LM-head loss): use the model's own loss")
 
 
-__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "MATRIX_KERNELS", "LayerState", "PendingUpdate", "deferred_update",
-           "layer_wgrad_update", "takes_layer_path", "track_gradient_residency"]
+__all__ = ["GradientResidency", "LAYER_STATE_DTYPES", "LayerPath", "LayerState", "MATRIX_KERNELS", "PendingUpdate",
+           "deferred_update", "layer_wgrad_update", "takes_layer_path", "track_gradient_residency"]

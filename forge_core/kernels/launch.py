@@ -131,9 +131,10 @@ _NO_SCALARS = (0.0,) * NUM_SCALARS
 
 
 LAUNCH_PATHS = {"direct": 0, "jit": 0}
-"""Fused-kernel launches by path since the last ``reset_launch_paths``: ``direct`` (a kept plan's
-launcher, ~20 us of host time) or ``jit`` (through Triton's JIT: ~100-240 us; a first launch, or a
-direct launcher that declined). Why: an eager step is host-bound at batch 1, and a layer whose
+"""Fused-kernel launches by path since the last ``reset_launch_paths`` (the factored rules' passes,
+``kernels.factored``, count here too): ``direct`` (a kept plan's or ``LaunchCache``'s launcher, ~20 us
+of host time) or ``jit`` (through Triton's JIT: ~100-240 us; a first launch, or a direct launcher
+that declined). Why: an eager step is host-bound at batch 1, and a layer whose
 launches stay on the JIT costs it ~0.2 ms a step; the harness records the counts per timed step."""
 
 

@@ -125,9 +125,9 @@ def matrix_step(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, 
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.Adafactor with the same hyper-parameters; a ``RuleOptimizer`` on this reference
     when capturable (torch's reads two norms on the host per parameter)."""
-    known = known_hyperparameters(hp, DEFAULTS)
     if capturable:
-        return RuleOptimizer(params, RULE, capturable=True, **known)
+        return forge_fallback(params, capturable=True, **hp)
+    known = known_hyperparameters(hp, DEFAULTS)
     _checked(known)
     return torch.optim.Adafactor(params, **known)
 

@@ -103,14 +103,13 @@ def reference_rule(*, fallback_overrides: Optional[Mapping[str, Any]] = None, **
     fp32 or bf16, as the per-layer path stores them."""
     overrides = dict(fallback_overrides or {})
 
-    def fallback_optimizer(params: Any, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
-        return RuleOptimizer(params, rule, capturable=capturable,
-                             **{**known_hyperparameters(hp, rule.defaults), **overrides})
-
     def forge_fallback(params: Any, capturable: bool = False, matrix_kernels: Any = None,
                        **hp: Any) -> torch.optim.Optimizer:
         return RuleOptimizer(params, rule, capturable=capturable, matrix_kernels=matrix_kernels,
                              **{**known_hyperparameters(hp, rule.defaults), **overrides})
+
+    def fallback_optimizer(params: Any, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
+        return forge_fallback(params, capturable=capturable, **hp)      # the reference on every parameter
 
     if fields.get("matrix_step") is not None:      # a ForgeOptimizer's fallback takes the kernels too
         fields["forge_fallback"] = forge_fallback
