@@ -31,15 +31,15 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from .kernels.reference import flatten_tokens
-from .rules.base import Rule
+from .rules.base import Rule, matrix_step_states
 from .state import ParamState
 from .wgrad_gemm import accumulate_product, weight_gradient
 
 try:
-    from .kernels import factored as MATRIX_KERNELS
+    from .kernels import matrix_steps as MATRIX_KERNELS
 except ImportError:  # pragma: no cover - a torch-only install: the rules' plain-torch references run
     MATRIX_KERNELS = None
-"""The factored rules' Triton passes that ``Rule.matrix_step`` takes (``forge_core.kernels.factored``);
+"""The regime-3 rules' Triton passes that ``Rule.matrix_step`` takes (``forge_core.kernels.matrix_steps``);
 None without Triton."""
 
 LAYER_STATE_DTYPES = ("fp32", "bf16")
@@ -132,17 +132,19 @@ def deferred_update(rule: Rule, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
     (which may consume G in place), free G. The weight is stepped in place in its own dtype (a
     regime-3 reference computes each op in fp32 and rounds a bf16 weight per op, as torch's
     optimizers do on bf16 parameters: no fp32 copy of the weight, which at Llama-3.1-8B's LM head
-    would be 2.1 GB beside G); fp32 states in place, bf16 ones through fp32 copies rounded back once."""
+    would be 2.1 GB beside G); fp32 states in place, bf16 ones through fp32 copies rounded back once (``matrix_step``: a bf16
+    layer-sized state read and rounded by its kernel, ``Rule.matrix_step``)."""
     grad32 = weight_gradient(dy2, x2)
     for tracker in _TRACKERS:
         tracker.formed_one(grad32)
     if grad_accum is not None:
         grad32.add_(grad_accum)
     with torch.no_grad():
-        states32 = {name: _fp32_view(value) for name, value in state.values.items()}
         if rule.matrix_step is not None and MATRIX_KERNELS is not None and MATRIX_KERNELS.runs_here(grad32, weight):
+            states32 = matrix_step_states(state.values, tuple(weight.shape))
             rule.matrix_step(weight.detach(), grad32, states32, hp, step, MATRIX_KERNELS)
         else:
+            states32 = {name: _fp32_view(value) for name, value in state.values.items()}
             rule.reference(weight.detach(), grad32, states32, hp, step)
         del grad32
         for name, value in states32.items():

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import forge_core
-from forge_core.kernels import factored
+from forge_core.kernels import factored, matrix_steps
 from forge_core.rules import get_rule
 
 pytestmark = pytest.mark.skipif(not factored.runs_here(torch.zeros(2, 2)) and not torch.cuda.is_available(),
@@ -188,14 +188,15 @@ def test_matrix_step_is_deterministic(rule_name: str) -> None:
 
 
 def _stepped_shapes(monkeypatch) -> list[tuple[int, ...]]:
-    """The shapes of the weights ``factored.apply_update`` steps from now on, in order."""
+    """The shapes of the weights the layer path's ``apply_update`` (``matrix_steps``, factored's)
+    steps from now on, in order."""
     shapes: list[tuple[int, ...]] = []
-    original = factored.apply_update
+    original = matrix_steps.apply_update
 
     def counting(weight, *args) -> None:
         shapes.append(tuple(weight.shape))
         original(weight, *args)
-    monkeypatch.setattr(factored, "apply_update", counting)
+    monkeypatch.setattr(matrix_steps, "apply_update", counting)
     return shapes
 
 
@@ -276,7 +277,7 @@ def test_a_forge_optimizer_steps_its_embedding_with_the_kernels(monkeypatch, rul
     hp = {"lr": 1e-2, "weight_decay": 0.1}
     ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(10)).to(_device())
     opt = forge_core.fuse(model, rule_name, probe_inputs=ids, **hp)
-    assert isinstance(opt.fallback_optimizer, RuleOptimizer) and opt.fallback_optimizer.matrix_kernels is factored
+    assert isinstance(opt.fallback_optimizer, RuleOptimizer) and opt.fallback_optimizer.matrix_kernels is matrix_steps
     reference = get_rule(rule_name).fallback_optimizer(twin.parameters(), **hp)
     for _ in range(4):
         for m, o in ((model, opt), (twin, reference)):

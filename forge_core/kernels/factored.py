@@ -77,9 +77,10 @@ class StepScalars:
 
 @dataclass(frozen=True)
 class SquareSums:
-    """``square_sums``' results: (R,) and (C,) fp32 vectors, and the 0-d sum of W^2 (None without W)."""
+    """``square_sums``' results: (R,) and (C,) fp32 vectors (``cols`` None when not asked for), and the
+    0-d sum of W^2 (None without W)."""
     rows: torch.Tensor
-    cols: torch.Tensor
+    cols: torch.Tensor | None
     weight_squares: torch.Tensor | None
 
 
@@ -88,7 +89,7 @@ GRADIENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 is read in its own dtype, every op in fp32."""
 
 
-def _cdiv(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     """``ceil(a / b)`` in plain Python (``triton.cdiv`` is a JIT function: about 4 us a host call)."""
     return -(-a // b)
 
@@ -108,7 +109,8 @@ def _takes_weight(weight: torch.Tensor, grad: torch.Tensor) -> bool:
 
 @triton.jit
 def _square_sums_kernel(G, W, ROW_PARTIAL, COL_PARTIAL, W_PARTIAL, R, C, stride_g, stride_w, row_scale, col_scale,
-                        BR: tl.constexpr, BC: tl.constexpr, SPAN: tl.constexpr, WITH_W: tl.constexpr):
+                        BR: tl.constexpr, BC: tl.constexpr, SPAN: tl.constexpr, WITH_W: tl.constexpr,
+                        WITH_COLS: tl.constexpr):
     row_tile = tl.program_id(0)
     span = tl.program_id(1)
     rows = row_tile * BR + tl.arange(0, BR)
@@ -123,7 +125,9 @@ def _square_sums_kernel(G, W, ROW_PARTIAL, COL_PARTIAL, W_PARTIAL, R, C, stride_
         g = tl.load(G + rows64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         squares = g * g
         row_acc += tl.sum(squares, axis=1)
-        tl.store(COL_PARTIAL + row_tile.to(tl.int64) * C + cols, tl.sum(squares, axis=0) * col_scale, mask=col_mask)
+        if WITH_COLS:
+            tl.store(COL_PARTIAL + row_tile.to(tl.int64) * C + cols, tl.sum(squares, axis=0) * col_scale,
+                     mask=col_mask)
         if WITH_W:
             w = tl.load(W + rows64[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             w_acc += tl.sum(w * w, axis=1)
@@ -186,28 +190,30 @@ _launch_apply_update = LaunchCache(_apply_update_kernel, LAUNCH_PATHS)
 
 
 def square_sums(grad: torch.Tensor, weight: torch.Tensor | None = None, row_scale: float = 1.0,
-                col_scale: float = 1.0) -> SquareSums:
-    """Every row's sum of G^2 times ``row_scale`` (R,), every column's times ``col_scale`` (C,), fp32,
-    and with ``weight`` (G's shape) the sum of W^2 (0-d fp32): one read of ``grad`` and ``weight``."""
+                col_scale: float = 1.0, columns: bool = True) -> SquareSums:
+    """Every row's sum of G^2 times ``row_scale`` (R,), with ``columns`` every column's times
+    ``col_scale`` (C,), fp32, and with ``weight`` (G's shape) the sum of W^2 (0-d fp32): one read of
+    ``grad`` and ``weight``."""
     rows, cols = grad.shape
-    spans = _cdiv(cols, COLUMN_SPAN)
-    row_tiles = _cdiv(rows, ROWS)
+    spans = ceil_div(cols, COLUMN_SPAN)
+    row_tiles = ceil_div(rows, ROWS)
     if weight is not None and not _takes_weight(weight, grad):
         raise ValueError(_weight_error(weight, grad, "square_sums"))
     row_partial = torch.empty((spans, rows), dtype=torch.float32, device=grad.device)
-    col_partial = torch.empty((row_tiles, cols), dtype=torch.float32, device=grad.device)
+    col_partial = torch.empty((row_tiles, cols) if columns else (1,), dtype=torch.float32, device=grad.device)
     w_partial = torch.empty((spans, row_tiles) if weight is not None else (1,), dtype=torch.float32,
                             device=grad.device)
     _launch_square_sums((row_tiles, spans), (grad, grad if weight is None else weight, row_partial, col_partial,
                                              w_partial, rows, cols, grad.stride(0),
                                              grad.stride(0) if weight is None else weight.stride(0),
                                              float(row_scale), float(col_scale)),
-                        BR=ROWS, BC=COLS, SPAN=COLUMN_SPAN, WITH_W=weight is not None)
-    return SquareSums(row_partial.sum(dim=0), col_partial.sum(dim=0), w_partial.sum() if weight is not None else None)
+                        BR=ROWS, BC=COLS, SPAN=COLUMN_SPAN, WITH_W=weight is not None, WITH_COLS=bool(columns))
+    return SquareSums(row_partial.sum(dim=0), col_partial.sum(dim=0) if columns else None,
+                      w_partial.sum() if weight is not None else None)
 
 
 def _grid(grad: torch.Tensor) -> tuple[int, int]:
-    return _cdiv(grad.shape[0], ROWS), _cdiv(grad.shape[1], COLS)
+    return ceil_div(grad.shape[0], ROWS), ceil_div(grad.shape[1], COLS)
 
 
 def _factor_args(factors: Factors) -> tuple:
@@ -262,7 +268,8 @@ def compile_offline(rows: int, cols: int, weight_dtype: torch.dtype = torch.bflo
     tiles = dict(BR=ROWS, BC=COLS)
     compiled = [compile_for_gpu(_square_sums_kernel, (grad, weight, torch.empty(2, rows), torch.empty(2, cols),
                                                       torch.empty(2, 2), rows, cols, grad.stride(0), weight.stride(0),
-                                                      0.5, 0.5), dict(tiles, SPAN=COLUMN_SPAN, WITH_W=True),
+                                                      0.5, 0.5), dict(tiles, SPAN=COLUMN_SPAN, WITH_W=True,
+                                                                             WITH_COLS=True),
                                 capability)]
     factors = (row_vector, scalar, col_vector)
     for scales in (False, True):
@@ -280,4 +287,4 @@ def compile_offline(rows: int, cols: int, weight_dtype: torch.dtype = torch.bflo
 
 
 __all__ = ["COLUMN_SPAN", "COLS", "DECORATED_FOR_INTERPRETER", "Factors", "GRADIENT_DTYPES", "ROWS", "SquareSums", "StepScalars",
-           "apply_update", "compile_offline", "runs_here", "square_sums", "update_square_sum"]
+           "apply_update", "ceil_div", "compile_offline", "runs_here", "square_sums", "update_square_sum"]

@@ -21,7 +21,8 @@ The partition (the paper's Algorithm 3, by the parameter's name):
 
 ``head_dim=None`` (the default) makes queries and keys per row as well; the harness passes the
 model's head width. Defaults: ``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0``. torch
-has no Adam-mini: the unfused form and the fallback are a ``RuleOptimizer`` on this reference.
+has no Adam-mini: the unfused form is a ``RuleOptimizer`` on this reference. Where Triton runs, a
+matrix takes ``matrix_step``: the same arithmetic in two reads of G (``forge_core.kernels.matrix_steps``).
 """
 from __future__ import annotations
 
@@ -88,11 +89,35 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.view(blocks, -1).addcdiv_(exp_avg.view(blocks, -1), denominator)
 
 
+def matrix_step(weight: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], hp: Mapping[str, Any],
+                step: Any, kernels: Any) -> None:
+    """``reference`` for a 2-D weight in two Triton passes over G: the row sums of G^2
+    (``kernels.square_sums``), whose block means step the second moments here, then the first
+    moment, the decay and W (``kernels.block_adam_update``); G is only read, the first moment read
+    and rounded in its stored dtype."""
+    lr, beta1, beta2, eps, weight_decay, _ = _checked(hp)
+    exp_avg, exp_avg_sq = states["exp_avg"], states["exp_avg_sq"]
+    blocks = exp_avg_sq.shape[0]
+    rows, cols = grad.shape
+    row_means = kernels.square_sums(grad, None, 1.0 / cols, columns=False).rows
+    block_means = row_means if blocks == rows else row_means.view(blocks, -1).mean(dim=1)
+    exp_avg_sq.mul_(beta2).add_(block_means.view_as(exp_avg_sq), alpha=1.0 - beta2)
+    t = step_value(step)
+    bias2_sqrt = square_root(1.0 - beta2 ** t)
+    neg_bias1_over_lr = None if lr == 0.0 else -(1.0 - beta1 ** t) / lr
+    if isinstance(bias2_sqrt, torch.Tensor):
+        bias2_sqrt = bias2_sqrt.float()
+        neg_bias1_over_lr = None if neg_bias1_over_lr is None else neg_bias1_over_lr.float()
+    kernels.block_adam_update(weight, grad, exp_avg, exp_avg_sq, beta1, 1.0 - lr * weight_decay, eps, bias2_sqrt,
+                              neg_bias1_over_lr)
+
+
 RULE = reference_rule(
     name="adam_mini",
     state_names=("exp_avg", "exp_avg_sq"),
     defaults=DEFAULTS,
     reference=reference,
+    matrix_step=matrix_step,
     state_shapes=state_shapes,
     layer_capturable=True,
     signed_states=frozenset({"exp_avg"}),

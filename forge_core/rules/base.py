@@ -109,10 +109,12 @@ class Rule:
     regime-3 rule leaves it None: the layer path forms G and runs ``reference``."""
     matrix_step: Callable[..., None] | None = None
     """A regime-3 rule's ``reference`` for a 2-D weight with its passes over G in Triton kernels:
-    ``matrix_step(weight, grad32, states32, hp, step, kernels)``, where ``kernels`` is the module
-    that runs them (``forge_core.kernels.factored``, handed in so a rule imports no kernel module).
-    The layer path takes it where those kernels run (a CUDA G, or the CPU interpreter); the same
-    arithmetic as ``reference``, to rounding. None: ``reference`` always."""
+    ``matrix_step(weight, grad, states, hp, step, kernels)``, where ``kernels`` is the module
+    that runs them (``forge_core.kernels.matrix_steps``, handed in so a rule imports no kernel
+    module) and ``states`` are ``matrix_step_states``: a layer-sized state as stored, fp32 or bf16,
+    which the kernels round once (no fp32 copy of it), a smaller one in fp32. The layer path takes it
+    where those kernels run (a CUDA G, or the CPU interpreter); the same arithmetic as
+    ``reference``, to rounding. None: ``reference`` always."""
     state_shapes: Callable[[tuple[int, ...], Mapping[str, Any], str], dict[str, tuple[int, ...]]] | None = None
     """``state_shapes(parameter_shape, hp, name) -> {state name: shape}`` for a rule whose states are
     not parameter-shaped (row / column / block statistics); ``name`` is the parameter's or module's
@@ -216,6 +218,14 @@ class Rule:
         if capturable and self.kernel_scalars_on_device is None and not self.layer_capturable:
             return f"rule {self.name!r} does not support capturable=True (it has no kernel_scalars_on_device)"
         return None
+
+
+def matrix_step_states(stored: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """The states ``Rule.matrix_step`` takes from ``stored`` (a parameter of ``shape``): one of the
+    parameter's shape as stored (its kernel reads and rounds it in place), a smaller one in fp32 (a
+    copy when stored in bf16, which the caller writes back)."""
+    return {name: value if value.dtype == torch.float32 or tuple(value.shape) == tuple(shape) else value.float()
+            for name, value in stored.items()}
 
 
 def parse_kernel_name(text: str) -> tuple[str, tuple[str, ...] | None]:

@@ -10,8 +10,9 @@ Per weight W with gradient G::
 
 The paper's rule, applied to every parameter (vectors too; many recipes exclude biases and norms:
 give them their own optimizer). Defaults: ``lr=1e-3, momentum=0.9, weight_decay=0.0,
-trust_coefficient=1e-3, eps=1e-8``. torch has no LARS: the unfused form and the fallback are a
-``RuleOptimizer`` on this reference.
+trust_coefficient=1e-3, eps=1e-8``. torch has no LARS: the unfused form is a ``RuleOptimizer`` on
+this reference. Where Triton runs, a matrix takes ``matrix_step``: the same arithmetic in two reads
+of G (``forge_core.kernels.matrix_steps``).
 """
 from __future__ import annotations
 
@@ -57,11 +58,23 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.sub_(buffer)
 
 
+def matrix_step(weight: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], hp: Mapping[str, Any],
+                step: Any, kernels: Any) -> None:
+    """``reference`` for a 2-D weight in two Triton passes: the sums of G^2 and W^2
+    (``kernels.square_sums``), then the trust ratio, the momentum and W (``kernels.lars_update``);
+    G is only read, the momentum buffer read and rounded in its stored dtype."""
+    lr, momentum, weight_decay, trust_coefficient, eps = _checked(hp)
+    sums = kernels.square_sums(grad, weight, columns=False)
+    kernels.lars_update(weight, grad, states["momentum_buffer"], sums.rows.sum(), sums.weight_squares, lr, momentum,
+                        weight_decay, trust_coefficient, eps)
+
+
 RULE = reference_rule(
     name="lars",
     state_names=("momentum_buffer",),
     defaults=DEFAULTS,
     reference=reference,
+    matrix_step=matrix_step,
     layer_capturable=True,
     signed_states=frozenset({"momentum_buffer"}),
 )

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .base import Rule, known_hyperparameters
+from .base import Rule, known_hyperparameters, matrix_step_states
 
 
 class RuleOptimizer(torch.optim.Optimizer):
@@ -74,13 +74,14 @@ class RuleOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, parameter: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any], step: Any) -> None:
-        states32 = {key: (value if value.dtype == torch.float32 else value.float())
-                    for key, value in state.items() if key != "step"}
+        stored = {key: value for key, value in state.items() if key != "step"}
         kernels = self.matrix_kernels
         if kernels is not None and parameter.dim() == 2 and kernels.runs_here(parameter.grad, parameter):
             # the gradient is only read (no fp32 copy of it: an embedding's is 2 GB at Llama-3.1-8B)
+            states32 = matrix_step_states(stored, tuple(parameter.shape))
             self.rule.matrix_step(parameter, parameter.grad, states32, group, step, kernels)
         else:
+            states32 = {key: (value if value.dtype == torch.float32 else value.float()) for key, value in stored.items()}
             # the parameter in its own dtype: a regime-3 reference steps a bf16 weight op by op in fp32
             # (forge_core.layer_step.deferred_update does the same), a regime-1 one needs fp32
             weight = parameter if parameter.dtype == torch.float32 or self.rule.regime == 3 else parameter.float()

@@ -14,7 +14,8 @@ A vector's cover is its elements (one accumulator each: Adagrad). Hyper-paramete
 follow the widely used PyTorch port of the authors' optimizer: ``lr=0.1, momentum=0.0, eps=1e-30``
 (its exponential-accumulator option ``beta`` is not part of the rule: SM3-II as the paper states
 it). The momentum buffer exists only when ``momentum > 0`` at ``fuse`` time / the first step.
-torch has no SM3: the unfused form and the fallback are a ``RuleOptimizer`` on this reference.
+torch has no SM3: the unfused form is a ``RuleOptimizer`` on this reference. Where Triton runs, a
+matrix takes ``matrix_step``: the same arithmetic in one read of G (``forge_core.kernels.matrix_steps``).
 """
 from __future__ import annotations
 
@@ -86,11 +87,25 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
     weight.add_(update, alpha=-lr)
 
 
+def matrix_step(weight: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], hp: Mapping[str, Any],
+                step: Any, kernels: Any) -> None:
+    """``reference`` for a 2-D weight in one Triton pass over G (``kernels.sm3_update``: nu, the
+    update, the momentum and W, with per-tile maxima that become the accumulators); G is only read,
+    the momentum buffer read and rounded in its stored dtype."""
+    lr, momentum, eps = _checked(hp)
+    if momentum > 0.0 and "momentum_buffer" not in states:
+        raise ValueError("sm3: momentum > 0 needs the momentum buffer, which was not allocated (momentum was 0 "
+                         "when the state was made)")
+    kernels.sm3_update(weight, grad, states["row_accumulator"], states["col_accumulator"], lr, eps, momentum,
+                       states.get("momentum_buffer"))
+
+
 RULE = reference_rule(
     name="sm3",
     state_names=("row_accumulator", "col_accumulator", "momentum_buffer"),
     defaults=DEFAULTS,
     reference=reference,
+    matrix_step=matrix_step,
     state_shapes=state_shapes,
     layer_capturable=True,
     signed_states=frozenset({"momentum_buffer"}),
