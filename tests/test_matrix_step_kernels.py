@@ -1,9 +1,12 @@
-"""SM3's, Adam-mini's and LARS's Triton passes (``forge_core.kernels.matrix_steps``) and their ``matrix_step``.
+"""Every regime-3 rule's ``matrix_step`` on its Triton passes (``forge_core.kernels.matrix_steps``:
+factored's for Adafactor and AdaLomo, SM3's, Adam-mini's and LARS's own).
 
 What each test pins:
 * ``matrix_step`` equals the plain-torch reference (the spec) within 1e-5 relative in fp32 over
   five steps on odd shapes (tails in both dimensions, more than one column span), with momentum,
-  weight decay, head blocks, zero rows and columns of G, the step an int or a 0-d device tensor;
+  weight decay, maximize, clipping, head blocks, zero rows and columns of G (AdaLomo's tiny eps:
+  its two inverse roots stay finite where their product would underflow), the step an int or a
+  0-d device tensor;
 * a bf16 weight with bf16 layer-sized states (read and rounded by the kernel) stays as close to
   the fp32 trajectory as the reference's;
 * operands of the wrong shape are refused with the operand named;
@@ -31,6 +34,9 @@ pytestmark = pytest.mark.skipif(not matrix_steps.runs_here(torch.zeros(2, 2)) an
 
 SHAPES = [(37, 301), (6, 2 * matrix_steps.COLUMN_SPAN + 7)]
 CASES = [
+    ("adafactor", {"lr": 1e-2}, "weight"), ("adafactor", {"lr": 1e-2, "weight_decay": 0.1}, "weight"),
+    ("adafactor", {"lr": 3e-2, "maximize": True, "d": 2.0}, "weight"),
+    ("adalomo", {"lr": 1e-2}, "weight"), ("adalomo", {"lr": 1e-2, "weight_decay": 0.1, "clip_threshold": 0.5}, "weight"),
     ("sm3", {"lr": 0.1}, "weight"),
     ("sm3", {"lr": 0.05, "momentum": 0.9}, "weight"),
     ("adam_mini", {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}, "mlp.weight"),
@@ -203,13 +209,15 @@ def test_a_fused_model_steps_through_the_kernels_and_equals_the_unfused_arm(monk
         assert _relative_error(a.detach(), b.detach()) <= 1e-5, name
 
 
-def test_the_kernels_compile_for_sm90_on_a_machine_without_a_gpu() -> None:
-    """What the interpreter cannot show: each kernel through Triton's sm_90 compile, at the LM head's
-    shape with a bf16 weight and states (in a process without TRITON_INTERPRET)."""
-    code = ("import torch; from forge_core.kernels import matrix_steps; "
-            "compiled = matrix_steps.compile_offline(128256, 4096, torch.bfloat16); "
+@pytest.mark.parametrize("module, kernels", [("factored", 5), ("matrix_steps", 3)])
+def test_the_kernels_compile_for_sm90_on_a_machine_without_a_gpu(module: str, kernels: int) -> None:
+    """What the interpreter cannot show: each kernel (factored's in both forms of the update) through
+    Triton's sm_90 compile, at the LM head's shape with a bf16 weight and states (in a process
+    without TRITON_INTERPRET, which would replace them)."""
+    code = (f"import torch; from forge_core.kernels import {module}; "
+            f"compiled = {module}.compile_offline(128256, 4096, torch.bfloat16); "
             "print(len(compiled), sum(len(k.asm['cubin']) > 0 for k in compiled))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-2:] == ["3", "3"]
+    assert done.stdout.split()[-2:] == [str(kernels), str(kernels)]
