@@ -471,9 +471,23 @@ def base_row(suite: Suite, cell: Cell, method: methods_mod.Method | None, run_id
     }
 
 
+SPAWNED_AT_ENV = "FORGE_BENCH_SPAWNED_AT"
+"""The sweep's ``time.time()`` when it started the cell process (``runner.spawn_cell``): the cell's
+``extra.phase_s.startup`` is the time from there to ``run_cell`` (interpreter, imports, CUDA)."""
+
+
+def _spawned_at() -> float | None:
+    try:
+        return float(os.environ[SPAWNED_AT_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
 def _finish(row: dict[str, Any], t_start: float, extra: dict[str, Any]) -> dict[str, Any]:
     row["finished_at"] = _now()
     row["wall_s"] = time.time() - t_start
+    if not extra.get("phase_s", True):
+        extra.pop("phase_s")          # none measured: the row says nothing rather than {}
     row["extra"] = extra or None
     return row
 
@@ -497,7 +511,11 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     method = methods_mod.METHODS.get(cell.method)
     row = base_row(suite, cell, method, run_id, attempt)
     row["started_at"] = started
-    extra: dict[str, Any] = {}
+    phases: dict[str, float] = {}
+    extra: dict[str, Any] = {"phase_s": phases}
+    spawned = _spawned_at()
+    if spawned is not None:
+        phases["startup"] = max(0.0, t_start - spawned)
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         extra["cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     if cell.activation_checkpointing:
@@ -529,7 +547,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
             return 0
 
         if row["parity_steps"]:
+            parity_started = time.perf_counter()
             parity = run_parity(suite, cell, method)
+            phases["parity"] = time.perf_counter() - parity_started
             row.update(parity_rms_rel=parity.rms_rel, parity_model=parity.model_label)
             extra.update(parity_rms_rel_global=parity.rms_rel_global, parity_worst_param=parity.worst_param)
             if not parity.rms_rel <= row["parity_tolerance"]:
@@ -540,7 +560,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
                 results.write_row(out_dir, _finish(row, t_start, extra))
                 return 0
 
+        timing_started = time.perf_counter()
         timing = run_timing(suite, cell, method)
+        phases["timing"] = time.perf_counter() - timing_started
     except ArmUnavailable as exc:
         # The arm cannot run on this model (a fact only its build can see): a row, not a crash.
         row.update(status="unavailable", reason=str(exc).strip().splitlines()[0][:1000])

@@ -135,7 +135,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
                           "cpu_threads, default 1, or sweep --threads), since CPU step times move with it"),
     ("extra", _S, "JSON of anything else the cell measured: boot_id (the machine boot: time ratios need one), "
                   "kernel_configs (the fused kernel's tile per weight shape; '(tune cache)' when read from a tune cache or the shipped choices), tune_cache (that file), cuda_alloc_conf, memory_breakdown_bytes, "
-                  "first_step_s (the first training step's wall time, tuning and compiles included) and build_to_first_step_s (from the model's build to its end), "
+                  "first_step_s (the first training step's wall time, tuning and compiles included) and build_to_first_step_s (from the model's build to its end), phase_s (seconds of the cell process: startup, from the sweep's spawn to the cell's start; parity, the gate; timing, the measurement with its build and warm-up), "
                   "host_return_ms_median, fused_launches_per_step (an eager FORGE step's fused-kernel launches by path: direct, or through Triton's JIT, which costs ~0.2 ms of host time each), energy_j_per_step and power_w_mean (NVML energy counter over the timed window), floor_terms, parity_rms_rel_global / parity_worst_param, "
                   "activation_checkpointing (true when the grid checkpoints every decoder layer), a distributed cell's peak_allocated_gib_per_rank, peak_reserved_gib_per_rank, step_ms_median_per_rank, "
                   "memory_breakdown_bytes_per_rank and tokens_per_step, "

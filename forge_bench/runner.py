@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 
 from forge_bench import methods as methods_mod
 from forge_bench import lanes, results
-from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, base_row, run_cell
+from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, SPAWNED_AT_ENV, base_row, run_cell
 from forge_bench.dist_cell import launch_command, oom_markers
 from forge_bench.suite import Cell, Suite
 
@@ -221,8 +221,10 @@ def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: in
                "--out", str(out_dir), "--run-id", run_id, "--attempt", str(attempt), "--parent-pid", str(os.getpid())]
         if threads is not None:
             cmd += ["--threads", str(threads)]
+    env = _child_env(cell, tune_cache, lane)
+    env[SPAWNED_AT_ENV] = repr(time.time())
     with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=_child_env(cell, tune_cache, lane),
+        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=env,
                                 cwd=os.getcwd(), start_new_session=True)
         deadline = time.monotonic() + timeout_s
         try:

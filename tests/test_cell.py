@@ -59,7 +59,12 @@ def test_ok_row_is_complete(suite, tmp_path):
     assert json.loads(row.method_settings)["foreach"] is True
     assert row.warmup_steps == 1 and row.attempts == 1
     # the machine boot travels with the row, so the report can refuse time ratios across hosts
-    assert json.loads(row.extra or "{}").get("boot_id") == telemetry.boot_id()
+    extra = json.loads(row.extra or "{}")
+    assert extra.get("boot_id") == telemetry.boot_id()
+    # the gate and the measurement each timed (no startup in-process: no sweep spawned it)
+    assert set(extra["phase_s"]) == {"parity", "timing"}
+    assert 0 < extra["phase_s"]["parity"] and 0 < extra["phase_s"]["timing"]
+    assert extra["phase_s"]["parity"] + extra["phase_s"]["timing"] <= row.wall_s
 
 
 def test_no_gate_for_arms_without_a_reference(suite, tmp_path):
