@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from .kernels.reference import flatten_tokens
-from .rules.base import Rule, matrix_step_states
+from .rules.base import Rule, fp32_states, matrix_step_states
 from .state import ParamState
 from .wgrad_gemm import accumulate_product, weight_gradient
 
@@ -121,11 +121,6 @@ def track_gradient_residency() -> Iterator[GradientResidency]:
         _TRACKERS.remove(tracker)
 
 
-def _fp32_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when fp32 (stepped in place), else an fp32 copy."""
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
-
-
 def deferred_update(rule: Rule, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, state: ParamState,
                     hp: Mapping[str, Any], step: Any, grad_accum: Optional[torch.Tensor]) -> None:
     """Regime 3: form G (+ the micro-batch accumulator), step the weight with ``rule.reference``
@@ -144,7 +139,7 @@ def deferred_update(rule: Rule, x2: torch.Tensor, dy2: torch.Tensor, weight: tor
             states32 = matrix_step_states(state.values, tuple(weight.shape))
             rule.matrix_step(weight.detach(), grad32, states32, hp, step, MATRIX_KERNELS)
         else:
-            states32 = {name: _fp32_view(value) for name, value in state.values.items()}
+            states32 = fp32_states(state.values)
             rule.reference(weight.detach(), grad32, states32, hp, step)
         del grad32
         for name, value in states32.items():

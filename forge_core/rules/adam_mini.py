@@ -105,9 +105,6 @@ def matrix_step(weight: torch.Tensor, grad: torch.Tensor, states: dict[str, torc
     t = step_value(step)
     bias2_sqrt = square_root(1.0 - beta2 ** t)
     neg_bias1_over_lr = None if lr == 0.0 else -(1.0 - beta1 ** t) / lr
-    if isinstance(bias2_sqrt, torch.Tensor):
-        bias2_sqrt = bias2_sqrt.float()
-        neg_bias1_over_lr = None if neg_bias1_over_lr is None else neg_bias1_over_lr.float()
     kernels.block_adam_update(weight, grad, exp_avg, exp_avg_sq, beta1, 1.0 - lr * weight_decay, eps, bias2_sqrt,
                               neg_bias1_over_lr)
 

@@ -220,12 +220,21 @@ class Rule:
         return None
 
 
+def _as_fp32(value: torch.Tensor) -> torch.Tensor:
+    return value if value.dtype == torch.float32 else value.float()
+
+
+def fp32_states(stored: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The states ``Rule.reference`` takes from ``stored``: each in fp32, itself when stored so
+    (stepped in place), else a copy (rounded back once by the caller)."""
+    return {name: _as_fp32(value) for name, value in stored.items()}
+
+
 def matrix_step_states(stored: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """The states ``Rule.matrix_step`` takes from ``stored`` (a parameter of ``shape``): one of the
-    parameter's shape as stored (its kernel reads and rounds it in place), a smaller one in fp32 (a
-    copy when stored in bf16, which the caller writes back)."""
-    return {name: value if value.dtype == torch.float32 or tuple(value.shape) == tuple(shape) else value.float()
-            for name, value in stored.items()}
+    parameter's shape as stored (its kernel reads and rounds it in place), a smaller one as
+    ``fp32_states`` gives it."""
+    return {name: value if tuple(value.shape) == tuple(shape) else _as_fp32(value) for name, value in stored.items()}
 
 
 def parse_kernel_name(text: str) -> tuple[str, tuple[str, ...] | None]:

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .base import Rule, known_hyperparameters, matrix_step_states
+from .base import Rule, fp32_states, known_hyperparameters, matrix_step_states
 
 
 class RuleOptimizer(torch.optim.Optimizer):
@@ -81,7 +81,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             states32 = matrix_step_states(stored, tuple(parameter.shape))
             self.rule.matrix_step(parameter, parameter.grad, states32, group, step, kernels)
         else:
-            states32 = {key: (value if value.dtype == torch.float32 else value.float()) for key, value in stored.items()}
+            states32 = fp32_states(stored)
             # the parameter in its own dtype: a regime-3 reference steps a bf16 weight op by op in fp32
             # (forge_core.layer_step.deferred_update does the same), a regime-1 one needs fp32
             weight = parameter if parameter.dtype == torch.float32 or self.rule.regime == 3 else parameter.float()

@@ -56,6 +56,16 @@ def state_shapes(shape: tuple[int, ...], hp: Mapping[str, Any], name: str) -> di
     return shapes
 
 
+def _momentum_buffer(states: Mapping[str, torch.Tensor], momentum: float) -> torch.Tensor | None:
+    """The momentum buffer when ``momentum > 0`` (None without momentum); refused when it was never made."""
+    if momentum <= 0.0:
+        return None
+    if "momentum_buffer" not in states:
+        raise ValueError("sm3: momentum > 0 needs the momentum buffer, which was not allocated (momentum was 0 "
+                         "when the state was made)")
+    return states["momentum_buffer"]
+
+
 def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, torch.Tensor],
               hp: Mapping[str, Any], step: Any) -> None:
     """One SM3-II step in place (``weight``: fp32 or bf16; fp32 states); ``grad32`` is consumed (it
@@ -78,10 +88,7 @@ def reference(weight: torch.Tensor, grad32: torch.Tensor, states32: dict[str, to
         accumulator.addcmul_(grad32, grad32)
         update = accumulator.add(eps).rsqrt_().mul_(grad32)
     if momentum > 0.0:
-        if "momentum_buffer" not in states32:
-            raise ValueError("sm3: momentum > 0 needs the momentum buffer, which was not allocated (momentum was 0 "
-                             "when the state was made)")
-        buffer = states32["momentum_buffer"]
+        buffer = _momentum_buffer(states32, momentum)
         buffer.mul_(momentum).add_(update, alpha=1.0 - momentum)
         update = buffer
     weight.add_(update, alpha=-lr)
@@ -93,11 +100,8 @@ def matrix_step(weight: torch.Tensor, grad: torch.Tensor, states: dict[str, torc
     update, the momentum and W, with per-tile maxima that become the accumulators); G is only read,
     the momentum buffer read and rounded in its stored dtype."""
     lr, momentum, eps = _checked(hp)
-    if momentum > 0.0 and "momentum_buffer" not in states:
-        raise ValueError("sm3: momentum > 0 needs the momentum buffer, which was not allocated (momentum was 0 "
-                         "when the state was made)")
     kernels.sm3_update(weight, grad, states["row_accumulator"], states["col_accumulator"], lr, eps, momentum,
-                       states.get("momentum_buffer"))
+                       _momentum_buffer(states, momentum))
 
 
 RULE = reference_rule(
