@@ -478,6 +478,49 @@ def tune_cache_ship(
         out_console.print(f"{target}: {added} entries added or replaced, {total} in the file", highlight=False)
 
 
+@tune_cache_app.command("warm")
+def tune_cache_warm(
+    suite: Annotated[Path, typer.Argument(help="suite YAML whose FORGE cells' weight shapes are tuned")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="the tune cache to write (new choices are added to it)")],
+    only: Annotated[Optional[str], typer.Option("--only", help="comma-separated patterns on the cells' labels, as for sweep")] = None,
+) -> None:
+    """Tune the fused kernel for every weight shape of the suite's FORGE cells (their reduced-depth
+    twins, in this process), measuring nothing; `ship` then adds OUT to the package."""
+    from forge_bench import warm as warm_mod
+    from forge_bench.suite import load_suite
+
+    try:
+        loaded = load_suite(suite)
+        cells = loaded.select(only)
+        if not cells:
+            raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "
+                        f"(labels look like {loaded.cells[0].label!r})")
+        warm_mod.cache_entries(out)
+    except (*_user_errors(), warm_mod.WarmError) as exc:
+        raise _fail(str(exc)) from None
+    if not loaded.spec.device.startswith("cuda"):
+        err_console.print(f"{loaded.spec.device}: the kernels run one fixed tile off the GPU, so nothing is tuned",
+                          highlight=False)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=False) as progress:
+        task = progress.add_task("warming", total=len(cells))
+
+        def on_done(outcome: "warm_mod.WarmOutcome") -> None:
+            progress.advance(task)
+            detail = f"{outcome.added} new choices" if outcome.status == "warmed" else outcome.reason
+            progress.console.print(f"  {outcome.cell.label}: {outcome.status} ({detail})", highlight=False)
+
+        try:
+            outcomes = warm_mod.warm(loaded, cells, out, on_done=on_done)
+        except warm_mod.WarmError as exc:
+            raise _fail(str(exc)) from None
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("warmed", "skipped", "failed")}
+    out_console.print(f"{counts['warmed']} cells warmed, {counts['skipped']} skipped, {counts['failed']} failed; "
+                      f"{sum(o.added for o in outcomes)} choices added to {out}", highlight=False)
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 
