@@ -507,6 +507,7 @@ def _tuned_kernel_configs() -> tuple[dict[str, str], Path | None]:
 def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt: int = 1) -> int:
     """Measure ``cell`` and write its row; returns the process exit code (0, or EXIT_OOM_RETRY)."""
     t_start = time.time()
+    clock = time.perf_counter()
     started = _now()
     method = methods_mod.METHODS.get(cell.method)
     row = base_row(suite, cell, method, run_id, attempt)
@@ -545,6 +546,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
             row.update(status="oom_predicted", reason=predicted)
             results.write_row(out_dir, _finish(row, t_start, extra))
             return 0
+        phases["prepare"] = time.perf_counter() - clock      # identity columns, the device's first use, the prediction
 
         if row["parity_steps"]:
             parity_started = time.perf_counter()
@@ -562,7 +564,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
 
         timing_started = time.perf_counter()
         timing = run_timing(suite, cell, method)
-        phases["timing"] = time.perf_counter() - timing_started
+        measured = time.perf_counter()
+        phases["timing"] = measured - timing_started
     except ArmUnavailable as exc:
         # The arm cannot run on this model (a fact only its build can see): a row, not a crash.
         row.update(status="unavailable", reason=str(exc).strip().splitlines()[0][:1000])
@@ -615,6 +618,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         extra["kernel_configs"] = kernel_configs
         if tune_cache_file is not None:
             extra["tune_cache"] = str(tune_cache_file)     # where "(tune cache)" tiles came from
+    phases["finish"] = time.perf_counter() - measured     # the model freed, the row's columns formed
     results.write_row(out_dir, _finish(row, t_start, extra))
     return 0
 
@@ -680,10 +684,9 @@ def main(
 def exit_now(code: int) -> None:
     """End the sweep's cell process once its row is written, without the interpreter's teardown.
 
-    Why: the next cell starts only when this process has exited, and tearing down torch,
-    transformers and Triton took about 1 s on a CPU (measured on the smoke suite) with nothing
-    left to save: the row is on disk, the tune cache is written at each choice, and the driver
-    frees the GPU's memory when the process ends either way."""
+    Why: the next cell starts only when this process has exited, and tearing down torch, transformers
+    and Triton took about 1 s a cell on a CPU (D82) with nothing left to save: the row is on disk, the
+    tune cache is written at each choice, the driver frees the GPU's memory at the exit either way."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

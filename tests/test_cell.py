@@ -61,10 +61,11 @@ def test_ok_row_is_complete(suite, tmp_path):
     # the machine boot travels with the row, so the report can refuse time ratios across hosts
     extra = json.loads(row.extra or "{}")
     assert extra.get("boot_id") == telemetry.boot_id()
-    # the gate and the measurement each timed (no startup in-process: no sweep spawned it)
-    assert set(extra["phase_s"]) == {"parity", "timing"}
-    assert 0 < extra["phase_s"]["parity"] and 0 < extra["phase_s"]["timing"]
-    assert extra["phase_s"]["parity"] + extra["phase_s"]["timing"] <= row.wall_s
+    # the preparation, the gate, the measurement and the row each timed (no startup in-process: no
+    # sweep spawned it), adding up to no more than the cell's wall time
+    assert set(extra["phase_s"]) == {"prepare", "parity", "timing", "finish"}
+    assert all(seconds > 0 for seconds in extra["phase_s"].values())
+    assert sum(extra["phase_s"].values()) <= row.wall_s
 
 
 def test_no_gate_for_arms_without_a_reference(suite, tmp_path):

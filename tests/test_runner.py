@@ -82,7 +82,8 @@ def test_every_misbehaving_cell_gets_its_row_and_the_sweep_goes_on(plugin_env):
     assert df.loc["test_oom_always", "attempts"] == 2 and "out of memory" in df.loc["test_oom_always", "reason"]
     # where a cell process's time went: from its spawn to run_cell, then the measurement
     phases = json.loads(df.loc["sgd", "extra"])["phase_s"]
-    assert set(phases) == {"startup", "timing"} and phases["startup"] > 0.1 and 0 < phases["timing"] < df.loc["sgd", "wall_s"]
+    assert set(phases) == {"startup", "prepare", "timing", "finish"} and phases["startup"] > 0.1
+    assert 0 < phases["prepare"] + phases["timing"] + phases["finish"] < df.loc["sgd", "wall_s"]
     # unavailable cells are decided without a process
     assert not list((out / runner.LOG_DIR).glob("*test_unavailable*"))
     assert not _cell_processes(suite_path=suite.path), "no cell process may outlive its sweep"
