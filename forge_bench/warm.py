@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from forge_bench import methods as methods_mod
+from forge_bench.arm import ArmUnavailable
 from forge_bench import models as models_mod
 from forge_bench import tune_cache as tune_cache_mod
 from forge_bench.suite import Cell, Suite
@@ -118,14 +119,15 @@ def warm(suite: Suite, cells: list[Cell], cache: Path,
             if reason is not None:
                 outcome = WarmOutcome(cell, "skipped", reason=reason)
             else:
-                failure = None
+                status, failure = "warmed", None
                 try:
                     warm_cell(suite, cell)
+                except ArmUnavailable as exc:             # a fact only the arm's build sees, as in a cell
+                    status, failure = "skipped", one_line(exc)
                 except (RuntimeError, ValueError, TypeError) as exc:   # OOM is a RuntimeError
-                    failure = one_line(exc)
+                    status, failure = "failed", one_line(exc)
                 after = cache_entries(cache)
-                outcome = WarmOutcome(cell, "warmed" if failure is None else "failed", added=after - before,
-                                      reason=failure)
+                outcome = WarmOutcome(cell, status, added=after - before, reason=failure)
                 before = after
             outcomes.append(outcome)
             if on_done is not None:

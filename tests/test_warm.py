@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from forge_bench import models as models_mod
+from forge_bench.arm import ArmUnavailable
 from forge_bench import warm as warm_mod
 from forge_bench.cli import app
 from forge_bench.suite import load_suite
@@ -161,3 +162,15 @@ def test_warm_on_a_gpu_writes_the_choices_a_later_process_reads(tmp_path, monkey
     again = warm_mod.warm(suite, [suite.cells[1]], cache)
     assert [(o.status, o.added) for o in again] == [("warmed", 0)]
     assert tuning_module.FROM_DISK          # the tiles came from the file, not from tuning
+
+
+def test_an_arm_that_cannot_take_the_model_is_skipped_with_its_reason(tuner, tmp_path, monkeypatch):
+    suite = load_suite(write_suite(tmp_path))
+
+    def unavailable(suite_arg, cell):
+        raise ArmUnavailable("forge_bf16: no Linear of this model can be fused")
+
+    monkeypatch.setattr(warm_mod, "warm_cell", unavailable)
+    outcomes = warm_mod.warm(suite, [suite.cells[1]], tmp_path / "tune.json")
+    assert [(o.status, o.reason) for o in outcomes] == [
+        ("skipped", "ArmUnavailable: forge_bf16: no Linear of this model can be fused")]
