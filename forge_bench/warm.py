@@ -21,9 +21,10 @@ from typing import Callable
 import torch
 
 from forge_bench import methods as methods_mod
-from forge_bench.arm import ArmUnavailable
 from forge_bench import models as models_mod
 from forge_bench import tune_cache as tune_cache_mod
+from forge_bench.arm import ArmUnavailable
+from forge_bench.peer_probes import first_line
 from forge_bench.suite import Cell, Suite
 from forge_core.kernels import tune_cache as core_tune_cache
 
@@ -93,12 +94,6 @@ def warm_cell(suite: Suite, cell: Cell) -> None:
             torch.cuda.empty_cache()
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
 def warm(suite: Suite, cells: list[Cell], cache: Path,
          on_done: Callable[[WarmOutcome], None] | None = None) -> list[WarmOutcome]:
     """Warm each of ``cells`` in order, the tuner writing its choices to ``cache`` (``FORGE_TUNE_CACHE``
@@ -123,9 +118,9 @@ def warm(suite: Suite, cells: list[Cell], cache: Path,
                 try:
                     warm_cell(suite, cell)
                 except ArmUnavailable as exc:             # a fact only the arm's build sees, as in a cell
-                    status, failure = "skipped", one_line(exc)
+                    status, failure = "skipped", first_line(exc)
                 except (RuntimeError, ValueError, TypeError) as exc:   # OOM is a RuntimeError
-                    status, failure = "failed", one_line(exc)
+                    status, failure = "failed", first_line(exc)
                 after = cache_entries(cache)
                 outcome = WarmOutcome(cell, status, added=after - before, reason=failure)
                 before = after
