@@ -98,6 +98,15 @@ def _summary_table(outcomes, title: str) -> Table:
     return table
 
 
+def _selected_cells(loaded: Any, only: str | None) -> list[Any]:
+    """The suite's cells that ``--only`` selects; a one-line refusal when it selects none."""
+    cells = loaded.select(only)
+    if not cells:
+        raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "
+                    f"(labels look like {loaded.cells[0].label!r})")
+    return cells
+
+
 @app.command()
 def sweep(
     suite: Annotated[Optional[Path], typer.Argument(help="suite YAML; default: the CPU smoke suite shipped in the package")] = None,
@@ -129,10 +138,7 @@ def sweep(
         gpu_list = lanes.parse_gpus(gpus) if gpus is not None else None
         loaded = load_suite(suite)
         runner.check_gpus(loaded, gpu_list)
-        cells = loaded.select(only)
-        if not cells:
-            raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "
-                        f"(labels look like {loaded.cells[0].label!r})")
+        cells = _selected_cells(loaded, only)
         out_dir = out or Path("results") / loaded.name
         baseline = results_mod.load_results(check) if check is not None else None
         plan = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed, retry_failed=retry_failed)
@@ -491,10 +497,7 @@ def tune_cache_warm(
 
     try:
         loaded = load_suite(suite)
-        cells = loaded.select(only)
-        if not cells:
-            raise _fail(f"--only {only!r} matches none of the {len(loaded.cells)} cells of {loaded.path} "
-                        f"(labels look like {loaded.cells[0].label!r})")
+        cells = _selected_cells(loaded, only)
         warm_mod.cache_entries(out)
     except (*_user_errors(), warm_mod.WarmError) as exc:
         raise _fail(str(exc)) from None
