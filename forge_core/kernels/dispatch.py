@@ -166,8 +166,11 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
     # launch directly from their second call (hopper_ws.direct_launcher: ~20 us), in the timing too.
     graphed = isinstance(scalars, torch.Tensor)
     choice_key = key + ("graph" if graphed else "eager",)
-    if choice_key in ws_choice.CHOSEN:          # chosen before (this process): no scratch copies needed
-        return plan_on(ws_choice.CHOSEN[choice_key], weight, states, scales)
+    gpu = tuning.device_name(weight)
+    identity = ws_identity(meta["EPILOGUE"], triton_config, triton.__version__, gpu, graphed)
+    known, config = ws_choice.stored(choice_key, candidates, identity, gpu)
+    if known:                                   # chosen before, or kept on disk: no scratch copies
+        return plan_on(config, weight, states, scales)
     try:
         scratch_weight = weight.detach().clone()
         scratch_states = [s.clone() for s in states]
@@ -190,11 +193,10 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
     def run_ws(config: hopper_ws.WsConfig) -> None:
         candidate_plans[config].run(x2, dy2, scalars)
 
-    identity = ws_identity(meta["EPILOGUE"], triton_config, triton.__version__, tuning.device_name(weight), graphed)
     m, n = weight.shape
     config = ws_choice.chosen(choice_key, candidates, run_triton, run_ws,
                               ws_choice.graph_time_ms if graphed else tuning.bench_ms, identity, {
-        "shape": f"{m}x{n}", "tokens": x2.shape[0], "device": tuning.device_name(weight), "triton": triton.__version__,
+        "shape": f"{m}x{n}", "tokens": x2.shape[0], "device": gpu, "triton": triton.__version__,
         "triton_tile": dataclasses.asdict(triton_config)})
     return plan_on(config, weight, states, scales)
 
