@@ -131,6 +131,21 @@ def test_the_report_sets_predicted_beside_measured_boundaries():
         len(capability.GPUS) * len(capability.CAPABILITY_ARMS) * len(capability.DEFAULT_FAMILIES))
 
 
+@pytest.mark.parametrize("measured, miss, predicted, expected", [
+    ("qwen3-8b", "qwen3-14b", "qwen3-8b", True),
+    ("qwen3-8b", "qwen3-14b", "qwen3-14b", False),      # predicted to fit a model that did not
+    ("qwen3-14b", None, "qwen3-8b", False),             # ran a model predicted not to fit
+    ("qwen3-0.6b", None, "qwen3-8b", None),             # nothing larger than 0.6B was run
+    (None, None, "qwen3-8b", None),                     # nothing ran (e.g. an arm that cannot be captured)
+    (None, "qwen3-0.6b", "qwen3-8b", False),
+])
+def test_a_boundary_nothing_larger_was_run_to_is_not_a_disagreement(measured, miss, predicted, expected):
+    from forge_bench.report import app_o
+
+    members = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"]
+    assert app_o.agreement(members, measured, miss, predicted) is expected
+
+
 def test_no_gpu_rows_no_section():
     from forge_bench.report import app_o
 

@@ -59,6 +59,24 @@ def predicted_table() -> Table:
                  body, "lllllr", [], recs)
 
 
+def agreement(members: list[str], measured_largest: str | None, measured_miss: str | None,
+              predicted_largest: str | None) -> bool | None:
+    """Whether the measured and predicted boundaries agree: True (the same largest model), False, or
+    None when the rows cannot tell: the prediction is the larger and no model above the measured
+    largest was run to a miss (nothing larger was tried, or only arms that cannot run it)."""
+    if measured_largest == predicted_largest:
+        return True
+    rank = {name: i for i, name in enumerate(members)}
+    measured_rank = rank.get(measured_largest, -1) if measured_largest is not None else -1
+    predicted_rank = rank.get(predicted_largest, -1) if predicted_largest is not None else -1
+    if measured_miss is None and predicted_rank > measured_rank:
+        return None
+    return False
+
+
+AGREEMENT_TEXT = {True: "yes", False: "no", None: "not tested above the measured largest"}
+
+
 def comparison_tables(frame: pd.DataFrame) -> list[Table]:
     """Per measured family group on a known GPU: measured and predicted boundaries per arm."""
     from forge_bench import capability
@@ -85,13 +103,13 @@ def comparison_tables(frame: pd.DataFrame) -> list[Table]:
                     dtype=str(keys["dtype"]), activations=str(keys.get("activations") or "hf"))
             except capability.CapabilityError:
                 continue                  # an arm without a memory model (a plugin's)
-            agree = predicted.largest_fit == rec["largest_ok"]
+            agree = agreement(members, rec["largest_ok"], rec["first_not_fitting"], predicted.largest_fit)
             body.append([f"`{rec['method']}`", rec["largest_ok"] or "none",
                          _boundary_text(predicted.largest_fit, predicted.largest_fit_gib),
                          rec["first_not_fitting"] or "—",
                          "—" if predicted.first_miss is None else _boundary_text(predicted.first_miss,
                                                                                  predicted.first_miss_gib),
-                         "yes" if agree else "no"])
+                         AGREEMENT_TEXT[agree]])
             recs.append({**keys, "gpu": gpu, "method": rec["method"], "measured_largest": rec["largest_ok"],
                          "predicted_largest": predicted.largest_fit, "measured_first_miss": rec["first_not_fitting"],
                          "predicted_first_miss": predicted.first_miss, "predicted_largest_gib": predicted.largest_fit_gib,
@@ -102,8 +120,9 @@ def comparison_tables(frame: pd.DataFrame) -> list[Table]:
                                 f"Measured: the largest model of the family that ran ok, and the smallest larger one "
                                 f"that did not fit. Predicted: the analytic memory model against "
                                 f"{capability.USABLE_FRACTION:.0%} of the {gpu}'s nominal HBM (predicted GiB in "
-                                f"brackets). Agree: the same largest model. The model is a low estimate: where the "
-                                f"two differ, the prediction is the larger.",
+                                f"brackets). Agree: the same largest model; not tested: the prediction is the larger and "
+                                f"no larger model was run to a miss. The model is a low estimate: where the two "
+                                f"differ, the prediction is the larger.",
                                 ["Method", "Measured largest", "Predicted largest", "Measured first miss",
                                  "Predicted first miss", "Agree"], body, "llllll", [], recs))
     return tables
@@ -117,4 +136,4 @@ def app_o_tables(frame: pd.DataFrame) -> list[Table]:
     return comparison_tables(frame) + [predicted_table()]
 
 
-__all__ = ["app_o_tables", "comparison_tables", "known_gpus", "predicted_table"]
+__all__ = ["AGREEMENT_TEXT", "agreement", "app_o_tables", "comparison_tables", "known_gpus", "predicted_table"]
