@@ -67,3 +67,24 @@ def test_the_report_has_the_law_section(tmp_path: Path) -> None:
     index = (tmp_path / "out" / "index.md").read_text()
     section = index.split("## Constant-token law", 1)[1].split("\n## ", 1)[0]
     assert "3 of 3 hold" in section and "| `forge_int8_cce` | 4096 |" in section
+
+
+def test_a_spread_the_attention_scores_explain_is_told_apart(tmp_path: Path) -> None:
+    """Peaks measured on the H200 at f502daf (forge_int8_cce, Llama-3.1-8B, lean, CUDA graphs): the
+    4096-token anti-diagonal misses 1% by one layer's batch x 32 heads x seq^2 bf16 scores, and holds
+    without them; a spread that term does not explain stays a plain miss."""
+    template = pq.read_table(sorted(GRID.glob("*forge_int8_cce*"))[0]).to_pylist()[0]
+    assert template["model"] == "llama-3.1-8b" and template["dtype"] == "bfloat16"
+    measured = ((1, 2048, 38.110353), (2, 1024, 37.984865), (1, 4096, 45.619791), (2, 2048, 45.118814),
+                (1, 1024, 40.0), (2, 512, 41.0))
+    for batch, seq, peak in measured:
+        write_row(tmp_path / "rows", _row(template, batch, seq, peak))
+    points = {p.tokens: p for p in token_law_points(load_rows(tmp_path / "rows"))}
+    scores = (1 * 32 * 4096 ** 2 * 2 - 2 * 32 * 2048 ** 2 * 2) / 2 ** 30
+    assert scores == 0.5
+    assert not points[4096].holds and points[4096].verdict == "no; yes without the scores"
+    assert points[4096].spread_without_scores == pytest.approx((45.619791 - 1.0 - 45.118814 + 0.5) / (45.118814 - 0.5))
+    assert points[2048].holds and points[2048].verdict == "yes"
+    assert points[1024].verdict == "no"          # 2.5% apart, and the scores would widen it
+    table = token_law_tables(load_rows(tmp_path / "rows"))[0]
+    assert [line[4] for line in table.rows] == ["no", "yes", "no; yes without the scores"]
