@@ -10,8 +10,8 @@ of a GPU is often measured one anti-diagonal cell per run. A change of code that
 peak would show here as a spread, which is the point of the check.
 
 One term of a peak is not a function of the tokens: where the peak falls in the attention backward,
-one layer's batch x heads x seq x seq bf16 scores (2 bytes a query-key pair and head; the size of the
-workspace of the attention backward torch runs on Hopper). On the H200 at f502daf the FORGE arms'
+one layer's batch x heads x seq x seq bf16 scores (2 bytes a query-key pair and head: a score matrix,
+or a workspace of that size in the attention backward; which kernel holds it is not yet profiled). On the H200 at f502daf the FORGE arms'
 peaks along every anti-diagonal differ by exactly that, to 0.001 GiB, from 1024 to 4096 tokens
 (0.50 GiB between b1 x s4096 and b2 x s2048). The table gives each spread without it too, so a miss
 it explains is told apart from one it does not.
