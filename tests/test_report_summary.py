@@ -1,0 +1,95 @@
+"""The report's summary page (``README.md`` of a report) against the rows of the runs it names."""
+from __future__ import annotations
+
+import shutil
+
+from forge_bench import results
+from forge_bench.report import build_report, ratios
+from forge_bench.report.data import run_label
+from report_rows import GRID, H100, H200, SMOKE, activations_of, close_to_printed, parse_markdown_tables, raw_rows
+
+
+def test_summary_headline_equals_the_rows_of_the_runs_it_names(tmp_path):
+    """On the H100 rows: the eager column is the peers run, the CUDA-graph columns the graph run;
+    each cell is peak / step (speed-up against adamw_fused of the same run), recomputed here."""
+    rows = raw_rows(H100)
+    build_report(H100, tmp_path, formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "README.md").read_text())
+    [headline] = [t for t in tables if t.startswith("Headline")]
+    table = tables[headline]
+    assert "llama-3.1-8b" in headline and "batch 1 × seq 512" in headline
+    header = list(table[0])
+    columns = header[1:]
+    assert [c.split(" (run ")[0] for c in columns] == ["eager", "CUDA graph", "CUDA graph, lean activations"]
+    checked = 0
+    for column in columns:
+        run = column.split(" (run ")[1].rstrip(")")
+        graph = column.startswith("CUDA graph")
+        lean = "lean" in column
+        chosen = [r for r in rows if run_label(r["run_id"]) == run and (r.get("timing_method") == "cuda_graph_replay") == graph
+                  and activations_of(r) == ("lean" if lean else "hf") and r["method_family"] in ("baseline", "forge")]
+        base = next(r for r in chosen if r["method"] == "adamw_fused")
+        for line in table:
+            method = line["Method"].strip("`")
+            row = next((r for r in chosen if r["method"] == method), None)
+            if row is None:
+                assert line[column] == "—"
+                continue
+            peak, rest = line[column].split(" / ")
+            step, speed = rest.split(" (", 1)
+            assert peak == f"{row['peak_allocated_gib']:.2f}"
+            assert close_to_printed(step, row["step_ms_median"])
+            if row is base:
+                assert speed == "baseline)"
+            elif ratios.speedup(row, base).is_number:
+                assert close_to_printed(speed.rstrip(")"), base["step_ms_median"] / row["step_ms_median"])
+                checked += 1
+    assert checked >= 5
+    peers = tables[next(t for t in tables if t.startswith("Peers"))]
+    assert {line["Method"].strip("`") for line in peers} == {r["method"] for r in rows
+                                                              if r["run_id"].endswith("82e611")}
+
+
+def test_summary_says_what_a_device_lacks(tmp_path):
+    build_report([SMOKE, H200], tmp_path, formats=("png",))
+    text = (tmp_path / "README.md").read_text()
+    assert "## H200" in text and "_No peer arm was measured on this device._" in text
+    assert "_No model was measured at two or more batch × seq shapes on this device._" in text
+
+
+def test_summary_grid_takes_each_shape_from_its_own_run(tmp_path):
+    """The grid fixture: tiny-llama at four shapes; each cell is FORGE's saving / speed-up against the
+    baseline of its own run and shape (adamw_foreach: adamw_fused cannot run on a CPU)."""
+    rows = raw_rows(GRID)
+    build_report(GRID, tmp_path, formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "README.md").read_text())
+    [title] = [t for t in tables if t.startswith("Batch × sequence grid")]
+    assert "tiny-llama" in title
+    [line] = tables[title]
+    assert line["Method"] == "`forge_bf16`"
+    shapes = sorted({(r["batch"], r["seq"]) for r in rows}, key=lambda s: (s[0] * s[1], s))
+    assert list(line)[1:] == [f"b{b}×s{q}" for b, q in shapes]
+    for batch, seq in shapes:
+        at = [r for r in rows if (r["batch"], r["seq"]) == (batch, seq)]
+        row = next(r for r in at if r["method"] == "forge_bf16")
+        base = next(r for r in at if r["method"] == "adamw_foreach")
+        assert line[f"b{batch}×s{seq}"] == f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}"
+
+
+def test_summary_grid_passes_over_a_newer_run_without_the_baseline(tmp_path):
+    """A FORGE-only run at a shape (a margin check, say), newer than the grid's run there, would leave
+    that shape without a ratio: the summary takes the newest run with the baseline beside FORGE."""
+    rows = raw_rows(GRID)
+    folder = tmp_path / "rows"
+    shutil.copytree(GRID, folder)
+    forge_only = dict(next(r for r in rows if r["method"] == "forge_bf16" and (r["batch"], r["seq"]) == (1, 32)))
+    forge_only.update(run_id="20991231T000000Z-margin-abcdef", cell_id=forge_only["cell_id"] + "_margin",
+                      finished_at="2099-12-31T00:00:00+00:00")
+    results.write_row(folder / "margin", forge_only)
+    build_report(folder, tmp_path / "out", formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "out" / "README.md").read_text())
+    [title] = [t for t in tables if t.startswith("Batch × sequence grid")]
+    [line] = tables[title]
+    at = [r for r in rows if (r["batch"], r["seq"]) == (1, 32)]
+    row, base = (next(r for r in at if r["method"] == m) for m in ("forge_bf16", "adamw_foreach"))
+    assert line["b1×s32"] == f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}"
