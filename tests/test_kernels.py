@@ -2,11 +2,11 @@
 
 Shapes are deliberately odd (Dout=70, Din=90, BT=100 as 2x50) so every mask is exercised.
 A step of each side starts from identical weights and states; for bf16 / int8 storage the
-two sides may differ by one rounding step where fp32 summation order differs.
+two sides may differ by one rounding step where fp32 summation order differs. Tile tuning:
+test_tuning.py; the shared helpers: kernel_pairs.py.
 """
-import contextlib
 import dataclasses
-import io
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,84 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from forge_core.kernels import (dispatch, fused_wgrad_update, launch, reference_wgrad_update, tile_config,
                                 tile_kernel, tuning)
 from forge_core.kernels.direct_launch import constexpr_tail
-from forge_core.kernels.tile_config import TileConfig, candidate_configs, config_space, default_config, fits
-from forge_core.kernels.tuning import tune_config
 from forge_core.kernels.reference import flatten_tokens
+from forge_core.kernels.tile_config import TileConfig, default_config
 from forge_core.rules import get_rule
 from forge_core.state import QBLOCK, STATE_DTYPES, ParamState
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _default_device(monkeypatch):
-    """Run every test on the GPU when there is one (the interpreter on CPU otherwise), with the
-    untuned default tile configuration on the GPU (tuning is tested on its own below)."""
-    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
-    torch.manual_seed(0)
-    previous = torch.get_default_device()
-    torch.set_default_device(DEVICE)
-    yield
-    torch.set_default_device(previous)
-
-
-HP = {
-    "adamw": dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-    "sgd": dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.05),
-    "lion": dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
-}
-
-
-def _inputs(dout, din, tokens, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(*tokens, din, generator=gen, device="cpu").to(DEVICE, dtype)
-    dy = (torch.randn(*tokens, dout, generator=gen, device="cpu") * 0.1).to(DEVICE, dtype)
-    return x, dy
-
-
-def _pair(weight, rule_name, state_dtype):
-    """Two identical (weight, state) copies, with non-trivial state contents."""
-    rule = get_rule(rule_name)
-    states = []
-    for _ in range(2):
-        states.append((weight.clone(), ParamState(weight, rule, state_dtype)))
-    gen = torch.Generator().manual_seed(7)
-    for name in rule.state_names:
-        value = torch.randn(weight.shape, generator=gen, device="cpu").to(weight.device)
-        value = value.abs() * 1e-2 if name in rule.sqrt_domain_states else value * 0.1
-        for _, state in states:
-            state.store(name, value)
-    return states
-
-
-def _copy_state(dst: ParamState, src: ParamState):
-    dst.load_state_dict({k: v.clone() for k, v in src.state_dict().items()})
-
-
-def _assert_storage_close(ours, ref, what):
-    """fp32: 1e-6 relative to the tensor's scale; bf16: within one bf16 step; int8 / fp8: codes within 1
-    (fp8 codes as their signed position on the e4m3 grid)."""
-    if ours.dtype == torch.float8_e4m3fn:
-        ours, ref = _fp8_ordinal(ours), _fp8_ordinal(ref)
-    if ours.dtype in (torch.int8, torch.int32):
-        assert (ours.int() - ref.int()).abs().max().item() <= 1, what
-        assert (ours != ref).float().mean().item() < 0.01, what
-    elif ours.dtype == torch.bfloat16:
-        ours32, ref32 = ours.float(), ref.float()
-        # one bf16 step of the larger of the two, plus a floor for values that cancel to ~0
-        step = torch.maximum(ours32.abs(), ref32.abs()) * 2.0 ** -7 + 1e-6 * ref32.abs().max()
-        assert torch.all((ours32 - ref32).abs() <= step * 1.01), what
-        assert (ours32 != ref32).float().mean().item() < 0.02, what
-    else:
-        scale = ref.abs().max().item()
-        assert (ours - ref).abs().max().item() <= 1e-6 * scale + 1e-12, what
-
-
-def _fp8_ordinal(codes):
-    """float8_e4m3fn codes as their signed position on the fp8 grid (neighbouring values one apart)."""
-    bits = codes.view(torch.uint8).int()
-    magnitude = bits & 0x7F
-    return torch.where(bits >= 0x80, -magnitude, magnitude)
+from kernel_pairs import (DEVICE, HP, assert_storage_close, copy_state, make_inputs, state_pair,
+                          default_device)  # noqa: F401  (default_device: an autouse fixture)
 
 
 def _compare_step(x, dy, pair, rule_name, step, **kwargs):
@@ -101,23 +29,23 @@ def _compare_step(x, dy, pair, rule_name, step, **kwargs):
     fused_wgrad_update(x, dy, w_fused, s_fused, hp, step, **kwargs)
     reference_wgrad_update(x, dy, w_ref, s_ref, hp, step, **kwargs)
     assert not torch.equal(w_fused, before), "the fused step changed nothing"
-    _assert_storage_close(w_fused, w_ref, f"weight at step {step}")
+    assert_storage_close(w_fused, w_ref, f"weight at step {step}")
     for name in s_ref.values:
-        _assert_storage_close(s_fused.values[name], s_ref.values[name], f"{name} at step {step}")
+        assert_storage_close(s_fused.values[name], s_ref.values[name], f"{name} at step {step}")
         if s_ref.scales[name] is not None:
             torch.testing.assert_close(s_fused.scales[name], s_ref.scales[name], rtol=2e-6, atol=0)
     # continue both from the fused side's result, so each step is compared from equal inputs
     w_ref.copy_(w_fused)
-    _copy_state(s_ref, s_fused)
+    copy_state(s_ref, s_fused)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["w32", "w16"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
 @pytest.mark.parametrize("rule_name", ["adamw", "sgd", "lion"])
 def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
-    x, dy = _inputs(70, 90, (2, 50))
+    x, dy = make_inputs(70, 90, (2, 50))
     weight = torch.randn(70, 90).to(weight_dtype)
-    pair = _pair(weight, rule_name, state_dtype)
+    pair = state_pair(weight, rule_name, state_dtype)
     for step in (1, 2):
         _compare_step(x, dy, pair, rule_name, step)
 
@@ -138,43 +66,43 @@ def test_fused_matches_reference(rule_name, state_dtype, weight_dtype):
 ])
 def test_kernel_variants_match_reference(shape, config, state_dtype):
     dout, din, tokens = shape
-    x, dy = _inputs(dout, din, (tokens,), torch.bfloat16, seed=5)
-    (w_fused, s_fused), (w_ref, s_ref) = _pair(torch.randn(dout, din).bfloat16(), "adamw", state_dtype)
+    x, dy = make_inputs(dout, din, (tokens,), torch.bfloat16, seed=5)
+    (w_fused, s_fused), (w_ref, s_ref) = state_pair(torch.randn(dout, din).bfloat16(), "adamw", state_dtype)
     fused_wgrad_update(x, dy, w_fused, s_fused, HP["adamw"], 2, config=config)
     reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 2)
-    _assert_storage_close(w_fused, w_ref, "weight")
+    assert_storage_close(w_fused, w_ref, "weight")
     for name in s_ref.values:
-        _assert_storage_close(s_fused.values[name], s_ref.values[name], name)
+        assert_storage_close(s_fused.values[name], s_ref.values[name], name)
 
 
 @pytest.mark.parametrize("rule_name", ["sgd", "lion"])
 def test_prefetched_slabs_with_one_state(rule_name):
     """One-state rules through the prefetching split epilogue (the second state slot stays empty)."""
-    x, dy = _inputs(70, 300, (100,), torch.bfloat16, seed=7)
-    pair = _pair(torch.randn(70, 300).bfloat16(), rule_name, "bf16")
+    x, dy = make_inputs(70, 300, (100,), torch.bfloat16, seed=7)
+    pair = state_pair(torch.randn(70, 300).bfloat16(), rule_name, "bf16")
     (w_fused, s_fused), (w_ref, s_ref) = pair
     config = TileConfig(32, 256, 32, 8, 4, 1, prefetch=True, split_n=4)
     for step in (1, 2):
         fused_wgrad_update(x, dy, w_fused, s_fused, HP[rule_name], step, config=config)
         reference_wgrad_update(x, dy, w_ref, s_ref, HP[rule_name], step)
-        _assert_storage_close(w_fused, w_ref, f"weight, step {step}")
+        assert_storage_close(w_fused, w_ref, f"weight, step {step}")
         for name in s_ref.values:
-            _assert_storage_close(s_fused.values[name], s_ref.values[name], name)
+            assert_storage_close(s_fused.values[name], s_ref.values[name], name)
         w_ref.copy_(w_fused)
-        _copy_state(s_ref, s_fused)
+        copy_state(s_ref, s_fused)
 
 
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(input_dtype):
-    x, dy = _inputs(70, 90, (100,), input_dtype, seed=3)
-    pair = _pair(torch.randn(70, 90), "adamw", "fp32")
+    x, dy = make_inputs(70, 90, (100,), input_dtype, seed=3)
+    pair = state_pair(torch.randn(70, 90), "adamw", "fp32")
     _compare_step(x, dy, pair, "adamw", 1)
 
 
 @pytest.mark.parametrize("din", [70, 4100])
 def test_int8_ragged_blocks(din):
-    x, dy = _inputs(3, din, (40,), seed=din)
-    pair = _pair(torch.randn(3, din), "adamw", "int8")
+    x, dy = make_inputs(3, din, (40,), seed=din)
+    pair = state_pair(torch.randn(3, din), "adamw", "int8")
     assert pair[0][1].scales["exp_avg"].shape == (3, -(-din // QBLOCK))
     for step in (1, 2):
         _compare_step(x, dy, pair, "adamw", step)
@@ -214,7 +142,7 @@ def test_fp32_fused_steps_match_torch_optim(rule_name, optimizer):
     param = torch.nn.Parameter(weight.clone())
     opt = optimizer([param], hp)
     for step in (1, 2, 3):
-        x, dy = _inputs(70, 90, (2, 50), seed=10 + step)
+        x, dy = make_inputs(70, 90, (2, 50), seed=10 + step)
         fused_wgrad_update(x, dy, fused_weight, state, hp, step)
         param.grad = dy.reshape(-1, 70).t() @ x.reshape(-1, 90)
         opt.step()
@@ -222,11 +150,11 @@ def test_fp32_fused_steps_match_torch_optim(rule_name, optimizer):
 
 
 def test_grad_accum_is_added_before_the_rule():
-    x1, dy1 = _inputs(70, 90, (60,), seed=1)
-    x2, dy2 = _inputs(70, 90, (40,), seed=2)
+    x1, dy1 = make_inputs(70, 90, (60,), seed=1)
+    x2, dy2 = make_inputs(70, 90, (40,), seed=2)
     accum = dy1.t() @ x1
     weight = torch.randn(70, 90)
-    (w_fused, s_fused), (w_ref, s_ref) = _pair(weight, "adamw", "fp32")
+    (w_fused, s_fused), (w_ref, s_ref) = state_pair(weight, "adamw", "fp32")
     fused_wgrad_update(x2, dy2, w_fused, s_fused, HP["adamw"], 1, grad_accum=accum)
     reference_wgrad_update(torch.cat([x1, x2]), torch.cat([dy1, dy2]), w_ref, s_ref, HP["adamw"], 1)
     torch.testing.assert_close(w_fused, w_ref, rtol=1e-6, atol=1e-6)
@@ -281,7 +209,7 @@ class _AllocationWatcher(TorchDispatchMode):
 
 
 def test_fused_step_never_allocates_a_weight_shaped_fp32_tensor():
-    x, dy = _inputs(70, 90, (2, 50), torch.bfloat16)
+    x, dy = make_inputs(70, 90, (2, 50), torch.bfloat16)
     for update, should_allocate in ((reference_wgrad_update, True), (fused_wgrad_update, False)):
         weight = torch.randn(70, 90, dtype=torch.bfloat16)
         state = ParamState(weight, get_rule("adamw"), "bf16")
@@ -297,7 +225,7 @@ def test_three_d_inputs_are_flattened_as_views():
     sliced = torch.randn(2, 50, 180)[..., :90]          # row-strided: still one 2-D view
     flat = flatten_tokens(sliced, 90, "x")
     assert flat.data_ptr() == sliced.data_ptr() and flat.stride() == (180, 1)
-    pair = _pair(torch.randn(70, 90), "sgd", "fp32")
+    pair = state_pair(torch.randn(70, 90), "sgd", "fp32")
     dy = torch.randn(2, 50, 140)[..., ::2]              # column-strided dY
     _compare_step(sliced, dy, pair, "sgd", 1)
 
@@ -319,209 +247,9 @@ def test_bad_arguments_raise_clear_errors(update, bad, match):
         update(args["x"], args["dy"], args["weight"], state, HP["adamw"], 1, grad_accum=args["grad_accum"])
 
 
-def test_config_space_pruning():
-    space = config_space()
-    assert len(space) == 3 * 3 * 3 * 3 * 2 * 5          # tiles^2 x BK x GROUP x warps {4,8} x stages
-    for m, n, k in [(4096, 4096, 512), (1024, 4096, 8192), (128256, 4096, 2048), (70, 90, 100)]:
-        for input_bytes in (2, 4):
-            candidates = candidate_configs(m, n, k, input_bytes)
-            assert 1 <= len(candidates) <= 16
-            assert all(fits(c, input_bytes) for c in candidates)
-            assert all(c.block_n % QBLOCK == 0 for c in candidates)
-            assert all(c.num_stages <= max(2, -(-k // c.block_k)) for c in candidates)
-            assert all(c.num_warps in (4, 8) for c in candidates)   # 16 warps gave wrong weights on the H100
-    assert not fits(TileConfig(256, 256, 128, 8, 8, 6), 2)
-    assert fits(default_config(4096, 4096, 512, 2), 2)
-
-
-def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
-    """The tuner times candidates on scratch copies; the real weight/state see exactly one step."""
-    x, dy = _inputs(70, 90, (100,))
-    (w_real, s_real), (w_ref, s_ref) = _pair(torch.randn(70, 90), "adamw", "int8")
-    candidates = [TileConfig(32, 64, 32, 8, 4, 1), TileConfig(64, 64, 32, 8, 4, 1)]
-    launched = []
-    timed = []
-    original_run = launch.run_plan
-
-    def tracking_run(plan, *args):                       # every launch, tuning or real, goes through run_plan
-        launched.append((plan.config, plan.fixed_args[0].data_ptr()))   # fixed_args[0]: the weight written
-        return original_run(plan, *args)
-
-    def fake_bench(fn):
-        real_before = w_real.clone(), {k: v.clone() for k, v in s_real.state_dict().items()}
-        for _ in range(3):                                  # a benchmark runs the kernel many times
-            fn()
-        assert torch.equal(w_real, real_before[0]), "tuning touched the real weight"
-        assert all(torch.equal(v, real_before[1][k]) for k, v in s_real.state_dict().items())
-        config = launched[-1][0]
-        timed.append(config)
-        return ({32: 2.0, 64: 1.0}[config.block_m] - (0.5 if config.group == 32 else 0.0)
-                - (0.25 if config.prefetch and config.block_m == 64 else 0.0))
-
-    monkeypatch.setattr(tuning, "candidate_configs", lambda m, n, k, b: candidates)
-    monkeypatch.setattr(tuning, "bench_ms", fake_bench)
-    monkeypatch.setattr(launch, "run_plan", tracking_run)
-    monkeypatch.setattr(tuning, "use_fixed_config", lambda: False)
-    monkeypatch.setattr(tuning, "TUNED", {})
-    monkeypatch.setenv("FORGE_AUTOTUNE", "1")
-    fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 1)
-    reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], 1)
-    # every candidate without, then with prefetch, plain and under the 16-warps-per-SM register cap;
-    # then the other groups on the fastest (64, prefetch; the capped twin ties and was timed later)
-    assert [(c.block_m, c.prefetch, c.max_registers) for c in timed[:6]] == [
-        (32, False, None), (64, False, None), (32, True, None), (32, True, 128), (64, True, None), (64, True, 128)]
-    # the three fastest again with pointer loads in the main loop (the fake timing ignores the loader)
-    assert [(c.block_m, c.prefetch, c.max_registers, c.tma) for c in timed[6:9]] == [
-        (64, True, None, False), (64, True, 128, False), (64, False, None, False)]
-    assert [(c.group, c.prefetch, c.max_registers, c.tma) for c in timed[9:]] == [
-        (16, True, None, True), (32, True, None, True)]
-    real_launches = [c for c, ptr in launched if ptr == w_real.data_ptr()]
-    assert real_launches == [TileConfig(64, 64, 32, 32, 4, 1, prefetch=True)], "one real launch, with the winner"
-    assert list(tuning.tuned_configs().values()) == real_launches
-    _assert_storage_close(w_real, w_ref, "weight after tuned step")
-    for name in s_ref.values:
-        _assert_storage_close(s_real.values[name], s_ref.values[name], name)
-    # a second call with the same key reuses the choice without timing again
-    fused_wgrad_update(x, dy, w_real, s_real, HP["adamw"], 2)
-    assert len(timed) == 11
-
-
-def test_register_cap_keeps_sixteen_warps_per_sm():
-    config = TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
-    assert tuning.sixteen_warps_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,
-                                                                   max_registers=128)     # two programs
-    assert tuning.sixteen_warps_per_sm(TileConfig(64, 64, 32, 8, 4, 6)) == TileConfig(
-        64, 64, 32, 8, 4, 6, max_registers=128)                                           # four programs
-    assert tuning.sixteen_warps_per_sm(TileConfig(64, 64, 64, 8, 8, 4, max_registers=96)) is None
-
-
-def test_prefetch_variants_are_what_the_tuner_and_the_sweep_time():
-    config = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
-    assert tuning.prefetch_variants(config) == [
-        config, dataclasses.replace(config, prefetch=True), dataclasses.replace(config, prefetch=True, max_registers=128)]
-    capped = TileConfig(64, 64, 32, 8, 4, 6, max_registers=96)      # already capped: no second cap
-    assert tuning.prefetch_variants(capped) == [capped, dataclasses.replace(capped, prefetch=True)]
-    assert tuning.prefetch_variants(config, ()) == []
-
-
-def _fake_timing(cost):
-    """A ``run_on_scratch`` that records each config and a ``time_ms`` that charges it ``cost(config)``."""
-    timed = []
-
-    def run(config):
-        timed.append(config)
-
-    def time_ms(fn):
-        fn()
-        return cost(timed[-1])
-
-    return run, time_ms
-
-
-def test_tune_config_times_prefetch_under_the_register_cap():
-    """Each 8-warp candidate is timed plain, prefetching, and prefetching at 128 registers; the capped
-    variant can win and is what the tuner returns."""
-    run, time_ms = _fake_timing(lambda c: 1.0 - 0.2 * c.prefetch - 0.3 * (c.max_registers == 128))
-    candidate = TileConfig(64, 128, 64, 8, 8, 4, split_n=2)
-    best, timings = tune_config([candidate], run, time_ms, groups=(8,), tma_flips=0)
-    assert set(timings) == {candidate, dataclasses.replace(candidate, prefetch=True),
-                            dataclasses.replace(candidate, prefetch=True, max_registers=128)}
-    assert best == dataclasses.replace(candidate, prefetch=True, max_registers=128)
-
-
-def test_tune_config_tries_the_other_main_loop_loader_on_the_fastest():
-    """TMA helps some tiles and slows others (the 8-warp 64x128 one): the fastest few are also timed
-    with the other loader, and a pointer-loading winner is returned as such."""
-    run, time_ms = _fake_timing(
-        lambda c: {64: 1.0, 128: 2.0}[c.block_n] - (0.5 if c.block_n == 64 and not c.tma else 0.0))
-    candidates = [TileConfig(64, 64, 32, 8, 4, 2), TileConfig(64, 128, 32, 8, 4, 2)]
-    best, timings = tune_config(candidates, run, time_ms, groups=(8,), prefetch_options=(), tma_flips=1)
-    assert best == TileConfig(64, 64, 32, 8, 4, 2, tma=False)
-    assert TileConfig(64, 128, 32, 8, 4, 2, tma=False) not in timings, "only the fastest is flipped"
-    assert len(timings) == 3
-
-
-def test_tune_config_retimes_the_finalists_round_robin():
-    """One lucky first timing must not pick the tile: the fastest few within the margin are timed again,
-    interleaved, and ranked by their median; a config far behind is not re-timed."""
-    fast, lucky, slow = TileConfig(64, 64, 32, 8, 4, 2), TileConfig(64, 128, 32, 8, 4, 2), TileConfig(128, 128, 32, 8, 4, 2)
-    seen: dict[TileConfig, int] = {}
-    order: list[TileConfig] = []
-
-    def cost(config):
-        seen[config] = seen.get(config, 0) + 1
-        order.append(config)
-        if config == lucky:
-            return 0.95 if seen[config] == 1 else 1.02       # a clock peak on its first timing
-        return {fast: 1.0, slow: 2.0}[config]
-
-    run, time_ms = _fake_timing(cost)
-    best, timings = tune_config([fast, lucky, slow], run, time_ms, groups=(8,), prefetch_options=(), tma_flips=0,
-                                finalists=4, final_rounds=5)
-    assert best == fast
-    assert timings[lucky] == pytest.approx(1.02) and timings[fast] == pytest.approx(1.0)
-    assert seen == {fast: 6, lucky: 6, slow: 1}, "only configs within the margin are re-timed"
-    finals = order[3:]
-    assert all(set(finals[i:i + 2]) == {fast, lucky} for i in range(0, 10, 2)), "each round times every finalist"
-    assert finals[0] != finals[2], "the rounds rotate their order"
-    # finalists=1 keeps the single-pass ranking (the lucky timing wins)
-    seen.clear()
-    best, _ = tune_config([fast, lucky, slow], run, time_ms, groups=(8,), prefetch_options=(), tma_flips=0,
-                          finalists=1)
-    assert best == lucky and seen == {fast: 1, lucky: 1, slow: 1}
-
-
-def test_tune_config_skips_configs_that_do_not_fit_the_device():
-    class OutOfResources(Exception):
-        pass
-
-    class PTXASError(Exception):
-        pass
-
-    ran = []
-
-    def run(config):
-        if config.block_m == 256:
-            raise OutOfResources("shared memory")
-        if config.max_registers is not None:
-            raise PTXASError("ptxas fatal: (C7602) Insufficient registers (128) to compile instruction")
-        ran.append(config)
-
-    def time_ms(fn):
-        fn()
-        return {64: 3.0, 128: 1.0}[ran[-1].block_m] - (0.1 if ran[-1].group == 16 else 0.0)
-
-    best, timings = tune_config([TileConfig(bm, 64, 32, 8, 4, 2) for bm in (64, 128, 256)], run, time_ms,
-                                groups=(8, 16), prefetch_options=(), tma_flips=0)
-    assert best == TileConfig(128, 64, 32, 16, 4, 2)
-    assert all(c.block_m != 256 for c in timings) and len(timings) == 3
-    # an 8-warp candidate whose register-capped prefetch variant ptxas refuses is still tuned
-    ran.clear()
-    best, timings = tune_config([TileConfig(64, 64, 32, 8, 8, 2)], run, time_ms, groups=(8,), tma_flips=0)
-    assert all(c.max_registers is None for c in timings) and len(timings) == 2
-
-    def broken(config):
-        raise ValueError("a real bug must not be swallowed")
-
-    # what Triton prints before raising PTXASError (the whole PTX) stays out of the cell's log
-    def refused_loudly(config):
-        if config.max_registers is not None:
-            print("//\n// Generated by LLVM NVPTX Back-End\n" + "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd1];\n" * 100)
-            raise PTXASError("ptxas fatal: (C7602) Insufficient registers (128)")
-        ran.append(config)
-
-    captured = io.StringIO()
-    with contextlib.redirect_stdout(captured):
-        tune_config([TileConfig(64, 64, 32, 8, 8, 2)], refused_loudly, time_ms, groups=(8,))
-    assert "NVPTX" not in captured.getvalue()
-
-    with pytest.raises(ValueError, match="real bug"):
-        tune_config([TileConfig(64, 64, 32, 8, 4, 2)], broken, time_ms)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_changing_lr_does_not_recompile():
-    x, dy = _inputs(256, 256, (128,), torch.bfloat16)
+    x, dy = make_inputs(256, 256, (128,), torch.bfloat16)
     x, dy = x.cuda(), dy.cuda()
     weight = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     state = ParamState(weight, get_rule("adamw"), "bf16")
@@ -541,12 +269,12 @@ def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
     launches = []
     real_run = launch.run_plan
     monkeypatch.setattr(launch, "run_plan", lambda plan, *a: (launches.append(plan), real_run(plan, *a))[1])
-    (w_ours, s_ours), (w_ref, s_ref) = _pair(torch.randn(70, 90), "adamw", "fp32")
+    (w_ours, s_ours), (w_ref, s_ref) = state_pair(torch.randn(70, 90), "adamw", "fp32")
     hp = dict(HP["adamw"])
     cached = []
     for step, (lr, tokens) in enumerate([(1e-2, (2, 50)), (3e-3, (2, 50)), (3e-3, (37,)), (5e-3, (37,))], 1):
         hp["lr"] = lr
-        x, dy = _inputs(70, 90, tokens, seed=step)
+        x, dy = make_inputs(70, 90, tokens, seed=step)
         if step == 4:   # a load that replaces a state tensor instead of copying into it
             for state in (s_ours, s_ref):
                 state.values["exp_avg"] = state.values["exp_avg"].clone()
@@ -554,9 +282,9 @@ def test_launch_plan_is_reused_and_follows_every_change(monkeypatch):
         # default this file's GPU runs use (FORGE_AUTOTUNE=0)
         fused_wgrad_update(x, dy, w_ours, s_ours, hp, step, config=tile_config.INTERPRETER_CONFIG)
         reference_wgrad_update(x, dy, w_ref, s_ref, hp, step)
-        _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
+        assert_storage_close(w_ours, w_ref, f"weight, step {step}")
         for name in s_ref.values:
-            _assert_storage_close(s_ours.values[name], s_ref.values[name], f"{name}, step {step}")
+            assert_storage_close(s_ours.values[name], s_ref.values[name], f"{name}, step {step}")
         (plan,) = dispatch.PLANS[s_ours].values()
         cached.append(plan)
     assert launches[1] is cached[0] and cached[1] is cached[0], "the same layout must reuse its plan"
@@ -643,11 +371,11 @@ def test_direct_launch_gives_the_jit_launch_bits(monkeypatch, state_dtype, tma):
 
     kernel = tile_kernel.fused_wgrad_update_kernel
     config = TileConfig(64, 128, 32, 8, 4, 3, split_n=2, tma=tma)       # int8: slabs of whole 64-blocks
-    (w_direct, s_direct), (w_jit, s_jit) = _pair(torch.randn(136, 200).bfloat16(), "adamw", state_dtype)
+    (w_direct, s_direct), (w_jit, s_jit) = state_pair(torch.randn(136, 200).bfloat16(), "adamw", state_dtype)
     hp = dict(HP["adamw"])
     for step, seed in enumerate([7, 16, 1, 4096 + 5], start=1):
         hp["lr"] = 1e-3 * step
-        x, dy = _inputs(136, 200, (2, 48), torch.bfloat16, seed=step)
+        x, dy = make_inputs(136, 200, (2, 48), torch.bfloat16, seed=step)
         jit_calls = []
         real_run = kernel.run
         monkeypatch.setattr(kernel, "run", lambda *a, **k: (jit_calls.append(1), real_run(*a, **k))[1])
@@ -686,11 +414,11 @@ def test_tma_and_pointer_main_loops_give_the_same_bits(shape, state_dtype):
     same G, so the same update to the bit; the plan says which one ran. (Odd feature counts such as
     70 have rows of 140 bytes, which TMA cannot take: the ragged case here is 72 x 200.)"""
     dout, din, tokens = shape
-    x, dy = _inputs(dout, din, (tokens,), torch.bfloat16, seed=11)
+    x, dy = make_inputs(dout, din, (tokens,), torch.bfloat16, seed=11)
     results = []
     for tma in (True, False):
         config = TileConfig(32, 128, 32, 8, 4, 1, prefetch=True, split_n=2, tma=tma)
-        (weight, state), _ = _pair(torch.randn(dout, din, generator=torch.Generator().manual_seed(3),
+        (weight, state), _ = state_pair(torch.randn(dout, din, generator=torch.Generator().manual_seed(3),
                                                device="cpu").to(DEVICE, torch.bfloat16), "adamw", state_dtype)
         fused_wgrad_update(x, dy, weight, state, HP["adamw"], 2, config=config)
         (plan,) = dispatch.PLANS[state].values()
@@ -721,8 +449,8 @@ def test_misaligned_activations_take_the_pointer_path_and_stay_right():
     """A plan made for aligned activations is not reused for a view whose base is off the 16-byte grid
     (the alignment is part of the plan's signature): the first step runs TMA, the second pointers."""
     config = TileConfig(32, 64, 32, 8, 4, 1, tma=True)
-    (w_ours, s_ours), (w_ref, s_ref) = _pair(torch.randn(70, 90).bfloat16(), "adamw", "fp32")
-    base_x, base_dy = _inputs(96, 96, (40,), torch.bfloat16, seed=2)       # rows of 192 bytes
+    (w_ours, s_ours), (w_ref, s_ref) = state_pair(torch.randn(70, 90).bfloat16(), "adamw", "fp32")
+    base_x, base_dy = make_inputs(96, 96, (40,), torch.bfloat16, seed=2)       # rows of 192 bytes
     tma_expected = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
     for step, offset in ((1, 0), (2, 1)):
         x = base_x[:, offset:offset + 90]
@@ -731,9 +459,9 @@ def test_misaligned_activations_take_the_pointer_path_and_stay_right():
         reference_wgrad_update(x, dy, w_ref, s_ref, HP["adamw"], step)
         (plan,) = dispatch.PLANS[s_ours].values()
         assert plan.tma == (tma_expected and offset == 0), f"offset {offset}"
-        _assert_storage_close(w_ours, w_ref, f"weight, step {step}")
+        assert_storage_close(w_ours, w_ref, f"weight, step {step}")
         w_ref.copy_(w_ours)
-        _copy_state(s_ref, s_ours)
+        copy_state(s_ref, s_ours)
 
 
 def test_a_gpu_launch_asks_for_fp_fusion_and_keeps_its_register_cap(monkeypatch):
@@ -760,7 +488,7 @@ def test_launches_are_counted_by_path():
 
     weight = torch.randn(6, 40)
     state = ParamState(weight, get_rule("adamw"), "fp32")
-    x, dy = _inputs(6, 40, (9,))
+    x, dy = make_inputs(6, 40, (9,))
     reset_launch_paths()
     for step in (1, 2, 3):
         fused_wgrad_update(x, dy, weight, state, HP["adamw"], step)
