@@ -98,6 +98,15 @@ def test_floor_table_shows_the_power_floor_when_the_run_measured_energy():
     (record,) = table.records
     assert record["power_floor_ms"] == pytest.approx(power_floor_ms(50.0, 700.0, terms, "bf16"))
     assert record["step_over_power_floor"] == pytest.approx(80.0 / record["power_floor_ms"])
+    # the target: within 1.05x of the power floor
+    met = record["step_over_power_floor"] <= 1.05
+    assert record["power_floor_target_met"] is met and table.rows[0][8] == ("met" if met else "missed")
+    for factor, expected in ((1.04, True), (1.06, False)):
+        rows[2]["step_ms_median"] = record["power_floor_ms"] * factor
+        (at_factor,) = floor_tables(pd.DataFrame(rows))
+        assert at_factor.records[0]["power_floor_target_met"] is expected
+        assert at_factor.rows[0][8] == ("met" if expected else "missed")
+    rows[2]["step_ms_median"] = 80.0
     # the same run without energy terms: the time floor's columns only
     rows[0]["extra"] = json.dumps({"floor_terms": {k: terms[k] for k in ("wgrad_ms", "traffic_ms", "copy_bytes_per_s")}})
     (table,) = floor_tables(pd.DataFrame(rows))

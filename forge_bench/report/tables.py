@@ -19,6 +19,7 @@ from .data import (HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, ch
                    finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit, method_cell,
                    method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
+from .targets import POWER_FLOOR_TARGET
 
 SPREAD_NOTE = ("Step ms is the median over runs of each run's median step; p10–p90 spans all "
                "timed steps; spread is the largest per-run IQR / median.")
@@ -434,8 +435,9 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
             got = fused_ms / step if fused_ms else None
             got_text = ratios.speedup(row, fused[0]).text if fused else "—"
             power_floor = power_floors.get(state_dtype)
-            power_cells = ([fmt_ms(power_floor), f"{step / power_floor:.2f}×"] if power_floor else ["—", "—"]
-                           ) if with_power else []
+            near = step / power_floor <= POWER_FLOOR_TARGET if power_floor else None
+            power_cells = ([fmt_ms(power_floor), f"{step / power_floor:.2f}×", "met" if near else "missed"]
+                           if power_floor else ["—", "—", "—"]) if with_power else []
             body.append([method_cell(row["method"], [row]), state_dtype, fmt_ms(terms["traffic_ms"][state_dtype]),
                          fmt_ms(floor), fmt_ms(step), f"{step / floor:.2f}×"] + power_cells
                         + [f"{best:.2f}×" if best else "—", got_text])
@@ -446,7 +448,8 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
                          "step_ms_median": step, "step_over_floor": step / floor,
                          "adamw_fused_ms": fused_ms, "best_speedup_vs_adamw_fused": best,
                          "speedup_vs_adamw_fused": got, "power_floor_ms": power_floor,
-                         "step_over_power_floor": step / power_floor if power_floor else None})
+                         "step_over_power_floor": step / power_floor if power_floor else None,
+                         "power_floor_target_met": near if with_power else None})
         if not body:
             continue
         caption = (f"floor = no_optimizer step ({no_opt_ms:.1f} ms) − cuBLAS wgrad ({float(terms['wgrad_ms']):.2f} ms) "
@@ -456,13 +459,14 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
         if with_power:
             caption += (f" Power floor: the step's dynamic energy at the board's {float(terms['power_limit_w']):.0f} W "
                         f"limit (no_optimizer at {no_opt_w:.0f} W, idle {float(terms['idle_w']):.0f} W, copy "
-                        f"{float(terms['copy_j_per_byte']) * 1e12:.0f} pJ/byte; an estimate, forge_bench/floor.py).")
-        power_headers = ["Power floor ms", "Step / power floor"] if with_power else []
+                        f"{float(terms['copy_j_per_byte']) * 1e12:.0f} pJ/byte; an estimate, forge_bench/floor.py); "
+                        f"target: a step within {POWER_FLOOR_TARGET:.2f}× of it.")
+        power_headers = ["Power floor ms", "Step / power floor", f"≤ {POWER_FLOOR_TARGET:.2f}×"] if with_power else []
         tables.append(Table(slug("floor", key_map["device_name"], key_map["model"], key_map["dtype"],
                                  key_map["batch"], key_map["seq"], run_label(key_map["run_id"]), timing_slug(key_map)),
                             f"FORGE against its floor, {group_title(key_map)}", caption,
                             ["Method", "States", "Traffic ms", "Floor ms", "Step ms", "Step / floor"] + power_headers
-                            + ["Best speed-up", "Measured speed-up"], body, "llrrrr" + "rr" * with_power + "rr",
+                            + ["Best speed-up", "Measured speed-up"], body, "llrrrr" + "rrl" * with_power + "rr",
                             [NOISE_FOOTNOTE, BOUND_FOOTNOTE]
                             + ([NOTHING_FUSED_NOTE] if any(nothing_fused(r) for r in forge_rows) else []),
                             recs))

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from .ratios import Ratio
 
 POOL_SHARE_TARGET = 0.90
+POWER_FLOOR_TARGET = 1.05
+"""A FORGE step's allowed distance from its power-limited floor (``forge_bench.floor``): step / floor."""
 
 
 def gradient_pool_gib(n_params: object, bytes_per_parameter: int) -> float:
