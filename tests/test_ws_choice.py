@@ -141,8 +141,8 @@ class _NoCopies(torch.Tensor):
 @pytest.mark.parametrize("where", ["process", "tune cache", "shipped"])
 def test_a_stored_choice_is_looked_up_before_any_scratch_copy(fresh, monkeypatch, where):
     """A first step whose Gluon-or-Triton choices are all stored (in the process, FORGE_TUNE_CACHE or the
-    file shipped for the GPU) copies no weight or moment: the copies of the LM head's weight and moments
-    raised a fresh process's Llama-3.1-8B peak by 2.3 GiB over its later steps."""
+    file shipped for the GPU) copies no weight or moment: those copies (the LM head's the largest) raised a fresh
+    process's Llama-3.1-8B peak by 2.3 GiB over its later steps."""
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
     monkeypatch.setattr(ws_choice, "candidates_for", lambda *args: [A])

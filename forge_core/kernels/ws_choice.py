@@ -153,8 +153,8 @@ def stored(key: tuple, candidates: list[WsConfig], identity: str, device: str) -
     """``(True, choice)`` when the choice for ``key`` is known without timing (in the process, in
     ``FORGE_TUNE_CACHE``, or shipped for GPU model ``device``), else ``(False, None)``. Asked before any
     scratch copy is made: a step whose choices are all stored allocates nothing beyond its own tensors
-    (a first step that copied the LM head's weight and moments only to look a choice up peaked
-    2.3 GiB above the steps after it on Llama-3.1-8B)."""
+    (a first Llama-3.1-8B step that copied each weight and its moments, the LM head's the largest,
+    only to look a choice up peaked 2.3 GiB above the steps after it)."""
     if key in CHOSEN:
         return True, CHOSEN[key]
     if not candidates:
