@@ -107,6 +107,11 @@ def test_floor_table_shows_the_power_floor_when_the_run_measured_energy():
         assert at_factor.records[0]["power_floor_target_met"] is expected
         assert at_factor.rows[0][8] == ("met" if expected else "missed")
     rows[2]["step_ms_median"] = 80.0
+    # another family's FORGE row has no AdamW floor: left out
+    muon = dict(rows[2], method="forge_muon_bf16",
+                method_settings=json.dumps({"state_dtype": "bf16", "family": "muon", "optimizer": "forge_core.fuse(muon)"}))
+    (with_muon,) = floor_tables(pd.DataFrame(rows + [muon]))
+    assert [r["method"] for r in with_muon.records] == ["forge_bf16"]
     # the same run without energy terms: the time floor's columns only
     rows[0]["extra"] = json.dumps({"floor_terms": {k: terms[k] for k in ("wgrad_ms", "traffic_ms", "copy_bytes_per_s")}})
     (table,) = floor_tables(pd.DataFrame(rows))

@@ -405,6 +405,14 @@ FLOOR_METHOD = "no_optimizer"
 FLOOR_BASELINE = "adamw_fused"
 
 
+def forge_rule(row: Mapping[str, Any]) -> str:
+    """The rule a FORGE row steps: its ``family`` setting, else the rule its ``optimizer`` fuses, else
+    adamw (rows from before either was recorded). The floor counts AdamW's two moments."""
+    settings = ratios.json_field(row.get("method_settings"))
+    fused = re.search(r"fuse\((\w+)\)", str(settings.get("optimizer", "")))
+    return str(settings.get("family") or (fused.group(1) if fused else "adamw"))
+
+
 def floor_tables(frame: pd.DataFrame) -> list[Table]:
     """Each FORGE arm against its floor, from the no_optimizer row of the same run and shape:
     floor = no_optimizer step - wgrad + max(wgrad, state bytes / copy bandwidth)
@@ -415,7 +423,8 @@ def floor_tables(frame: pd.DataFrame) -> list[Table]:
         rows = records(group[group["status"] == "ok"])
         floor_rows = [r for r in rows if r["method"] == FLOOR_METHOD]
         terms = ratios.json_field(floor_rows[0].get("extra")).get("floor_terms") if floor_rows else None
-        forge_rows = [r for r in sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")]
+        forge_rows = [r for r in sorted_rows(rows) if is_forge(r["method"], r.get("method_family") or "")
+                      and forge_rule(r) == "adamw"]
         if not terms or not forge_rows:
             continue
         no_opt_ms = float(floor_rows[0]["step_ms_median"])
