@@ -196,8 +196,8 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
         candidate_plans[config].run(x2, dy2, scalars)
 
     m, n = weight.shape
-    config = ws_choice.chosen(choice_key, candidates, run_triton, run_ws,
-                              ws_choice.graph_time_ms if graphed else tuning.bench_ms, identity, {
+    config = ws_choice.measure(choice_key, candidates, run_triton, run_ws,
+                               ws_choice.graph_time_ms if graphed else tuning.bench_ms, identity, {
         "shape": f"{m}x{n}", "tokens": x2.shape[0], "device": gpu, "triton": triton.__version__,
         "triton_tile": dataclasses.asdict(triton_config)})
     return plan_on(config, weight, states, scales)
