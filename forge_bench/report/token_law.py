@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import pandas as pd
@@ -36,8 +37,10 @@ GIB = 2 ** 30
 SCORE_BYTES = {"bfloat16": 2, "float16": 2}
 
 
+@lru_cache(maxsize=None)
 def attention_heads(model: str) -> int | None:
-    """The model's attention heads from its zoo config (None: no such model, or no attention)."""
+    """The model's attention heads from its zoo config (None: no such model, or no attention); read
+    once per model, where every shape of every anti-diagonal asks."""
     spec = MODEL_ZOO.get(model)
     if spec is None or not spec.config_path.exists():
         return None
