@@ -10,24 +10,27 @@ weight and of every state tensor (int8 blocks run along rows, so an expert holds
 The module's forward becomes the grouped form (the same arithmetic as transformers'
 ``grouped_mm`` experts path): token-expert pairs sorted by expert, one grouped GEMM per
 projection, the gate, the routing weights, and the sum over each token's experts. Its backward
-computes ``dX`` from the pre-update weights and then runs the fused kernel once per expert on that
-expert's routed tokens (``x`` and ``dY`` are contiguous slices of the sorted buffers), so no
-expert's weight gradient is ever formed.
+computes ``dX`` from the pre-update weights and then steps every expert on its routed tokens (``x``
+and ``dY`` are contiguous slices of the sorted buffers), so no expert's weight gradient is ever
+formed: on the Triton backend in one launch per weight (``kernels.grouped_wgrad_update``; one
+launch per expert cost the host 256 launches per layer), on the reference one expert at a time.
 
 **Experts no token reached** (the paper's Remark 1): torch's AdamW steps the whole 3-D Parameter,
 whose gradient rows for such experts are zero, and AdamW on a zero gradient still decays both
 moments, applies weight decay and moves the weight by the decayed moments. ``opt.step()``
 therefore updates those experts' rows with a zero-token fused step (``rows_left_out``), which is
-the same arithmetic; the fused weight equals torch's AdamW over the 3-D Parameter.
+the same arithmetic; the fused weight equals torch's AdamW over the 3-D Parameter. The grouped
+launch takes that step in the backward already (an empty token range: a zero gradient).
 
 The per-expert token counts are read on the host once per layer and step (the slicing needs them),
 so such a model cannot be captured in a CUDA graph (``fuse(capturable=True)`` leaves its experts to
 the fallback). Every expert update of a weight runs on one fixed tile on the GPU: the counts change
-every step, and tuning per count would tune for minutes. For the same reason each expert's group of
-rows is padded with zero rows to a multiple of ``token_block`` (64 on a GPU): the kernel's launch
-plan is kept per expert for its last token count, so rounded counts repeat from step to step and
-the launch skips Triton's JIT (at 512 tokens x top-8 over 128 experts nearly every expert holds 64
-rows every step). A zero row adds nothing to any product, gradient or update.
+every step, and tuning per count would tune for minutes. Each expert's group of rows is padded
+with zero rows to a multiple of ``token_block`` (64 on a GPU) for the launches made one expert at a
+time (micro-batches before the last, data parallel): a launch plan is kept per expert for its last
+token count, so rounded counts repeat from step to step and the launch skips Triton's JIT (at 512
+tokens x top-8 over 128 experts nearly every expert holds 64 rows every step). A zero row adds
+nothing to any product, gradient or update.
 """
 from __future__ import annotations
 
@@ -118,10 +121,18 @@ class ExpertsWeight(FusedWeight):
         self._pass = (task, update)
         return update
 
-    def update_experts(self, x: torch.Tensor, grad_output: torch.Tensor, bounds: tuple[tuple[int, int], ...]) -> None:
+    def update_experts(self, x: torch.Tensor, grad_output: torch.Tensor, ends: torch.Tensor,
+                       bounds: tuple[tuple[int, int], ...]) -> None:
         """The backward's update: expert ``e``'s rows from its tokens ``x[s:t]``, ``grad_output[s:t]``
-        (an expert whose group is empty, padding included, is left to ``rows_left_out``)."""
+        (``bounds[e]``; ``ends``: their ends on the device). On the Triton backend the last
+        micro-batch steps every expert in one launch, the unreached ones with a zero gradient;
+        otherwise one update per expert, and an expert whose group is empty (padding included) is
+        left to ``rows_left_out``."""
         update = self._pass_update()
+        if isinstance(update, RowSliceUpdate) and update.mode == "update" and \
+                self.optimizer.apply_grouped_update(self, x, grad_output, ends, self.rows_per_expert):
+            self.updated_experts.update(range(self.num_experts))
+            return
         for expert, (start, end) in enumerate(bounds):
             if end > start:
                 r0, r1 = self.expert_rows(expert)
@@ -193,7 +204,7 @@ class ExpertsLinearFunction(torch.autograd.Function):
         # dX from the pre-update weights, for every expert, before any expert is updated.
         grad_x = grouped_input_grad(grad_output, weight, offsets, ctx.bounds) if ctx.needs_input_grad[0] else None
         with torch.no_grad():
-            ctx.updater.update_experts(x, grad_output.to(x.dtype), ctx.bounds)
+            ctx.updater.update_experts(x, grad_output.to(x.dtype), offsets, ctx.bounds)
         return grad_x, None, None, None, None
 
 

@@ -453,6 +453,22 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         if grad_accum is not None:
             grad_accum.zero_()
 
+    def apply_grouped_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
+                             ends: torch.Tensor, rows_per_group: int) -> bool:
+        """The last micro-batch's step of every row group of ``binding`` in one launch
+        (``kernels.grouped_wgrad_update``: group ``e``'s tokens are rows ``[ends[e-1], ends[e])``, a
+        group without tokens takes its zero-gradient step). False, doing nothing, where each group
+        must be stepped alone: the reference backend, a capturable optimizer."""
+        if self.backend != "triton" or self.capturable or kernels.grouped_wgrad_update is None:
+            return False
+        hp, step, arguments = self._update_arguments(binding)
+        kernels.grouped_wgrad_update(x, grad_output, binding.matrix, binding.state, ends, rows_per_group, hp, step,
+                                     grad_accum=binding.grad_accum, seed_stride=_BLOCK_SEED_STRIDE,
+                                     config=binding.tile_config, **arguments)
+        if binding.grad_accum is not None:
+            binding.grad_accum.zero_()
+        return True
+
     def _update_arguments(self, owner: "FusedWeight | DenseWeight",
                           seed_offset: int = 0) -> tuple[Mapping[str, Any], int, dict[str, Any]]:
         """(hyper-parameters, step, keyword arguments) of an update at ``owner``'s next step: the

@@ -115,20 +115,17 @@ def test_moe_experts_fused_equal_torch_adamw_and_unreached_experts_decay(backend
     assert all(isinstance(b, ExpertsWeight) and b.parameter_name == name for name, b in bindings.items())
     assert {id(experts.gate_up_proj), id(experts.down_proj)} <= {id(p) for p in optimizer.fused_parameters()}
     reached: list[set[int]] = []
-    original_end_step = ExpertsWeight.end_step
+    original_update = ExpertsWeight.update_experts
 
-    def record(self: ExpertsWeight) -> None:
+    def record(self: ExpertsWeight, x, grad_output, ends, bounds) -> None:
         if self.parameter_name == "gate_up_proj":
-            reached.append(set(self.updated_experts))
-        original_end_step(self)
+            reached.append({e for e, (start, end) in enumerate(bounds) if end > start})
+        original_update(self, x, grad_output, ends, bounds)
 
-    ExpertsWeight.end_step = record
-    try:
-        batches = _batches(2, 64, 3)
-        before = experts.gate_up_proj.detach().clone()
-        _train(model, optimizer, batches)
-    finally:
-        ExpertsWeight.end_step = original_end_step
+    monkeypatch.setattr(ExpertsWeight, "update_experts", record)
+    batches = _batches(2, 64, 3)
+    before = experts.gate_up_proj.detach().clone()
+    _train(model, optimizer, batches)
     _train(reference, torch.optim.AdamW(reference.parameters(), **HYPERPARAMETERS), batches)
     assert all(0 < len(r) < 8 for r in reached), reached            # some experts saw no token
     never = [e for e in range(8) if all(e not in r for r in reached)]
@@ -164,3 +161,31 @@ def test_capturable_fuse_leaves_experts_to_the_fallback_with_a_reason() -> None:
         optimizer = forge_core.fuse(model, capturable=True, **HYPERPARAMETERS)
     assert "model.layers.0.mlp.experts" in optimizer.excluded_modules
     assert not is_forge_experts(model.model.layers[0].mlp.experts)
+
+
+def test_triton_backend_steps_each_expert_weight_in_one_launch_like_one_launch_per_expert(monkeypatch) -> None:
+    """The grouped launch (``kernels.grouped_wgrad_update``) runs once per expert weight and backward,
+    and gives the weights that stepping each expert alone gives."""
+    if not triton_available():
+        pytest.skip("the grouped launch needs the Triton backend")
+    from forge_core.optimizer import ForgeOptimizer
+
+    calls: list[int] = []
+    grouped = forge_core.kernels.grouped_wgrad_update
+
+    def counted(*args, **kwargs):
+        calls.append(args[4].numel())                # ends: one per expert
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setattr(forge_core.kernels, "grouped_wgrad_update", counted)
+    batches = _batches(3, 64, 5)
+    model = _tiny_moe().to(_device("triton"))
+    alone = copy.deepcopy(model)
+    initial = [p.detach().clone() for p in model.parameters()]
+    _train(model, forge_core.fuse(model, backend="triton", **HYPERPARAMETERS), batches)
+    assert calls == [8] * (2 * len(batches))
+    monkeypatch.setattr(ForgeOptimizer, "apply_grouped_update", lambda *args, **kwargs: False)
+    optimizer = forge_core.fuse(alone, backend="triton", **HYPERPARAMETERS)
+    _train(alone, optimizer, batches)
+    assert len(calls) == 2 * len(batches)
+    _assert_close_to_reference(alone, model, initial, optimizer)

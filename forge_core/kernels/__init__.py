@@ -3,7 +3,8 @@
 ``fused_wgrad_update(x, dy, weight, state, hp, step, *, grad_accum=None,
 stochastic_rounding=False, seed=0)`` updates ``weight`` and ``state`` in place with one optimizer
 step on G = dY^T X without ever writing G to memory; ``reference_wgrad_update`` has the same
-signature and materializes G (see docs/CONTRACTS.md). The modules ``row_gradient`` and
+signature and materializes G (see docs/CONTRACTS.md). ``grouped_wgrad_update`` steps every expert
+of a 3-D expert weight in one launch (``forge_core.experts``). The modules ``row_gradient`` and
 ``row_update`` step an embedding from the rows its batch touched (``forge_core.embedding``).
 
 The modules, from the device up: ``device`` (where kernels run), ``codec`` (how tiles and states
@@ -11,7 +12,7 @@ are read and written), ``tile_kernel`` / ``tile_config`` (the Triton kernel and 
 ``hopper_ws_kernel`` / ``hopper_ws`` (the warp-specialized Gluon kernel), ``direct_launch`` and
 ``launch`` (plans and launches), ``layer_apply`` (a regime-2 rule's second pass: LAMB's W),
 ``tune_cache`` / ``ws_choice`` / ``tuning`` (which kernel and tile run a weight), ``dispatch``
-(``fused_wgrad_update``). Without Triton only the reference runs
+(``fused_wgrad_update``), ``grouped_update`` (``grouped_wgrad_update``). Without Triton only the reference runs
 and nothing of the Triton stack is imported.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .tile_config import TileConfig
 try:
     from .device import triton_available
     from .dispatch import fused_wgrad_update
+    from .grouped_update import grouped_wgrad_update
     from .launch import NUM_SCALARS, launch_paths, reset_launch_paths
     from .tuning import (count_current_tune_cache_entries, describe_tuned_configs, rekey_tune_cache_entries,
                          tuned_configs)
@@ -31,6 +33,7 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
     from ..rules.base import KERNEL_SCALARS as NUM_SCALARS
 
     fused_wgrad_update = reference_wgrad_update
+    grouped_wgrad_update = None         # each expert is stepped by the reference alone
 
     def triton_available() -> bool:
         """No Triton: the fused kernel cannot run here."""
@@ -60,5 +63,5 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
         raise RuntimeError("checking a tune cache needs Triton (the fingerprints hash the kernels' sources)")
 
 __all__ = ["NUM_SCALARS", "TileConfig", "count_current_tune_cache_entries", "describe_tuned_configs",
-           "fused_wgrad_update", "launch_paths", "reference_wgrad_update", "rekey_tune_cache_entries",
+           "fused_wgrad_update", "grouped_wgrad_update", "launch_paths", "reference_wgrad_update", "rekey_tune_cache_entries",
            "reset_launch_paths", "triton_available", "tuned_configs"]

@@ -116,14 +116,18 @@ class LaunchCache:
     kernels per weight per step, and through the JIT each costs about 100 us of host time on an
     eager step that is host-bound (``forge_core.kernels.factored``)."""
 
-    def __init__(self, kernel: Any, counts: dict[str, int] | None = None) -> None:
+    def __init__(self, kernel: Any, counts: dict[str, int] | None = None, unspecialised: tuple[str, ...] = ()) -> None:
         self.kernel = kernel
         self.launchers: dict[tuple, Callable[[tuple], bool] | None] = {}
         self.counts = counts if counts is not None else {"direct": 0, "jit": 0}
         """Launches by path (``direct`` / ``jit``); a shared dict when given (``launch.LAUNCH_PATHS``)."""
+        self.unspecialised = frozenset(kernel.arg_names.index(name) for name in unspecialised)
+        """Positions of the integer arguments the kernel does not specialise on (its
+        ``do_not_specialize``, a seed): keyed by type, so a new value launches directly."""
 
     def __call__(self, grid: tuple[int, ...], args: tuple, **constexprs: Any) -> None:
-        key = (tuple(grid), tuple(specialisation(a) for a in args), tuple(sorted(constexprs.items())))
+        key = (tuple(grid), tuple(type(a) if i in self.unspecialised else specialisation(a) for i, a in enumerate(args)),
+               tuple(sorted(constexprs.items())))
         launcher = self.launchers.get(key)
         if launcher is not None and launcher(args):
             self.counts["direct"] += 1
