@@ -1,6 +1,7 @@
 """forge-bench convergence on a tiny GPT-2 and a slice of the standard library: rows, curves, resume."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -103,3 +104,18 @@ def test_training_schema_doc_is_current() -> None:
     python -c "import sys; sys.path.insert(0, 'tests'); import test_convergence as t; open('docs/training_results_schema.md', 'w').write(t.training_schema_markdown())"."""
     doc = Path(__file__).resolve().parent.parent / "docs" / "training_results_schema.md"
     assert doc.read_text() == training_schema_markdown()
+
+
+def test_the_command_defaults_are_the_spec_defaults() -> None:
+    """`forge-bench convergence` with no settings runs ``ConvergenceSpec()``: the two lists of
+    defaults cannot drift apart (2,000 steps: the committed H100 rows' setting)."""
+    import inspect
+
+    from forge_bench.training_cli import convergence
+
+    spec = conv.ConvergenceSpec()
+    defaults = {name: p.default for name, p in inspect.signature(convergence).parameters.items()}
+    shared = [f.name for f in dataclasses.fields(spec) if f.name in defaults]
+    assert {"steps", "eval_every", "checkpoint_every", "lr", "batch", "seq"} <= set(shared)
+    assert {name: defaults[name] for name in shared} == {name: getattr(spec, name) for name in shared}
+    assert spec.steps == 2000
