@@ -93,3 +93,48 @@ def test_summary_grid_passes_over_a_newer_run_without_the_baseline(tmp_path):
     at = [r for r in rows if (r["batch"], r["seq"]) == (1, 32)]
     row, base = (next(r for r in at if r["method"] == m) for m in ("forge_bf16", "adamw_foreach"))
     assert line["b1×s32"] == f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}"
+
+
+def test_the_headline_is_the_cell_every_arm_ran_not_the_largest_capability_cell():
+    """A larger model that only one FORGE arm ran (no baseline), and another run by fewer arms, do
+    not take the headline from the cell where the baseline and the most arms ran; among equals the
+    larger model, then the fewest tokens per step."""
+    import pandas as pd
+
+    from forge_bench.report.summary import headline_cell
+
+    def rows(model, n_params, batch, seq, methods):
+        return [{"model": model, "n_params": n_params, "batch": batch, "seq": seq, "method": m, "status": "ok",
+                 "method_family": "baseline" if m.startswith(("adamw", "no_")) else "forge",
+                 "n_fused_params": n_params // 2 if m.startswith("forge") else 0} for m in methods]
+
+    every = ["no_optimizer", "adamw_fused", "forge_bf16", "forge_int8"]
+    frame = pd.DataFrame(rows("llama-3.1-8b", 8_000_000_000, 1, 512, every)
+                         + rows("llama-3.1-8b", 8_000_000_000, 2, 1024, ["adamw_fused", "forge_bf16"])
+                         + rows("qwen3-14b", 14_000_000_000, 1, 512, ["forge_muon_bf16"])
+                         + rows("qwen3-32b", 32_000_000_000, 1, 512, ["adamw_fused", "forge_bf16"]))
+    assert headline_cell(frame) == ("llama-3.1-8b", 1, 512)
+    frame = pd.concat([frame, pd.DataFrame(rows("qwen3-14b", 14_000_000_000, 2, 512, every))])
+    assert headline_cell(frame) == ("qwen3-14b", 2, 512)        # as many arms, a larger model
+    frame = pd.concat([frame, pd.DataFrame(rows("qwen3-14b", 14_000_000_000, 1, 512, every[:3]))])
+    assert headline_cell(frame) == ("qwen3-14b", 1, 512)        # as many again, fewer tokens
+
+
+def test_a_timing_no_run_compared_with_adamw_is_left_out_of_the_headline(tmp_path):
+    """An eager run with the baseline beside FORGE, and a newer CUDA-graph run of FORGE alone (a
+    first-use check, say): the headline has the eager column only, from the run with the baseline."""
+    folder = tmp_path / "rows"
+    for run, timing, methods in (("20260101T000000Z-a-aaaaaa", "wall_clock", ("adamw_foreach", "forge_bf16")),
+                                 ("20260102T000000Z-b-bbbbbb", "cuda_graph_replay", ("forge_bf16",))):
+        for method in methods:
+            results.write_row(folder, {
+                "cell_id": f"{run}-{method}", "run_id": run, "status": "ok", "model": "llama-3.2-1b",
+                "method": method, "method_family": "forge" if method.startswith("forge") else "baseline",
+                "batch": 1, "seq": 8, "dtype": "float32", "device_name": "CPU X", "device_type": "cpu",
+                "n_params": 1000, "n_fused_params": 500 if method.startswith("forge") else 0,
+                "step_ms_median": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "timing_method": timing,
+                "activations": "hf", "finished_at": run[:8]})
+    build_report(folder, tmp_path / "out", formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "out" / "README.md").read_text())
+    [headline] = [t for t in tables if t.startswith("Headline")]
+    assert list(tables[headline][0])[1:] == ["eager (run aaaaaa)"]

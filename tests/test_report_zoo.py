@@ -105,3 +105,18 @@ def test_a_folder_of_training_rows_beside_sweep_folders_keeps_the_sweep_tables(t
     index = (tmp_path / "out" / "index.md").read_text()
     assert page.read_text().startswith("# FORGE benchmark summary")
     assert "## Coverage across the model zoo" in index and "## Convergence on real text" in index
+
+
+def test_coverage_takes_the_run_that_measured_every_arm_over_a_newer_forge_only_run(tmp_path: Path) -> None:
+    """A newer run of one FORGE arm alone (a first-use check, say) does not replace that arm's numbers
+    in a model's line while a run measured all three arms side by side."""
+    _sweep_rows(tmp_path / "sweep")
+    template = pq.read_table(H100_ROW).to_pylist()[0]
+    newer = dict(template, model="qwen3-4b", method="forge_bf16", method_family="forge", n_params=int(4.02e9),
+                 n_fused_params=int(0.9 * 4.02e9), cell_id="qwen3-4b_forge_bf16_alone", run_id="20990101T000000Z-x-999999",
+                 finished_at="2099-01-01T00:00:00+00:00", step_ms_median=999.0, status="ok")
+    write_row(tmp_path / "alone", newer)
+    build_report([tmp_path / "sweep", tmp_path / "alone"], tmp_path / "out", formats=("png",))
+    index = (tmp_path / "out" / "index.md").read_text()
+    line = next(l for l in index.splitlines() if l.startswith("| qwen3-4b |"))
+    assert "999" not in line and "40.2" in line

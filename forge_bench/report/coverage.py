@@ -3,8 +3,9 @@
 * ``coverage_tables``: per device, one line per model that a FORGE arm ran on: the share of its
   parameters FORGE fused (``n_fused_params / n_params``), and per arm (fused AdamW, FORGE bf16,
   FORGE int8) the resident optimizer state, the peak and the step, plus what ``fuse`` left to the
-  fallback optimizer (the FORGE row's ``method_settings["not_fused"]``). Numbers, no ratios: a
-  model's arms may come from different runs, so no speed-up is claimed here (the headline and
+  fallback optimizer (the FORGE row's ``method_settings["not_fused"]``). The arms come from the newest
+  run that measured all three where one did, else each from its newest row. Numbers, no ratios: a
+  model's arms may then come from different runs, so no speed-up is claimed here (the headline and
   scaling tables do that within one run).
 * ``family_scaling_figures`` / ``largest_fit_tables``: models of one zoo family whose names give
   their size (``qwen3-0.6b`` ... ``qwen3-14b``: ``-<size>b``) at one shape on one device: peak and
@@ -73,6 +74,12 @@ def coverage_tables(frame: pd.DataFrame) -> list[Table]:
         for n_params, model, tokens in sized:
             rows = records(group[group["model"] == model])
             newest = {arm: _newest([r for r in rows if r["method"] == arm]) for arm in COVERAGE_ARMS}
+            complete = [run for run in {r["run_id"] for r in rows}
+                        if {r["method"] for r in rows if r["run_id"] == run} >= set(COVERAGE_ARMS)]
+            if complete:                        # the newest run that measured every arm, when one did
+                run = max(complete, key=lambda run: _newest([r for r in rows if r["run_id"] == run])["finished_at"])
+                newest = {arm: _newest([r for r in rows if r["method"] == arm and r["run_id"] == run])
+                          for arm in COVERAGE_ARMS}
             forge = next((newest[a] for a in ("forge_bf16", "forge_int8")
                           if newest[a] is not None and as_number(newest[a].get("n_fused_params")) is not None), None)
             share = (as_number(forge.get("n_fused_params")) / n_params) if forge is not None and n_params else None
@@ -96,7 +103,8 @@ def coverage_tables(frame: pd.DataFrame) -> list[Table]:
                                 f"Coverage, {group_title(keys)}",
                                 "Per model: the share of its parameters FORGE updates inside backward; then fused "
                                 "AdamW / FORGE bf16 / FORGE int8: resident optimizer state (GiB, analytic), peak "
-                                "(GiB) and median step (ms), each from the newest row of that arm; a status where "
+                                "(GiB) and median step (ms), from the newest run that measured all three (else each arm's newest "
+                                "row); a status where "
                                 "the arm did not run ok. Left to the fallback: the module kinds fuse() did not "
                                 "fuse (count), from the FORGE row.",
                                 ["Model", "Params", "Tokens / step", "Fused", "State GiB", "Peak GiB", "Step ms",

@@ -1,7 +1,8 @@
 """The report's first page (``README.md`` of the report folder): what a reader takes in at a glance.
 
-Per device: the headline cell (the largest model measured, at its smallest batch x seq), one column
-per timing (eager, CUDA graph, lean activations) from the newest run that measured it; the peers at
+Per device: the headline cell (where an AdamW baseline and the most arms ran, then the largest model,
+at its smallest batch x seq), one column per timing (eager, CUDA graph, lean activations) from the
+newest run that compared FORGE with AdamW there; the peers at
 the cell where the newest run with peer arms measured them; FORGE's memory saving / speed-up at every
 batch x seq of that model (each shape from its newest run). Everything else, every run, table and
 figure, is in ``index.md``, which this page links. Ratios follow the one rule (``ratios.py``): only
@@ -16,7 +17,7 @@ import pandas as pd
 from forge_bench.results import CHECKPOINTED
 
 from . import ratios, tables
-from .data import (EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, choose_baseline, device_label,
+from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, choose_baseline, device_label,
                    find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell, newest_run,
                    nothing_fused, records, run_label)
 from .ratios import as_number, as_text
@@ -32,9 +33,12 @@ def variant_label(timing: str, activations: str) -> str:
 
 
 def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
-    """(model, batch, seq) of one device's headline: the largest model with an ok baseline or FORGE
-    row, at its smallest tokens per step (then the smaller batch). Models on which a FORGE arm fused
-    weights come first: a headline where FORGE fused nothing would show only its unfused path."""
+    """(model, batch, seq) of one device's headline: the cell where an AdamW baseline and the most
+    baseline and FORGE arms ran ok, then the largest model, then the fewest tokens per step (then the
+    smaller batch). Why the arm count first: a capability cell (the largest model one FORGE arm fits,
+    no baseline beside it) would otherwise push the comparison every arm ran off the page. Models on
+    which a FORGE arm fused weights come first: a headline where FORGE fused nothing would show only
+    its unfused path."""
     ok = frame[(frame["status"] == "ok") & frame["method_family"].isin(CORE_FAMILIES)]
     if ok.empty:
         return None
@@ -42,11 +46,13 @@ def headline_cell(frame: pd.DataFrame) -> tuple[str, int, int] | None:
     if not fused.empty:
         ok = ok[ok["model"].isin(set(fused["model"]))]
     sizes = {model: max((as_number(n) or 0.0) for n in group["n_params"]) for model, group in ok.groupby("model")}
-    model = max(sizes, key=lambda m: (sizes[m], m))
-    of_model = ok[ok["model"] == model]
-    shapes = {(int(b), int(s)) for b, s in zip(of_model["batch"], of_model["seq"])}
-    batch, seq = min(shapes, key=lambda shape: (shape[0] * shape[1], shape[0]))
-    return model, batch, seq
+
+    def rank(cell: tuple[str, int, int], methods: set[str]) -> tuple:
+        model, batch, seq = cell
+        return (bool(methods & set(BASELINE_PREFERENCE)), len(methods), sizes[model], model, -batch * seq, -batch)
+
+    cells = {(m, int(b), int(s)): set(group["method"]) for (m, b, s), group in ok.groupby(["model", "batch", "seq"])}
+    return max(cells, key=lambda cell: rank(cell, cells[cell]))
 
 
 def _cell_text(row: Mapping[str, Any], base: Mapping[str, Any] | None, unit: str) -> str:
@@ -79,17 +85,23 @@ def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[st
         if variant.empty:
             continue
         with_forge = variant[(variant["status"] == "ok") & (variant["method_family"] == "forge")]
-        run = newest_run(with_forge if not with_forge.empty else variant)
+        # the newest run that compared FORGE with an AdamW baseline, else the newest with FORGE
+        based = variant[(variant["status"] == "ok") & variant["method"].isin(BASELINE_PREFERENCE)]
+        compared = with_forge[with_forge["run_id"].isin(set(based["run_id"]))]
+        run = newest_run(compared if not compared.empty else with_forge if not with_forge.empty else variant)
         picked = records(variant[variant["run_id"] == run])
         base_method, _ = choose_baseline(picked)
         columns.append((f"{variant_label(timing, activations)} (run {run_label(run)})", picked, base_method))
+    if any(base for _, _, base in columns):     # a timing no run compared with AdamW adds no ratio: left out
+        columns = [column for column in columns if column[2]]
     first = frame[frame["model"] == model].iloc[0]
     every = [r for _, picked, _ in columns for r in picked]
     unit = memory_unit(_ok_peaks(every))
     lines = [f"### Headline: {group_title({'model': model, 'dtype': first['dtype'], 'batch': batch, 'seq': seq})}", "",
              f"Peak {unit} / median step ms (speed-up against torch fused AdamW, `adamw_fused`, of the same run; "
              "`adamw_foreach` where the fused arm did not run). One column per timing, each from the newest "
-             "run that measured it.", "",
+             "run that measured FORGE beside an AdamW baseline (else the newest that measured it); a timing "
+             "that no run compared with AdamW is left out where another was.", "",
              "| Method | " + " | ".join(label for label, _, _ in columns) + " |",
              "|:--|" + "--:|" * len(columns)]
     methods = tables.sorted_rows([r for _, picked, _ in columns for r in picked])
