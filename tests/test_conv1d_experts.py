@@ -136,17 +136,20 @@ def test_moe_experts_fused_equal_torch_adamw_and_unreached_experts_decay(backend
     assert not is_forge_experts(experts) and type(experts).__name__ == "Qwen3MoeExperts"
 
 
-def test_moe_experts_accumulate_micro_batches_like_torch() -> None:
-    """Two micro-batches per step: experts reached in either get the sum, the rest decay."""
-    model = _tiny_moe()
+@pytest.mark.parametrize("backend", _backends())
+def test_moe_experts_accumulate_micro_batches_like_torch(backend: str) -> None:
+    """Two micro-batches per step: experts reached in either get the sum, the rest decay (on the
+    Triton backend the grouped launch adds each expert's accumulated rows)."""
+    model = _tiny_moe().to(_device(backend))
     reference = copy.deepcopy(model)
     initial = [p.detach().clone() for p in model.parameters()]
-    optimizer = forge_core.fuse(model, backend="reference", accumulate_steps=2, **HYPERPARAMETERS)
+    optimizer = forge_core.fuse(model, backend=backend, accumulate_steps=2, **HYPERPARAMETERS)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), **HYPERPARAMETERS)
     batches = _batches(4, 64, 3)
     for first, second in (batches[:2], batches[2:]):
         for m, opt in ((model, optimizer), (reference, reference_optimizer)):
             for ids in (first, second):
+                ids = ids.to(next(m.parameters()).device)
                 (m(input_ids=ids, labels=ids).loss / 2).backward()
             opt.step()
             opt.zero_grad()
