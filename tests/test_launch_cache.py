@@ -101,3 +101,20 @@ def test_another_current_device_or_the_interpreter_takes_the_jit(fake_driver, mo
     for _ in range(2):
         off((1,), (x, 8, 1.0), BLOCK=8, MODE=True)
     assert len(jit_calls) == 6 and not launched
+
+
+def test_an_unspecialised_integer_keeps_the_direct_launch_when_its_value_changes(fake_driver) -> None:
+    """A seed (the kernel's ``do_not_specialize``) is keyed by its type: a new seed every step still
+    launches directly; another value of a specialised integer takes the JIT."""
+    jit_calls: list = []
+    kernel = _fake_kernel(jit_calls)
+    kernel.arg_names = ["X", "n", "scale", "BLOCK", "MODE"]
+    cache = direct_launch.LaunchCache(kernel, unspecialised=("n",))
+    x = torch.zeros(8)
+    cache((4,), (x, 64, 0.5), BLOCK=32, MODE=True)
+    cache((4,), (x, 65, 0.5), BLOCK=32, MODE=True)
+    assert len(jit_calls) == 1 and len(launched) == 1 and launched[0][10] == 65
+    specialised = direct_launch.LaunchCache(_fake_kernel(jit_calls))
+    specialised((4,), (x, 64, 0.5), BLOCK=32, MODE=True)
+    specialised((4,), (x, 65, 0.5), BLOCK=32, MODE=True)
+    assert len(jit_calls) == 3

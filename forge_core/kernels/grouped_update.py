@@ -47,7 +47,7 @@ def _grouped_wgrad_update_kernel(
         c0, c1, c2, c3, c4, c5, c6, c7, seed, seed_stride,
         EPILOGUE: tl.constexpr, NUM_STATES: tl.constexpr, STATE_KIND: tl.constexpr,
         S0_SQRT: tl.constexpr, S1_SQRT: tl.constexpr, S2_SQRT: tl.constexpr,
-        HAS_GRAD_ACCUM: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_GRAD_ACCUM: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr, IEEE_PRODUCTS: tl.constexpr,
         UPCAST_DOT: tl.constexpr, EVEN_MN: tl.constexpr, WIDE_INDEX: tl.constexpr, HW_MATH: tl.constexpr,
         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
         QB: tl.constexpr):
@@ -83,7 +83,10 @@ def _grouped_wgrad_update_kernel(
             if UPCAST_DOT:             # the interpreter's bf16 dot: see tile_kernel (exact in fp32)
                 dy_tile = dy_tile.to(tl.float32)
                 x_tile = x_tile.to(tl.float32)
-            acc = tl.dot(dy_tile, x_tile, acc, input_precision=DOT_PRECISION)
+            if IEEE_PRODUCTS:
+                acc = tl.dot(dy_tile, x_tile, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(dy_tile, x_tile, acc)
             dy_ptrs += BK * stride_dyk
             x_ptrs += BK * stride_xk
         update_columns(acc, col0, offs_m, rows, row_mask, W, S0, S1, S2, SCALE0, SCALE1, SCALE2, W, GRAD_ACCUM,
@@ -149,8 +152,8 @@ def launch_arguments(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, st
     meta.pop("NUM_SUMS")
     meta.pop("SCALARS_IN_MEMORY")
     # IEEE fp32 products where the tile kernel takes them (fp32 inputs without TF32, the interpreter's
-    # upcast bf16), the dot's default elsewhere
-    meta["DOT_PRECISION"] = "ieee" if meta.pop("IEEE_DOT") or meta["UPCAST_DOT"] else None
+    # upcast bf16), the dot's default elsewhere; a bool, as every constexpr of a direct launch is
+    meta["IEEE_PRODUCTS"] = bool(meta.pop("IEEE_DOT") or meta["UPCAST_DOT"])
     s0, s1, s2, scale0, scale1, scale2 = state_pointers(weight, states, scales)
     accum = grad_accum if grad_accum is not None else weight
     n = weight.shape[1]
