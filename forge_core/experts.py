@@ -26,11 +26,11 @@ The per-expert token counts are read on the host once per layer and step (the sl
 so such a model cannot be captured in a CUDA graph (``fuse(capturable=True)`` leaves its experts to
 the fallback). Every expert update of a weight runs on one fixed tile on the GPU: the counts change
 every step, and tuning per count would tune for minutes. Each expert's group of rows is padded
-with zero rows to a multiple of ``token_block`` (64 on a GPU) for the launches made one expert at a
-time (micro-batches before the last, data parallel): a launch plan is kept per expert for its last
-token count, so rounded counts repeat from step to step and the launch skips Triton's JIT (at 512
-tokens x top-8 over 128 experts nearly every expert holds 64 rows every step). A zero row adds
-nothing to any product, gradient or update.
+with zero rows to a multiple of ``token_block`` (64 on a GPU). It was made for one launch per expert,
+whose plan is kept per expert for its last token count (rounded counts repeat from step to step, so
+the launch skips Triton's JIT); the grouped launch needs no plan per expert, and the padding stays
+until dropping it (it changes the grouped GEMMs' shapes) is measured. A zero row adds nothing to any
+product, gradient or update.
 """
 from __future__ import annotations
 

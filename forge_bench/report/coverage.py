@@ -77,7 +77,7 @@ def coverage_tables(frame: pd.DataFrame) -> list[Table]:
             complete = [run for run in {r["run_id"] for r in rows}
                         if {r["method"] for r in rows if r["run_id"] == run} >= set(COVERAGE_ARMS)]
             if complete:                        # the newest run that measured every arm, when one did
-                run = max(complete, key=lambda run: _newest([r for r in rows if r["run_id"] == run])["finished_at"])
+                run = _newest([r for r in rows if r["run_id"] in complete])["run_id"]
                 newest = {arm: _newest([r for r in rows if r["method"] == arm and r["run_id"] == run])
                           for arm in COVERAGE_ARMS}
             forge = next((newest[a] for a in ("forge_bf16", "forge_int8")

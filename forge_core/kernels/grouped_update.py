@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rules import get_rule
 from ..state import QBLOCK, ParamState
 from .device import interpreting
 from .direct_launch import LaunchCache
-from ..rules import get_rule
 from .launch import (LAUNCH_PATHS, NUM_SCALARS, compile_options, kernel_meta, kernel_scalars, kernel_states,
                      state_pointers, wide_index)
 from .tile_config import INTERPRETER_CONFIG, TileConfig, check_config, default_config
@@ -186,7 +186,8 @@ def compile_offline(groups: int, rows_per_group: int, cols: int, tokens: int, st
     dy = torch.empty((tokens, rows_per_group), dtype=torch.bfloat16)
     ends = torch.empty(groups, dtype=torch.int32)
     _, args, constexprs = launch_arguments(x, dy, weight, state, ends, rows_per_group, (0.5,) * NUM_SCALARS, None,
-                                           True, 1, 3, default_config(0, 0, 0, 2))
+                                           True, 1, 3, None)
     return compile_for_gpu(_grouped_wgrad_update_kernel, args, constexprs, capability)
+
 
 __all__ = ["compile_offline", "grouped_config", "grouped_wgrad_update", "grouped_wgrad_update_kernel", "launch_arguments"]
