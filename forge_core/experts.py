@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .kernels.tile_config import default_config
-from .optimizer import FusedWeight, RowSliceUpdate
+from .fused_weight import FusedWeight, RowSliceUpdate
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64

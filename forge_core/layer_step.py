@@ -218,7 +218,7 @@ class LayerPath:
         """(graph task id, how many weights have stepped in that backward)."""
 
     def attach(self, binding: Any) -> None:
-        """Give a fused weight (``optimizer.FusedWeight``) its ``LayerState`` and, when micro-batches
+        """Give a fused weight (``fused_weight.FusedWeight``) its ``LayerState`` and, when micro-batches
         need one, its fp32 accumulator."""
         binding.state = LayerState(binding.matrix, self.rule, self.state_dtype, self.hyperparameters, binding.name)
         self.sizes.append(binding.matrix.numel())

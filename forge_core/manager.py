@@ -55,7 +55,8 @@ from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, 
                       is_forge_experts, looks_like_experts, remove_forge_experts)
 from .layer_step import takes_layer_path
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
-from .optimizer import FusedWeight, ForgeOptimizer
+from .fused_weight import FusedWeight
+from .optimizer import ForgeOptimizer
 from .rules import Rule, get_rule
 from .state import STATE_DTYPES
 

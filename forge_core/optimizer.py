@@ -29,7 +29,6 @@ captured in a CUDA graph and replayed (a float ``lr`` read at capture is fixed i
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -39,7 +38,7 @@ from . import kernels
 from .backends import BACKENDS, check_capturable, resolve_backend
 from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
-from .dtensors import local_shard
+from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate
 from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
@@ -59,147 +58,6 @@ UNFUSED_ERROR = ("this ForgeOptimizer's model was unfused (forge_core.unfuse){de
                  "plain weights again and it cannot step them; call forge_core.fuse(model, ...) again for a new "
                  "optimizer, or use a torch optimizer")
 """``step()``'s error after ``unfuse``; ``detail`` names a fused weight that has grown a ``.grad``."""
-
-
-class FusedWeight:
-    """One fused weight: what its ForgeLinear's (or ForgeConv1D's) backward calls with (x, dY).
-
-    Created by ``fuse`` before the optimizer exists (the probe only counts calls), then attached
-    to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
-    unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
-
-    def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
-        self.name = name
-        self.module: Optional[nn.Module] = module
-        self.weight: nn.Parameter = module.weight if weight is None else weight
-        self.matrix: torch.Tensor = local_shard(self.weight)
-        """The 2-D (rows, Din) tensor the kernel updates and the state mirrors: the weight itself (its local
-        shard when a DTensor: tensor parallel), or a (E * Dout, Din) view of a 3-D expert weight's row blocks."""
-        self.tile_config: Optional[kernels.TileConfig] = None
-        """A tile every update of this weight runs on (no tuning), or None: tuned per call shape."""
-        self.optimizer: Optional["ForgeOptimizer"] = None
-        self.group_index = 0
-        self.index = 0
-        self.state: Optional[ParamState] = None
-        self.grad_accum: Optional[torch.Tensor] = None
-        self.steps_done = 0
-        """Optimizer steps in which this weight was updated; the next update uses steps_done + 1."""
-        self.micro_batches = 0
-        """Backward passes seen since the last ``opt.step()``."""
-        self.probing = False
-        self.probe_backward_calls = 0
-        self.overlap_updates = False
-        """Run this weight's updates on the side stream (``forge_core.overlap``); set by ``fuse``."""
-        self._row_parts: dict[tuple[int, int], _RowPart] = {}
-
-    def begin_probe(self) -> None:
-        self.probing, self.probe_backward_calls = True, 0
-
-    def end_probe(self) -> None:
-        self.probing = False
-
-    def detach_from_module(self) -> None:
-        self.module = None
-
-    def rows_left_out(self) -> list[tuple[int, int]]:
-        """Row blocks of ``matrix`` the step's backward did not update, which ``opt.step()`` must
-        update with a zero gradient (experts no token reached); none for a Linear weight."""
-        return []
-
-    def end_step(self) -> None:
-        """Called by ``opt.step()`` after the step's updates: forget what this step updated."""
-
-    def __call__(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-        if self.probing:
-            self.probe_backward_calls += 1
-            return
-        if self.optimizer is None:
-            raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
-        self.optimizer._fused_backward(self, x, grad_output)
-
-    def begin_row_updates(self, x: Optional[torch.Tensor]) -> "RowSliceUpdate":
-        """Start one backward whose ``dY`` arrives in row blocks (vocab chunks of an LM head, or
-        the experts of a 3-D expert weight).
-
-        Counts as ONE use of the weight (one micro-batch), however many blocks follow; call the
-        returned object once per block with ``(r0, r1, dy_rows, block_index)``, and ``x=`` the
-        block's own inputs when ``x`` is None here."""
-        if self.probing:
-            self.probe_backward_calls += 1
-            return RowSliceUpdate(self, x, mode="skip")
-        if self.optimizer is None:
-            raise RuntimeError(f"fused weight {self.name!r} has no ForgeOptimizer attached")
-        return self.optimizer._begin_row_updates(self, x)
-
-    def row_part(self, r0: int, r1: int) -> "_RowPart":
-        """Views of rows ``[r0, r1)`` of the state (and accumulator), built once per block and kept: the
-        kernel caches its launch plan per ParamState (load_state_dict copies in place, views stay valid)."""
-        part = self._row_parts.get((r0, r1))
-        if part is None or part.parent_state is not self.state or part.parent_accum is not self.grad_accum:
-            if self.state is None:
-                raise RuntimeError(f"fused weight {self.name!r} has no optimizer state yet")
-            accum = self.grad_accum[r0:r1] if self.grad_accum is not None else None
-            part = _RowPart(r0, r1, self.state.rows(r0, r1), accum, self.state, self.grad_accum)
-            self._row_parts[(r0, r1)] = part
-        return part
-
-    def __repr__(self) -> str:
-        return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
-
-
-@dataclasses.dataclass
-class _RowPart:
-    """Rows ``[r0, r1)`` of one fused weight's state and accumulator (views), and what they view."""
-    r0: int
-    r1: int
-    state: ParamState
-    grad_accum: Optional[torch.Tensor]
-    parent_state: Optional[ParamState]
-    parent_accum: Optional[torch.Tensor]
-
-
-# Mixes the block index into the stochastic-rounding seed: blocks of one step get distinct seeds
-# (each kernel numbers its elements from 0, so equal seeds would repeat the noise block to block).
-_BLOCK_SEED_STRIDE = 0x9E3779B1
-
-
-class RowSliceUpdate:
-    """One backward's update of a fused weight, applied one row block at a time.
-
-    Why: an LM head's dlogits arrive vocab chunk by chunk, each freed before the next exists, so its
-    rows are updated as soon as it exists. ``mode``: "update" (the last micro-batch: the fused step on
-    the rows, with the accumulator's rows), "accumulate" (add dy_rows^T x into the accumulator rows)
-    or "skip" (the fuse-time probe)."""
-
-    def __init__(self, binding: FusedWeight, x: Optional[torch.Tensor], mode: str) -> None:
-        self.binding = binding
-        self.x = x
-        self.mode = mode
-        self._x32: Optional[torch.Tensor] = None
-
-    def __call__(self, r0: int, r1: int, dy_rows: torch.Tensor, block_index: int = 0,
-                 x: Optional[torch.Tensor] = None) -> None:
-        """Update (or accumulate) rows ``[r0, r1)`` from ``dy_rows``; ``x``: this block's own
-        inputs when its tokens differ from the other blocks' (an expert's routed tokens), else the
-        ``x`` the update began with."""
-        if self.mode == "skip":
-            return
-        binding = self.binding
-        part = binding.row_part(int(r0), int(r1))
-        if dy_rows.shape[-1] != part.r1 - part.r0:
-            raise ValueError(f"dy_rows has {dy_rows.shape[-1]} columns for rows [{r0}, {r1}) of {binding.name!r}")
-        with torch.no_grad():
-            if self.mode == "accumulate":
-                if x is not None:
-                    x32 = x.reshape(-1, x.shape[-1]).float()
-                else:
-                    if self._x32 is None:
-                        self._x32 = self.x.reshape(-1, self.x.shape[-1]).float()
-                    x32 = self._x32
-                part.grad_accum.addmm_(dy_rows.reshape(-1, dy_rows.shape[-1]).t().float(), x32)
-                return
-            binding.optimizer._apply_update(binding, self.x if x is None else x, dy_rows, part=part,
-                                            seed_offset=int(block_index) * _BLOCK_SEED_STRIDE)
 
 
 def _scalar_hyperparameter(value: Any) -> Any:
@@ -407,7 +265,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         binding.micro_batches += 1
         return binding.micro_batches == k
 
-    def _fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    def fused_backward(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Called from a ForgeLinear backward: accumulate (micro-batches 1..k-1) or update (k-th)."""
         if self._layer_path is not None:            # regimes 2 and 3: forge_core.layer_step
             return self._layer_path.backward(binding, x, grad_output, last=self._count_backward(binding))
@@ -417,9 +275,9 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
             return
         if self.distributed is not None:           # data parallel: the gradient is reduced first
             return self.distributed.fused_backward(binding, x, grad_output)
-        self._apply_update(binding, x, grad_output)
+        self.apply_update(binding, x, grad_output)
 
-    def _begin_row_updates(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
+    def begin_row_updates_of(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
         if self._layer_path is not None:
             raise self._layer_path.row_update_error(binding.name)
@@ -438,8 +296,8 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         with torch.no_grad():
             self._launch_update(owner, *no_tokens(weight, weight.shape[0]), weight, owner.state, grad)
 
-    def _apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
-                      part: Optional[_RowPart] = None, seed_offset: int = 0) -> None:
+    def apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
+                      part: Optional[RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
         if self._layer_path is not None:            # step()'s flush of fewer micro-batches than k
@@ -463,7 +321,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
             return False
         hp, step, arguments = self._update_arguments(binding)
         kernels.grouped_wgrad_update(x, grad_output, binding.matrix, binding.state, ends, rows_per_group, hp, step,
-                                     grad_accum=binding.grad_accum, seed_stride=_BLOCK_SEED_STRIDE,
+                                     grad_accum=binding.grad_accum, seed_stride=BLOCK_SEED_STRIDE,
                                      config=binding.tile_config, **arguments)
         if binding.grad_accum is not None:
             binding.grad_accum.zero_()
@@ -516,7 +374,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
         unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
         with torch.no_grad():
-            self._apply_update(binding, *no_tokens(binding.matrix, binding.matrix.shape[0]))
+            self.apply_update(binding, *no_tokens(binding.matrix, binding.matrix.shape[0]))
         binding.micro_batches = self.accumulate_steps
 
     def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
@@ -524,7 +382,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
         step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
         with torch.no_grad():
-            self._apply_update(binding, *no_tokens(binding.matrix, r1 - r0), part=binding.row_part(r0, r1))
+            self.apply_update(binding, *no_tokens(binding.matrix, r1 - r0), part=binding.row_part(r0, r1))
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 

@@ -12,11 +12,11 @@ from typing import Any, Callable, Protocol
 import torch
 
 RowBlockUpdate = Callable[[int, int, torch.Tensor, int], None]
-"""A row-block update, called as ``optimizer.RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index)``."""
+"""A row-block update, called as ``fused_weight.RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index)``."""
 
 
 class DistributedUpdates(Protocol):
-    """``binding`` is the ``optimizer.FusedWeight`` whose backward delivers (x, dY)."""
+    """``binding`` is the ``fused_weight.FusedWeight`` whose backward delivers (x, dY)."""
 
     def fused_backward(self, binding: Any, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """The last micro-batch of ``binding``, whole."""

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .. import kernels
-from ..optimizer import ForgeOptimizer, FusedWeight
+from ..fused_weight import FusedWeight
+from ..optimizer import ForgeOptimizer
 from ..rules.base import Rule
 from ..state import ParamState
 

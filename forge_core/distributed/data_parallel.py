@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..dense import DenseWeight, no_tokens
-from ..optimizer import ForgeOptimizer, FusedWeight
+from ..fused_weight import FusedWeight
+from ..optimizer import ForgeOptimizer
 from .affine import MomentumReduction
 
 SLOT_ALIGN_ELEMENTS = 64
@@ -77,7 +78,7 @@ def write_scaled_gradient(out: torch.Tensor, x: torch.Tensor, grad_output: torch
 
 class RowGradient:
     """One weight's last micro-batch arriving in row blocks (``DataParallelUpdates.row_updates``),
-    called as ``optimizer.RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index, x=None)``."""
+    called as ``fused_weight.RowSliceUpdate`` is: ``(r0, r1, dy_rows, block_index, x=None)``."""
 
     mode = "update"       # what an expert weight reads to count its experts as updated
 
