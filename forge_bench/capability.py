@@ -19,8 +19,8 @@ from forge_bench import memory_model, zoo
 from forge_bench.methods import METHODS
 from forge_bench.models import ModelError, param_count
 from forge_bench.torch_arms import FORGE_STATE_BYTES, forge_bytes_per_param
+from forge_bench.units import GIB
 
-GIB = float(2 ** 30)
 
 GPUS: dict[str, float] = {"A100-40": 40.0, "A100-80": 80.0, "H100": 80.0, "H200": 141.0, "B200": 192.0,
                           "B300": 288.0}

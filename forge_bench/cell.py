@@ -44,10 +44,10 @@ from forge_bench import memory_model, results, telemetry
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.peer_probes import hide_peer_packages_except
 from forge_bench.suite import Cell, Suite, load_suite
+from forge_bench.units import GIB
 
 EXIT_OOM_RETRY = 75      # "out of memory, please retry me in a fresh process"
 MAX_ATTEMPTS = 2
-GIB = float(2 ** 30)
 BATCH_POOL = 4           # distinct synthetic batches the timed steps cycle through
 PARITY_BATCH_SEED = 10_000
 

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from forge_bench.profile.cli import profile_app
 from forge_bench.training_cli import convergence, fidelity
+from forge_bench.units import GIB
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -300,7 +301,7 @@ def env() -> None:
     if device == "cuda":
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
-            table.add_row(f"cuda:{i} memory", f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB")
+            table.add_row(f"cuda:{i} memory", f"{free / GIB:.1f} GiB free of {total / GIB:.1f} GiB")
     snap = telemetry.nvml_snapshot(0)
     for key, value in snap.items():
         table.add_row(f"nvml {key}", "-" if value is None else str(value))

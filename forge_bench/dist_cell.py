@@ -43,11 +43,12 @@ from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
 from forge_bench import results, telemetry
 from forge_bench.arm import ArmUnavailable
-from forge_bench.cell import (BATCH_POOL, EXIT_OOM_RETRY, GIB, base_row, die_with_parent, is_oom, pin_cpu_threads,
+from forge_bench.cell import (BATCH_POOL, EXIT_OOM_RETRY, base_row, die_with_parent, is_oom, pin_cpu_threads,
                               timing_columns)
 from forge_bench.dist_arms import DATA_SPLIT
 from forge_bench.peer_probes import hide_peer_packages_except
 from forge_bench.suite import Cell, Suite, load_suite
+from forge_bench.units import GIB
 
 LOG_DIR = "logs"
 

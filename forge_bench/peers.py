@@ -19,8 +19,8 @@ from torch import nn
 
 from forge_bench.arm import TrainConfig, parameter_bytes, trainable_parameters
 from forge_bench.peer_probes import installed_version
+from forge_bench.units import GIB
 
-GiB = 1 << 30
 # GaLore and APOLLO project the weights of the attention and MLP blocks (their scripts select
 # nn.Linear modules whose qualified name contains one of these words).
 LOW_RANK_TARGET_WORDS = ("attn", "mlp")
@@ -200,7 +200,7 @@ def bnb_paged_bytes(params: Iterable[torch.Tensor]) -> int:
     return int(sum(2 * p.numel() for p in params if p.numel() >= BNB_PAGED_MIN_NUMEL))
 
 
-def _managed_memory_guard(params: list[nn.Parameter], margin_bytes: int = GiB) -> Callable[[], None]:
+def _managed_memory_guard(params: list[nn.Parameter], margin_bytes: int = int(GIB)) -> Callable[[], None]:
     """Refuse to ask CUDA for more managed memory than the card has free (it can hang the GPU)."""
 
     def guard() -> None:
@@ -212,8 +212,8 @@ def _managed_memory_guard(params: list[nn.Parameter], margin_bytes: int = GiB) -
         free, _total = torch.cuda.mem_get_info(device)
         if wanted + margin_bytes > free:
             raise RuntimeError(
-                f"PagedAdamW8bit would ask for {wanted / GiB:.2f} GiB of CUDA managed memory but only "
-                f"{free / GiB:.2f} GiB is free (margin {margin_bytes / GiB:.1f} GiB): refusing")
+                f"PagedAdamW8bit would ask for {wanted / GIB:.2f} GiB of CUDA managed memory but only "
+                f"{free / GIB:.2f} GiB is free (margin {margin_bytes / GIB:.1f} GiB): refusing")
 
     return guard
 

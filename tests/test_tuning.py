@@ -213,3 +213,19 @@ def test_tune_config_skips_configs_that_do_not_fit_the_device():
 
     with pytest.raises(ValueError, match="real bug"):
         tune_config([TileConfig(64, 64, 32, 8, 4, 2)], broken, time_ms)
+
+
+def test_scratch_copies_are_separate_storage_and_none_when_memory_runs_out(monkeypatch):
+    weight = torch.randn(8, 64, dtype=torch.bfloat16)
+    states = [torch.randn(8, 64), torch.randint(-127, 127, (8, 64), dtype=torch.int8)]
+    scales = [None, torch.rand(8, 1)]
+    copied_weight, copied_states, copied_scales = tuning.scratch_copies(weight, states, scales)
+    for original, copy in [(weight, copied_weight), *zip(states, copied_states), (scales[1], copied_scales[1])]:
+        assert torch.equal(original, copy) and original.data_ptr() != copy.data_ptr()
+    assert copied_scales[0] is None
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(torch.Tensor, "clone", out_of_memory)
+    assert tuning.scratch_copies(weight, states, scales) is None

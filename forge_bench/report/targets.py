@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..units import GIB
 from .ratios import Ratio
 
 POOL_SHARE_TARGET = 0.90
@@ -16,7 +17,7 @@ POWER_FLOOR_TARGET = 1.05
 
 def gradient_pool_gib(n_params: object, bytes_per_parameter: int) -> float:
     """The gradient pool a model of ``n_params`` parameters holds: one gradient per parameter, GiB."""
-    return bytes_per_parameter * float(n_params or 0) / 2 ** 30
+    return bytes_per_parameter * float(n_params or 0) / GIB
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ import pandas as pd
 
 from forge_bench.zoo import MODEL_ZOO
 
+from ..units import GIB
 from .data import group_title, method_cell, ordered_methods, records, run_label, slug, timing_slug
 from .ratios import as_number, as_text
 from .render import Table
 
 TOLERANCE = 0.01
 LAW_KEYS = ["device_name", "model", "dtype", "timing", "activations"]
-GIB = 2 ** 30
 SCORE_BYTES = {"bfloat16": 2, "float16": 2}
 
 

@@ -173,12 +173,10 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
     known, config = ws_choice.stored(choice_key, candidates, identity, gpu)
     if known:                                   # chosen before, or kept on disk: no scratch copies
         return plan_on(config, weight, states, scales)
-    try:
-        scratch_weight = weight.detach().clone()
-        scratch_states = [s.clone() for s in states]
-        scratch_scales = [s.clone() if s is not None else None for s in scales]
-    except torch.OutOfMemoryError:
+    scratch = tuning.scratch_copies(weight, states, scales)
+    if scratch is None:
         return None
+    scratch_weight, scratch_states, scratch_scales = scratch
 
     # One plan for the Triton tile and one per Gluon candidate, so that their timed launches after
     # the first are direct, as in the steps that follow (through the JIT, each would pay 100-240 us

@@ -211,15 +211,13 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
                           f"{fingerprint}); tuning again", RuntimeWarning, stacklevel=3)
     announce_tuning(m, n, k, state_dtype, len(candidates))
     tuned = False
-    try:
-        scratch_weight = weight.detach().clone()
-        scratch_states = [s.clone() for s in states]
-        scratch_scales = [s.clone() if s is not None else None for s in scales]
-    except torch.OutOfMemoryError:
+    scratch = scratch_copies(weight, states, scales)
+    if scratch is None:
         warnings.warn(f"fused_wgrad_update: no memory for tuning scratch copies of a {m}x{n} weight; "
                       f"using the default tile configuration", RuntimeWarning, stacklevel=3)
         config = default_config(m, n, k, input_bytes)
     else:
+        scratch_weight, scratch_states, scratch_scales = scratch
         # a regime-2 rule's kernel adds into per-layer sums: scratch ones too
         scratch_sums = torch.zeros(2, dtype=torch.float32, device=weight.device) if meta.get("NUM_SUMS") else None
 
@@ -229,12 +227,23 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
 
         config, _ = tune_config(candidates, run_on_scratch, bench_ms, finalists=FINALISTS)
         tuned = True
-        del scratch_weight, scratch_states, scratch_scales
+        del scratch, scratch_weight, scratch_states, scratch_scales
     TUNED[key] = config
     if tuned and disk_path is not None:
         tune_cache.store(disk_path, disk_key, config, {
             "shape": f"{m}x{n}", "tokens": k, "device": gpu, "triton": triton.__version__})
     return config
+
+
+def scratch_copies(weight: torch.Tensor, states: list[torch.Tensor], scales: list[torch.Tensor | None]
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]] | None:
+    """Copies of a weight, its states and their scales for timed launches, which step what they are
+    given (a choice must not step the real weight); None when the GPU has no room for them."""
+    try:
+        return (weight.detach().clone(), [s.clone() for s in states],
+                [s.clone() if s is not None else None for s in scales])
+    except torch.OutOfMemoryError:
+        return None
 
 
 def device_name(tensor: torch.Tensor) -> str:
