@@ -16,6 +16,7 @@ from . import kernels
 from .dtensors import local_shard
 from .state import ParamState
 
+
 class UpdateOwner(Protocol):
     """What a binding calls on the optimizer it is attached to (``forge_core.optimizer.ForgeOptimizer``):
     a Protocol, so that this module does not import the optimizer that imports it."""

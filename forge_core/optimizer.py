@@ -297,7 +297,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
             self._launch_update(owner, *no_tokens(weight, weight.shape[0]), weight, owner.state, grad)
 
     def apply_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor,
-                      part: Optional[RowPart] = None, seed_offset: int = 0) -> None:
+                     part: Optional[RowPart] = None, seed_offset: int = 0) -> None:
         """The fused step of ``binding``'s weight, or of rows ``part`` of it (``grad_output`` then
         holds only those rows' columns). The step count is the weight's, whatever the part."""
         if self._layer_path is not None:            # step()'s flush of fewer micro-batches than k

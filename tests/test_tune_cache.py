@@ -291,7 +291,7 @@ def test_the_sample_cache_rekeys_every_entry_to_a_current_one():
 @needs_gluon
 def test_rekey_restores_the_fingerprints_of_gluon_choices():
     """A Gluon-or-Triton choice (key ending in 'hopper_ws') under a stale fingerprint gets the one this
-    tree's ws_choice.chosen would look up; one already current stays as it is."""
+    tree's ws_choice.stored would look up; one already current stays as it is."""
     entries, _ = rekey_tune_cache_entries(_sample_entries())
     gluon = {k: v for k, v in entries.items() if k.endswith("'hopper_ws')")}
     assert any("'graph'" in k for k in gluon) and any("'eager'" in k for k in gluon)

@@ -47,6 +47,12 @@ def test_a_candidate_that_fails_is_skipped_with_a_warning():
         assert ws_choice.choose(lambda: "triton", {B: broken}, time_ms) == (None, {})
 
 
+def _stored_or_measured(key, candidates, run_triton, run_ws, time_ms, identity, note):
+    """The choice as ``dispatch.ws_plan`` reaches it: looked up (``stored``), else timed (``measure``)."""
+    known, config = ws_choice.stored(key, candidates, identity, note.get("device", ""))
+    return config if known else ws_choice.measure(key, candidates, run_triton, run_ws, time_ms, identity, note)
+
+
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(ws_choice, "CHOSEN", {})
@@ -60,16 +66,16 @@ def test_a_later_process_reads_the_choice_from_the_tune_cache(fresh, monkeypatch
     key = ((1024, 4096), 512, "bf16")
     time_ms, calls = _clock(times)
     args = (key, [A], lambda: "triton", lambda config: "a", time_ms, "kernel-identity", {"shape": "1024x4096"})
-    assert ws_choice.chosen(*args) == expected
+    assert _stored_or_measured(*args) == expected
     timed = len(calls)
     entry = next(iter(json.loads(fresh.read_text())["entries"].values()))
     assert entry["shape"] == "1024x4096" and set(entry["medians_ms"]) == {"triton", "hopper_ws"}
     monkeypatch.setattr(ws_choice, "CHOSEN", {})               # a new process
-    assert ws_choice.chosen(*args) == expected and len(calls) == timed
+    assert _stored_or_measured(*args) == expected and len(calls) == timed
     assert (key in ws_choice.FROM_DISK)
     other = (key, [A], lambda: "triton", lambda config: "a", time_ms, "another-kernel", {})
     monkeypatch.setattr(ws_choice, "CHOSEN", {})
-    ws_choice.chosen(*other)
+    _stored_or_measured(*other)
     assert len(calls) > timed                                    # another kernel source: timed again
 
 
@@ -153,7 +159,7 @@ def test_a_stored_choice_is_looked_up_before_any_scratch_copy(fresh, monkeypatch
     key = ((256, 256), 64, "bf16")
     identity = tuning.ws_identity("adamw", tile, dispatch.triton.__version__, tuning.device_name(w), False)
     time_ms, _ = _clock({"triton": 0.5, "a": 0.9})          # an earlier process: the Triton tile won
-    ws_choice.chosen(key + ("eager",), [A], lambda: "triton", lambda config: "a", time_ms, identity, {})
+    _stored_or_measured(key + ("eager",), [A], lambda: "triton", lambda config: "a", time_ms, identity, {})
     if where != "process":
         monkeypatch.setattr(ws_choice, "CHOSEN", {})          # a new process
     if where == "shipped":

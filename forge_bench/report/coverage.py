@@ -73,13 +73,12 @@ def coverage_tables(frame: pd.DataFrame) -> list[Table]:
                         for model, g in models), key=lambda item: (item[0], item[1]))
         for n_params, model, tokens in sized:
             rows = records(group[group["model"] == model])
-            newest = {arm: _newest([r for r in rows if r["method"] == arm]) for arm in COVERAGE_ARMS}
             complete = [run for run in {r["run_id"] for r in rows}
                         if {r["method"] for r in rows if r["run_id"] == run} >= set(COVERAGE_ARMS)]
             if complete:                        # the newest run that measured every arm, when one did
                 run = _newest([r for r in rows if r["run_id"] in complete])["run_id"]
-                newest = {arm: _newest([r for r in rows if r["method"] == arm and r["run_id"] == run])
-                          for arm in COVERAGE_ARMS}
+                rows = [r for r in rows if r["run_id"] == run]
+            newest = {arm: _newest([r for r in rows if r["method"] == arm]) for arm in COVERAGE_ARMS}
             forge = next((newest[a] for a in ("forge_bf16", "forge_int8")
                           if newest[a] is not None and as_number(newest[a].get("n_fused_params")) is not None), None)
             share = (as_number(forge.get("n_fused_params")) / n_params) if forge is not None and n_params else None

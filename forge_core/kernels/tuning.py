@@ -266,7 +266,7 @@ def tuning_fingerprint(epilogue: Any, candidates: list[TileConfig], triton_versi
 
 
 def ws_identity(epilogue: Any, triton_config: TileConfig, triton_version: str, device_name: str, graphed: bool) -> str:
-    """What a Gluon-or-Triton choice (``ws_choice.chosen``) depends on besides its key: both kernels'
+    """What a Gluon-or-Triton choice (``ws_choice.stored`` / ``measure``) depends on besides its key: both kernels'
     sources, the rule's epilogue, the Triton tile it was timed against, Triton and the GPU; an eager
     choice also weighs the host's launch cost, so which launch paths were timed."""
     if ws_fused_kernel is None:
@@ -322,7 +322,7 @@ def _current_fingerprint(key: str, entry: Mapping[str, Any]) -> tuple[tuple, str
         state_names = held if held is not None else rule.state_names
         epilogue = rule.epilogue_for(state_names)
         triton_version, device = entry["triton"], entry["device"]
-        if tuning_key[-1] == "hopper_ws":          # a Gluon-or-Triton choice (ws_choice.chosen)
+        if tuning_key[-1] == "hopper_ws":          # a Gluon-or-Triton choice (ws_choice.measure)
             triton_tile = TileConfig(**entry["triton_tile"])
         else:
             input_bytes = torch.empty((), dtype=input_dtype).element_size()

@@ -179,8 +179,10 @@ def measure(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], Non
             run_ws: Callable[[WsConfig], None], time_ms: Callable[[Callable[[], None]], float],
             identity: str, note: dict[str, Any]) -> WsConfig | None:
     """Time ``candidates`` against the Triton tile (``choose``) and keep the faster for ``key`` in the
-    process and in ``FORGE_TUNE_CACHE``; for a key ``stored`` does not know. ``run_*`` must only touch
-    scratch copies."""
+    process and in ``FORGE_TUNE_CACHE``; for a key ``stored`` does not know (``dispatch.ws_plan`` asks
+    ``stored`` first, then makes the scratch copies ``run_*`` must only touch). ``key``: a tuning key
+    plus how the kernels were timed ("graph" or "eager"); ``identity``: what the choice depends on
+    besides the key (both kernels' sources, the Triton tile, the Triton version, the GPU)."""
     config, medians = choose(run_triton, {c: (lambda c=c: run_ws(c)) for c in candidates}, time_ms)
     CHOSEN[key] = config
     path = tune_cache.cache_path()
@@ -188,18 +190,6 @@ def measure(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], Non
         tune_cache.store(path, _disk_key(key, candidates, identity),
                          _Decision(dataclasses.asdict(config) if config else None), dict(note, medians_ms=medians))
     return config
-
-
-def chosen(key: tuple, candidates: list[WsConfig], run_triton: Callable[[], None],
-           run_ws: Callable[[WsConfig], None], time_ms: Callable[[Callable[[], None]], float],
-           identity: str, note: dict[str, Any]) -> WsConfig | None:
-    """The choice for ``key`` (a tuning key plus how the kernels were timed: "graph" or "eager"), in the
-    process, then in ``FORGE_TUNE_CACHE``, then among the choices shipped for this GPU model
-    (``stored``), else measured (``measure``).
-    ``identity``: what the choice depends on besides the key (both kernels' sources, the Triton
-    tile, the Triton version, the GPU); ``run_*`` must only touch scratch copies."""
-    known, config = stored(key, candidates, identity, note.get("device", ""))
-    return config if known else measure(key, candidates, run_triton, run_ws, time_ms, identity, note)
 
 
 def graph_time_ms(run: Callable[[], None], launches: int = 10, replays: int = 10) -> float:
