@@ -537,19 +537,21 @@ def test_memory_reads_in_mib_where_gib_would_round_to_zero(built):
         assert all("GiB" in list(lines[0])[1] for lines in tables.values())
 
 
-def _rows_of_models(tmp_path: Path, models: dict[str, int], activations: str = "hf") -> Path:
+def _rows_of_models(tmp_path: Path, models: dict[str, int], activations: str = "hf",
+                    run_id: str = "20260101T000000Z-x-abcdef", finished_at: str = "2026-01-01T00:00:00+00:00",
+                    step_ms: float = 10.0) -> Path:
     """A results folder with one ok adamw_foreach and one forge_bf16 row per model (one run, one shape)."""
     folder = tmp_path / "rows"
     for model, n_params in models.items():
         for method, family in (("adamw_foreach", "baseline"), ("forge_bf16", "forge")):
             results.write_row(folder, {
-                "cell_id": f"{model}-{method}", "run_id": "20260101T000000Z-x-abcdef", "status": "ok",
+                "cell_id": f"{model}-{method}", "run_id": run_id, "status": "ok",
                 "model": model, "method": method, "method_family": family, "batch": 1, "seq": 8,
                 "dtype": "float32", "device_name": "CPU X", "device_type": "cpu", "n_params": n_params,
                 "n_fused_params": (0 if model == "tiny-gpt2" else n_params // 2) if family == "forge" else 0,
-                "step_ms_median": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "mem_weights_gib": n_params * 4 / 2**30,
-                "timing_method": "wall_clock", "activations": activations,
-                "finished_at": "2026-01-01T00:00:00+00:00"})
+                "step_ms_median": step_ms, "step_ms_p10": step_ms - 1, "step_ms_p90": step_ms + 1,
+                "mem_weights_gib": n_params * 4 / 2**30, "timing_method": "wall_clock", "activations": activations,
+                "finished_at": finished_at})
     return folder
 
 
@@ -587,6 +589,29 @@ def test_model_scaling_compares_sizes_within_one_family_only(tmp_path):
     assert not (out2 / "tables" / "scaling.md").exists() and not list((out2 / "figures").glob("scaling-*"))
     assert ("_Skipped: no run measured two or more models of one family at one shape (scaling compares sizes "
             "within a family; families here: gpt2 (tiny-gpt2); llama (tiny-llama))._") in (out2 / "index.md").read_text()
+
+
+def test_a_family_measured_over_two_runs_is_one_scaling_figure(tmp_path):
+    """The small models in one run, the larger ones (and one small one again) in a later run: each run
+    keeps its table, and the family's figure draws every model, each from its newest run."""
+    from forge_bench.report.data import load_rows
+    from forge_bench.report.tables import scaling_series
+
+    first = _rows_of_models(tmp_path / "a", {"tiny-llama": 426624, "llama-3.2-1b": 1235814400},
+                            run_id="20260101T000000Z-x-aaaaaa", finished_at="2026-01-01T00:00:00+00:00")
+    later = _rows_of_models(tmp_path / "b", {"llama-3.2-1b": 1235814400, "llama-3.2-3b": 3212749824},
+                            run_id="20260102T000000Z-x-bbbbbb", finished_at="2026-01-02T00:00:00+00:00", step_ms=20.0)
+    out = tmp_path / "out"
+    build_report([first, later], out, formats=("png",))
+    assert len(parse_markdown_tables((out / "tables" / "scaling.md").read_text())) == 2, "one table per run"
+    figures = [p.name for p in (out / "figures").glob("scaling-*.png")]
+    assert len(figures) == 1 and "aaaaaa" in figures[0] and "bbbbbb" in figures[0]
+    [(keys, rows)] = scaling_series(load_rows([first, later]))
+    assert keys["run_id"] == "aaaaaa + bbbbbb"
+    newest = {model: set(zip(group["run_id"], group["step_ms_median"])) for model, group in rows.groupby("model")}
+    assert newest == {"tiny-llama": {("20260101T000000Z-x-aaaaaa", 10.0)},
+                      "llama-3.2-1b": {("20260102T000000Z-x-bbbbbb", 20.0)},
+                      "llama-3.2-3b": {("20260102T000000Z-x-bbbbbb", 20.0)}}
 
 
 def test_a_forge_row_that_fused_nothing_is_labelled_so(tmp_path):

@@ -4,8 +4,9 @@ Every figure uses ``matplotlib.figure.Figure`` with an explicit Agg canvas: no p
 state, no GUI backend, safe in a headless sweep machine. Ratios come from ``ratios.py`` through
 the same helpers as the tables, so a figure can never show a ratio that a table refuses.
 Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason. Where
-several runs measured the same group, the scaling and memory figures draw the newest run only and the
-grid figures the widest grid (``data.one_per_key``): another run's figure repeats its table's numbers.
+several runs measured the same group, the memory figures draw the newest run only, the grid figures the
+widest grid (``data.one_per_key``) and the scaling figures each model's newest run (``tables.scaling_series``,
+a family being measured a few sizes at a time): another run's figure repeats its table's numbers.
 Every builder takes ``formats``, the file types each figure is saved as (``FORMATS`` unless the
 caller asks for fewer, e.g. ``("png",)`` to skip the PDF twins).
 """
@@ -30,7 +31,7 @@ from .data import (HEADLINE_KEYS, MIB_PER_GIB, NOTHING_FUSED, key_parts, timing_
                    records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
 from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
-                     memory_groups, memory_parts, models_by_size, params_text, scaling_groups, scaling_skip_note,
+                     memory_groups, memory_parts, models_by_size, params_text, scaling_series, scaling_skip_note,
                      scaling_title, shapes_of, cell_row, sorted_rows)
 
 matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 10, "figure.dpi": 100})
@@ -310,11 +311,10 @@ def _grid_heatmaps(group, keys, shapes, forge_methods, folder, stem, formats: Se
 
 def scaling_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
                     formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
-    groups = scaling_groups(frame)
+    groups = scaling_series(frame)        # each model from its newest run; the tables keep every run
     if not groups:
         return [], scaling_skip_note(frame)
     paths = []
-    groups = one_per_key(groups)          # the newest run of each; the tables keep every run
     for keys, group in groups:
         models = models_by_size(group)
         fig = Figure(figsize=(9.0, 3.8))

@@ -332,6 +332,27 @@ def scaling_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFra
     return out
 
 
+def scaling_series(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """(keys, rows) per device x family x dtype x shape with two or more models, each model's rows
+    from the newest run that measured it. Why: a family is often measured in several runs (the
+    small models first, the large ones later), and the figure shows the whole family; a model's
+    arms still come from one run, so what its points compare was measured side by side.
+    ``keys["run_id"]`` names the runs, oldest first."""
+    out = []
+    series_keys = [k for k in SCALING_KEYS if k != "run_id"]
+    for keys, group in frame.groupby(series_keys, sort=True, dropna=False):
+        picked = []
+        for _, model_rows in group.groupby("model", sort=True):
+            newest = max(model_rows.groupby("run_id", sort=False), key=lambda run: (finished_last(run[1]), run[0]))[0]
+            picked.append(model_rows[model_rows["run_id"] == newest])
+        if len(picked) < 2:
+            continue
+        rows = pd.concat(picked)
+        runs = sorted(set(rows["run_id"]), key=lambda run: finished_last(rows[rows["run_id"] == run]))
+        out.append(({**dict(zip(series_keys, keys)), "run_id": " + ".join(run_label(run) for run in runs)}, rows))
+    return out
+
+
 def scaling_skip_note(frame: pd.DataFrame) -> str:
     """Why the report has no scaling table: which families each run measured at a single size."""
     singles = sorted({f"{family} ({', '.join(sorted(set(group['model'])))})"
