@@ -46,6 +46,9 @@ def convergence(
     corpus_max_bytes: Annotated[Optional[int], typer.Option("--corpus-max-bytes", min=1,
                                                             help="read at most this many corpus bytes (tests)")] = None,
     device: Annotated[str, typer.Option("--device", help="cuda or cpu (default: cuda where there is one)")] = "",
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="run the runs side by side on these GPUs, e.g. "
+                                                "0,1,2,3: one process per run and GPU, its output in "
+                                                "OUT/logs/ (default: one after the other in this process)")] = None,
 ) -> None:
     """GPT-2 from scratch on the Python standard library's sources (bytes), every arm x seed from the
     same initial weights and batches: one parquet row per run with its loss curves. Resumes."""
@@ -87,8 +90,49 @@ def convergence(
             progress.update(task, completed=step, **fields)
         return on_step
 
+    if gpus is None:
+        with progress:
+            rows = conv.run_all(out, spec, arm_list, seed_list, where, on_run)
+        Console().print(_runs_table(out, rows))
+        return
+    from forge_bench import convergence_lanes, lanes
+
+    try:
+        gpu_list = lanes.parse_gpus(gpus)
+    except lanes.LaneError as error:
+        raise _fail(console, str(error)) from None
+    options = ["--steps", str(steps), "--batch", str(batch), "--seq", str(seq), "--lr", repr(lr), "--warmup", str(warmup),
+               "--min-lr-ratio", repr(min_lr_ratio), "--weight-decay", repr(weight_decay), "--eval-every", str(eval_every),
+               "--eval-batches", str(eval_batches), "--checkpoint-every", str(checkpoint_every), "--model", model,
+               *(["--corpus-max-bytes", str(corpus_max_bytes)] if corpus_max_bytes is not None else []),
+               *(["--device", device] if device else [])]
+    tasks = {(arm, seed): progress.add_task(f"{arm} seed {seed}", total=steps, completed=done, loss="-")
+             for arm, seed, done in todo}
+
+    def read_back() -> None:        # a run's row is rewritten at each checkpoint (atomically)
+        for (arm, seed), task in tasks.items():
+            try:
+                row = conv.read_row(conv.row_path(out, arm, seed))
+            except (OSError, ValueError):           # a row file that is not (yet) readable: next poll
+                row = None
+            if row is not None:
+                loss = row["val_loss"][-1] if row.get("val_loss") else None
+                progress.update(task, completed=int(row["steps_done"]), **({"loss": f"{loss:.3f}"} if loss else {}))
+
     with progress:
-        rows = conv.run_all(out, spec, arm_list, seed_list, where, on_run)
+        finished = convergence_lanes.run_side_by_side(out, [(arm, seed) for arm, seed, _ in todo], options, gpu_list,
+                                                      read_back)
+    rows = [row for row in (conv.read_row(conv.row_path(out, run.arm, run.seed)) for run in finished) if row]
+    Console().print(_runs_table(out, rows))
+    failed = [run for run in finished if run.returncode != 0]
+    for run in failed:
+        console.print(f"[bold red]failed:[/] {convergence_lanes.failure_line(run)}", highlight=False, soft_wrap=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _runs_table(out: Path, rows: list[dict]) -> Table:
+    """The runs this command finished, one line each."""
     table = Table(title=f"convergence runs finished here ({out})")
     for column in ("arm", "seed", "status", "final val loss", "smoothed train loss", "tokens/s"):
         table.add_column(column, justify="left" if column in ("arm", "status") else "right")
@@ -97,7 +141,7 @@ def convergence(
         table.add_row(row["arm"], str(row["seed"]), row["status"] if not row["reason"] else f"{row['status']}: "
                       f"{row['reason'][:80]}", number(row["final_val_loss"]), number(row["final_train_loss_smoothed"]),
                       number(row["tokens_per_s"], ",.0f"))
-    Console().print(table)
+    return table
 
 
 def fidelity(

@@ -87,6 +87,42 @@ def test_cli_runs_and_refuses_a_folder_of_other_settings(tmp_path: Path) -> None
     assert result.exit_code == 2 and "unknown method" in result.output
 
 
+def test_runs_side_by_side_on_gpus_match_the_runs_in_one_process(tmp_path: Path, monkeypatch) -> None:
+    """``--gpus a,b``: each run in a process of its own with one GPU (its log says which), the same
+    rows as the runs one after the other in this process; a bad --gpus is a one-line error."""
+    from forge_bench import lanes
+
+    monkeypatch.setenv(lanes.LOCK_DIR, str(tmp_path / "locks"))
+    runner = CliRunner()
+    common = ["--model", "tiny-gpt2", "--arms", "adamw_foreach", "--seeds", "0,1", "--batch", "2", "--seq", "16",
+              "--steps", "3", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2",
+              "--corpus-max-bytes", "2000000", "--device", "cpu"]
+    beside, alone = tmp_path / "beside", tmp_path / "alone"
+    result = runner.invoke(app, ["convergence", "--out", str(beside), "--gpus", "a,b", *common])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["convergence", "--out", str(alone), *common])
+    assert result.exit_code == 0, result.output
+    logs = {seed: (beside / "logs" / f"adamw_foreach_seed{seed}.log").read_text() for seed in (0, 1)}
+    assert {log.splitlines()[0].split(",")[0] for log in logs.values()} == {"# GPU a", "# GPU b"}
+    for seed in (0, 1):
+        side, one = (conv.read_row(conv.row_path(folder, "adamw_foreach", seed)) for folder in (beside, alone))
+        assert side["completed"] and side["status"] == "ok"
+        assert side["train_loss"] == one["train_loss"] and side["val_loss"] == one["val_loss"]
+    result = runner.invoke(app, ["convergence", "--out", str(beside), "--gpus", "a,a", *common])
+    assert result.exit_code == 2 and "named more than once" in result.output
+
+
+def test_a_run_that_fails_beside_others_is_named_with_its_log(tmp_path: Path, monkeypatch) -> None:
+    from forge_bench import convergence_lanes, lanes
+
+    monkeypatch.setenv(lanes.LOCK_DIR, str(tmp_path / "locks"))
+    [run] = convergence_lanes.run_side_by_side(tmp_path, [("adamw_foreach", 0)], ["--steps", "0"], ["g0"])
+    assert run.returncode == 2 and run.gpus == "g0"
+    line = convergence_lanes.failure_line(run)
+    assert line.startswith("adamw_foreach seed 0 (GPU g0) exited 2: ") and str(run.log) in line
+    assert "'--steps'" in line, line
+
+
 def training_schema_markdown() -> str:
     """The text of docs/training_results_schema.md: both kinds' columns."""
     from forge_bench import fidelity
