@@ -595,7 +595,7 @@ def test_a_family_measured_over_two_runs_is_one_scaling_figure(tmp_path):
     """The small models in one run, the larger ones (and one small one again) in a later run: each run
     keeps its table, and the family's figure draws every model, each from its newest run."""
     from forge_bench.report.data import load_rows
-    from forge_bench.report.tables import scaling_series
+    from forge_bench.report.scaling import scaling_series
 
     first = _rows_of_models(tmp_path / "a", {"tiny-llama": 426624, "llama-3.2-1b": 1235814400},
                             run_id="20260101T000000Z-x-aaaaaa", finished_at="2026-01-01T00:00:00+00:00")

@@ -8,8 +8,8 @@
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the paper's Table 1 (mean ± sd, TF/s;
   ``table1.py``), the optimizer families (App. I), composability (``composability.py``),
-  batch x seq grid, the constant-token law (``token_law.py``), model scaling, where memory goes, hardware comparison, fidelity, coverage across
-  the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
+  batch x seq grid, the constant-token law (``token_law.py``), model scaling (``scaling.py``), where
+  memory goes, hardware comparison, fidelity, coverage across the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
   and the targets; ``distributed.py``), scaling within a model family, capability (App. O: the largest
   model per arm and GPU, measured beside predicted; ``app_o.py``), what did not run; and from the rows of ``forge-bench fidelity`` and
   ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E fidelity table and the
@@ -34,7 +34,7 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import (app_i, app_o, composability, coverage, distributed, figures, folder, ratios, render, summary,
+from . import (app_i, app_o, composability, coverage, distributed, figures, folder, ratios, render, scaling, summary,
                table1, tables, token_law, training)
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
@@ -182,9 +182,9 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
                               "no method measured ok at two shapes of one token count")
 
     # scaling
-    sections += table_section("Model scaling", "scaling", tables.scaling_tables(frame),
+    sections += table_section("Model scaling", "scaling", scaling.scaling_tables(frame),
                               "Peak and step against parameter count, within one model family "
-                              "(forge_bench/zoo.py).", False, tables.scaling_skip_note(frame))
+                              "(forge_bench/zoo.py).", False, scaling.scaling_skip_note(frame))
     scale_figs, _ = figures.scaling_figures(frame, figure_dir, colors, formats)
     written += scale_figs
     sections += figure_block(scale_figs)

@@ -29,7 +29,7 @@ from .data import fmt_ms, fmt_number, group_title, records, slug
 from .figures import FORMATS, save
 from .ratios import as_number, as_text
 from .render import Table
-from .tables import params_text
+from .data import params_text
 
 COVERAGE_ARMS = ("adamw_fused", "forge_bf16", "forge_int8")
 COVERAGE_KEYS = ["device_name", "dtype", "timing", "activations"]

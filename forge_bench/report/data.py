@@ -90,6 +90,17 @@ def load_rows(results_dirs: str | Path | Sequence[str | Path],
     return with_activations(frame)
 
 
+def params_text(n_params: float | None) -> str:
+    """A parameter count as the tables print it: 596.0M, 1.72B."""
+    if n_params is None:
+        return "?"
+    if n_params >= 1e9:
+        return f"{n_params / 1e9:.2f}B"
+    if n_params >= 1e6:
+        return f"{n_params / 1e6:.1f}M"
+    return f"{n_params / 1e3:.1f}K"
+
+
 def run_label(run_id: Any) -> str:
     """A short label for a run id that stays unique: the harness's ids end in a random hex
     token (``20261123T093814Z-smoke-72d475``), which is kept; other ids are shown whole."""

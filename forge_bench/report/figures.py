@@ -5,7 +5,7 @@ state, no GUI backend, safe in a headless sweep machine. Ratios come from ``rati
 the same helpers as the tables, so a figure can never show a ratio that a table refuses.
 Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason. Where
 several runs measured the same group, the memory figures draw the newest run only, the grid figures the
-widest grid (``data.one_per_key``) and the scaling figures each model's newest run (``tables.scaling_series``,
+widest grid (``data.one_per_key``) and the scaling figures each model's newest run (``scaling.scaling_series``,
 a family being measured a few sizes at a time): another run's figure repeats its table's numbers.
 Every builder takes ``formats``, the file types each figure is saved as (``FORMATS`` unless the
 caller asks for fewer, e.g. ``("png",)`` to skip the PDF twins).
@@ -28,11 +28,11 @@ from forge_bench.png import compact_png
 from . import ratios
 from .data import (HEADLINE_KEYS, MIB_PER_GIB, NOTHING_FUSED, key_parts, timing_slug, choose_baseline,
                    find_baseline_row, group_title, is_forge, memory_unit, nothing_fused, one_per_key, ordered_methods,
-                   records, run_label, slug)
+                   params_text, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
+from .scaling import models_by_size, scaling_series, scaling_skip_note, scaling_title
 from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
-                     memory_groups, memory_parts, models_by_size, params_text, scaling_series, scaling_skip_note,
-                     scaling_title, shapes_of, cell_row, sorted_rows)
+                     memory_groups, memory_parts, shapes_of, cell_row, sorted_rows)
 
 matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 10, "figure.dpi": 100})
 

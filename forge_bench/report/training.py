@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from .data import slug
 from .figures import FORMATS, method_colors, save
 from .render import Table
-from .tables import params_text
+from .data import params_text
 
 CONVERGENCE_BASELINES = ("adamw_fused", "adamw_foreach")
 CONVERGENCE_KEYS = ["device_name", "model", "spec_hash", "corpus_digest"]
