@@ -6,7 +6,8 @@
 # BOX_S: seconds this command may take in all; a cell takes up to ~100 s on Llama-8B, so the sweep
 # stops starting cells 110 s before the box ends. ONLY may hold several --only selections separated
 # by ';': they run one after the other (the cells that matter most first; within one selection the
-# suite's order decides), all into OUT_DIR under one run id.
+# suite's order decides), all into OUT_DIR under one run id. GPUS=0,1,2,3 in the environment runs the
+# cells side by side on those GPUs (`sweep --gpus`), one cell per GPU at a time.
 set -u
 commit=$1 suite=$2 out_dir=$3 only=$4 box=$5; shift 5
 source scripts/device_setup.sh "$commit" >/dev/null || exit 1
@@ -20,7 +21,7 @@ for selection in "${selections[@]}"; do
   resume=""; [ -f "$out_dir/manifest.json" ] && resume="--resume"
   left=$((box - SECONDS - 110)); [ $left -le 0 ] && break
   timeout $((box - SECONDS - 15)) python3 -m forge_bench.cli sweep "$suite" --out "$out_dir" --only "$selection" \
-    $resume --stop-after $left >> "$OUT/sweep.log" 2>&1
+    $resume --stop-after $left ${GPUS:+--gpus "$GPUS"} >> "$OUT/sweep.log" 2>&1
   echo "sweep '$selection' rc=$?"
 done
 grep -hE "^  [A-Za-z0-9_.-]+/" "$OUT/sweep.log" | tail -n 60
