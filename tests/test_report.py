@@ -614,6 +614,44 @@ def test_a_family_measured_over_two_runs_is_one_scaling_figure(tmp_path):
                       "llama-3.2-3b": {("20260102T000000Z-x-bbbbbb", 20.0)}}
 
 
+def test_a_grid_measured_over_runs_is_one_table_each_shape_from_its_newest_comparison(tmp_path):
+    """Shapes of one suite's grid measured in two runs make one more grid table and the figure: each
+    shape from the newest run with FORGE beside its baseline there (a later re-run of the baseline
+    alone does not displace it), never from another suite's run of the same model and shape."""
+    from forge_bench.report.data import load_rows
+    from forge_bench.report.tables import grid_series
+
+    folder = tmp_path / "rows"
+
+    def row(run: str, suite: str, batch: int, seq: int, method: str, day: int, step_ms: float) -> None:
+        results.write_row(folder, {
+            "cell_id": f"{run}-{batch}-{seq}-{method}", "run_id": f"2026010{day}T000000Z-{suite}-{run}",
+            "suite_name": suite, "status": "ok", "model": "llama-3.2-1b", "method": method,
+            "method_family": "forge" if method.startswith("forge") else "baseline", "batch": batch, "seq": seq,
+            "dtype": "bfloat16", "device_name": "GPU X", "device_type": "cuda", "n_params": 1235814400,
+            "n_fused_params": 1000000000 if method.startswith("forge") else 0, "step_ms_median": step_ms,
+            "peak_allocated_gib": 10.0, "timing_method": "cuda_graph_replay", "activations": "hf",
+            "finished_at": f"2026-01-0{day}T00:00:00+00:00"})
+
+    for shape in ((1, 512), (1, 1024)):
+        for method in ("adamw_fused", "forge_bf16"):
+            row("aaaaaa", "grid", *shape, method, 1, 10.0)
+    for method in ("adamw_fused", "forge_bf16"):
+        row("bbbbbb", "grid", 2, 512, method, 2, 20.0)
+    row("bbbbbb", "grid", 1, 512, "adamw_fused", 2, 30.0)
+    for method in ("adamw_fused", "forge_bf16", "forge_int8", "sgd"):
+        row("cccccc", "families", 1, 512, method, 3, 40.0)
+    [(keys, rows)] = grid_series(load_rows(folder))
+    assert keys["run_id"] == "aaaaaa + bbbbbb"
+    picked = {(int(b), int(q)): set(group["run_id"].str[-6:]) for (b, q), group in rows.groupby(["batch", "seq"])}
+    assert picked == {(1, 512): {"aaaaaa"}, (1, 1024): {"aaaaaa"}, (2, 512): {"bbbbbb"}}
+    out = tmp_path / "out"
+    build_report(folder, out, formats=("png",))
+    titles = list(parse_markdown_tables((out / "tables" / "grid.md").read_text()))
+    assert len([t for t in titles if t.endswith("· run aaaaaa + bbbbbb")]) == 3     # peak, step, ratios
+    assert any("aaaaaa-bbbbbb" in p.name for p in (out / "figures").glob("grid-*.png"))
+
+
 def test_a_forge_row_that_fused_nothing_is_labelled_so(tmp_path):
     """n_fused_params = 0 (tiny-GPT-2: Conv1D layers, a tied head): its FORGE rows say "nothing fused"
     wherever FORGE is compared, with the reason; a row that fused weights carries no such mark."""

@@ -5,8 +5,9 @@ state, no GUI backend, safe in a headless sweep machine. Ratios come from ``rati
 the same helpers as the tables, so a figure can never show a ratio that a table refuses.
 Each builder returns ``(paths, note)``: the files written, or none plus a one-line reason. Where
 several runs measured the same group, the memory figures draw the newest run only, the grid figures the
-widest grid (``data.one_per_key``) and the scaling figures each model's newest run (``scaling.scaling_series``,
-a family being measured a few sizes at a time): another run's figure repeats its table's numbers.
+widest grid (``data.one_per_key``; the grid over runs, ``tables.grid_series``, among them) and the scaling
+figures each model's newest run (``scaling.scaling_series``, a family being measured a few sizes at a
+time): another run's figure repeats its table's numbers.
 Every builder takes ``formats``, the file types each figure is saved as (``FORMATS`` unless the
 caller asks for fewer, e.g. ``("png",)`` to skip the PDF twins).
 """
@@ -31,8 +32,8 @@ from .data import (HEADLINE_KEYS, MIB_PER_GIB, NOTHING_FUSED, key_parts, timing_
                    params_text, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
 from .scaling import models_by_size, scaling_series, scaling_skip_note, scaling_title
-from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, hardware_cells, hardware_groups,
-                     memory_groups, memory_parts, shapes_of, cell_row, sorted_rows)
+from .tables import (ANALYTIC_PARTS, grid_coverage, grid_groups, grid_ratio_cells, grid_series, hardware_cells,
+                     hardware_groups, memory_groups, memory_parts, shapes_of, cell_row, sorted_rows)
 
 matplotlib.rcParams.update({"font.size": 9, "axes.titlesize": 10, "figure.dpi": 100})
 
@@ -189,10 +190,11 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
 def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
                  formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
     groups = grid_groups(frame)
-    if not groups:
+    if not groups and not grid_series(frame):
         return [], "no run measured one model at two or more batch × seq shapes"
     paths = []
-    groups = one_per_key(groups, grid_coverage)     # the widest grid of each; the tables keep every run
+    # the widest grid of each, a grid over runs included (grid_series); the tables keep every run
+    groups = one_per_key(groups + grid_series(frame), grid_coverage)
     for keys, group in groups:
         stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
                     timing_slug(keys))

@@ -207,6 +207,37 @@ def grid_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]
     return out
 
 
+def grid_series(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """(keys, rows) per suite x device x model x dtype x timing x activations whose shapes were measured
+    over two or more runs: each shape's rows from the newest run that measured FORGE beside its
+    baseline there (else the newest), as the summary page's grid (``summary.grid_section``). Why: a
+    grid is often measured a few shapes at a time, and the paper's Table 2 is the whole grid; a
+    shape's arms still come from one run, so its ratios compare cells measured side by side. One
+    suite's runs only: another suite's cells of the same model (the optimizer families) are not the
+    grid's. ``keys["run_id"]`` names the runs, oldest first."""
+    out = []
+    series_keys = [k for k in GRID_KEYS if k != "run_id"]
+    for keys, group in frame.groupby(series_keys + ["suite_name"], sort=True, dropna=False):
+        keys = keys[:-1]
+        picked = []
+        for _, shape_rows in group.groupby(["batch", "seq"], sort=True):
+            best = max(shape_rows.groupby("run_id", sort=False),
+                       key=lambda run: (_forge_beside_baseline(run[1]), finished_last(run[1]), run[0]))[0]
+            picked.append(shape_rows[shape_rows["run_id"] == best])
+        if len(picked) < 2:
+            continue
+        rows = pd.concat(picked)
+        runs = sorted(set(rows["run_id"]), key=lambda run: finished_last(rows[rows["run_id"] == run]))
+        if len(runs) >= 2:
+            out.append(({**dict(zip(series_keys, keys)), "run_id": " + ".join(run_label(run) for run in runs)}, rows))
+    return out
+
+
+def _forge_beside_baseline(rows: pd.DataFrame) -> bool:
+    ok = set(rows.loc[rows["status"] == "ok", "method_family"])
+    return "forge" in ok and "baseline" in ok
+
+
 def shapes_of(group: pd.DataFrame) -> list[tuple[int, int]]:
     pairs = group[["batch", "seq"]].drop_duplicates().itertuples(index=False)
     return sorted((int(b), int(s)) for b, s in pairs)
@@ -235,8 +266,9 @@ def grid_ratio_cells(group: pd.DataFrame, method: str) -> dict[tuple[int, int], 
 
 
 def grid_tables(frame: pd.DataFrame) -> list[Table]:
+    """Per run, its grid; then per device and model the whole grid over runs (``grid_series``)."""
     tables = []
-    for keys, group in grid_groups(frame):
+    for keys, group in grid_groups(frame) + grid_series(frame):
         shapes = shapes_of(group)
         methods = ordered_methods(group)
         columns = [f"b{b}×s{s}" for b, s in shapes]
