@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from forge_bench import models, telemetry
+from forge_bench import lanes, models, telemetry
 from forge_bench.arm import TrainConfig
 from forge_bench.corpus import Corpus, build_corpus, train_batch, validation_batches
 from forge_bench.methods import get_method, load_plugins
@@ -135,6 +135,9 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("tokens_per_s", _F, "training tokens per second of the steps of this process (evaluation and checkpoints excluded, "
                          "and the steps before its first evaluation or checkpoint: tile tuning and compiles)"),
     ("train_wall_s", _F, "seconds of training steps, summed over resumes"),
+    ("gpus", _S, "the GPU a run started by `--gpus` had (its CUDA_VISIBLE_DEVICES); null for a run of a study in one process"),
+    ("runs_beside", _I, "runs of the study already running beside it when it started (`--gpus`: they share the host's "
+                        "CPU, which an eager step's tokens/s depends on); null for a run of a study in one process"),
     ("device_name", _S, "torch.cuda.get_device_name or the CPU model"),
     ("device_count", _I, "visible CUDA devices"),
     ("torch_version", _S, "torch.__version__"),
@@ -211,6 +214,7 @@ def _smoothed_tail(losses: list[float]) -> float:
 def _row(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, state: RunState, *, status: str,
          reason: Optional[str], completed: bool, n_params: int, n_fused: int, tokens_per_s: Optional[float],
          environment: Mapping[str, Any]) -> dict[str, Any]:
+    lane = lanes.lane_extra()
     return {
         KIND_COLUMN: "convergence", "arm": arm, "seed": seed, "status": status, "reason": reason,
         "completed": completed, "model": spec.model, "n_params": n_params, "n_fused_params": n_fused,
@@ -224,6 +228,7 @@ def _row(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, state: RunS
         "final_val_loss": state.val_loss[-1] if completed and state.val_loss else None,
         "final_train_loss_smoothed": _smoothed_tail(state.train_loss) if completed and state.train_loss else None,
         "tokens_per_s": tokens_per_s, "train_wall_s": state.train_wall_s,
+        **{"gpus": lane.get("gpus"), "runs_beside": lane.get("cells_beside")},
         **{k: v for k, v in environment.items() if k in SCHEMA.names},
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }

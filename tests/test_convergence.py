@@ -108,6 +108,8 @@ def test_runs_side_by_side_on_gpus_match_the_runs_in_one_process(tmp_path: Path,
         side, one = (conv.read_row(conv.row_path(folder, "adamw_foreach", seed)) for folder in (beside, alone))
         assert side["completed"] and side["status"] == "ok"
         assert side["train_loss"] == one["train_loss"] and side["val_loss"] == one["val_loss"]
+        assert side["gpus"] in ("a", "b") and side["runs_beside"] in (0, 1)
+        assert one["gpus"] is None and one["runs_beside"] is None
     result = runner.invoke(app, ["convergence", "--out", str(beside), "--gpus", "a,a", *common])
     assert result.exit_code == 2 and "named more than once" in result.output
 
