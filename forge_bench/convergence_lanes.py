@@ -45,12 +45,11 @@ def child_command(out: Path, arm: str, seed: int, options: list[str]) -> list[st
 
 
 def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str], gpus: list[str],
-                     on_poll: Callable[[], None] = lambda: None,
-                     pool: Optional[lanes.GpuPool] = None) -> list[LaneRun]:
+                     on_poll: Callable[[], None] = lambda: None) -> list[LaneRun]:
     """Run every (arm, seed) of ``runs`` in a process of its own on one GPU of ``gpus``, as many at a
     time as there are GPUs; ``on_poll()`` every ``POLL_S`` while they run (the caller's progress).
     Returns each run with its exit status; a run that fails does not stop the others."""
-    pool = pool or lanes.GpuPool(gpus)
+    pool = lanes.GpuPool(gpus)
     queue = [LaneRun(arm, seed, log_path(out, arm, seed)) for arm, seed in runs]
     pending = list(queue)
     lock = threading.Lock()
