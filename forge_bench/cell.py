@@ -17,17 +17,14 @@ dies with the traceback on stderr and the runner writes the ``crashed`` row.
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
 import datetime as dt
 import gc
 import json
 import math
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -623,22 +620,6 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     return 0
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the sweep that spawned it dies (``kill -9`` of the
-    sweep must not leave a cell running on the GPU); elsewhere a watchdog thread does it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except Exception:
-        def watch() -> None:
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            os._exit(1)
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent_pid:           # the parent died before prctl took effect
-        os._exit(1)
-
-
 def pin_cpu_threads(suite: Suite, threads: int | None = None) -> None:
     """On a CPU suite, run torch on ``threads`` threads (None: the suite's ``cpu_threads``, default 1).
     Why: torch takes every core by default, and on a shared 2-core machine a tiny-Llama step took
@@ -673,7 +654,7 @@ def main(
 ) -> None:
     """Run one cell of a suite in this process and write its row: the sweep's per-cell child."""
     if parent_pid is not None:
-        die_with_parent(parent_pid)
+        lanes.die_with_parent(parent_pid)
     loaded = load_suite(suite)
     code = run_cell_process(loaded, loaded.cell(cell_id), out, run_id, attempt, threads)
     if parent_pid is not None:

@@ -22,6 +22,9 @@ from forge_bench import lanes
 
 POLL_S = 2.0
 """How often the study's progress is read back from its rows (written at every checkpoint)."""
+PARENT_PID = "FORGE_BENCH_STUDY_PID"
+"""Set for a run's process: the study's pid, which the run dies with (``lanes.die_with_parent``), so
+that a study killed and started again never finds a run of its own still writing its files."""
 
 
 @dataclass
@@ -72,7 +75,7 @@ def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str],
                     log.flush()
                     run.returncode = subprocess.call(child_command(out, run.arm, run.seed, options), stdout=log,
                                                      stderr=subprocess.STDOUT, env={**os.environ,
-                                                     **lanes.child_env(gpu_list, beside)})
+                                                     **lanes.child_env(gpu_list, beside), PARENT_PID: str(os.getpid())})
             finally:
                 pool.give_back(gpu_list)
 
@@ -96,4 +99,4 @@ def failure_line(run: LaneRun) -> str:
     return f"{run.arm} seed {run.seed} (GPU {run.gpus}) exited {run.returncode}: {last} (log {run.log})"
 
 
-__all__ = ["LaneRun", "POLL_S", "child_command", "failure_line", "log_path", "run_side_by_side"]
+__all__ = ["LaneRun", "PARENT_PID", "POLL_S", "child_command", "failure_line", "log_path", "run_side_by_side"]

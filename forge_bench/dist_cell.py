@@ -43,7 +43,7 @@ from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
 from forge_bench import results, telemetry
 from forge_bench.arm import ArmUnavailable
-from forge_bench.cell import (BATCH_POOL, EXIT_OOM_RETRY, base_row, die_with_parent, is_oom, pin_cpu_threads,
+from forge_bench.cell import (BATCH_POOL, EXIT_OOM_RETRY, base_row, is_oom, pin_cpu_threads,
                               timing_columns)
 from forge_bench.dist_arms import DATA_SPLIT
 from forge_bench.peer_probes import hide_peer_packages_except
@@ -258,7 +258,7 @@ def launch(
 ) -> None:
     """Run torchrun in this process with the cell's world size: one rank per process."""
     if parent_pid is not None:
-        die_with_parent(parent_pid)
+        lanes.die_with_parent(parent_pid)
     from torch.distributed.run import main as torchrun
 
     loaded = load_suite(suite)
@@ -284,7 +284,7 @@ def rank(
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads on a CPU device")] = None,
 ) -> None:
     """One rank, as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous in the environment)."""
-    die_with_parent(os.getppid())
+    lanes.die_with_parent(os.getppid())
     loaded = load_suite(suite)
     cell = loaded.cell(cell_id)
     method = methods_mod.get_method(cell.method)

@@ -21,10 +21,13 @@ module imports neither torch nor Triton: the sweep process stays light.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Optional
 
 try:
@@ -144,6 +147,23 @@ class GpuPool:
             self._free.extend(gpus)
             self._running -= 1
             self._changed.notify_all()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the sweep (or convergence study) that spawned it dies
+    (``kill -9`` of the parent must not leave a cell or run going on the GPU, nor writing files a
+    resumed parent starts again); elsewhere a watchdog thread does it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except Exception:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent_pid:           # the parent died before prctl took effect
+        os._exit(1)
 
 
 def child_env(gpus: list[str], beside: int) -> dict[str, str]:

@@ -5,6 +5,7 @@ the model zoo only when a command runs, so ``forge-bench --help`` stays quick.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -52,6 +53,10 @@ def convergence(
 ) -> None:
     """GPT-2 from scratch on the Python standard library's sources (bytes), every arm x seed from the
     same initial weights and batches: one parquet row per run with its loss curves. Resumes."""
+    from forge_bench import convergence_lanes, lanes
+
+    if os.environ.get(convergence_lanes.PARENT_PID):       # a run of a study started with --gpus
+        lanes.die_with_parent(int(os.environ[convergence_lanes.PARENT_PID]))
     import torch
 
     from forge_bench import convergence as conv
@@ -95,8 +100,6 @@ def convergence(
             rows = conv.run_all(out, spec, arm_list, seed_list, where, on_run)
         Console().print(_runs_table(out, rows))
         return
-    from forge_bench import convergence_lanes, lanes
-
     try:
         gpu_list = lanes.parse_gpus(gpus)
     except lanes.LaneError as error:

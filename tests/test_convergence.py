@@ -125,6 +125,69 @@ def test_a_run_that_fails_beside_others_is_named_with_its_log(tmp_path: Path, mo
     assert "'--steps'" in line, line
 
 
+def _study_runs(study_pid: int, out: Path) -> list[int]:
+    """Pids of the run processes a study started (their command names its folder)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != study_pid:
+                continue
+            if str(out).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+def test_a_run_dies_with_its_study(tmp_path: Path) -> None:
+    """kill -9 of a study started with --gpus ends its runs too: none is left writing the files
+    a study started again would run again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from forge_bench import lanes
+
+    out = tmp_path / "study"
+    long_run = ["--model", "tiny-gpt2", "--batch", "2", "--seq", "16", "--steps", "1000000", "--warmup", "1",
+                "--eval-every", "100000", "--eval-batches", "1", "--checkpoint-every", "100000",
+                "--corpus-max-bytes", "2000000", "--device", "cpu"]
+    script = ("import sys; from pathlib import Path; from forge_bench import convergence_lanes; "
+              f"convergence_lanes.run_side_by_side(Path({str(out)!r}), [('adamw_foreach', 0)], {long_run!r}, ['g0'])")
+    study = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, lanes.LOCK_DIR: str(tmp_path / "locks")})
+    try:
+        for _ in range(600):
+            runs = _study_runs(study.pid, out)
+            if runs:
+                break
+            time.sleep(0.1)
+        assert runs, "the study started no run"
+        time.sleep(1.0)                                  # the run past its start, into its imports
+    finally:
+        os.kill(study.pid, signal.SIGKILL)
+        study.wait()
+    for _ in range(600):                  # SIGKILL ends it at once; the bound only turns a survivor into a failure
+        alive = [pid for pid in runs if _running(pid)]
+        if not alive:
+            break
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "a run outlived kill -9 of its study"
+
+
 def training_schema_markdown() -> str:
     """The text of docs/training_results_schema.md: both kinds' columns."""
     from forge_bench import fidelity
