@@ -652,6 +652,26 @@ def test_a_grid_measured_over_runs_is_one_table_each_shape_from_its_newest_compa
     assert any("aaaaaa-bbbbbb" in p.name for p in (out / "figures").glob("grid-*.png"))
 
 
+def test_eager_int8_is_held_to_no_slower_than_bf16_within_each_run():
+    """A headline note per run with both arms: bf16's step over int8's, met when at least 1 or inside
+    the two cells' noise, not met when measurably slower; the cce pair likewise; no line without a pair."""
+    from forge_bench.report.tables import int8_against_bf16
+
+    def row(method: str, run: str, step_ms: float, spread: float = 0.01) -> dict:
+        return {"method": method, "run_id": f"20260101T000000Z-x-{run}", "status": "ok", "step_ms_median": step_ms,
+                "step_ms_spread_max": spread, "device_name": "GPU X"}
+
+    lines = int8_against_bf16([row("forge_bf16", "aaaaaa", 100.0), row("forge_int8", "aaaaaa", 104.0),
+                               row("forge_bf16", "bbbbbb", 100.0), row("forge_int8", "bbbbbb", 101.0, spread=0.05),
+                               row("forge_bf16_cce", "aaaaaa", 100.0), row("forge_int8_cce", "aaaaaa", 95.0),
+                               row("forge_int8", "cccccc", 90.0)])
+    assert lines == [
+        "`forge_int8` against `forge_bf16` (run aaaaaa): 0.962×, not met (target: an eager int8 step no slower than bf16's).",
+        "`forge_int8` against `forge_bf16` (run bbbbbb): ~0.990×, met (target: an eager int8 step no slower than bf16's).",
+        "`forge_int8_cce` against `forge_bf16_cce` (run aaaaaa): 1.053×, met (target: an eager int8 step no slower "
+        "than bf16's)."]
+
+
 def test_a_forge_row_that_fused_nothing_is_labelled_so(tmp_path):
     """n_fused_params = 0 (tiny-GPT-2: Conv1D layers, a tied head): its FORGE rows say "nothing fused"
     wherever FORGE is compared, with the reason; a row that fused weights carries no such mark."""

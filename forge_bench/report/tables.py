@@ -15,11 +15,11 @@ from forge_bench.floor import floor_ms, power_floor_ms
 
 from . import ratios
 from .render import Table
-from .data import (HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, choose_baseline, find_baseline_row,
+from .data import (EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, choose_baseline, find_baseline_row,
                    finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit, method_cell,
                    method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
-from .targets import POWER_FLOOR_TARGET
+from .targets import INT8_AGAINST_BF16, POWER_FLOOR_TARGET, no_slower
 
 SPREAD_NOTE = ("Step ms is the median over runs of each run's median step; p10–p90 spans all "
                "timed steps; spread is the largest per-run IQR / median.")
@@ -111,6 +111,24 @@ def process_margin(row: Mapping[str, Any]) -> tuple[float | None, str]:
     return margin, text
 
 
+def int8_against_bf16(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per run holding both arms of an ``INT8_AGAINST_BF16`` pair, ok: the int8 arm's speed
+    against the bf16 arm's (bf16 step / int8 step) and whether it is no slower."""
+    lines = []
+    for int8, bf16 in INT8_AGAINST_BF16:
+        for run in dict.fromkeys(r["run_id"] for r in rows):
+            pair = [next((r for r in rows if r["method"] == m and r["run_id"] == run
+                          and as_text(r.get("status")) == "ok"), None) for m in (int8, bf16)]
+            if None in pair:
+                continue
+            speed = ratios.speedup(*pair)
+            verdict = "n/a" if not speed.is_number else "met" if no_slower(speed) else "not met"
+            shown = speed.text.replace(f"{speed.value:.2f}×", f"{speed.value:.3f}×") if speed.is_number else speed.text
+            lines.append(f"`{int8}` against `{bf16}` (run {run_label(run)}): {shown}, {verdict} "
+                         "(target: an eager int8 step no slower than bf16's).")
+    return lines
+
+
 def headline_tables(frame: pd.DataFrame) -> list[Table]:
     """Per device, model, dtype and shape: one row per method (and run, when several)."""
     tables = []
@@ -172,6 +190,9 @@ def headline_tables(frame: pd.DataFrame) -> list[Table]:
                          "power_w_mean": as_number(extra.get("power_w_mean")),
                          "nothing_fused": nothing_fused(row),
                          "status": row.get("status")})
+        if key_map.get("timing") == EAGER_TIMING:
+            for line in int8_against_bf16(rows):
+                notes.add(line)
         timing = {as_text(r.get("timing_method")) for r in rows if as_text(r.get("timing_method"))}
         caption = (f"{base_note} Peak: the timed window's peak allocated memory; process peak: the whole "
                    f"measurement's, model build, tile tuning and warm-up included (— in rows without it); margin: "

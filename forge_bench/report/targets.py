@@ -34,6 +34,17 @@ class PoolVerdict:
         return f"{self.text} ({self.why})" if self.why else self.text
 
 
+def no_slower(speed: Ratio) -> bool:
+    """Whether a speed-up (the other arm's step over this one's) says "no slower": at least 1, or a
+    difference inside the two cells' step-time noise (not measurably slower)."""
+    return speed.is_number and (speed.value >= 1.0 or speed.within_noise)
+
+
+INT8_AGAINST_BF16 = (("forge_int8", "forge_bf16"), ("forge_int8_cce", "forge_bf16_cce"))
+"""(int8, bf16) arm pairs held to "an eager forge_int8 step no slower than forge_bf16's" (the margin
+issue's last target: the int8 codec must not cost the step what the moments' bytes save)."""
+
+
 def pool_and_speed(saved_gib: float, pool_gib: float, speed: Ratio, strictly_faster: bool = False) -> PoolVerdict:
     """Whether ``saved_gib`` is at least the target share of ``pool_gib`` and ``speed`` (the twin's step
     over FORGE's) is no slower: a ratio of at least 1, or one inside the two cells' step-time noise
@@ -43,12 +54,9 @@ def pool_and_speed(saved_gib: float, pool_gib: float, speed: Ratio, strictly_fas
         return PoolVerdict(share, False, "not met", f"{share:.0%} of the pool" if share is not None else "no pool")
     if not speed.is_number:
         return PoolVerdict(share, None, "n/a (time)")
-    if strictly_faster:
-        fast = speed.value > 1.0 and not speed.within_noise
-    else:
-        fast = speed.value >= 1.0 or speed.within_noise
+    fast = speed.value > 1.0 and not speed.within_noise if strictly_faster else no_slower(speed)
     return PoolVerdict(share, fast, "met" if fast else "not met", "" if fast else
                        ("not faster" if strictly_faster else "slower"))
 
 
-__all__ = ["POOL_SHARE_TARGET", "PoolVerdict", "gradient_pool_gib", "pool_and_speed"]
+__all__ = ["INT8_AGAINST_BF16", "POOL_SHARE_TARGET", "PoolVerdict", "gradient_pool_gib", "no_slower", "pool_and_speed"]
