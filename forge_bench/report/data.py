@@ -94,11 +94,9 @@ def params_text(n_params: float | None) -> str:
     """A parameter count as the tables print it: 596.0M, 1.72B."""
     if n_params is None:
         return "?"
-    if n_params >= 1e9:
-        return f"{n_params / 1e9:.2f}B"
-    if n_params >= 1e6:
-        return f"{n_params / 1e6:.1f}M"
-    return f"{n_params / 1e3:.1f}K"
+    scale, suffix, digits = next(((s, x, d) for s, x, d in ((1e9, "B", 2), (1e6, "M", 1)) if n_params >= s),
+                                 (1e3, "K", 1))
+    return f"{n_params / scale:.{digits}f}{suffix}"
 
 
 def run_label(run_id: Any) -> str:
