@@ -135,9 +135,11 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("tokens_per_s", _F, "training tokens per second of the steps of this process (evaluation and checkpoints excluded, "
                          "and the steps before its first evaluation or checkpoint: tile tuning and compiles)"),
     ("train_wall_s", _F, "seconds of training steps, summed over resumes"),
-    ("gpus", _S, "the GPU a run started by `--gpus` had (its CUDA_VISIBLE_DEVICES); null for a run of a study in one process"),
-    ("runs_beside", _I, "runs of the study already running beside it when it started (`--gpus`: they share the host's "
-                        "CPU, which an eager step's tokens/s depends on); null for a run of a study in one process"),
+    ("gpus", _S, "the GPU a run started by `--gpus` had (its CUDA_VISIBLE_DEVICES); null for a run of a "
+                 "study in one process"),
+    ("runs_beside", _I, "runs of the study already running beside it when it started (`--gpus`: they share the "
+                        "host's CPU, which an eager step's tokens/s depends on); null for a run of a study in one "
+                        "process"),
     ("device_name", _S, "torch.cuda.get_device_name or the CPU model"),
     ("device_count", _I, "visible CUDA devices"),
     ("torch_version", _S, "torch.__version__"),

@@ -9,11 +9,12 @@
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the paper's Table 1 (mean ± sd, TF/s;
   ``table1.py``), the optimizer families (App. I), composability (``composability.py``),
   batch x seq grid, the constant-token law (``token_law.py``), model scaling (``scaling.py``), where
-  memory goes, hardware comparison, fidelity, coverage across the model zoo, across GPUs (the distributed arms: per-rank peak, step and tokens/s per world size,
-  and the targets; ``distributed.py``), scaling within a model family, capability (App. O: the largest
-  model per arm and GPU, measured beside predicted; ``app_o.py``), what did not run; and from the rows of ``forge-bench fidelity`` and
-  ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E fidelity table and the
-  convergence table (``training.py``);
+  memory goes, hardware comparison, fidelity, coverage across the model zoo, across GPUs (the
+  distributed arms: per-rank peak, step and tokens/s per world size, and the targets;
+  ``distributed.py``), scaling within a model family, capability (App. O: the largest model per arm
+  and GPU, measured beside predicted; ``app_o.py``), what did not run; and from the rows of
+  ``forge-bench fidelity`` and ``forge-bench convergence`` (``forge_bench.run_rows``) the App. E
+  fidelity table and the convergence table (``training.py``);
 * ``figures/*.png`` and ``*.pdf`` (``formats=("png",)`` or ``("pdf",)`` writes one of the two:
   ``forge-bench report --formats png``),
 

@@ -15,9 +15,9 @@ from forge_bench.floor import floor_ms, power_floor_ms
 
 from . import ratios
 from .render import Table
-from .data import (EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, choose_baseline, find_baseline_row,
-                   finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit, method_cell,
-                   method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
+from .data import (EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, choose_baseline,
+                   find_baseline_row, finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit,
+                   method_cell, method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
 from .targets import INT8_AGAINST_BF16, POWER_FLOOR_TARGET, no_slower
 
