@@ -230,7 +230,7 @@ def _row(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, state: RunS
         "final_val_loss": state.val_loss[-1] if completed and state.val_loss else None,
         "final_train_loss_smoothed": _smoothed_tail(state.train_loss) if completed and state.train_loss else None,
         "tokens_per_s": tokens_per_s, "train_wall_s": state.train_wall_s,
-        **{"gpus": lane.get("gpus"), "runs_beside": lane.get("cells_beside")},
+        "gpus": lane.get("gpus"), "runs_beside": lane.get("cells_beside"),
         **{k: v for k, v in environment.items() if k in SCHEMA.names},
         "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }

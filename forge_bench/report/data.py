@@ -120,6 +120,29 @@ def finished_last(group: pd.DataFrame) -> str:
     return max((as_text(t) or "" for t in group["finished_at"]), default="")
 
 
+def across_runs(frame: pd.DataFrame, series_keys: list[str], part: str | list[str],
+                rank: Callable[[pd.DataFrame], tuple] = lambda rows: (finished_last(rows),), *,
+                group_only: Sequence[str] = (), min_runs: int = 1) -> list[tuple[dict[str, Any], pd.DataFrame]]:
+    """(keys, rows) per ``series_keys`` (and ``group_only``, kept out of the keys) group with two or
+    more ``part``s (a model, a shape) drawn from ``min_runs`` or more runs: each part's rows from the
+    run ``rank`` puts highest (then the largest id). Why: a family or a grid is measured a few parts
+    at a time, and a figure or table of the whole draws each part from one run, so that its ratios
+    still compare cells measured side by side. ``keys["run_id"]`` names the runs, oldest first."""
+    out = []
+    for keys, group in frame.groupby([*series_keys, *group_only], sort=True, dropna=False):
+        picked = []
+        for _, part_rows in group.groupby(part, sort=True):
+            best = max(part_rows.groupby("run_id", sort=False), key=lambda run: (*rank(run[1]), run[0]))[0]
+            picked.append(part_rows[part_rows["run_id"] == best])
+        if len(picked) < 2:
+            continue
+        rows = pd.concat(picked)
+        runs = sorted(set(rows["run_id"]), key=lambda run: finished_last(rows[rows["run_id"] == run]))
+        if len(runs) >= min_runs:
+            out.append(({**dict(zip(series_keys, keys)), "run_id": " + ".join(run_label(run) for run in runs)}, rows))
+    return out
+
+
 def one_per_key(groups: list[tuple[dict[str, Any], pd.DataFrame]],
                 rank: Callable[[pd.DataFrame], tuple] = lambda group: (finished_last(group),)
                 ) -> list[tuple[dict[str, Any], pd.DataFrame]]:

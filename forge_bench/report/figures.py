@@ -189,12 +189,12 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
 
 def grid_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
                  formats: Sequence[str] = FORMATS) -> tuple[list[Path], str | None]:
-    groups = grid_groups(frame)
-    if not groups and not grid_series(frame):
+    groups = grid_groups(frame) + grid_series(frame)
+    if not groups:
         return [], "no run measured one model at two or more batch × seq shapes"
     paths = []
     # the widest grid of each, a grid over runs included (grid_series); the tables keep every run
-    groups = one_per_key(groups + grid_series(frame), grid_coverage)
+    groups = one_per_key(groups, grid_coverage)
     for keys, group in groups:
         stem = slug("grid", keys["device_name"], keys["model"], keys["dtype"], run_label(keys["run_id"]),
                     timing_slug(keys))

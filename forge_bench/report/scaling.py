@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from .data import (NOTHING_FUSED_NOTE, finished_last, fmt_memory, fmt_ms, group_title, memory_unit, nothing_fused,
+from .data import (NOTHING_FUSED_NOTE, across_runs, fmt_memory, fmt_ms, group_title, memory_unit, nothing_fused,
                    ordered_methods, params_text, records, run_label, slug, timing_slug)
 from .ratios import as_number, as_text
 from .render import Table
@@ -33,19 +33,7 @@ def scaling_series(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFra
     small models first, the large ones later), and the figure shows the whole family; a model's
     arms still come from one run, so what its points compare was measured side by side.
     ``keys["run_id"]`` names the runs, oldest first."""
-    out = []
-    series_keys = [k for k in SCALING_KEYS if k != "run_id"]
-    for keys, group in frame.groupby(series_keys, sort=True, dropna=False):
-        picked = []
-        for _, model_rows in group.groupby("model", sort=True):
-            newest = max(model_rows.groupby("run_id", sort=False), key=lambda run: (finished_last(run[1]), run[0]))[0]
-            picked.append(model_rows[model_rows["run_id"] == newest])
-        if len(picked) < 2:
-            continue
-        rows = pd.concat(picked)
-        runs = sorted(set(rows["run_id"]), key=lambda run: finished_last(rows[rows["run_id"] == run]))
-        out.append(({**dict(zip(series_keys, keys)), "run_id": " + ".join(run_label(run) for run in runs)}, rows))
-    return out
+    return across_runs(frame, [k for k in SCALING_KEYS if k != "run_id"], "model")
 
 
 def scaling_skip_note(frame: pd.DataFrame) -> str:

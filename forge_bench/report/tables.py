@@ -15,7 +15,7 @@ from forge_bench.floor import floor_ms, power_floor_ms
 
 from . import ratios
 from .render import Table
-from .data import (EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, key_parts, timing_slug, choose_baseline,
+from .data import (EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, across_runs, key_parts, timing_slug, choose_baseline,
                    find_baseline_row, finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit,
                    method_cell, method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
@@ -236,22 +236,9 @@ def grid_series(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]
     shape's arms still come from one run, so its ratios compare cells measured side by side. One
     suite's runs only: another suite's cells of the same model (the optimizer families) are not the
     grid's. ``keys["run_id"]`` names the runs, oldest first."""
-    out = []
-    series_keys = [k for k in GRID_KEYS if k != "run_id"]
-    for keys, group in frame.groupby(series_keys + ["suite_name"], sort=True, dropna=False):
-        keys = keys[:-1]
-        picked = []
-        for _, shape_rows in group.groupby(["batch", "seq"], sort=True):
-            best = max(shape_rows.groupby("run_id", sort=False),
-                       key=lambda run: (_forge_beside_baseline(run[1]), finished_last(run[1]), run[0]))[0]
-            picked.append(shape_rows[shape_rows["run_id"] == best])
-        if len(picked) < 2:
-            continue
-        rows = pd.concat(picked)
-        runs = sorted(set(rows["run_id"]), key=lambda run: finished_last(rows[rows["run_id"] == run]))
-        if len(runs) >= 2:
-            out.append(({**dict(zip(series_keys, keys)), "run_id": " + ".join(run_label(run) for run in runs)}, rows))
-    return out
+    return across_runs(frame, [k for k in GRID_KEYS if k != "run_id"], ["batch", "seq"],
+                       lambda rows: (_forge_beside_baseline(rows), finished_last(rows)),
+                       group_only=["suite_name"], min_runs=2)
 
 
 def _forge_beside_baseline(rows: pd.DataFrame) -> bool:
