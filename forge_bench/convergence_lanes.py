@@ -7,10 +7,6 @@ of its own (the same settings, one arm, one seed), started on a free GPU of ``gp
 is free (``lanes.GpuPool``, so sweeps and studies of one host never share a GPU), with its output in
 ``OUT/logs/<arm>_seed<seed>.log``. Each writes its own row and checkpoint as a run in one process
 does, so a study stopped part-way continues, with or without ``--gpus``, from the same files.
-
-A small model leaves most of a large GPU idle (GPT-2 124M at 16 x 512 bytes: an eager step is
-bound by the host's launches), so ``runs_per_gpu`` lets up to that many runs share each GPU
-(``GpuShares``): a run takes an unused GPU before it doubles up on a used one.
 """
 from __future__ import annotations
 
@@ -51,49 +47,12 @@ def child_command(out: Path, arm: str, seed: int, options: list[str]) -> list[st
             "--seeds", str(seed), *options]
 
 
-class GpuShares:
-    """Up to ``per_gpu`` runs at a time on each GPU of ``gpus``. A GPU is claimed from the host's
-    other sweeps and studies (``lanes.GpuPool``) while at least one run is on it, and given back when
-    its last run ends; ``take`` prefers an unused GPU, then the least used one with room."""
-
-    def __init__(self, gpus: list[str], per_gpu: int = 1):
-        if per_gpu < 1:
-            raise ValueError(f"runs per GPU must be at least 1, got {per_gpu}")
-        self.pool = lanes.GpuPool(gpus)
-        self.per_gpu = per_gpu
-        self.load: dict[str, int] = {}
-        self.running = 0
-        self._changed = threading.Condition()
-
-    def take(self) -> tuple[str, int]:
-        """A GPU for one run and how many of this study's runs are running already (blocks until one has room)."""
-        with self._changed:
-            while True:
-                fresh = self.pool.take(1, give_up=lambda: True)
-                room = [gpu for gpu, runs in self.load.items() if runs < self.per_gpu]
-                gpu = fresh[0][0] if fresh else (min(room, key=self.load.__getitem__) if room else None)
-                if gpu is not None:
-                    beside, self.running = self.running, self.running + 1
-                    self.load[gpu] = self.load.get(gpu, 0) + 1
-                    return gpu, beside
-                self._changed.wait(timeout=0.5)
-
-    def give_back(self, gpu: str) -> None:
-        with self._changed:
-            self.load[gpu] -= 1
-            self.running -= 1
-            if not self.load[gpu]:
-                del self.load[gpu]
-                self.pool.give_back([gpu])
-            self._changed.notify_all()
-
-
 def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str], gpus: list[str],
-                     on_poll: Callable[[], None] = lambda: None, runs_per_gpu: int = 1) -> list[LaneRun]:
-    """Run every (arm, seed) of ``runs`` in a process of its own on one GPU of ``gpus``, up to
-    ``runs_per_gpu`` on each GPU at a time; ``on_poll()`` every ``POLL_S`` while they run (the
-    caller's progress). Returns each run with its exit status; a run that fails does not stop the others."""
-    shares = GpuShares(gpus, runs_per_gpu)
+                     on_poll: Callable[[], None] = lambda: None) -> list[LaneRun]:
+    """Run every (arm, seed) of ``runs`` in a process of its own on one GPU of ``gpus``, as many at a
+    time as there are GPUs; ``on_poll()`` every ``POLL_S`` while they run (the caller's progress).
+    Returns each run with its exit status; a run that fails does not stop the others."""
+    pool = lanes.GpuPool(gpus)
     queue = [LaneRun(arm, seed, log_path(out, arm, seed)) for arm, seed in runs]
     pending = list(queue)
     lock = threading.Lock()
@@ -104,8 +63,11 @@ def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str],
                 if not pending:
                     return
                 run = pending.pop(0)
-            gpu, beside = shares.take()
-            run.gpus = gpu
+            taken = pool.take(1)
+            if taken is None:                   # pragma: no cover - take only gives up when asked to
+                return
+            gpu_list, beside = taken
+            run.gpus = ",".join(gpu_list)
             run.log.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with run.log.open("ab") as log:
@@ -113,11 +75,11 @@ def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str],
                     log.flush()
                     run.returncode = subprocess.call(child_command(out, run.arm, run.seed, options), stdout=log,
                                                      stderr=subprocess.STDOUT, env={**os.environ,
-                                                     **lanes.child_env([gpu], beside), PARENT_PID: str(os.getpid())})
+                                                     **lanes.child_env(gpu_list, beside), PARENT_PID: str(os.getpid())})
             finally:
-                shares.give_back(gpu)
+                pool.give_back(gpu_list)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(len(gpus) * runs_per_gpu, len(queue)))]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(len(gpus), len(queue)))]
     for thread in threads:
         thread.start()
     while any(thread.is_alive() for thread in threads):
@@ -137,4 +99,4 @@ def failure_line(run: LaneRun) -> str:
     return f"{run.arm} seed {run.seed} (GPU {run.gpus}) exited {run.returncode}: {last} (log {run.log})"
 
 
-__all__ = ["GpuShares", "LaneRun", "PARENT_PID", "POLL_S", "child_command", "failure_line", "log_path", "run_side_by_side"]
+__all__ = ["LaneRun", "PARENT_PID", "POLL_S", "child_command", "failure_line", "log_path", "run_side_by_side"]

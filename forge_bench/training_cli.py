@@ -50,8 +50,6 @@ def convergence(
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="run the runs side by side on these GPUs, e.g. "
                                                 "0,1,2,3: one process per run and GPU, its output in "
                                                 "OUT/logs/ (default: one after the other in this process)")] = None,
-    runs_per_gpu: Annotated[int, typer.Option("--runs-per-gpu", min=1, help="with --gpus: up to this many runs "
-                                              "share each GPU (a small model leaves a large GPU mostly idle)")] = 1,
 ) -> None:
     """GPT-2 from scratch on the Python standard library's sources (bytes), every arm x seed from the
     same initial weights and batches: one parquet row per run with its loss curves. Resumes."""
@@ -97,8 +95,6 @@ def convergence(
             progress.update(task, completed=step, **fields)
         return on_step
 
-    if gpus is None and runs_per_gpu > 1:
-        raise _fail(console, f"--runs-per-gpu {runs_per_gpu} needs --gpus (it says how many runs share each GPU named there)")
     if gpus is None:
         with progress:
             rows = conv.run_all(out, spec, arm_list, seed_list, where, on_run)
@@ -128,7 +124,7 @@ def convergence(
 
     with progress:
         finished = convergence_lanes.run_side_by_side(out, [(arm, seed) for arm, seed, _ in todo], options, gpu_list,
-                                                      read_back, runs_per_gpu)
+                                                      read_back)
     rows = [row for row in (conv.read_row(conv.row_path(out, run.arm, run.seed)) for run in finished) if row]
     Console().print(_runs_table(out, rows))
     failed = [run for run in finished if run.returncode != 0]

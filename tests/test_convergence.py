@@ -112,33 +112,6 @@ def test_runs_side_by_side_on_gpus_match_the_runs_in_one_process(tmp_path: Path,
         assert one["gpus"] is None and one["runs_beside"] is None
     result = runner.invoke(app, ["convergence", "--out", str(beside), "--gpus", "a,a", *common])
     assert result.exit_code == 2 and "named more than once" in result.output
-    shared = tmp_path / "shared"
-    result = runner.invoke(app, ["convergence", "--out", str(shared), "--gpus", "a", "--runs-per-gpu", "2", *common])
-    assert result.exit_code == 0, result.output
-    rows = [conv.read_row(conv.row_path(shared, "adamw_foreach", seed)) for seed in (0, 1)]
-    assert [row["gpus"] for row in rows] == ["a", "a"] and sorted(row["runs_beside"] for row in rows) == [0, 1]
-    for seed, row in enumerate(rows):
-        assert row["val_loss"] == conv.read_row(conv.row_path(alone, "adamw_foreach", seed))["val_loss"]
-    result = runner.invoke(app, ["convergence", "--out", str(shared), "--runs-per-gpu", "2", *common])
-    assert result.exit_code == 2 and "--runs-per-gpu 2 needs --gpus" in result.output
-
-
-def test_gpu_shares_spread_runs_before_doubling_up_and_free_a_gpu_with_its_last_run(tmp_path: Path,
-                                                                                  monkeypatch) -> None:
-    from forge_bench import convergence_lanes, lanes
-
-    monkeypatch.setenv(lanes.LOCK_DIR, str(tmp_path / "locks"))
-    shares = convergence_lanes.GpuShares(["a", "b"], per_gpu=2)
-    assert [shares.take() for _ in range(4)] == [("a", 0), ("b", 1), ("a", 2), ("b", 3)]
-    other = lanes.GpuClaims()                      # another sweep of the host
-    shares.give_back("a")
-    assert not other.claim("a")                    # one run is still on it
-    shares.give_back("a")
-    assert other.claim("a")                        # its last run ended: the GPU is free for others
-    other.release("a")
-    assert shares.take() == ("a", 2)
-    with pytest.raises(ValueError, match="at least 1"):
-        convergence_lanes.GpuShares(["a"], per_gpu=0)
 
 
 def test_a_run_that_fails_beside_others_is_named_with_its_log(tmp_path: Path, monkeypatch) -> None:
