@@ -33,7 +33,7 @@ def convergence(
     arms: Annotated[str, typer.Option("--arms", help="comma-separated registry arms")] =
         "adamw_fused,adamw_fused_fp32_states,forge_bf16,forge_int8,bnb_adamw8bit",
     seeds: Annotated[str, typer.Option("--seeds", help="comma-separated seeds (initial weights and batch order)")] = "0,1,2",
-    steps: Annotated[int, typer.Option("--steps", min=1, help="optimizer steps per run")] = 2000,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="optimizer steps per run")] = 4000,
     batch: Annotated[int, typer.Option("--batch", min=1, help="sequences per step")] = 16,
     seq: Annotated[int, typer.Option("--seq", min=2, help="bytes per sequence")] = 512,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="peak learning rate")] = 6e-4,

@@ -219,4 +219,4 @@ def test_the_command_defaults_are_the_spec_defaults() -> None:
     shared = [f.name for f in dataclasses.fields(spec) if f.name in defaults]
     assert {"steps", "eval_every", "checkpoint_every", "lr", "batch", "seq"} <= set(shared)
     assert {name: defaults[name] for name in shared} == {name: getattr(spec, name) for name in shared}
-    assert spec.steps == 2000
+    assert spec.steps == 4000

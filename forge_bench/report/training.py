@@ -8,12 +8,16 @@ row per (arm, seed) with the loss curves, ``forge-bench fidelity`` one row per a
   each arm's validation loss minus the baseline's on the same seed) and a table of end-of-run
   deltas against fused AdamW (``adamw_fused``; ``adamw_foreach`` where it has no completed run),
   paired by seed: the runs of one seed share initial weights and batches, so the pairing removes
-  the seed-to-seed spread. Target: |delta| <= ``TARGET_DELTA`` nats.
+  the seed-to-seed spread. Target: |delta| <= ``TARGET_DELTA`` nats. Folders that ran the same
+  settings again (a repeat: same arm, seed, initial weights and batches) are pooled: each seed's
+  runs are averaged, and how far apart the repeats ended is the run-to-run floor of a delta (GPU
+  kernels are not bitwise deterministic, and training amplifies a last-bit difference).
 * Fidelity, per device, shape, steps and learning rate: rms-rel and max |dW| of each arm against
   fp32, and each arm's rms-rel over the standard bf16 path's (below 1: closer to fp32).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -71,22 +75,49 @@ def _tail_drop(val_step: Sequence[int], val_loss: Sequence[float], steps: int) -
     return (before[-1] - points[-1][1]) if before else None
 
 
+def _seed_means(rows: list[dict[str, Any]], column: str) -> dict[int, Any]:
+    """Per seed, the mean of ``column`` over that seed's runs (one run, or a run and its repeats);
+    list columns (curves) are averaged point by point over the runs of the longest length."""
+    by_seed: dict[int, list[Any]] = {}
+    for row in rows:
+        by_seed.setdefault(int(row["seed"]), []).append(row[column])
+    if not rows or np.ndim(rows[0][column]) == 0:
+        return {seed: float(np.mean(values)) for seed, values in by_seed.items()}
+    means = {}
+    for seed, curves in by_seed.items():
+        longest = max(len(c) for c in curves)
+        means[seed] = np.mean([np.asarray(c, dtype=float) for c in curves if len(c) == longest], axis=0)
+    return means
+
+
+def repeat_gaps(rows: list[dict[str, Any]]) -> list[float]:
+    """|final validation loss difference| of every two runs of one arm and seed (a repeat)."""
+    by_seed: dict[int, list[float]] = {}
+    for row in rows:
+        by_seed.setdefault(int(row["seed"]), []).append(float(row["final_val_loss"]))
+    return [abs(a - b) for values in by_seed.values() for a, b in itertools.combinations(values, 2)]
+
+
 def convergence_tables(frame: pd.DataFrame) -> list[Table]:
     tables = []
     for keys, group in convergence_groups(frame):
         baseline = _baseline(group)
-        base_rows = {int(r["seed"]): r for r in group[group["arm"] == baseline].to_dict("records")} if baseline else {}
-        body, recs = [], []
+        base_rows = group[group["arm"] == baseline].to_dict("records") if baseline else []
+        base_val, base_train = _seed_means(base_rows, "final_val_loss"), _seed_means(base_rows, "final_train_loss_smoothed")
+        body, recs, gaps_all = [], [], {}
         for arm in _arms(group, baseline):
             rows = group[group["arm"] == arm].to_dict("records")
-            val = np.array([r["final_val_loss"] for r in rows], dtype=float)
-            train = np.array([r["final_train_loss_smoothed"] for r in rows], dtype=float)
-            paired = [r for r in rows if int(r["seed"]) in base_rows]
-            dval = np.array([r["final_val_loss"] - base_rows[int(r["seed"])]["final_val_loss"] for r in paired])
-            dtrain = np.array([r["final_train_loss_smoothed"] - base_rows[int(r["seed"])]["final_train_loss_smoothed"]
-                               for r in paired])
+            val_by_seed = _seed_means(rows, "final_val_loss")
+            train_by_seed = _seed_means(rows, "final_train_loss_smoothed")
+            val, train = np.array(list(val_by_seed.values())), np.array(list(train_by_seed.values()))
+            paired = sorted(seed for seed in val_by_seed if seed in base_val)
+            dval = np.array([val_by_seed[s] - base_val[s] for s in paired])
+            dtrain = np.array([train_by_seed[s] - base_train[s] for s in paired])
             drops = [d for d in (_tail_drop(r["val_step"], r["val_loss"], int(r["steps"])) for r in rows) if d is not None]
             rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"] is not None]
+            gaps = repeat_gaps(rows)
+            if gaps:
+                gaps_all[arm] = gaps
 
             def spread(values: np.ndarray, digits: int = 4) -> str:
                 if values.size == 0:
@@ -95,27 +126,40 @@ def convergence_tables(frame: pd.DataFrame) -> list[Table]:
                 return text + (f" ± {values.std(ddof=1):.{digits}f}" if values.size > 1 else "")
 
             within = None if arm == baseline or dval.size == 0 else bool(abs(dval.mean()) <= TARGET_DELTA)
-            body.append([f"`{arm}`", str(len(rows)), f"{val.mean():.4f}" + (f" ± {val.std(ddof=1):.4f}" if val.size > 1 else ""),
+            body.append([f"`{arm}`", f"{len(val_by_seed)}" + (f" ({len(rows)} runs)" if len(rows) > len(val_by_seed) else ""),
+                         f"{val.mean():.4f}" + (f" ± {val.std(ddof=1):.4f}" if val.size > 1 else ""),
                          "baseline" if arm == baseline else spread(dval), f"{train.mean():.4f}",
                          "baseline" if arm == baseline else spread(dtrain),
                          "—" if within is None else ("yes" if within else "no"),
-                         "—" if not drops else f"{np.mean(drops):.4f}", "—" if not rates else f"{np.mean(rates):,.0f}"])
-            recs.append({**keys, "arm": arm, "seeds": len(rows), "final_val_loss_mean": float(val.mean()),
+                         "—" if not drops else f"{np.mean(drops):.4f}",
+                         "—" if not gaps else f"{max(gaps):.4f}",
+                         "—" if not rates else f"{np.mean(rates):,.0f}"])
+            recs.append({**keys, "arm": arm, "seeds": len(val_by_seed), "runs": len(rows),
+                         "final_val_loss_mean": float(val.mean()),
                          "delta_val_mean": float(dval.mean()) if dval.size and arm != baseline else None,
                          "delta_train_smoothed_mean": float(dtrain.mean()) if dtrain.size and arm != baseline else None,
                          "within_target": within, "val_drop_last_20pct": float(np.mean(drops)) if drops else None,
+                         "repeat_gap_max": max(gaps) if gaps else None,
                          "tokens_per_s": float(np.mean(rates)) if rates else None})
-        caption = (f"End of run, mean over seeds (± their standard deviation). Δ: the arm's value minus "
-                   f"`{baseline}`'s on the same seed (same initial weights and batches), in nats per byte; "
-                   f"target |Δ val| ≤ {TARGET_DELTA}. Smoothed train: mean training loss over the last 10% of "
-                   f"the steps. Last-20% drop: how much the validation loss still fell over the last 20% of "
-                   f"the steps (near 0: the curve has flattened).") if baseline else \
-            "No fused or foreach AdamW run completed here: no deltas."
+        caption = (f"End of run, mean over seeds (± their standard deviation); a seed run more than once counts "
+                   f"as the mean of its runs. Δ: the arm's value minus `{baseline}`'s on the same seed (same "
+                   f"initial weights and batches), in nats per byte; target |Δ val| ≤ {TARGET_DELTA}. Smoothed "
+                   f"train: mean training loss over the last 10% of the steps. Last-20% drop: how much the "
+                   f"validation loss still fell over the last 20% of the steps (near 0: the curve has "
+                   f"flattened). Repeat |Δ|: the largest end-of-run gap between two runs of one seed of the "
+                   f"arm.") if baseline else "No fused or foreach AdamW run completed here: no deltas."
+        notes = []
+        if gaps_all:
+            every = [g for gaps in gaps_all.values() for g in gaps]
+            notes.append(f"Run to run: the same arm and seed run again (same settings, initial weights and batches) "
+                         f"ended {min(every):.4f}-{max(every):.4f} nats apart ({len(every)} pair{'s' if len(every) > 1 else ''}, "
+                         f"{', '.join(f'`{a}`' for a in gaps_all)}): GPU kernels are not bitwise deterministic and "
+                         f"training amplifies the difference, so a Δ of that size is noise.")
         tables.append(Table(slug("convergence", keys["device_name"], keys["model"], keys["spec_hash"]),
                             f"Convergence, {_title(keys, group)}", caption,
                             ["Arm", "Seeds", "Final val loss", "Δ val", "Smoothed train", "Δ train",
-                             f"|Δ val| ≤ {TARGET_DELTA}", "Last-20% drop", "Tokens/s"],
-                            body, "lrrrrrlrr", [], recs))
+                             f"|Δ val| ≤ {TARGET_DELTA}", "Last-20% drop", "Repeat |Δ|", "Tokens/s"],
+                            body, "lrrrrrlrrr", notes, recs))
     return tables
 
 
@@ -138,7 +182,7 @@ def convergence_figures(frame: pd.DataFrame, folder: Path, formats: Sequence[str
         colors = method_colors(arms)
         fig = Figure(figsize=(13.0, 3.9))
         ax_val, ax_train, ax_delta = fig.subplots(1, 3)
-        base = {int(r["seed"]): r for r in group[group["arm"] == baseline].to_dict("records")} if baseline else {}
+        base = _seed_means(group[group["arm"] == baseline].to_dict("records"), "val_loss") if baseline else {}
         for arm in arms:
             rows = group[group["arm"] == arm].to_dict("records")
             steps = np.asarray(rows[0]["val_step"], dtype=float)
@@ -149,8 +193,8 @@ def convergence_figures(frame: pd.DataFrame, folder: Path, formats: Sequence[str
             window = max(1, len(rows[0]["train_loss"]) // 50)
             smoothed = np.mean([_smooth(r["train_loss"], window) for r in rows], axis=0)
             ax_train.plot(np.arange(smoothed.size) + window, smoothed, color=colors[arm], label=arm)
-            diffs = [np.asarray(r["val_loss"]) - np.asarray(base[int(r["seed"])]["val_loss"])
-                     for r in rows if int(r["seed"]) in base and len(base[int(r["seed"])]["val_loss"]) == len(r["val_loss"])]
+            curves = _seed_means(rows, "val_loss")
+            diffs = [curve - base[seed] for seed, curve in curves.items() if seed in base and base[seed].size == curve.size]
             if diffs and arm != baseline:
                 ax_delta.plot(steps, np.mean(diffs, axis=0), color=colors[arm], marker=".", label=arm)
         ax_delta.axhspan(-TARGET_DELTA, TARGET_DELTA, color="#2ca02c", alpha=0.12, label=f"±{TARGET_DELTA} nats")
@@ -208,4 +252,5 @@ def fidelity_run_tables(frame: pd.DataFrame) -> list[Table]:
     return tables
 
 
-__all__ = ["TARGET_DELTA", "convergence_figures", "convergence_groups", "convergence_tables", "fidelity_run_tables"]
+__all__ = ["TARGET_DELTA", "convergence_figures", "convergence_groups", "convergence_tables", "fidelity_run_tables",
+           "repeat_gaps"]
