@@ -17,7 +17,8 @@ import pandas as pd
 from forge_bench.results import CHECKPOINTED
 
 from . import ratios, tables
-from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, choose_baseline, device_label,
+from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, across_runs, choose_baseline,
+                   device_label,
                    find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell, newest_run,
                    nothing_fused, records, run_label)
 from .ratios import as_number, as_text
@@ -146,9 +147,10 @@ def peers_section(frame: pd.DataFrame) -> list[str]:
 
 def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     """FORGE's memory saving / speed-up at every batch x seq measured on this device, of ``model``
-    where it has two or more shapes (else of the model with the most): each shape from the newest
-    run that measured a FORGE arm beside its baseline there (a FORGE-only run, e.g. a margin check,
-    would leave the shape without a ratio), each ratio within that run. The timing with the most shapes
+    where it has two or more shapes (else of the model with the most): each shape from the run
+    ``tables.grid_run_rank`` picks (the newest that measured a FORGE arm beside its baseline there:
+    a FORGE-only run, e.g. a margin check, would leave the shape without a ratio), each ratio within
+    that run. The timing with the most shapes
     is shown (then CUDA graph over eager, lean over hf)."""
     core = frame[frame["method_family"].isin(CORE_FAMILIES)]
     forge_ok = core[(core["status"] == "ok") & (core["method_family"] == "forge")]
@@ -166,15 +168,9 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     name, timing, activations = chosen
     variant = core[(core["model"] == name) & (core["timing"] == timing) & (core["activations"] == activations)]
     columns = sorted(wide[chosen], key=lambda shape: (shape[0] * shape[1], shape))
-    per_shape: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for batch, seq in columns:
-        at_shape = variant[(variant["batch"] == batch) & (variant["seq"] == seq)]
-        ok_at_shape = at_shape[at_shape["status"] == "ok"]
-        forge_runs = ok_at_shape[ok_at_shape["method_family"] == "forge"]
-        beside_baseline = forge_runs[forge_runs["run_id"].isin(
-            ok_at_shape[ok_at_shape["method_family"] == "baseline"]["run_id"])]
-        run = newest_run(beside_baseline if not beside_baseline.empty else forge_runs)
-        per_shape[(batch, seq)] = records(at_shape[at_shape["run_id"] == run])
+    [(_, picked)] = across_runs(variant, ["model"], ["batch", "seq"], tables.grid_run_rank)
+    per_shape = {(batch, seq): records(picked[(picked["batch"] == batch) & (picked["seq"] == seq)])
+                 for batch, seq in columns}
     methods = dict.fromkeys(r["method"] for r in tables.sorted_rows([r for rows in per_shape.values() for r in rows])
                             if r.get("method_family") == "forge")
     title = group_title({"model": name, "dtype": variant.iloc[0]["dtype"], "timing": timing,

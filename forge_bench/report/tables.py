@@ -231,19 +231,21 @@ def grid_groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]
 def grid_series(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
     """(keys, rows) per suite x device x model x dtype x timing x activations whose shapes were measured
     over two or more runs: each shape's rows from the newest run that measured FORGE beside its
-    baseline there (else the newest), as the summary page's grid (``summary.grid_section``). Why: a
+    baseline there (``grid_run_rank``), as the summary page's grid (``summary.grid_section``). Why: a
     grid is often measured a few shapes at a time, and the paper's Table 2 is the whole grid; a
     shape's arms still come from one run, so its ratios compare cells measured side by side. One
     suite's runs only: another suite's cells of the same model (the optimizer families) are not the
     grid's. ``keys["run_id"]`` names the runs, oldest first."""
-    return across_runs(frame, [k for k in GRID_KEYS if k != "run_id"], ["batch", "seq"],
-                       lambda rows: (_forge_beside_baseline(rows), finished_last(rows)),
+    return across_runs(frame, [k for k in GRID_KEYS if k != "run_id"], ["batch", "seq"], grid_run_rank,
                        group_only=["suite_name"], min_runs=2)
 
 
-def _forge_beside_baseline(rows: pd.DataFrame) -> bool:
+def grid_run_rank(rows: pd.DataFrame) -> tuple[bool, bool, str]:
+    """How a grid shape's run is chosen among the runs that measured it (highest wins): FORGE and
+    its baseline both ok there, then FORGE ok there (a FORGE-only run, a margin check say, still
+    beats one without FORGE), then the newest."""
     ok = set(rows.loc[rows["status"] == "ok", "method_family"])
-    return "forge" in ok and "baseline" in ok
+    return "forge" in ok and "baseline" in ok, "forge" in ok, finished_last(rows)
 
 
 def shapes_of(group: pd.DataFrame) -> list[tuple[int, int]]:
