@@ -112,13 +112,19 @@ def convergence(
     tasks = {(arm, seed): progress.add_task(f"{arm} seed {seed}", total=steps, completed=done, loss="-")
              for arm, seed, done in todo}
 
-    def read_back() -> None:        # a run's row is rewritten at each checkpoint (atomically)
+    finished_tasks: set[tuple[str, int]] = set()
+
+    def read_back() -> None:        # a run's row is rewritten at each checkpoint (atomically); a finished one no more
         for (arm, seed), task in tasks.items():
+            if (arm, seed) in finished_tasks:
+                continue
             try:
                 row = conv.read_row(conv.row_path(out, arm, seed))
             except (OSError, ValueError):           # a row file that is not (yet) readable: next poll
                 row = None
             if row is not None:
+                if row.get("completed"):
+                    finished_tasks.add((arm, seed))
                 loss = row["val_loss"][-1] if row.get("val_loss") else None
                 progress.update(task, completed=int(row["steps_done"]), **({"loss": f"{loss:.3f}"} if loss else {}))
 

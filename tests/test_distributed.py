@@ -123,7 +123,11 @@ def test_data_parallel_with_fused_expert_weights(results):
     single = worker.single_run("adamw", 4, lr=1e-2, weight_decay=0.1, backend="reference", loss_fn=worker.moe_loss,
                                model_fn=worker.make_moe)
     assert loss_gap(ranks[0]["losses"], single["losses"]) <= LOSS_GAP
-    assert torch.allclose(ranks[0]["params"], single["params"], atol=1e-5, rtol=0)
+    # The expert matrix's gradient is summed in another order (two ranks' halves, all-reduced) and
+    # Adam divides by sqrt(v): where an expert's gradient is near zero a last-bit difference moves
+    # the update by ~1e-3 of a step (lr 1e-2). Seen: 1.65e-5 on 1 of 19,824 elements on an AMD EPYC.
+    # An expert left unstepped, or stepped twice, is off by a whole step (~1e-2).
+    assert torch.allclose(ranks[0]["params"], single["params"], atol=5e-5, rtol=0)
 
 
 def test_data_parallel_accumulation_reduces_the_last_micro_batch(results):
