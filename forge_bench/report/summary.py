@@ -18,9 +18,8 @@ from forge_bench.results import CHECKPOINTED
 
 from . import ratios, tables
 from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, across_runs, choose_baseline,
-                   device_label,
-                   find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell, newest_run,
-                   nothing_fused, records, run_label)
+                   device_label, find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell,
+                   newest_run, nothing_fused, records, run_label)
 from .ratios import as_number, as_text
 
 CORE_FAMILIES = ("baseline", "forge")
@@ -150,8 +149,7 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     where it has two or more shapes (else of the model with the most): each shape from the run
     ``tables.grid_run_rank`` picks (the newest that measured a FORGE arm beside its baseline there:
     a FORGE-only run, e.g. a margin check, would leave the shape without a ratio), each ratio within
-    that run. The timing with the most shapes
-    is shown (then CUDA graph over eager, lean over hf)."""
+    that run. The timing with the most shapes is shown (then CUDA graph over eager, lean over hf)."""
     core = frame[frame["method_family"].isin(CORE_FAMILIES)]
     forge_ok = core[(core["status"] == "ok") & (core["method_family"] == "forge")]
 
