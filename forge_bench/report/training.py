@@ -75,12 +75,18 @@ def _tail_drop(val_step: Sequence[int], val_loss: Sequence[float], steps: int) -
     return (before[-1] - points[-1][1]) if before else None
 
 
-def _seed_means(rows: list[dict[str, Any]], column: str) -> dict[int, Any]:
-    """Per seed, the mean of ``column`` over that seed's runs (one run, or a run and its repeats);
-    list columns (curves) are averaged point by point over the runs of the longest length."""
+def _by_seed(rows: list[dict[str, Any]], column: str) -> dict[int, list[Any]]:
+    """``column``'s values per seed: one run's, or a run's and its repeats'."""
     by_seed: dict[int, list[Any]] = {}
     for row in rows:
         by_seed.setdefault(int(row["seed"]), []).append(row[column])
+    return by_seed
+
+
+def _seed_means(rows: list[dict[str, Any]], column: str) -> dict[int, Any]:
+    """Per seed, the mean of ``column`` over that seed's runs; list columns (curves) are averaged
+    point by point over the runs of the longest length."""
+    by_seed = _by_seed(rows, column)
     if not rows or np.ndim(rows[0][column]) == 0:
         return {seed: float(np.mean(values)) for seed, values in by_seed.items()}
     means = {}
@@ -92,10 +98,8 @@ def _seed_means(rows: list[dict[str, Any]], column: str) -> dict[int, Any]:
 
 def repeat_gaps(rows: list[dict[str, Any]]) -> list[float]:
     """|final validation loss difference| of every two runs of one arm and seed (a repeat)."""
-    by_seed: dict[int, list[float]] = {}
-    for row in rows:
-        by_seed.setdefault(int(row["seed"]), []).append(float(row["final_val_loss"]))
-    return [abs(a - b) for values in by_seed.values() for a, b in itertools.combinations(values, 2)]
+    return [abs(float(a) - float(b)) for values in _by_seed(rows, "final_val_loss").values()
+            for a, b in itertools.combinations(values, 2)]
 
 
 def convergence_tables(frame: pd.DataFrame) -> list[Table]:
