@@ -7,7 +7,7 @@ checks, kept here beside nothing else they depend on.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -39,25 +39,35 @@ def resolve_backend(backend: str, devices: Iterable[torch.device]) -> str:
     return "triton"
 
 
+def capturable_problem(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
+                       bindings: Sequence[Any]) -> Optional[str]:
+    """Why an optimizer's updates could not be replayed from a CUDA graph (the step count and kernel
+    scalars read from device tensors), in one line; None when they can."""
+    if takes_layer_path(rule):              # plain torch ops, on any backend (forge_core.layer_step)
+        if not rule.layer_capturable:
+            return f"rule {rule.name!r} syncs with the host in its layer step"
+    elif backend != "triton":
+        return (f"the device scalars need the Triton backend (a CUDA device, or TRITON_INTERPRET=1); this "
+                f"optimizer resolved to backend={backend!r}")
+    elif rule.kernel_scalars_on_device is None:
+        return f"rule {rule.name!r} has no kernel_scalars_on_device"
+    if accumulate_steps != 1:
+        return ("accumulate_steps > 1 is not supported (the host decides per backward whether to accumulate or "
+                "update, which a replayed graph cannot)")
+    if stochastic_rounding:
+        return "stochastic_rounding is not supported (it needs a new seed every step)"
+    devices = {binding.weight.device for binding in bindings}
+    if len(devices) > 1:
+        return f"the fused weights must share one device, got {sorted(map(str, devices))}"
+    return None
+
+
 def check_capturable(rule: Rule, backend: str, accumulate_steps: int, stochastic_rounding: bool,
                      bindings: Sequence[Any]) -> None:
     """A clear error for a capturable optimizer that could not be replayed correctly."""
-    if takes_layer_path(rule):              # plain torch ops, on any backend (forge_core.layer_step)
-        if not rule.layer_capturable:
-            raise ValueError(f"capturable=True: rule {rule.name!r} syncs with the host in its layer step")
-    elif backend != "triton":
-        raise ValueError(f"capturable=True needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); "
-                         f"this optimizer resolved to backend={backend!r}")
-    elif rule.kernel_scalars_on_device is None:
-        raise ValueError(f"capturable=True: rule {rule.name!r} has no kernel_scalars_on_device")
-    if accumulate_steps != 1:
-        raise ValueError("capturable=True does not support accumulate_steps > 1 (the host decides per backward "
-                         "whether to accumulate or update, which a replayed graph cannot)")
-    if stochastic_rounding:
-        raise ValueError("capturable=True does not support stochastic_rounding (it needs a new seed every step)")
-    devices = {binding.weight.device for binding in bindings}
-    if len(devices) > 1:
-        raise ValueError(f"capturable=True needs every fused weight on one device, got {sorted(map(str, devices))}")
+    problem = capturable_problem(rule, backend, accumulate_steps, stochastic_rounding, bindings)
+    if problem is not None:
+        raise ValueError(f"capturable=True: {problem}")
 
 
-__all__ = ["BACKENDS", "check_capturable", "resolve_backend"]
+__all__ = ["BACKENDS", "capturable_problem", "check_capturable", "resolve_backend"]

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .linear import FusedLinearFunction, WeightUpdater
+from .linear import FusedLinearFunction, WeightUpdater, traced_linear
 
 
 def conv1d_class() -> Optional[type]:
@@ -46,6 +46,8 @@ def _fused_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  # noq
     weight = self.weight
     if updater is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return torch.nn.functional.linear(input, weight.t(), self.bias)
+    if torch.compiler.is_compiling():
+        return traced_linear(input, weight, self.bias, updater, transposed=True)
     return FusedLinearFunction.apply(input, weight, self.bias, updater, True)
 
 

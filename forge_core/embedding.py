@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .traced import update_embedding_rows_, written_tensors
+
 
 class RowGradientSink(Protocol):
     """What the backward calls once per use: keep the ids and the output gradient for ``step()``."""
@@ -62,6 +64,25 @@ class RowGradientEmbeddingFunction(torch.autograd.Function):
         return None, None, None, None
 
 
+class TracedRowGradientEmbeddingFunction(torch.autograd.Function):
+    """``RowGradientEmbeddingFunction`` as ``torch.compile`` traces it: the backward hands the ids and dY to
+    the registered operator ``forge::update_embedding_rows_`` (``forge_core.traced``), which steps the
+    embedding's rows there (one micro-batch per step) instead of in ``step()``."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int],
+                scalars: Optional[torch.Tensor], key: int, *written: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids, weight, scalars, *written)
+        ctx.key = key
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
+        ids, weight, scalars, *written = ctx.saved_tensors
+        update_embedding_rows_(ids, grad_output.detach(), weight, list(written), scalars, ctx.key)
+        return (None, None, None, None, None, *(None for _ in written))
+
+
 class ForgeEmbedding(nn.Embedding):
     """An ``nn.Embedding`` whose weight gradient goes to ``forge_row_sink`` as rows. Without a sink,
     outside autograd or with a frozen weight it is exactly ``nn.Embedding``."""
@@ -73,6 +94,10 @@ class ForgeEmbedding(nn.Embedding):
         weight = self.weight
         if sink is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return super().forward(input)
+        if torch.compiler.is_compiling():
+            return TracedRowGradientEmbeddingFunction.apply(input, weight, self.padding_idx,
+                                                            sink.optimizer.device_scalars_of(sink), sink.trace_key,
+                                                            *written_tensors(sink))
         return RowGradientEmbeddingFunction.apply(input, weight, self.padding_idx, sink)
 
     def extra_repr(self) -> str:
@@ -96,5 +121,5 @@ def remove_forge_embedding(module: nn.Module) -> None:
     module.__class__ = nn.Embedding
 
 
-__all__ = ["ForgeEmbedding", "RowGradientEmbeddingFunction", "install_forge_embedding", "remove_forge_embedding",
+__all__ = ["ForgeEmbedding", "RowGradientEmbeddingFunction", "TracedRowGradientEmbeddingFunction", "install_forge_embedding", "remove_forge_embedding",
            "row_gradient_unsupported"]

@@ -33,6 +33,7 @@ from torch import nn
 
 from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .overlap import run_beside, wants_overlap
+from .traced import update_weight_, written_tensors
 
 
 class WeightUpdater(Protocol):
@@ -62,49 +63,17 @@ class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 updater: WeightUpdater, transposed: bool = False) -> torch.Tensor:
-        compute_dtype = autocast_dtype(x.device.type)
-        if compute_dtype is not None and x.is_floating_point():
-            # Do what autocast does to F.linear, and save the cast x (half the bytes of fp32).
-            x = x.to(compute_dtype)
-            weight_for_forward = weight.to(compute_dtype)
-            bias_for_forward = bias.to(compute_dtype) if bias is not None else None
-            with torch.autocast(x.device.type, enabled=False):
-                output = F.linear(x, weight_for_forward.t() if transposed else weight_for_forward, bias_for_forward)
-        else:
-            output = F.linear(x, weight.t() if transposed else weight, bias)
+        output, x = linear_forward(ctx, x, weight, bias, transposed)
         # Only x is saved for the update; W is the Parameter itself (saving it costs nothing and
         # lets autograd check that nobody modified it between forward and backward).
         ctx.save_for_backward(x, weight)
         ctx.updater = updater
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.input_dtype = x.dtype
-        ctx.transposed = transposed
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
-        needs_x_grad, _, needs_bias_grad = ctx.needs_input_grad[:3]
-
-        # The dtype checks below skip a no-op ``.to`` each (a dispatcher call): an eager backward is
-        # bound by the host, and this runs once per fused layer.
-        dtype = grad_output.dtype
-        grad_x = None
-        if needs_x_grad:
-            # dX from the PRE-update weight: this must happen before the updater touches W.
-            matrix = weight if weight.dtype == dtype else weight.to(dtype)
-            grad_x = torch.matmul(grad_output, matrix.t() if ctx.transposed else matrix)
-            if dtype != ctx.input_dtype:
-                grad_x = grad_x.to(ctx.input_dtype)
-
-        grad_bias = None
-        if ctx.has_bias and needs_bias_grad:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
-
-        x_for_update = x if x.dtype == dtype else x.to(dtype)
-        # A (Din, Dout) weight's gradient X^T dY is the kernel's dY^T X with the operands swapped.
-        first, second = (grad_output, x_for_update) if ctx.transposed else (x_for_update, grad_output)
+        grad_x, grad_bias, first, second = linear_backward(ctx, x, weight, grad_output)
         updater = ctx.updater
         if torch.is_grad_enabled():          # backward(create_graph=True): the update is not differentiable
             with torch.no_grad():
@@ -113,6 +82,79 @@ class FusedLinearFunction(torch.autograd.Function):
             _update(updater, first, second)
         # None for the weight: autograd then never creates (or accumulates into) W.grad.
         return grad_x, None, grad_bias, None, None
+
+
+def linear_forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of a fused Linear (``x W^T + b``, ``x W + b`` when ``transposed``) as autocast would run
+    it, and the input to save (cast, when autocast casts it: half the bytes of fp32); records on ``ctx``
+    what ``linear_backward`` reads."""
+    compute_dtype = autocast_dtype(x.device.type)
+    if compute_dtype is not None and x.is_floating_point():
+        x = x.to(compute_dtype)
+        weight_for_forward = weight.to(compute_dtype)
+        bias_for_forward = bias.to(compute_dtype) if bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            output = F.linear(x, weight_for_forward.t() if transposed else weight_for_forward, bias_for_forward)
+    else:
+        output = F.linear(x, weight.t() if transposed else weight, bias)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.input_dtype = x.dtype
+    ctx.transposed = transposed
+    return output, x
+
+
+def linear_backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``(dX, db, first, second)`` of a fused Linear's backward: dX from the PRE-update weight (this must
+    run before the update touches W), and the update kernel's operands, whose ``dY^T X`` (``first`` = x)
+    or ``X^T dY`` (a transposed weight: the operands swapped) is the weight's gradient."""
+    needs_x_grad, _, needs_bias_grad = ctx.needs_input_grad[:3]
+    # The dtype checks below skip a no-op ``.to`` each (a dispatcher call): an eager backward is
+    # bound by the host, and this runs once per fused layer.
+    dtype = grad_output.dtype
+    grad_x = None
+    if needs_x_grad:
+        matrix = weight if weight.dtype == dtype else weight.to(dtype)
+        grad_x = torch.matmul(grad_output, matrix.t() if ctx.transposed else matrix)
+        if dtype != ctx.input_dtype:
+            grad_x = grad_x.to(ctx.input_dtype)
+    grad_bias = None
+    if ctx.has_bias and needs_bias_grad:
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(ctx.bias_dtype)
+    x_for_update = x if x.dtype == dtype else x.to(dtype)
+    first, second = (grad_output, x_for_update) if ctx.transposed else (x_for_update, grad_output)
+    return grad_x, grad_bias, first, second
+
+
+class TracedLinearFunction(torch.autograd.Function):
+    """``FusedLinearFunction`` as ``torch.compile`` traces it: the backward's update is the registered
+    operator ``forge::update_weight_`` (``forge_core.traced``) over the weight, every tensor its update
+    writes (``written``) and its group's device scalars, named by the binding's integer key."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                scalars: Optional[torch.Tensor], key: int, transposed: bool, *written: torch.Tensor) -> torch.Tensor:
+        output, x = linear_forward(ctx, x, weight, bias, transposed)
+        ctx.save_for_backward(x, weight, scalars, *written)
+        ctx.key = key
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
+        x, weight, scalars, *written = ctx.saved_tensors
+        grad_x, grad_bias, first, second = linear_backward(ctx, x, weight, grad_output)
+        update_weight_(first.detach(), second.detach(), weight, list(written), scalars, ctx.key)
+        return (grad_x, None, grad_bias, None, None, None, *(None for _ in written))
+
+
+def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], updater: Any,
+                  transposed: bool = False) -> torch.Tensor:
+    """The fused Linear under ``torch.compile`` (``TracedLinearFunction``): what the compiler sees of a
+    ForgeLinear's or ForgeConv1D's forward and backward."""
+    return TracedLinearFunction.apply(x, weight, bias, updater.optimizer.device_scalars_of(updater),
+                                      updater.trace_key, transposed, *written_tensors(updater))
 
 
 def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:
@@ -230,6 +272,8 @@ class ForgeLinear(nn.Linear):
             return F.linear(input, weight, self.bias)
         if is_dtensor(weight):
             return ShardedLinearFunction.apply(input, weight, self.bias, updater)
+        if torch.compiler.is_compiling():
+            return traced_linear(input, weight, self.bias, updater)
         return FusedLinearFunction.apply(input, weight, self.bias, updater)
 
     def extra_repr(self) -> str:

@@ -619,6 +619,8 @@ def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None
         install_forge_embedding(module, dense)
         dense.records_rows = True
         dense.padding_idx = module.padding_idx
+        if optimizer.backend == "triton":
+            dense.slot_table()          # made now: a compiled backward names it among the tensors it writes
 
 
 def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:

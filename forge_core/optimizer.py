@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .backends import BACKENDS, check_capturable, resolve_backend
+from .backends import BACKENDS, capturable_problem, check_capturable, resolve_backend
 from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
 from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate
@@ -43,6 +43,7 @@ from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
+from .traced import graph_capturing, same_tensors, trace_key, written_tensors
 
 GUARD_GROUP_KEY = "forge_state_dict"
 """The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
@@ -71,6 +72,21 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _state_on(state: ParamState, tensors: list[torch.Tensor]) -> ParamState:
+    """``state`` over ``tensors`` (``traced.written_tensors``' order: each state's values, then its scale)
+    instead of its own: what an update of copies runs on."""
+    view = copy.copy(state)
+    remaining = iter(tensors)
+    view.values = {}
+    view.scales = {}
+    for name in state.state_names:
+        view.values[name] = next(remaining)
+        view.scales[name] = next(remaining) if state.scales.get(name) is not None else None
+    if state.layer_sums is not None:
+        view.layer_sums = next(remaining)
+    return view
+
+
 class ForgeOptimizer(BackwardUpdateOptimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
@@ -94,7 +110,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         self._bindings = bindings
         self._layer_path = LayerPath(rule, state_dtype, hyperparameters, accumulate_steps, lambda b: (
             self._kernel_hyperparameters(b.group_index),
-            self._device_steps[b.group_index] + 1 if self.capturable else b.steps_done + 1)) \
+            self._device_steps[b.group_index] + 1 if self._device_mode else b.steps_done + 1)) \
             if takes_layer_path(rule) else None
         for index, binding in enumerate(bindings):
             binding.optimizer = self
@@ -117,6 +133,8 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
                     dense.state = ParamState(parameter, rule, state_dtype, hyperparameters)
                     dense.optimizer = self
                     self._dense.append(dense)
+        for owner in (*bindings, *self._dense):
+            trace_key(owner)            # the constant a compiled graph names it by (forge_core.traced)
         dense_ids = {id(dense.weight) for dense in self._dense}
         self._torch_params = [p for p in self._fallback_params if id(p) not in dense_ids]
         self.capturable = bool(capturable)
@@ -130,16 +148,25 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         self.distributed: Optional[DistributedUpdates] = None   # data parallel: forge_core.reduction
         self._unfused = False
         self._hyperparameters_in_backward: dict[int, tuple[int, dict[str, Any]]] = {}
-        # capturable: per group, the step count and kernel scalars on the device, and whether to recompute them
+        # Per group, the step count and kernel scalars on the device, whether to recompute them and the
+        # hyper-parameters they were computed from. Allocated wherever the updates could read them (a few
+        # bytes); read once ``_device_mode`` is on: capturable=True, or after a traced update.
         self._device_steps: list[torch.Tensor] = []
         self._device_scalars: list[torch.Tensor] = []
         self._scalars_stale: list[bool] = []
-        if self.capturable and (bindings or self._dense):
+        self._scalars_written_from: list[Optional[dict[str, Any]]] = []
+        self.device_scalars_problem: Optional[str] = capturable_problem(
+            rule, backend, accumulate_steps, stochastic_rounding, bindings)
+        """Why this optimizer's updates cannot read their scalars from the device (a CUDA graph could not
+        replay them), or None."""
+        if self.device_scalars_problem is None and (bindings or self._dense):
             device = (bindings[0].weight if bindings else self._dense[0].weight).device
             for _ in self.param_groups:
                 self._device_steps.append(torch.zeros((), dtype=torch.float64, device=device))
                 self._device_scalars.append(torch.zeros(KERNEL_SCALARS, dtype=torch.float32, device=device))
                 self._scalars_stale.append(True)
+                self._scalars_written_from.append(None)
+        self._device_mode = self.capturable and bool(self._device_steps)
 
     # -- what is fused ----------------------------------------------------------------------
 
@@ -200,7 +227,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
     def _sync_host_step_counts(self) -> None:
         """Capturable mode: set the host counters from the device step counts (a sync; replays of a
         captured step advance only the device counts)."""
-        if not self._device_steps:
+        if not self._device_mode:
             return
         counts = [int(t.item()) for t in self._device_steps]
         for binding in self._bindings:
@@ -317,7 +344,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         (``kernels.grouped_wgrad_update``: group ``e``'s tokens are rows ``[ends[e-1], ends[e])``, a
         group without tokens takes its zero-gradient step). False, doing nothing, where each group
         must be stepped alone: the reference backend, a capturable optimizer."""
-        if self.backend != "triton" or self.capturable or kernels.grouped_wgrad_update is None:
+        if self.backend != "triton" or self._device_mode or kernels.grouped_wgrad_update is None:
             return False
         hp, step, arguments = self._update_arguments(binding)
         kernels.grouped_wgrad_update(x, grad_output, binding.matrix, binding.state, ends, rows_per_group, hp, step,
@@ -333,10 +360,9 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         device scalars of its group in capturable mode (written first when stale), else the group's
         hyper-parameters and a seed. Shared by the fused kernel's and ``row_update``'s launches."""
         step = owner.steps_done + 1
-        if self.capturable:
+        if self._device_mode:
             group = owner.group_index
-            if self._scalars_stale[group]:
-                self._write_device_scalars(group)
+            self._keep_device_scalars_current(group)
             return {}, step, {"device_scalars": self._device_scalars[group]}
         return self._kernel_hyperparameters(owner.group_index), step, {
             "stochastic_rounding": self.stochastic_rounding,
@@ -357,18 +383,115 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         step_dense(dense, rule_name=self.rule.name, backend=self.backend, launch_update=self._launch_update,
                    update_arguments=self._update_arguments)
 
-    def _write_device_scalars(self, group: int) -> None:
+    def _write_device_scalars(self, group: int, buffer: Optional[torch.Tensor] = None) -> None:
         """The group's kernel scalars for step (device count + 1), by device ops only (a fill per
-        float, a copy per tensor): in a CUDA graph they are recomputed at every replay."""
-        values = self.rule.kernel_scalars_on_device(self._kernel_hyperparameters(group), self._device_steps[group] + 1)
+        float, a copy per tensor): in a CUDA graph they are recomputed at every replay. ``buffer``: write
+        there instead of the group's own buffer (an update of copies, ``traced_update``)."""
+        hyperparameters = self._kernel_hyperparameters(group)
+        values = self.rule.kernel_scalars_on_device(hyperparameters, self._device_steps[group] + 1)
         check_scalar_count(self.rule.name, len(values))
-        buffer = self._device_scalars[group]
+        target = self._device_scalars[group] if buffer is None else buffer
         for index, value in enumerate(values):
             if isinstance(value, torch.Tensor):
-                buffer[index].copy_(value)
+                target[index].copy_(value)
             else:
-                buffer[index].fill_(float(value))   # a kernel argument: no host-to-device copy to capture
-        self._scalars_stale[group] = False
+                target[index].fill_(float(value))   # a kernel argument: no host-to-device copy to capture
+        if buffer is None:
+            self._scalars_stale[group] = False
+            self._scalars_written_from[group] = hyperparameters
+
+    def _keep_device_scalars_current(self, group: int, *, on_change_only: bool = False) -> None:
+        """Rewrite the group's device scalars when a step made them stale or (outside a CUDA graph capture)
+        when its hyper-parameters changed since they were written: a scheduler's lr reaches the next
+        update, and a graph recorded after that reads it at every replay. Inside a capture nothing but a
+        stale buffer is written: a recorded fill would put back the recorded lr at every replay."""
+        stale = self._scalars_stale[group] and not on_change_only
+        if not stale and graph_capturing():
+            return
+        written_from = self._scalars_written_from[group]
+        if stale or written_from is None or written_from != self._kernel_hyperparameters(group):
+            self._write_device_scalars(group)
+
+    def device_scalars_of(self, owner: "FusedWeight | DenseWeight") -> Optional[torch.Tensor]:
+        """The device scalars buffer ``owner``'s updates read once device mode is on, or None where this
+        optimizer has none (``device_scalars_problem``)."""
+        return self._device_scalars[owner.group_index] if self._device_scalars else None
+
+    def enter_device_mode(self) -> None:
+        """From now on every update reads the step count and kernel scalars from device tensors, as
+        capturable=True does: a traced update calls this at its first run (outside any CUDA graph capture),
+        so a graph recorded later replays correct updates. A no-op where ``device_scalars_problem`` is set
+        (the updates keep their host scalars; a capture of them is refused by ``traced_update``)."""
+        if self._device_mode or not self._device_steps:
+            return
+        for group, count in enumerate(self._device_steps):
+            count.fill_(float(self._group_step_count(group)))
+            self._scalars_stale[group] = True
+        self._device_mode = True
+
+    def _group_step_count(self, group: int) -> int:
+        """The one step count of the group's fused and kernel-stepped weights (device mode keeps one)."""
+        steps = {b.steps_done for b in self._bindings if b.group_index == group}
+        steps |= {d.steps_done for d in self._dense if d.group_index == group and d.steps_done}
+        if len(steps) > 1:
+            raise ValueError(f"device scalars keep one step count per param group, but the fused weights of group "
+                             f"{group} were updated {sorted(steps)} times")
+        return steps.pop() if steps else 0
+
+    def _check_traced(self, what: str) -> None:
+        """Device mode for a traced update, and a one-line refusal of what a CUDA graph could not replay."""
+        capturing = graph_capturing()
+        if not capturing:
+            self.enter_device_mode()
+            return
+        if not self._device_mode:
+            problem = self.device_scalars_problem or "the updates have not run once before the capture"
+            raise RuntimeError(f"a CUDA graph (torch.compile mode='reduce-overhead', or a capture) cannot replay "
+                               f"FORGE's update of {what}: {problem}")
+        if self.distributed is not None:
+            raise RuntimeError(f"a CUDA graph cannot replay the data-parallel update of {what} (its bucket "
+                               "all-reduce is scheduled by the host); compile without mode='reduce-overhead'")
+
+    def traced_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                      written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
+        """The body of ``forge::update_weight_`` (``forge_core.traced``): the backward's update of ``binding``,
+        with no side stream, in device mode. Given copies of its tensors (``torch.library.opcheck``), the
+        same kernel updates the copies and no counter moves."""
+        self._check_traced(repr(binding.name))
+        own_scalars = self.device_scalars_of(binding)
+        if same_tensors([weight, *written], [binding.matrix, *written_tensors(binding)]) and (
+                scalars is None or own_scalars is not None and same_tensors([scalars], [own_scalars])):
+            self.fused_backward(binding, x, grad_output)
+            return
+        if self._layer_path is not None or self.distributed is not None:
+            raise ValueError(f"forge::update_weight_ got copies of {binding.name!r}'s tensors; only the Triton and "
+                             "reference kernels' updates run on copies")
+        hp, step, arguments = self._update_arguments(binding)
+        if scalars is not None and "device_scalars" in arguments:
+            self._write_device_scalars(binding.group_index, buffer=scalars)
+            arguments["device_scalars"] = scalars
+        state = _state_on(binding.state, written)
+        accumulator = written[-1] if binding.grad_accum is not None else None
+        self._update_function(x, grad_output, weight, state, hp, step, grad_accum=accumulator, **arguments)
+
+    def traced_row_update(self, dense: DenseWeight, ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                          written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
+        """The body of ``forge::update_embedding_rows_``: record this backward's rows and, with one micro-batch
+        per step, step the embedding now (``step()`` then finds nothing left to step for it)."""
+        self._check_traced(repr(dense.name))
+        target = dense
+        own_scalars = self.device_scalars_of(dense)
+        if not (same_tensors([weight, *written], [dense.weight, *written_tensors(dense)]) and (
+                scalars is None or own_scalars is not None and same_tensors([scalars], [own_scalars]))):
+            target = copy.copy(dense)          # copies (opcheck): the same steps on them, no counter of ours moves
+            target.weight, target.state = weight, _state_on(dense.state, written)
+            target.slots = written[-1] if dense.slots is not None else None
+            target.recorded_rows = []
+            if scalars is not None and self._device_mode:
+                self._write_device_scalars(dense.group_index, buffer=scalars)
+        target.record_rows(ids, grad_output)
+        if self.accumulate_steps == 1:
+            self._step_dense(target)
 
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
@@ -388,10 +511,15 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, and the rows recorded by row-gradient embeddings since the last step (they are
-        those weights' gradient: a backward whose gradient is zeroed before ``step()`` must not count)."""
+        those weights' gradient: a backward whose gradient is zeroed before ``step()`` must not count).
+        In device mode the device scalars follow a changed hyper-parameter here (an lr scheduler steps
+        between ``step()`` and the next ``zero_grad()``), outside any graph the next backward replays."""
         super().zero_grad(set_to_none)
         for dense in self._dense:
             dense.recorded_rows = []
+        if self._device_mode:
+            for group in range(len(self._device_scalars)):
+                self._keep_device_scalars_current(group, on_change_only=True)
 
     def _sync_fallback_hyperparameters(self) -> None:
         for ours, theirs in zip(self.param_groups, self._fallback.param_groups):
@@ -436,9 +564,11 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
             binding.micro_batches = 0
             binding.end_step()
         self._steps_taken += 1
-        for group, count in enumerate(self._device_steps):
-            count.add_(1.0)
-            self._scalars_stale[group] = True
+        if self._device_mode:
+            for group, count in enumerate(self._device_steps):
+                count.add_(1.0)
+                self._scalars_stale[group] = True
+                self._write_device_scalars(group)      # for the next backward, outside the graph it may replay
         return loss
 
     def _parameter_order(self) -> list[nn.Parameter]:
@@ -536,14 +666,10 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
             fallback_groups.append(packed)
         self._fallback.load_state_dict({"state": fallback_state, "param_groups": fallback_groups})
         self._steps_taken = int(forge.get("steps_taken", 0))
-        for group, count in enumerate(self._device_steps):
-            steps = {b.steps_done for b in self._bindings if b.group_index == group}
-            steps |= {d.steps_done for d in self._dense if d.group_index == group and d.steps_done}
-            if len(steps) > 1:
-                raise ValueError(f"capturable mode keeps one step count per param group, but the state dict's "
-                                 f"fused weights of group {group} were updated {sorted(steps)} times")
-            count.fill_(float(steps.pop()) if steps else 0.0)
-            self._scalars_stale[group] = True
+        if self._device_mode:
+            for group, count in enumerate(self._device_steps):
+                count.fill_(float(self._group_step_count(group)))
+                self._scalars_stale[group] = True
 
     def __repr__(self) -> str:
         return (f"ForgeOptimizer(rule={self.rule.name}, state_dtype={self.state_dtype}, backend={self.backend}, "

@@ -1,0 +1,134 @@
+"""FORGE's fused updates as operators that ``torch.compile`` sees.
+
+Why: under ``torch.compile`` an autograd Function whose backward calls into Python objects (the
+optimizer, its counters, a side stream) breaks the graph at every fused layer, and a CUDA graph
+recorded by ``mode="reduce-overhead"`` replays only device work. So the compiled path of each fused
+module is an autograd Function whose backward computes ``dX`` (from the pre-update weight), then calls
+one registered mutating operator with every tensor the update writes: the weight, its optimizer state
+(moments, int8 / fp8 scales, per-layer sums, accumulator) and the group's device scalars buffer. The
+operator is opaque to the compiler (``torch.library.custom_op``, with a fake kernel that returns
+nothing): its body runs at run time, where it finds its owner (``FusedWeight`` / ``DenseWeight``)
+through an integer key the graph holds as a constant, and launches the same kernels as the eager
+path, with no side stream. Its optimizer reads the step count and the rule's scalars from device
+tensors once a traced update has run (``ForgeOptimizer.traced_update``), so a recorded CUDA graph
+replays correct updates at later steps, and a learning-rate schedule changes nothing the compiler
+guards on.
+
+The owner's methods do the work; this module holds only the operators, their keys and the written
+tensors' list, so it imports nothing of forge_core.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from typing import Any, Iterator, Optional
+
+import torch
+
+_OWNERS: dict[int, "weakref.ref[Any]"] = {}
+_KEYS = itertools.count(1)
+_IN_TRACED_UPDATE = [0]
+
+
+def trace_key(owner: Any) -> int:
+    """The integer a compiled graph names ``owner`` by (made once per owner, kept in ``owner.trace_key``)."""
+    key = getattr(owner, "trace_key", None)
+    if key is None or _OWNERS.get(key, lambda: None)() is not owner:
+        key = next(_KEYS)
+        _OWNERS[key] = weakref.ref(owner)
+        owner.trace_key = key
+    return key
+
+
+def owner_of(key: int) -> Any:
+    """The owner ``trace_key`` gave ``key``; a one-line error when it is gone (its optimizer was dropped)."""
+    owner = _OWNERS.get(int(key), lambda: None)()
+    if owner is None:
+        raise RuntimeError(f"a compiled FORGE update names fused weight #{key}, which no longer exists: the model "
+                           "was fused again or its optimizer dropped; compile the model again after forge_core.fuse")
+    return owner
+
+
+def written_tensors(owner: Any) -> list[torch.Tensor]:
+    """Every tensor an update of ``owner`` writes besides the weight: its state's values and scales,
+    a regime-2 rule's per-layer sums, the micro-batch accumulator and an embedding's slot table, in a
+    fixed order (the operator's ``written`` argument)."""
+    state = owner.state
+    tensors: list[torch.Tensor] = []
+    if state is not None:
+        for name in state.state_names:
+            tensors.append(state.values[name])
+            scale = state.scales.get(name)
+            if scale is not None:
+                tensors.append(scale)
+        if state.layer_sums is not None:
+            tensors.append(state.layer_sums)
+    accumulator = getattr(owner, "grad_accum", None)
+    if accumulator is not None:
+        tensors.append(accumulator)
+    slots = getattr(owner, "slots", None)
+    if slots is not None:
+        tensors.append(slots)
+    return tensors
+
+
+def same_tensors(given: list[torch.Tensor], owned: list[torch.Tensor]) -> bool:
+    """Whether ``given`` are ``owned`` themselves (same storage, shape and strides), not copies of them
+    (``torch.library.opcheck`` calls an operator on copies)."""
+    return len(given) == len(owned) and all(
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() for a, b in zip(given, owned))
+
+
+@contextlib.contextmanager
+def traced_update_scope() -> Iterator[None]:
+    """Marks the run-time body of a traced update: no side stream, no deferral to the backward's end."""
+    _IN_TRACED_UPDATE[0] += 1
+    try:
+        yield
+    finally:
+        _IN_TRACED_UPDATE[0] -= 1
+
+
+def graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on a build or machine without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def in_traced_update() -> bool:
+    """Whether the caller runs inside a traced update's body (``traced_update_scope``)."""
+    return _IN_TRACED_UPDATE[0] > 0
+
+
+@torch.library.custom_op("forge::update_weight_", mutates_args=("weight", "written", "scalars"))
+def update_weight_(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
+                   scalars: Optional[torch.Tensor], key: int) -> None:
+    """One fused update of the weight ``key`` names from ``(x, grad_output)`` (its kernel's ``dY^T X``)."""
+    owner = owner_of(key)
+    with traced_update_scope():
+        owner.optimizer.traced_update(owner, x, grad_output, weight, written, scalars)
+
+
+@update_weight_.register_fake
+def _update_weight_fake(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                        written: list[torch.Tensor], scalars: Optional[torch.Tensor], key: int) -> None:
+    return None
+
+
+@torch.library.custom_op("forge::update_embedding_rows_", mutates_args=("weight", "written", "scalars"))
+def update_embedding_rows_(ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                           written: list[torch.Tensor], scalars: Optional[torch.Tensor], key: int) -> None:
+    """The row update of the embedding ``key`` names from this backward's ids and output gradient."""
+    owner = owner_of(key)
+    with traced_update_scope():
+        owner.optimizer.traced_row_update(owner, ids, grad_output, weight, written, scalars)
+
+
+@update_embedding_rows_.register_fake
+def _update_embedding_rows_fake(ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                                written: list[torch.Tensor], scalars: Optional[torch.Tensor], key: int) -> None:
+    return None
+
+
+__all__ = ["graph_capturing", "in_traced_update", "owner_of", "same_tensors", "trace_key", "traced_update_scope", "update_embedding_rows_",
+           "update_weight_", "written_tensors"]
