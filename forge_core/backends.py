@@ -47,7 +47,7 @@ def capturable_problem(rule: Rule, backend: str, accumulate_steps: int, stochast
         if not rule.layer_capturable:
             return f"rule {rule.name!r} syncs with the host in its layer step"
     elif backend != "triton":
-        return (f"the device scalars need the Triton backend (a CUDA device, or TRITON_INTERPRET=1); this "
+        return (f"reading scalars on the device needs the Triton backend (a CUDA device, or TRITON_INTERPRET=1); this "
                 f"optimizer resolved to backend={backend!r}")
     elif rule.kernel_scalars_on_device is None:
         return f"rule {rule.name!r} has no kernel_scalars_on_device"

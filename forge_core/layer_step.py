@@ -33,6 +33,7 @@ import torch
 from .kernels.reference import flatten_tokens
 from .rules.base import Rule, fp32_states, matrix_step_states
 from .state import ParamState
+from .traced import in_traced_update
 from .wgrad_gemm import accumulate_product, weight_gradient
 
 try:
@@ -264,7 +265,7 @@ class LayerPath:
         weight, and its fp32 G more than twice the bytes of the ``x`` and ``dy`` kept for it."""
         size = weight.numel()
         if (not self.defer_largest or size != self.single_largest or self.rule.layer_update is not None
-                or torch._C._current_graph_task_id() == -1):
+                or torch._C._current_graph_task_id() == -1 or in_traced_update()):
             return False
         return 4 * size > 2 * (x.numel() * x.element_size() + dy.numel() * dy.element_size())
 

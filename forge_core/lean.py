@@ -135,7 +135,8 @@ def _current_scope() -> Optional[SavedTensorScope]:
 def run_in_scope(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``forward(*args, **kwargs)`` with the tensors autograd saves packed by a new scope: a saved
     output registered in it is kept as its recipe, not as its storage."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        # Under torch.compile the compiler's partitioner chooses what the backward keeps and recomputes.
         return forward(*args, **kwargs)
     scope = SavedTensorScope()
     stack = getattr(_active, "scopes", None)
@@ -214,6 +215,8 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm, keeping x and rstd for backward; its output is recomputable."""
+    if torch.compiler.is_compiling():      # plain ops: the compiler fuses them and picks what to recompute
+        return rms_norm_reference(x, weight, eps)[0]
     use_kernels = rowwise.usable_for(x) and x.shape[-1] <= MAX_KERNEL_WIDTH
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
         return (rowwise.rms_norm_forward if use_kernels else rms_norm_reference)(x, weight, eps)[0]
@@ -256,6 +259,8 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 def lean_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` keeping gate and up for backward; the product is recomputable."""
+    if torch.compiler.is_compiling():      # plain ops: the compiler fuses them and picks what to recompute
+        return F.silu(gate) * up
     use_kernels = rowwise.usable_for(gate) and gate.shape == up.shape and gate.dtype == up.dtype
     forward = rowwise.swiglu_forward if use_kernels else (lambda g, u: F.silu(g) * u)
     if not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):

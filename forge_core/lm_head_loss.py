@@ -47,6 +47,7 @@ Llama-3.1-8B: 512 tokens -> 4 chunks (3 x 32256 + 31488 rows); 8192 tokens -> 63
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Optional, Union
@@ -58,6 +59,7 @@ from torch import nn
 from .kernels import cross_entropy as chunk_kernels
 from .linear import ForgeLinear, autocast_dtype
 from .overlap import run_beside, wants_overlap
+from .traced import owner_of, traced_update_scope, written_tensors
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 """Upper bound on one chunk's fp32 logits (tokens x chunk x 4 bytes) when no chunk_size is given."""
@@ -166,6 +168,85 @@ def _accumulate_product(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Ten
         accumulator.addmm_(a.float(), b.float())
 
 
+def chunked_loss_forward(hidden_c: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         hit_targets: torch.Tensor, denominator: torch.Tensor, chunk_size: int,
+                         compute_dtype: torch.dtype, kept: Optional[list[Optional[torch.Tensor]]] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) over vocab chunks of ``hidden_c @ weight^T`` (``hidden_c`` already in ``compute_dtype``;
+    ``hit_targets``: -1 where ignored); appends each chunk's logits to ``kept`` when given."""
+    with torch.autocast(hidden_c.device.type, enabled=False):
+        tokens = hidden_c.shape[0]
+        stats = chunk_kernels.chunk_stats if chunk_kernels.usable_for(hidden_c) else chunk_stats_reference
+        running_max = torch.full((tokens,), -math.inf, dtype=torch.float32, device=hidden_c.device)
+        running_sum = torch.zeros(tokens, dtype=torch.float32, device=hidden_c.device)
+        target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden_c.device)
+        for c0, c1 in chunk_bounds(weight.shape[0], chunk_size):
+            logits = _chunk_logits(hidden_c, weight, bias, c0, c1, compute_dtype)
+            stats(logits, hit_targets, c0, running_max, running_sum, target_logit)
+            if kept is not None:
+                kept.append(logits)
+            del logits
+        lse = running_max + torch.log(running_sum)
+        per_token = torch.where(hit_targets >= 0, lse - target_logit, torch.zeros_like(lse))
+        return per_token.sum() / denominator, lse
+
+
+def chunked_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], hit_targets: torch.Tensor, lse: torch.Tensor,
+                          denominator: torch.Tensor, chunk_size: int, compute_dtype: torch.dtype,
+                          hidden_dtype: torch.dtype, needs: tuple[bool, bool, bool], updater: Any,
+                          kept: Optional[list[Optional[torch.Tensor]]] = None
+                          ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(d hidden, d weight, d bias) of the chunked loss, those ``needs`` asks for; a fused head
+    (``updater``) gets its rows updated chunk by chunk instead of a d weight. ``kept``: the forward's
+    chunk logits (each freed once its dlogits are done), else each chunk is recomputed."""
+    needs_hidden, needs_weight, needs_bias = needs
+    tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        valid = hit_targets >= 0
+        scale = grad_loss.to(torch.float32) / denominator
+        # where, not a product: with no valid token the scale is inf and the rows must stay 0 (as HF).
+        row_scale = torch.where(valid, scale.expand(tokens), torch.zeros((), dtype=torch.float32,
+                                                                          device=hidden.device)).contiguous()
+        dlogits_of = chunk_kernels.chunk_dlogits_ if chunk_kernels.usable_for(hidden) else chunk_dlogits_reference
+        grad_hidden32 = torch.zeros((tokens, width), dtype=torch.float32, device=hidden.device) \
+            if needs_hidden else None
+        grad_weight = torch.empty_like(weight) if (needs_weight and updater is None) else None
+        grad_bias = torch.empty_like(bias) if (bias is not None and needs_bias) else None
+        rows = updater.begin_row_updates(hidden) if (updater is not None and needs_weight) else None
+        overlap = rows is not None and wants_overlap(updater, hidden)
+        for block, (c0, c1) in enumerate(chunk_bounds(vocab, chunk_size)):
+            if kept is not None:
+                logits, kept[block] = kept[block], None          # freed once its dlogits are done
+            else:
+                logits = _chunk_logits(hidden, weight, bias, c0, c1, compute_dtype)
+            dlogits = dlogits_of(logits, hit_targets, c0, lse, row_scale)
+            del logits
+            w = weight[c0:c1]
+            if grad_hidden32 is not None:
+                # The PRE-update rows: the fused update of this chunk comes after.
+                _accumulate_product(grad_hidden32, dlogits, w if w.dtype == compute_dtype else w.to(compute_dtype))
+            if grad_bias is not None:
+                grad_bias[c0:c1] = dlogits.sum(dim=0).to(grad_bias.dtype)
+            if rows is not None:
+                if overlap:
+                    # As a ForgeLinear's update (forge_core.overlap): on the side stream, after this
+                    # chunk's dH product read rows [c0, c1); later chunks read only other rows.
+                    run_beside(lambda c0=c0, c1=c1, dy=dlogits, b=block: rows(c0, c1, dy, b),
+                               hidden.device, (hidden, dlogits))
+                else:
+                    rows(c0, c1, dlogits, block)
+            elif grad_weight is not None:
+                if grad_weight.dtype == compute_dtype:
+                    torch.mm(dlogits.t(), hidden, out=grad_weight[c0:c1])
+                else:
+                    grad_weight[c0:c1] = (dlogits.t() @ hidden).to(grad_weight.dtype)
+            del dlogits
+        grad_hidden = grad_hidden32.to(hidden_dtype) if grad_hidden32 is not None else None
+    return grad_hidden, grad_weight, grad_bias
+
+
 class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
     """loss = sum over valid tokens of (logsumexp(logits) - logits[target]) / denominator, by chunks."""
 
@@ -173,27 +254,14 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, denominator: torch.Tensor, chunk_size: int, ignore_index: int,
                 updater: Any, compute_dtype: torch.dtype, keep_logits: bool) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            hidden_c = hidden if hidden.dtype == compute_dtype else hidden.to(compute_dtype)
-            tokens = hidden_c.shape[0]
-            # targets of ignored tokens become -1, which no chunk column matches
-            hit_targets = torch.where(targets != ignore_index, targets, torch.full_like(targets, -1))
-            stats = chunk_kernels.chunk_stats if chunk_kernels.usable_for(hidden_c) else chunk_stats_reference
-            running_max = torch.full((tokens,), -math.inf, dtype=torch.float32, device=hidden.device)
-            running_sum = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
-            target_logit = torch.zeros(tokens, dtype=torch.float32, device=hidden.device)
-            # kept only where a backward will read them (not under no_grad, nor for constants)
-            kept: Optional[list[Optional[torch.Tensor]]] = [] if keep_logits and any(ctx.needs_input_grad[:3]) \
-                else None
-            for c0, c1 in chunk_bounds(weight.shape[0], chunk_size):
-                logits = _chunk_logits(hidden_c, weight, bias, c0, c1, compute_dtype)
-                stats(logits, hit_targets, c0, running_max, running_sum, target_logit)
-                if kept is not None:
-                    kept.append(logits)
-                del logits
-            lse = running_max + torch.log(running_sum)
-            per_token = torch.where(hit_targets >= 0, lse - target_logit, torch.zeros_like(lse))
-            loss = per_token.sum() / denominator
+        hidden_c = hidden if hidden.dtype == compute_dtype else hidden.to(compute_dtype)
+        # targets of ignored tokens become -1, which no chunk column matches
+        hit_targets = torch.where(targets != ignore_index, targets, torch.full_like(targets, -1))
+        # kept only where a backward will read them (not under no_grad, nor for constants)
+        kept: Optional[list[Optional[torch.Tensor]]] = [] if keep_logits and any(ctx.needs_input_grad[:3]) \
+            else None
+        loss, lse = chunked_loss_forward(hidden_c, weight, bias, hit_targets, denominator, chunk_size,
+                                         compute_dtype, kept)
         ctx.save_for_backward(hidden_c, weight, bias, hit_targets, lse, denominator)
         ctx.chunk_size = chunk_size
         ctx.kept_logits = kept
@@ -205,54 +273,89 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor):  # type: ignore[override]
         hidden, weight, bias, hit_targets, lse, denominator = ctx.saved_tensors
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        compute_dtype = ctx.compute_dtype
-        updater = ctx.updater
-        tokens, width = hidden.shape
-        vocab = weight.shape[0]
         kept, ctx.kept_logits = ctx.kept_logits, None        # consumed: a second backward recomputes
-        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-            valid = hit_targets >= 0
-            scale = grad_loss.to(torch.float32) / denominator
-            # where, not a product: with no valid token the scale is inf and the rows must stay 0 (as HF).
-            row_scale = torch.where(valid, scale.expand(tokens), torch.zeros((), dtype=torch.float32,
-                                                                              device=hidden.device)).contiguous()
-            dlogits_of = chunk_kernels.chunk_dlogits_ if chunk_kernels.usable_for(hidden) else chunk_dlogits_reference
-            grad_hidden32 = torch.zeros((tokens, width), dtype=torch.float32, device=hidden.device) \
-                if needs_hidden else None
-            grad_weight = torch.empty_like(weight) if (needs_weight and updater is None) else None
-            grad_bias = torch.empty_like(bias) if (bias is not None and needs_bias) else None
-            rows = updater.begin_row_updates(hidden) if (updater is not None and needs_weight) else None
-            overlap = rows is not None and wants_overlap(updater, hidden)
-            for block, (c0, c1) in enumerate(chunk_bounds(vocab, ctx.chunk_size)):
-                if kept is not None:
-                    logits, kept[block] = kept[block], None          # freed once its dlogits are done
-                else:
-                    logits = _chunk_logits(hidden, weight, bias, c0, c1, compute_dtype)
-                dlogits = dlogits_of(logits, hit_targets, c0, lse, row_scale)
-                del logits
-                w = weight[c0:c1]
-                if grad_hidden32 is not None:
-                    # The PRE-update rows: the fused update of this chunk comes after.
-                    _accumulate_product(grad_hidden32, dlogits, w if w.dtype == compute_dtype else w.to(compute_dtype))
-                if grad_bias is not None:
-                    grad_bias[c0:c1] = dlogits.sum(dim=0).to(grad_bias.dtype)
-                if rows is not None:
-                    if overlap:
-                        # As a ForgeLinear's update (forge_core.overlap): on the side stream, after this
-                        # chunk's dH product read rows [c0, c1); later chunks read only other rows.
-                        run_beside(lambda c0=c0, c1=c1, dy=dlogits, b=block: rows(c0, c1, dy, b),
-                                   hidden.device, (hidden, dlogits))
-                    else:
-                        rows(c0, c1, dlogits, block)
-                elif grad_weight is not None:
-                    if grad_weight.dtype == compute_dtype:
-                        torch.mm(dlogits.t(), hidden, out=grad_weight[c0:c1])
-                    else:
-                        grad_weight[c0:c1] = (dlogits.t() @ hidden).to(grad_weight.dtype)
-                del dlogits
-            grad_hidden = grad_hidden32.to(ctx.hidden_dtype) if grad_hidden32 is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        grads = chunked_loss_backward(grad_loss, hidden, weight, bias, hit_targets, lse, denominator, ctx.chunk_size,
+                                      ctx.compute_dtype, ctx.hidden_dtype, tuple(ctx.needs_input_grad[:3]),
+                                      ctx.updater, kept)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+@torch.library.custom_op("forge::chunked_lm_head_loss", mutates_args=())
+def _traced_loss(hidden_c: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], hit_targets: torch.Tensor,
+                 denominator: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked loss's forward as the compiler sees it: (loss, lse)."""
+    return chunked_loss_forward(hidden_c, weight, bias, hit_targets, denominator, chunk_size, hidden_c.dtype)
+
+
+@_traced_loss.register_fake
+def _traced_loss_fake(hidden_c: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      hit_targets: torch.Tensor, denominator: torch.Tensor, chunk_size: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (hidden_c.new_empty((), dtype=torch.float32), hidden_c.new_empty((hidden_c.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("forge::chunked_lm_head_loss_backward_", mutates_args=("weight", "written", "scalars"))
+def _traced_loss_backward(grad_loss: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], hit_targets: torch.Tensor, lse: torch.Tensor,
+                          denominator: torch.Tensor, written: list[torch.Tensor], scalars: Optional[torch.Tensor],
+                          chunk_size: int, key: int, hidden_dtype: torch.dtype, needs_hidden: bool,
+                          needs_weight: bool, needs_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked loss's backward as the compiler sees it: (d hidden, d weight, d bias), each empty where
+    not asked for; with ``key`` >= 0 the fused head ``key`` names is updated row block by row block (no d
+    weight), on the tensors given (its own, or copies: ``ForgeOptimizer.updating_on``)."""
+    updater = owner_of(key) if key >= 0 and needs_weight else None
+    with contextlib.ExitStack() as scope:
+        if updater is not None:
+            updater.optimizer.prepare_traced_update(repr(updater.name))
+            scope.enter_context(updater.optimizer.updating_on(updater, weight, written, scalars))
+        scope.enter_context(traced_update_scope())
+        grads = chunked_loss_backward(grad_loss, hidden_c, weight, bias, hit_targets, lse, denominator, chunk_size,
+                                      hidden_c.dtype, hidden_dtype, (needs_hidden, needs_weight, needs_bias), updater)
+    return tuple(g if g is not None else hidden_c.new_empty((0,)) for g in grads)  # type: ignore[return-value]
+
+
+@_traced_loss_backward.register_fake
+def _traced_loss_backward_fake(grad_loss: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor,
+                               bias: Optional[torch.Tensor], hit_targets: torch.Tensor, lse: torch.Tensor,
+                               denominator: torch.Tensor, written: list[torch.Tensor], scalars: Optional[torch.Tensor],
+                               chunk_size: int, key: int, hidden_dtype: torch.dtype, needs_hidden: bool,
+                               needs_weight: bool, needs_bias: bool
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    empty = hidden_c.new_empty((0,))
+    return (hidden_c.new_empty(hidden_c.shape, dtype=hidden_dtype) if needs_hidden else empty,
+            torch.empty_like(weight) if needs_weight and key < 0 else empty,
+            torch.empty_like(bias) if bias is not None and needs_bias else empty)
+
+
+class _TracedChunkedLMHeadCrossEntropy(torch.autograd.Function):
+    """``_ChunkedLMHeadCrossEntropy`` as ``torch.compile`` traces it: the forward and the backward are the
+    registered operators ``forge::chunked_lm_head_loss`` and ``forge::chunked_lm_head_loss_backward_``
+    (the logits are recomputed in the backward, never kept); ``key``: the fused head's (-1: a plain head,
+    which gets its d weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                targets: torch.Tensor, denominator: torch.Tensor, chunk_size: int, ignore_index: int,
+                compute_dtype: torch.dtype, scalars: Optional[torch.Tensor], key: int,
+                *written: torch.Tensor) -> torch.Tensor:
+        hidden_c = hidden if hidden.dtype == compute_dtype else hidden.to(compute_dtype)
+        hit_targets = torch.where(targets != ignore_index, targets, torch.full_like(targets, -1))
+        loss, lse = _traced_loss(hidden_c, weight, bias, hit_targets, denominator, chunk_size)
+        ctx.save_for_backward(hidden_c, weight, bias, hit_targets, lse, denominator, scalars, *written)
+        ctx.chunk_size, ctx.key, ctx.hidden_dtype = chunk_size, key, hidden.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor):  # type: ignore[override]
+        hidden_c, weight, bias, hit_targets, lse, denominator, scalars, *written = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden, grad_weight, grad_bias = _traced_loss_backward(
+            grad_loss, hidden_c, weight, bias, hit_targets, lse, denominator, list(written), scalars, ctx.chunk_size,
+            ctx.key, ctx.hidden_dtype, needs_hidden, needs_weight, bias is not None and needs_bias)
+        return (grad_hidden if needs_hidden else None,
+                grad_weight if needs_weight and ctx.key < 0 else None,
+                grad_bias if bias is not None and needs_bias else None,
+                None, None, None, None, None, None, None, *(None for _ in written))
 
 
 def _fused_updater(lm_head: nn.Linear) -> Any:
@@ -309,7 +412,7 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
     targets = labels.reshape(-1)
     hidden2 = hidden.reshape(-1, width)
     tokens = hidden2.shape[0]
-    if targets.device.type == "cpu":
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
         if bool(bad.any()):
             raise ValueError(f"labels hold {int(bad.sum())} ids outside [0, {vocab}) that are not "
@@ -325,6 +428,12 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
     chunk = int(chunk_size) if chunk_size is not None else default_chunk_size(tokens, vocab)
     chunk = min(chunk, vocab)
     updater = _fused_updater(lm_head) if weight.requires_grad else None
+    if torch.compiler.is_compiling():
+        scalars = updater.optimizer.device_scalars_of(updater) if updater is not None else None
+        written = written_tensors(updater) if updater is not None else []
+        return _TracedChunkedLMHeadCrossEntropy.apply(hidden2, weight, bias, targets, denominator, chunk, ignore_index,
+                                                      compute_dtype, scalars,
+                                                      updater.trace_key if updater is not None else -1, *written)
     return _ChunkedLMHeadCrossEntropy.apply(hidden2, weight, bias, targets, denominator, chunk, ignore_index,
                                             updater, compute_dtype,
                                             keeps_logits(tokens, vocab, compute_dtype, keep_logits_bytes))

@@ -28,8 +28,9 @@ captured in a CUDA graph and replayed (a float ``lr`` read at capture is fixed i
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -70,6 +71,11 @@ def _scalar_hyperparameter(value: Any) -> Any:
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _update_target(owner: Any) -> torch.Tensor:
+    """The tensor an update of ``owner`` writes: a fused weight's matrix, a dense weight's Parameter."""
+    return owner.matrix if isinstance(owner, FusedWeight) else owner.weight
 
 
 def _state_on(state: ParamState, tensors: list[torch.Tensor]) -> ParamState:
@@ -167,6 +173,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
                 self._scalars_stale.append(True)
                 self._scalars_written_from.append(None)
         self._device_mode = self.capturable and bool(self._device_steps)
+        self._scalars_override: Optional[torch.Tensor] = None
 
     # -- what is fused ----------------------------------------------------------------------
 
@@ -362,6 +369,9 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         step = owner.steps_done + 1
         if self._device_mode:
             group = owner.group_index
+            if self._scalars_override is not None:       # a copy of the buffer (``updating_on``)
+                self._write_device_scalars(group, buffer=self._scalars_override)
+                return {}, step, {"device_scalars": self._scalars_override}
             self._keep_device_scalars_current(group)
             return {}, step, {"device_scalars": self._device_scalars[group]}
         return self._kernel_hyperparameters(owner.group_index), step, {
@@ -438,7 +448,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
                              f"{group} were updated {sorted(steps)} times")
         return steps.pop() if steps else 0
 
-    def _check_traced(self, what: str) -> None:
+    def prepare_traced_update(self, what: str) -> None:
         """Device mode for a traced update, and a one-line refusal of what a CUDA graph could not replay."""
         capturing = graph_capturing()
         if not capturing:
@@ -452,60 +462,51 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
             raise RuntimeError(f"a CUDA graph cannot replay the data-parallel update of {what} (its bucket "
                                "all-reduce is scheduled by the host); compile without mode='reduce-overhead'")
 
+    @contextlib.contextmanager
+    def updating_on(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor, written: list[torch.Tensor],
+                    scalars: Optional[torch.Tensor]) -> Iterator[None]:
+        """Run ``owner``'s updates inside this block on the tensors a traced operator was given: its own
+        (the compiler re-inplaced the operator: nothing to do), or copies of them (``aot_eager``'s
+        functionalization, ``torch.library.opcheck``), which the update then writes instead, the copies'
+        scalars buffer included; the compiler copies them back where they were the owner's."""
+        own_scalars = self.device_scalars_of(owner)
+        own_written = written_tensors(owner)
+        if same_tensors([weight, *written], [_update_target(owner), *own_written]) and (
+                scalars is None or own_scalars is None or same_tensors([scalars], [own_scalars])):
+            yield
+            return
+        target = "matrix" if isinstance(owner, FusedWeight) else "weight"
+        extras = [name for name in ("grad_accum", "slots") if getattr(owner, name, None) is not None]
+        saved = {name: getattr(owner, name) for name in (target, "state", *extras)}
+        setattr(owner, target, weight)
+        owner.state = _state_on(owner.state, written)
+        for name, tensor in zip(extras, written[len(own_written) - len(extras):]):
+            setattr(owner, name, tensor)
+        self._scalars_override = scalars if scalars is not None and own_scalars is not None else None
+        try:
+            yield
+        finally:
+            self._scalars_override = None
+            for name, value in saved.items():
+                setattr(owner, name, value)
+
     def traced_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
                       written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
         """The body of ``forge::update_weight_`` (``forge_core.traced``): the backward's update of ``binding``,
-        with no side stream, in device mode. Given copies of its tensors (``torch.library.opcheck``), the
-        same kernel updates the copies and no counter moves."""
-        self._check_traced(repr(binding.name))
-        own_scalars = self.device_scalars_of(binding)
-        if same_tensors([weight, *written], [binding.matrix, *written_tensors(binding)]) and (
-                scalars is None or own_scalars is not None and same_tensors([scalars], [own_scalars])):
+        with no side stream, in device mode, on the tensors the operator was given (``updating_on``)."""
+        self.prepare_traced_update(repr(binding.name))
+        with self.updating_on(binding, weight, written, scalars):
             self.fused_backward(binding, x, grad_output)
-            return
-        if self._layer_path is not None or self.distributed is not None:
-            raise ValueError(f"forge::update_weight_ got copies of {binding.name!r}'s tensors; only the Triton and "
-                             "reference kernels' updates run on copies")
-        hp, step, arguments = self._update_arguments(binding)
-        if scalars is not None and "device_scalars" in arguments:
-            self._write_device_scalars(binding.group_index, buffer=scalars)
-            arguments["device_scalars"] = scalars
-        state = _state_on(binding.state, written)
-        accumulator = written[-1] if binding.grad_accum is not None else None
-        self._update_function(x, grad_output, weight, state, hp, step, grad_accum=accumulator, **arguments)
 
     def traced_row_update(self, dense: DenseWeight, ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
                           written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
         """The body of ``forge::update_embedding_rows_``: record this backward's rows and, with one micro-batch
         per step, step the embedding now (``step()`` then finds nothing left to step for it)."""
-        self._check_traced(repr(dense.name))
-        target = dense
-        own_scalars = self.device_scalars_of(dense)
-        if not (same_tensors([weight, *written], [dense.weight, *written_tensors(dense)]) and (
-                scalars is None or own_scalars is not None and same_tensors([scalars], [own_scalars]))):
-            target = copy.copy(dense)          # copies (opcheck): the same steps on them, no counter of ours moves
-            target.weight, target.state = weight, _state_on(dense.state, written)
-            target.slots = written[-1] if dense.slots is not None else None
-            target.recorded_rows = []
-            if scalars is not None and self._device_mode:
-                self._write_device_scalars(dense.group_index, buffer=scalars)
-        target.record_rows(ids, grad_output)
-        if self.accumulate_steps == 1:
-            self._step_dense(target)
-
-    def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
-        """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
-        unfused accumulation steps with whatever gradient it has), via a zero-token fused step."""
-        with torch.no_grad():
-            self.apply_update(binding, *no_tokens(binding.matrix, binding.matrix.shape[0]))
-        binding.micro_batches = self.accumulate_steps
-
-    def _update_rows_without_tokens(self, binding: FusedWeight, r0: int, r1: int) -> None:
-        """The step of rows ``[r0, r1)`` that no token reached: AdamW on a zero gradient (plus what
-        earlier micro-batches accumulated there) still decays the moments and the weight, as torch's
-        step over the whole parameter does (the paper's Remark 1); a zero-token fused step."""
-        with torch.no_grad():
-            self.apply_update(binding, *no_tokens(binding.matrix, r1 - r0), part=binding.row_part(r0, r1))
+        self.prepare_traced_update(repr(dense.name))
+        with self.updating_on(dense, weight, written, scalars):
+            dense.record_rows(ids, grad_output)
+            if self.accumulate_steps == 1:
+                self._step_dense(dense)
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
 

@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .traced import in_traced_update
+
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _JOINS_QUEUED: set[tuple[int, int]] = set()        # (graph task id, backward stream id)
 _STREAMS_BY_ID: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -43,9 +45,10 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def wants_overlap(updater: object, tensor: torch.Tensor) -> bool:
     """Whether ``updater`` (a FusedWeight) asked for the side stream and can have it here: a CUDA
-    tensor and a running autograd backward (to join at its end)."""
+    tensor and a running autograd backward (to join at its end), not a compiled model's update
+    (``forge_core.traced``: no stream or event while a CUDA graph may be recorded)."""
     return (bool(getattr(updater, "overlap_updates", False)) and tensor.is_cuda
-            and torch._C._current_graph_task_id() != -1)
+            and torch._C._current_graph_task_id() != -1 and not in_traced_update())
 
 
 def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[torch.Tensor]) -> None:
