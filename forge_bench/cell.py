@@ -606,6 +606,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     if timing.first_step_s is not None:
         extra["first_step_s"] = timing.first_step_s
         extra["build_to_first_step_s"] = timing.build_to_first_step_s
+        if method.compile_mode is not None:
+            # a compiled twin's first step traces and compiles: the time beyond one timed step is the compile
+            extra["compile_s"] = max(0.0, timing.first_step_s - row["step_ms_median"] / 1000.0)
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
     if timing.launches_per_step is not None:

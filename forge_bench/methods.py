@@ -23,6 +23,7 @@ from torch import nn
 
 from forge_bench import families, peers
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
+from forge_bench.compiled_arms import compiled_twins
 from forge_bench.dist_arms import (STRATEGIES, build_ddp_adamw_fused, build_fsdp2_adamw, build_tp_adamw,
                                    forge_dp_builder, forge_fsdp2_builder, forge_tp_builder)
 from forge_bench.peer_probes import availability_check
@@ -62,6 +63,9 @@ class Method:
     # A distributed arm's strategy ("dp", "fsdp2", "tp": forge_bench/dist_arms.py): its cell is one
     # torchrun process tree of ``world_size`` ranks (forge_bench/dist_cell.py). None: one process.
     strategy: str | None = None
+    # The torch.compile mode of a compiled twin ("default", "reduce-overhead": forge_bench/compiled_arms.py),
+    # None for an eager arm; the cell then reports the compile time (compile_s) apart from the step time.
+    compile_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -348,6 +352,11 @@ ARMS: tuple[Method, ...] = (
     # optimizer (<family>_unfused), then FORGE with fp32 and bf16 states (forge_<family>_<states>)
     *(Method(**entry) for entry in families.method_entries(FORGE_NEEDS)),
 )
+
+COMPILED_ARMS = ("no_optimizer", "adamw_foreach", "adamw_fused", "adamw_fused_cce", "forge_bf16", "forge_int8",
+                 "forge_bf16_cce", "forge_int8_cce")
+"""The arms with compiled twins (``forge_bench.compiled_arms``): ``<arm>_compile`` and ``<arm>_compile_ro``."""
+ARMS = ARMS + compiled_twins(ARMS, COMPILED_ARMS)
 
 for _method in ARMS:
     register(_method)

@@ -53,12 +53,20 @@ class TorchArm:
         self.n_fused_params = 0
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        loss = self.loss_of(batch)
         loss.backward()
+        self.finish_step()
+        return loss.detach()
+
+    def loss_of(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The forward and the loss of one step (what a compiled twin compiles: ``compiled_arms``)."""
+        return self.model(**batch).loss
+
+    def finish_step(self) -> None:
+        """What follows the backward: the optimizer's step, then the gradients freed."""
         if self.optimizer is not None:
             self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
-        return loss.detach()
 
     def memory_breakdown(self) -> Mapping[str, int]:
         params = trainable_parameters(self.model)
@@ -161,11 +169,20 @@ class ForgeArm:
         self.n_fused_params = int(sum(p.numel() for p in optimizer.fused_parameters()))
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        loss = self.loss_of(batch)
         loss.backward()              # fused weights are updated here, their G never stored
-        self.optimizer.step()        # the fallback optimizer: tied/excluded weights, norms, biases
-        self.optimizer.zero_grad(set_to_none=True)
+        self.finish_step()
         return loss.detach()
+
+    def loss_of(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The forward and the loss of one step (what a compiled twin compiles: ``compiled_arms``)."""
+        return self.model(**batch).loss
+
+    def finish_step(self) -> None:
+        """What follows the backward: the fallback optimizer's step (tied / excluded weights, norms,
+        biases), then the gradients freed."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def memory_breakdown(self) -> Mapping[str, int]:
         return {k: int(v) for k, v in self.optimizer.memory_breakdown().items()}
@@ -302,13 +319,8 @@ class ChunkedLossTorchArm(TorchArm):
         self.settings = loss.settings | self.settings   # one dict: the step records the chunk size in it
         loss.settings = self.settings
 
-    def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.loss(batch)
-        loss.backward()
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
-        return loss.detach()
+    def loss_of(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss(batch)
 
 
 class ChunkedLossForgeArm(ForgeArm):
@@ -321,12 +333,8 @@ class ChunkedLossForgeArm(ForgeArm):
         self.settings = loss.settings | self.settings
         loss.settings = self.settings
 
-    def step(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.loss(batch)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    def loss_of(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss(batch)
 
 
 def forge_cce_builder(state_dtype: str) -> Callable[[nn.Module, TrainConfig], ChunkedLossForgeArm]:
