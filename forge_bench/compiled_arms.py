@@ -43,6 +43,9 @@ class CompiledArm:
             raise TypeError(f"{type(inner).__name__} has no loss_of / finish_step: it has no compiled twin")
         self.inner = inner
         self.mode = mode
+        # Compiled code is cached per function and shared by every arm of the process: a cell's parity
+        # gate compiles a twin on its smaller model first. Forget it, so this arm's first step compiles.
+        torch._dynamo.reset()
         self.loss_of = torch.compile(inner.loss_of, mode=None if mode == "default" else mode)
         self.settings = inner.settings
         self.settings["compile_mode"] = mode
