@@ -56,6 +56,9 @@ def capturable_problem(rule: Rule, backend: str, accumulate_steps: int, stochast
                 "update, which a replayed graph cannot)")
     if stochastic_rounding:
         return "stochastic_rounding is not supported (it needs a new seed every step)"
+    unreplayable = [binding.name for binding in bindings if not getattr(binding, "replayable", True)]
+    if unreplayable:
+        return f"{unreplayable[0]!r} reads its token counts on the host (fused experts)"
     devices = {binding.weight.device for binding in bindings}
     if len(devices) > 1:
         return f"the fused weights must share one device, got {sorted(map(str, devices))}"

@@ -40,8 +40,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .kernels.tile_config import default_config
 from .fused_weight import FusedWeight, RowSliceUpdate
+from .kernels.tile_config import default_config
+from .traced import owner_of, traced_update_scope, written_tensors
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64
@@ -94,6 +95,9 @@ def experts_layout_problem(module: nn.Module) -> Optional[str]:
 class ExpertsWeight(FusedWeight):
     """One 3-D expert Parameter ``(E, Dout, Din)``: the fused binding of its ``(E * Dout, Din)``
     matrix, updated one expert (row block) at a time with that expert's routed tokens."""
+
+    replayable = False
+    """A CUDA graph cannot replay its updates: the per-expert paths read token counts on the host."""
 
     def __init__(self, name: str, module: nn.Module, parameter_name: str) -> None:
         weight = getattr(module, parameter_name)
@@ -208,6 +212,110 @@ class ExpertsLinearFunction(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+def _bounds_of(offsets: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Each expert's rows ``[start, end)`` from the cumulative ends ``offsets`` (one host sync)."""
+    ends = offsets.tolist()
+    return tuple(zip([0] + ends[:-1], ends))
+
+
+@torch.library.custom_op("forge::experts_mm", mutates_args=())
+def _experts_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_linear`` as the compiler sees it: rows past the last expert's are zero."""
+    grouped = _use_grouped_mm(x, weight)
+    out = grouped_linear(x, weight, offsets, () if grouped else _bounds_of(offsets))
+    return _zero_rows_past(out, offsets) if grouped else out
+
+
+@_experts_mm.register_fake
+def _experts_mm_fake(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@torch.library.custom_op("forge::experts_mm_input_grad", mutates_args=())
+def _experts_mm_input_grad(grad_output: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_input_grad`` as the compiler sees it: rows past the last expert's are zero."""
+    grouped = _use_grouped_mm(grad_output, weight)
+    out = grouped_input_grad(grad_output, weight, offsets, () if grouped else _bounds_of(offsets))
+    return _zero_rows_past(out, offsets) if grouped else out
+
+
+@_experts_mm_input_grad.register_fake
+def _experts_mm_input_grad_fake(grad_output: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return grad_output.new_empty((grad_output.shape[0], weight.shape[2]))
+
+
+def _zero_rows_past(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out`` with the rows past ``offsets[-1]`` zeroed (the grouped GEMM leaves them unwritten)."""
+    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
+    return torch.where(rows < offsets[-1], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@torch.library.custom_op("forge::update_experts_", mutates_args=("weight", "written"))
+def _update_experts(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
+                    offsets: torch.Tensor, key: int) -> None:
+    """The backward's update of every expert of the 3-D weight ``key`` names, from its routed rows."""
+    binding = owner_of(key)
+    optimizer = binding.optimizer
+    optimizer.prepare_traced_update(repr(binding.name))
+    with optimizer.updating_on(binding, weight, written, None), traced_update_scope():
+        binding.update_experts(x, grad_output, offsets, _bounds_of(offsets))
+
+
+@_update_experts.register_fake
+def _update_experts_fake(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                         written: list[torch.Tensor], offsets: torch.Tensor, key: int) -> None:
+    return None
+
+
+class TracedExpertsLinearFunction(torch.autograd.Function):
+    """``ExpertsLinearFunction`` as ``torch.compile`` traces it: the grouped products and the experts'
+    update are registered operators, the token counts stay on the device until the update's body reads them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, key: int,
+                *written: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets, *written)
+        ctx.key = key
+        return _experts_mm(x, weight, offsets)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
+        x, weight, offsets, *written = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        # dX from the pre-update weights, for every expert, before any expert is updated.
+        grad_x = _experts_mm_input_grad(grad_output, weight, offsets) if ctx.needs_input_grad[0] else None
+        _update_experts(x, grad_output.to(x.dtype).detach(), weight, list(written), offsets, ctx.key)
+        return (grad_x, None, None, None, *(None for _ in written))
+
+
+def _traced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, updaters: dict[str, "ExpertsWeight"]) -> torch.Tensor:
+    """The fused experts forward under ``torch.compile``: the eager one's arithmetic with static shapes
+    (the grouped buffer holds every pair plus the largest padding, its tail zero) and no host sync."""
+    num_tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    experts = self.gate_up_proj.shape[0]
+    pairs = num_tokens * top_k
+    expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    counts = torch.zeros(experts, dtype=torch.long, device=expert_ids.device).scatter_add_(
+        0, expert_ids, torch.ones_like(expert_ids))
+    block = token_block(hidden_states.device)
+    padded = (counts + block - 1) // block * block
+    offsets = torch.cumsum(padded, 0, dtype=torch.int32)
+    first_row = (offsets - padded).long()
+    rank = torch.arange(pairs, device=expert_ids.device) - (torch.cumsum(counts, 0) - counts)[expert_ids]
+    rows = first_row[expert_ids] + rank
+    x = hidden_states.new_zeros((pairs + experts * (block - 1), hidden), dtype=self.gate_up_proj.dtype)
+    x = x.index_put((rows,), hidden_states[order // top_k].to(x.dtype))
+    gate_up, down = updaters["gate_up_proj"], updaters["down_proj"]
+    h = TracedExpertsLinearFunction.apply(x, self.gate_up_proj, offsets, gate_up.trace_key, *written_tensors(gate_up))
+    h = _gate(self, h)
+    out = TracedExpertsLinearFunction.apply(h, self.down_proj, offsets, down.trace_key, *written_tensors(down))[rows]
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(pairs, device=order.device))
+    return out[inverse].view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
 def _gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """The module's gate on the gate/up projection (transformers' ``_apply_gate`` where it exists)."""
     apply_gate = getattr(module, "_apply_gate", None)
@@ -225,6 +333,8 @@ def _fused_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     if not updaters or not torch.is_grad_enabled() or not all(
             getattr(self, name).requires_grad for name in EXPERT_PARAMETERS):
         return type(self).__mro__[1].forward(self, hidden_states, top_k_index, top_k_weights)
+    if torch.compiler.is_compiling():
+        return _traced_experts_forward(self, hidden_states, top_k_index, top_k_weights, updaters)
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     experts = self.gate_up_proj.shape[0]

@@ -39,6 +39,9 @@ class FusedWeight:
     to the ``ForgeOptimizer``, which allocates its state. ``weight`` is the module's ``.weight``
     unless given (a 3-D expert parameter: ``forge_core.experts.ExpertsWeight``)."""
 
+    replayable = True
+    """Whether a CUDA graph can replay this weight's updates (with device scalars: ``ForgeOptimizer``)."""
+
     def __init__(self, name: str, module: nn.Module, weight: Optional[nn.Parameter] = None) -> None:
         self.name = name
         self.module: Optional[nn.Module] = module

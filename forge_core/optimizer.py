@@ -74,8 +74,11 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def _update_target(owner: Any) -> torch.Tensor:
-    """The tensor an update of ``owner`` writes: a fused weight's matrix, a dense weight's Parameter."""
-    return owner.matrix if isinstance(owner, FusedWeight) else owner.weight
+    """The tensor a traced operator names as what an update of ``owner`` writes: a fused weight's matrix (a
+    3-D expert weight whole: its matrix is a view of it), a dense weight's Parameter."""
+    if isinstance(owner, FusedWeight):
+        return owner.weight if owner.weight.dim() == 3 else owner.matrix
+    return owner.weight
 
 
 def _state_on(state: ParamState, tensors: list[torch.Tensor]) -> ParamState:
@@ -478,7 +481,7 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         target = "matrix" if isinstance(owner, FusedWeight) else "weight"
         extras = [name for name in ("grad_accum", "slots") if getattr(owner, name, None) is not None]
         saved = {name: getattr(owner, name) for name in (target, "state", *extras)}
-        setattr(owner, target, weight)
+        setattr(owner, target, weight if weight.dim() == 2 else weight.detach().view(-1, weight.shape[-1]))
         owner.state = _state_on(owner.state, written)
         for name, tensor in zip(extras, written[len(own_written) - len(extras):]):
             setattr(owner, name, tensor)

@@ -1,0 +1,152 @@
+"""FORGE under ``torch.compile``: the fused updates are registered operators (``forge_core.traced``), so a
+fused model traces whole (``fullgraph=True``), trains as eager FORGE does, and a scheduler's lr changes
+nothing the compiler guards on. On the CPU the Triton kernels run in the interpreter; the GPU tests
+replay the compiled step from CUDA graphs (``mode="reduce-overhead"``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import forge_core
+from forge_bench.models import build_model, image_tokens, is_image_model, make_batch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRACED_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-gpt2", "tiny-vit", "tiny-mixer", "tiny-mamba2")
+
+
+def _model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny model of the zoo in fp32, without dropout (its masks differ between eager and compiled runs)."""
+    model = build_model(name, "float32", DEVICE, seed=seed)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None and is_image_model(name):
+        config.problem_type = "single_label_classification"    # transformers sets it at the first call
+    if getattr(model, "loss_type", "unset") is None:
+        model.loss_type = "ForCausalLM"     # transformers warns (a graph break) when a causal LM names none
+    return model
+
+
+def _batches(name: str, count: int) -> list[dict[str, torch.Tensor]]:
+    seq = image_tokens(name) if is_image_model(name) else 8
+    return [make_batch(name, 2, seq, DEVICE, seed=step) for step in range(count)]
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[dict[str, torch.Tensor]],
+           scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
+    for batch in batches:
+        model(**batch).loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+
+
+def _largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", TRACED_MODELS)
+def test_a_fused_model_traces_whole_and_trains_as_eager_forge(name: str) -> None:
+    eager, compiled = _model(name), _model(name)
+    eager_opt = forge_core.fuse(eager, "adamw", lr=1e-2)
+    compiled_opt = forge_core.fuse(compiled, "adamw", lr=1e-2)
+    batches = _batches(name, 3)
+    _train(eager, eager_opt, batches)
+    _train(torch.compile(compiled, fullgraph=True, backend="aot_eager"), compiled_opt, batches)
+    assert _largest_difference(eager, compiled) <= 1e-6
+    assert _largest_difference(eager, _model(name)) > 1e-3          # it trained
+
+
+def test_inductor_compiles_without_a_graph_break_and_a_schedule_never_recompiles() -> None:
+    eager, compiled = _model("tiny-llama"), _model("tiny-llama")
+    options = {"lr": 5e-2, "momentum": 0.9}
+    eager_opt = forge_core.fuse(eager, "sgd", **options)
+    compiled_opt = forge_core.fuse(compiled, "sgd", **options)
+    batches = _batches("tiny-llama", 10)
+    _train(eager, eager_opt, batches, torch.optim.lr_scheduler.CosineAnnealingLR(eager_opt, 10))
+    _train(torch.compile(compiled), compiled_opt, batches, torch.optim.lr_scheduler.CosineAnnealingLR(compiled_opt, 10))
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1          # ten steps, ten learning rates, one compile
+    assert _largest_difference(eager, compiled) <= 1e-5
+
+
+def test_the_chunked_loss_and_lean_blocks_trace_whole() -> None:
+    eager, compiled = _model("tiny-llama"), _model("tiny-llama")
+    for model in (eager, compiled):
+        forge_core.lean_activations(model)
+    eager_opt = forge_core.fuse(eager, "adamw", lr=1e-2)
+    compiled_opt = forge_core.fuse(compiled, "adamw", lr=1e-2)
+
+    def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state
+        return forge_core.chunked_lm_head_cross_entropy(hidden, model.lm_head, batch["labels"], chunk_size=256)
+
+    traced = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+    head_before = compiled.lm_head.weight.detach().clone()
+    for batch in _batches("tiny-llama", 2):
+        for function, model, optimizer in ((loss_of, eager, eager_opt), (traced, compiled, compiled_opt)):
+            function(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert (compiled.lm_head.weight - head_before).abs().max() > 1e-3    # the fused head moved inside the loss
+    # lean blocks compile to plain ops (the compiler picks what to recompute): fp32 rounding apart
+    assert _largest_difference(eager, compiled) <= 1e-2 * 2
+
+
+def test_the_update_operator_declares_what_it_writes() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
+    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, state_dtype="int8", probe_inputs=False)
+    binding = optimizer.fused_weights()[0]
+    x = torch.randn(5, 12, device=DEVICE)
+    grad_output = torch.randn(5, 20, device=DEVICE)
+    torch.library.opcheck(torch.ops.forge.update_weight_.default,
+                          (x, grad_output, binding.weight.detach(), forge_core.traced.written_tensors(binding),
+                           optimizer.device_scalars_of(binding), binding.trace_key),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_a_capture_of_what_a_graph_cannot_replay_is_refused_in_one_line() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
+    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, accumulate_steps=2, probe_inputs=False)
+    assert "accumulate_steps > 1" in optimizer.device_scalars_problem
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for _ in range(2):                                          # accumulation runs compiled, on host scalars
+        compiled(torch.randn(4, 12, device=DEVICE)).square().sum().backward()
+    optimizer.step()
+    assert not optimizer._device_mode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_reduce_overhead_replays_match_eager_forge(state_dtype: str) -> None:
+    eager, compiled = _model("tiny-llama").to(torch.bfloat16), _model("tiny-llama").to(torch.bfloat16)
+    eager_opt = forge_core.fuse(eager, "adamw", lr=1e-2, state_dtype=state_dtype)
+    compiled_opt = forge_core.fuse(compiled, "adamw", lr=1e-2, state_dtype=state_dtype)
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 8) for o in (eager_opt, compiled_opt)]
+    replayed = torch.compile(compiled, mode="reduce-overhead")
+    for step, batch in enumerate(_batches("tiny-llama", 8)):
+        eager(**batch).loss.backward()
+        eager_opt.step()
+        schedules[0].step()
+        eager_opt.zero_grad()
+        torch.compiler.cudagraph_mark_step_begin()
+        replayed(**batch).loss.backward()
+        compiled_opt.step()
+        schedules[1].step()
+        compiled_opt.zero_grad()
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert compiled_opt.steps_taken == 8
+    # the same kernels in the same order on the same data: replays equal eager FORGE's steps
+    assert _largest_difference(eager, compiled) <= 2e-2 * 1e-2 * 8
