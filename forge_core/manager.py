@@ -572,6 +572,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         if embedding_rows:
             _install_row_embeddings(model, forge_optimizer)
         _mark_gradientless_weights(forge_optimizer)
+        forge_optimizer.keep_addresses_static()
         install_clipping_guard()
         return forge_optimizer
     except BaseException:

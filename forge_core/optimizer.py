@@ -44,7 +44,7 @@ from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
-from .traced import graph_capturing, same_tensors, trace_key, written_tensors
+from .traced import graph_capturing, keep_static, same_tensors, trace_key, written_tensors
 
 GUARD_GROUP_KEY = "forge_state_dict"
 """The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
@@ -424,6 +424,14 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         written_from = self._scalars_written_from[group]
         if stale or written_from is None or written_from != self._kernel_hyperparameters(group):
             self._write_device_scalars(group)
+
+    def keep_addresses_static(self) -> None:
+        """Mark every tensor a traced update writes, and the device scalars, as static for the compiler
+        (``traced.keep_static``); ``fuse`` calls it once the states are final."""
+        tensors = [*self._device_steps, *self._device_scalars]
+        for owner in (*self._bindings, *self._dense):
+            tensors.extend(written_tensors(owner))
+        keep_static(tensors)
 
     def device_scalars_of(self, owner: "FusedWeight | DenseWeight") -> Optional[torch.Tensor]:
         """The device scalars buffer ``owner``'s updates read once device mode is on, or None where this

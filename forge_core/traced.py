@@ -73,6 +73,18 @@ def written_tensors(owner: Any) -> list[torch.Tensor]:
     return tensors
 
 
+def keep_static(tensors: list[torch.Tensor]) -> None:
+    """Tell the compiler that ``tensors`` keep their addresses for the life of the model
+    (``torch._dynamo.mark_static_address``): a CUDA graph recorded by ``mode="reduce-overhead"`` then
+    reads and writes them in place instead of copying each into a buffer of its own at every replay
+    (an 8B model's moments are 32 GB) and updating the copy."""
+    import torch._dynamo
+
+    for tensor in tensors:
+        if tensor.is_cuda:
+            torch._dynamo.mark_static_address(tensor, guard=False)
+
+
 def same_tensors(given: list[torch.Tensor], owned: list[torch.Tensor]) -> bool:
     """Whether ``given`` are ``owned`` themselves (same storage, shape and strides), not copies of them
     (``torch.library.opcheck`` calls an operator on copies)."""
@@ -130,5 +142,5 @@ def _update_embedding_rows_fake(ids: torch.Tensor, grad_output: torch.Tensor, we
     return None
 
 
-__all__ = ["graph_capturing", "in_traced_update", "owner_of", "same_tensors", "trace_key", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["graph_capturing", "in_traced_update", "keep_static", "owner_of", "same_tensors", "trace_key", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]
