@@ -42,7 +42,7 @@ from torch import nn
 
 from .fused_weight import FusedWeight, RowSliceUpdate
 from .kernels.tile_config import default_config
-from .traced import owner_of, traced_update_scope, written_tensors
+from .traced import MUTATED, owner_of, traced_update_scope, written_tensors
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64
@@ -250,10 +250,11 @@ def _zero_rows_past(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < offsets[-1], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-@torch.library.custom_op("forge::update_experts_", mutates_args=("weight", "written"))
+@torch.library.custom_op("forge::update_experts_", mutates_args=tuple(n for n in MUTATED if n != "scalars"))
 def _update_experts(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
-                    offsets: torch.Tensor, key: int) -> None:
-    """The backward's update of every expert of the 3-D weight ``key`` names, from its routed rows."""
+                    offsets: torch.Tensor, after: list[torch.Tensor], key: int) -> None:
+    """The backward's update of every expert of the 3-D weight ``key`` names, from its routed rows, once
+    ``after`` exist."""
     binding = owner_of(key)
     optimizer = binding.optimizer
     optimizer.prepare_traced_update(repr(binding.name))
@@ -263,7 +264,8 @@ def _update_experts(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Te
 
 @_update_experts.register_fake
 def _update_experts_fake(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
-                         written: list[torch.Tensor], offsets: torch.Tensor, key: int) -> None:
+                         written: list[torch.Tensor], offsets: torch.Tensor, after: list[torch.Tensor],
+                         key: int) -> None:
     return None
 
 
@@ -284,7 +286,8 @@ class TracedExpertsLinearFunction(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         # dX from the pre-update weights, for every expert, before any expert is updated.
         grad_x = _experts_mm_input_grad(grad_output, weight, offsets) if ctx.needs_input_grad[0] else None
-        _update_experts(x, grad_output.to(x.dtype).detach(), weight, list(written), offsets, ctx.key)
+        _update_experts(x, grad_output.to(x.dtype).detach(), weight, list(written), offsets,
+                        [grad_x] if grad_x is not None else [], ctx.key)
         return (grad_x, None, None, None, *(None for _ in written))
 
 

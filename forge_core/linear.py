@@ -145,7 +145,8 @@ class TracedLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         x, weight, scalars, *written = ctx.saved_tensors
         grad_x, grad_bias, first, second = linear_backward(ctx, x, weight, grad_output)
-        update_weight_(first.detach(), second.detach(), weight, list(written), scalars, ctx.key)
+        update_weight_(first.detach(), second.detach(), weight, list(written), scalars,
+                       [grad_x] if grad_x is not None else [], ctx.key)
         return (grad_x, None, grad_bias, None, None, None, *(None for _ in written))
 
 

@@ -59,7 +59,7 @@ from torch import nn
 from .kernels import cross_entropy as chunk_kernels
 from .linear import ForgeLinear, autocast_dtype
 from .overlap import run_beside, wants_overlap
-from .traced import owner_of, traced_update_scope, written_tensors
+from .traced import MUTATED, owner_of, traced_update_scope, written_tensors
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 """Upper bound on one chunk's fp32 logits (tokens x chunk x 4 bytes) when no chunk_size is given."""
@@ -294,7 +294,7 @@ def _traced_loss_fake(hidden_c: torch.Tensor, weight: torch.Tensor, bias: Option
     return (hidden_c.new_empty((), dtype=torch.float32), hidden_c.new_empty((hidden_c.shape[0],), dtype=torch.float32))
 
 
-@torch.library.custom_op("forge::chunked_lm_head_loss_backward_", mutates_args=("weight", "written", "scalars"))
+@torch.library.custom_op("forge::chunked_lm_head_loss_backward_", mutates_args=MUTATED)
 def _traced_loss_backward(grad_loss: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor,
                           bias: Optional[torch.Tensor], hit_targets: torch.Tensor, lse: torch.Tensor,
                           denominator: torch.Tensor, written: list[torch.Tensor], scalars: Optional[torch.Tensor],

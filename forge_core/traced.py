@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -112,10 +113,29 @@ def in_traced_update() -> bool:
     return _IN_TRACED_UPDATE[0] > 0
 
 
-@torch.library.custom_op("forge::update_weight_", mutates_args=("weight", "written", "scalars"))
+def _declares_weight_mutation() -> bool:
+    """Whether the operators declare the weight among the tensors they mutate. AOTAutograd accepts an
+    in-place update of a grad-requiring forward input inside the backward from torch 2.13 on (it copies
+    the result back under no_grad); torch 2.11 refuses it ("a leaf Variable that requires grad is being
+    used in an in-place operation"). There the weight is updated in place undeclared, after the
+    tensors named in the operator's ``after`` (the layer's dX: the only reader of the pre-update weight).
+    ``FORGE_DECLARE_WEIGHT_MUTATION=0`` / ``1`` overrides (tests run both)."""
+    override = os.environ.get("FORGE_DECLARE_WEIGHT_MUTATION")
+    if override is not None:
+        return override != "0"
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
+DECLARES_WEIGHT_MUTATION = _declares_weight_mutation()
+MUTATED = ("weight", "written", "scalars") if DECLARES_WEIGHT_MUTATION else ("written", "scalars")
+"""What the update operators declare they mutate (``_declares_weight_mutation``)."""
+
+
+@torch.library.custom_op("forge::update_weight_", mutates_args=MUTATED)
 def update_weight_(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
-                   scalars: Optional[torch.Tensor], key: int) -> None:
-    """One fused update of the weight ``key`` names from ``(x, grad_output)`` (its kernel's ``dY^T X``)."""
+                   scalars: Optional[torch.Tensor], after: list[torch.Tensor], key: int) -> None:
+    """One fused update of the weight ``key`` names from ``(x, grad_output)`` (its kernel's ``dY^T X``),
+    once ``after`` exist."""
     owner = owner_of(key)
     with traced_update_scope():
         owner.optimizer.traced_update(owner, x, grad_output, weight, written, scalars)
@@ -123,11 +143,12 @@ def update_weight_(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Ten
 
 @update_weight_.register_fake
 def _update_weight_fake(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
-                        written: list[torch.Tensor], scalars: Optional[torch.Tensor], key: int) -> None:
+                        written: list[torch.Tensor], scalars: Optional[torch.Tensor], after: list[torch.Tensor],
+                        key: int) -> None:
     return None
 
 
-@torch.library.custom_op("forge::update_embedding_rows_", mutates_args=("weight", "written", "scalars"))
+@torch.library.custom_op("forge::update_embedding_rows_", mutates_args=MUTATED)
 def update_embedding_rows_(ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
                            written: list[torch.Tensor], scalars: Optional[torch.Tensor], key: int) -> None:
     """The row update of the embedding ``key`` names from this backward's ids and output gradient."""
@@ -142,5 +163,5 @@ def _update_embedding_rows_fake(ids: torch.Tensor, grad_output: torch.Tensor, we
     return None
 
 
-__all__ = ["graph_capturing", "in_traced_update", "keep_static", "owner_of", "same_tensors", "trace_key", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "graph_capturing", "in_traced_update", "keep_static", "owner_of", "same_tensors", "trace_key", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]

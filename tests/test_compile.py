@@ -112,7 +112,7 @@ def test_the_update_operator_declares_what_it_writes() -> None:
     grad_output = torch.randn(5, 20, device=DEVICE)
     torch.library.opcheck(torch.ops.forge.update_weight_.default,
                           (x, grad_output, binding.weight.detach(), forge_core.traced.written_tensors(binding),
-                           optimizer.device_scalars_of(binding), binding.trace_key),
+                           optimizer.device_scalars_of(binding), [], binding.trace_key),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
