@@ -131,12 +131,15 @@ def test_a_capture_of_what_a_graph_cannot_replay_is_refused_in_one_line() -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_reduce_overhead_replays_match_eager_forge(state_dtype: str) -> None:
-    eager, compiled = _model("tiny-llama").to(torch.bfloat16), _model("tiny-llama").to(torch.bfloat16)
-    eager_opt = forge_core.fuse(eager, "adamw", lr=1e-2, state_dtype=state_dtype)
-    compiled_opt = forge_core.fuse(compiled, "adamw", lr=1e-2, state_dtype=state_dtype)
+    """SGD with momentum (linear in the gradient: Inductor's fp32 rounding of the backward is not amplified)
+    under a cosine schedule; the replays must train as eager FORGE does, the lr of every step included."""
+    eager, compiled = _model("tiny-llama"), _model("tiny-llama")
+    options = {"lr": 5e-2, "momentum": 0.9, "state_dtype": state_dtype}
+    eager_opt = forge_core.fuse(eager, "sgd", **options)
+    compiled_opt = forge_core.fuse(compiled, "sgd", **options)
     schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 8) for o in (eager_opt, compiled_opt)]
     replayed = torch.compile(compiled, mode="reduce-overhead")
-    for step, batch in enumerate(_batches("tiny-llama", 8)):
+    for batch in _batches("tiny-llama", 8):
         eager(**batch).loss.backward()
         eager_opt.step()
         schedules[0].step()
@@ -146,7 +149,7 @@ def test_reduce_overhead_replays_match_eager_forge(state_dtype: str) -> None:
         compiled_opt.step()
         schedules[1].step()
         compiled_opt.zero_grad()
-    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert compiled_opt.steps_taken == 8
-    # the same kernels in the same order on the same data: replays equal eager FORGE's steps
-    assert _largest_difference(eager, compiled) <= 2e-2 * 1e-2 * 8
+    assert _largest_difference(eager, compiled) <= 1e-4
+    assert _largest_difference(eager, _model("tiny-llama")) > 1e-2     # it trained
