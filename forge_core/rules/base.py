@@ -66,6 +66,10 @@ class Rule:
     graph can replay the computation (``fuse(..., capturable=True)``). None: the rule is not capturable."""
     sqrt_domain_states: frozenset[str] = field(default_factory=frozenset)
     """States stored as sqrt(value) when quantized to int8 / fp8 (second moments), see forge_core/state.py."""
+    floored_states: frozenset[str] = field(default_factory=frozenset)
+    """States stored as they are whose int8 / fp8 codes are floored at the smallest positive code, as a
+    sqrt-domain state's are: a non-negative denominator kept as it is (Adamax's ``exp_inf``), which a
+    zero code would turn into ``eps`` (forge_core/state.py says why)."""
     signed_states: frozenset[str] = field(default_factory=frozenset)
     """States that can be negative (first moments); the others are non-negative."""
     nonzero_code_states: frozenset[str] | None = None

@@ -1,0 +1,178 @@
+"""Every rule x state format x fused path against the rule's torch optimizer with fp32 states, a new
+batch each step (``tests/differential_paths.py``: a Linear, a Conv1D, 3-D experts, an embedding stepped
+from rows, one stepped from its dense ``.grad``, a 2-D Parameter and a tied weight; rows, columns and an
+expert first reached at step 3, and some never).
+
+What is asserted of each weight at each step:
+
+* its move is within the rule's bound (``differential_paths.move_ratio``), times the format's
+  ``MOVE_SLACK``, where the rule bounds it (not SGD, RAdam before rho_t > 5, centered RMSprop);
+* an element torch never moves (no gradient ever reached it) stays exactly where it started;
+* with fp32 states it equals torch's weight (``EQUAL``); with bf16, int8 or fp8 states its trajectory
+  after the last step is within the format's documented distance of torch's (``TRAJECTORY``,
+  docs/design.md section 10).
+
+CPU (``make test``): the reference backend for every combination, and the Triton kernels in the
+interpreter for a few (``INTERPRETED``); on a machine with CUDA the Triton kernels run every
+combination on the GPU, and ``test_gpu_gluon_kernel_paths`` steps the Linear and Conv1D weights with the
+warp-specialized Gluon kernel wherever it takes the call. ``pytest -m sweep tests/test_differential.py``
+runs the larger sweep (more steps, seeds and hyper-parameters; every combination interpreted on a CPU).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+import differential_paths as paths
+import forge_core
+import forge_core.layer_step
+import forge_core.optimizer
+
+pytest.importorskip("transformers")
+
+KERNEL_RULES = ("adamw", "sgd", "lion", "rmsprop", "adagrad", "adamax", "nadam", "radam", "lamb")
+LAYER_RULES = ("muon", "adafactor", "adalomo", "sm3", "adam_mini", "lars", "galore_adamw")
+FORMATS = ("fp32", "bf16", "int8", "fp8")
+STEPS = 6
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+INTERPRETED = (("adamax", "int8"),)
+"""The combinations the CPU runs through the interpreted Triton kernels in ``make test`` (about 10 s each;
+``-m sweep`` runs them all): int8 Adamax, whose floored ``exp_inf`` every kernel path codes."""
+
+MOVE_SLACK = {"fp32": 1.0 + 1e-5, "bf16": 1.02, "int8": 2.0, "fp8": 1.25}
+"""How far past the rule's bound a step may go with each state format (docs/design.md, section 10):
+fp32 rounding (a bound torch attains: Lion's, LAMB's); bf16 moments (2^-9 relative each); an int8 first moment one code up and a second moment
+half a code down (measured up to 1.6); fp8's 1/16-relative grid (measured up to 1.08)."""
+TRAJECTORY = {"bf16": 0.03, "int8": 0.45, "fp8": 0.1}
+"""rms(W - W_torch) / rms(W_torch - W_0) after the last step, at most (docs/design.md, section 10)."""
+EQUAL = 1e-3
+"""fp32 states: max |W - W_torch| over the largest move of torch's weight, at most."""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread. A second costs milliseconds of synchronisation per op on a busy
+    2-core machine (torch.round of 10k elements: 15 ms, against 3 us on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_run(rule_name: str, steps: int, seed: int, experts: bool, device: str) -> paths.Run:
+    return paths.torch_run(rule_name, paths.make_batches(steps, seed), device=device, experts=experts)
+
+
+def _stepping_rule(rule_name: str, how: str) -> tuple[str, dict[str, Any]]:
+    """The rule that steps a weight stepped ``how`` (Muon's fallback is AdamW on its ``adamw_*`` values)."""
+    hp = paths.RULE_HYPERPARAMETERS[rule_name]
+    if rule_name == "muon" and how == "fallback":
+        from forge_core.rules.muon import adamw_hyperparameters
+        return "adamw", adamw_hyperparameters(forge_core.get_rule("muon").resolve_hp(hp))
+    return rule_name, hp
+
+
+def check_against_torch(rule_name: str, state_dtype: str, ours: paths.Run, torch_run: paths.Run) -> None:
+    """The assertions of the module docstring, for every path of one run."""
+    failures = []
+    for path, steps in ours.weights.items():
+        theirs = torch_run.weights[path]
+        where = f"{rule_name} {state_dtype} {path} ({ours.how[path]})"
+        bound_rule, hp = _stepping_rule(rule_name, ours.how[path])
+        for step in range(1, len(steps)):
+            ratio = paths.move_ratio(bound_rule, hp, step, steps[step - 1], steps[step])
+            if ratio is not None and ratio > MOVE_SLACK[state_dtype]:
+                failures.append(f"{where}: step {step} moved {ratio:.3g} times the rule's bound")
+        unmoved = torch.stack([t == theirs[0] for t in theirs]).all(dim=0)
+        if not torch.equal(steps[-1][unmoved], theirs[0][unmoved]):
+            count = int((steps[-1][unmoved] != theirs[0][unmoved]).sum())
+            failures.append(f"{where}: {count} element(s) torch never moved have moved")
+        moved = (theirs[-1] - theirs[0]).double()
+        error = (steps[-1] - theirs[-1]).double()
+        if state_dtype == "fp32":
+            largest = float(torch.stack([(b - a).abs().max() for a, b in zip(theirs, theirs[1:])]).max())
+            if float(error.abs().max()) > EQUAL * largest:
+                failures.append(f"{where}: max |W - W_torch| {float(error.abs().max()):.3g} over the largest "
+                                f"move {largest:.3g}")
+        elif float(moved.square().mean()) > 0:
+            distance = float(error.square().mean().sqrt() / moved.square().mean().sqrt())
+            if distance > TRAJECTORY[state_dtype]:
+                failures.append(f"{where}: trajectory {distance:.3g} from torch's (at most {TRAJECTORY[state_dtype]})")
+    assert not failures, "\n".join(failures)
+
+
+def _differential(rule_name: str, state_dtype: str, backend: str, monkeypatch: pytest.MonkeyPatch, *,
+                  steps: int = STEPS, seed: int = 1) -> None:
+    experts = rule_name in KERNEL_RULES     # the per-layer rules leave 3-D experts to a fallback that takes 2-D only
+    if backend == "reference":
+        # the per-layer rules' plain-torch reference too: their Triton passes (``Rule.matrix_step``) run
+        # wherever Triton does, the CPU interpreter included, whatever the backend
+        monkeypatch.setattr(forge_core.layer_step, "MATRIX_KERNELS", None)
+        monkeypatch.setattr(forge_core.optimizer, "MATRIX_KERNELS", None)
+    batches = paths.make_batches(steps, seed)
+    ours = paths.forge_run(rule_name, state_dtype, batches, backend=backend, device=DEVICE if backend == "triton"
+                           else "cpu", experts=experts)
+    reference = _torch_run(rule_name, steps, seed, experts, DEVICE if backend == "triton" else "cpu")
+    check_against_torch(rule_name, state_dtype, ours, reference)
+
+
+def test_torch_stays_within_each_rules_bound() -> None:
+    """The bounds hold for torch itself (fp32): they are the rules' own."""
+    for rule_name in KERNEL_RULES + LAYER_RULES:
+        run = _torch_run(rule_name, STEPS, 1, rule_name in KERNEL_RULES, "cpu")
+        for path, steps in run.weights.items():
+            bound_rule, hp = _stepping_rule(rule_name, "fused" if path in ("lin", "conv") else "fallback")
+            for step in range(1, len(steps)):
+                ratio = paths.move_ratio(bound_rule, hp, step, steps[step - 1], steps[step])
+                assert ratio is None or ratio <= MOVE_SLACK["fp32"], (rule_name, path, step, ratio)
+
+
+@pytest.mark.parametrize("state_dtype", FORMATS)
+@pytest.mark.parametrize("rule_name", KERNEL_RULES)
+def test_kernel_rules_on_every_path_follow_torch(rule_name: str, state_dtype: str, monkeypatch) -> None:
+    _differential(rule_name, state_dtype, "reference", monkeypatch)
+
+
+@pytest.mark.parametrize("state_dtype", ("fp32", "bf16"))
+@pytest.mark.parametrize("rule_name", LAYER_RULES)
+def test_layer_rules_follow_torch(rule_name: str, state_dtype: str, monkeypatch) -> None:
+    _differential(rule_name, state_dtype, "reference", monkeypatch)
+
+
+def _kernel_cases() -> list[Any]:
+    """On a GPU every kernel rule and format; on a CPU (the interpreter) ``INTERPRETED``."""
+    if CUDA:
+        return [(rule, fmt) for rule in KERNEL_RULES for fmt in FORMATS]
+    return list(INTERPRETED)
+
+
+@pytest.mark.parametrize("rule_name, state_dtype", _kernel_cases())
+def test_triton_kernels_on_every_path_follow_torch(rule_name: str, state_dtype: str, monkeypatch) -> None:
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")     # tiny shapes: the untuned tile (tuning tells nothing here)
+    _differential(rule_name, state_dtype, "triton", monkeypatch)
+
+
+# -- the larger sweep (pytest -m sweep) --------------------------------------------------------------
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("seed", (2, 3))
+@pytest.mark.parametrize("state_dtype", FORMATS)
+@pytest.mark.parametrize("rule_name", KERNEL_RULES)
+@pytest.mark.parametrize("backend", ("reference", "triton"))
+def test_sweep_kernel_rules(rule_name: str, state_dtype: str, backend: str, seed: int, monkeypatch) -> None:
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
+    _differential(rule_name, state_dtype, backend, monkeypatch, steps=10, seed=seed)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("state_dtype", ("fp32", "bf16"))
+@pytest.mark.parametrize("rule_name", LAYER_RULES)
+@pytest.mark.parametrize("backend", ("reference", "triton"))
+def test_sweep_layer_rules(rule_name: str, state_dtype: str, backend: str, monkeypatch) -> None:
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
+    _differential(rule_name, state_dtype, backend, monkeypatch, steps=10, seed=2)
