@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .module_copies import plain_module_reduction
+
 
 class RowGradientSink(Protocol):
     """What the backward calls once per use: keep the ids and the output gradient for ``step()``."""
@@ -77,6 +79,10 @@ class ForgeEmbedding(nn.Embedding):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", forge_row_gradient=True"
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """A deep copy or pickle is a plain ``nn.Embedding`` with the same weight (``forge_core.module_copies``)."""
+        return plain_module_reduction(self, nn.Embedding, protocol)
 
 
 def install_forge_embedding(module: nn.Embedding, sink: RowGradientSink) -> None:

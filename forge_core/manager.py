@@ -32,6 +32,10 @@ warning (``probe_inputs=False`` skips it on purpose, silently).
 Gradient clipping: ``fuse`` marks every weight whose gradient FORGE never forms (``FUSED_MARK``) and
 installs, once per process, a guard around ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
 (``install_clipping_guard``) that raises when it is given such a weight; ``unfuse`` removes the marks.
+
+Copies: ``copy.deepcopy(model)`` and ``torch.save(model)`` of a fused model give the plain model with its
+weights as they are (``forge_core.module_copies``): an EMA or evaluation copy, a whole-model checkpoint.
+The original's optimizer does not step the copy; ``fuse(copy, ...)`` trains it.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_emb
 from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
                       is_forge_experts, looks_like_experts, remove_forge_experts)
 from .layer_step import takes_layer_path
+from .module_copies import FusedMark
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .fused_weight import FusedWeight
 from .optimizer import ForgeOptimizer
@@ -119,7 +124,7 @@ def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callabl
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         for parameter in parameters:
             what = getattr(parameter, FUSED_MARK, None)
-            if what is not None:
+            if isinstance(what, FusedMark):          # (a pickled copy's weight loads a plain str: no mark)
                 if function_name == "clip_grad_norm_" and _clips_nothing(args, kwargs):
                     # max_norm=inf measures a norm and clips nothing: HF's Trainer does it every step for
                     # its grad_norm log, max_grad_norm=0 or not. Allowed; the norm leaves out every
@@ -626,13 +631,13 @@ def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
     row-gradient embeddings'."""
     for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
         label = name if name.rpartition(".")[2] in EXPERT_PARAMETERS else f"{name}.weight"   # experts name the Parameter
-        setattr(weight, FUSED_MARK, f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
-                                    "its gradient never exists)")
+        setattr(weight, FUSED_MARK, FusedMark(f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
+                                              "its gradient never exists)"))
     for dense in optimizer.dense_weights():
         if dense.records_rows:
-            setattr(dense.weight, FUSED_MARK, f"{dense.name}, an embedding weight whose gradient forge_core.fuse "
-                                              "keeps as rows (it never gets a .grad; fuse(..., embedding_rows=False) "
-                                              "gives it one)")
+            setattr(dense.weight, FUSED_MARK, FusedMark(
+                f"{dense.name}, an embedding weight whose gradient forge_core.fuse keeps as rows (it never gets a "
+                ".grad; fuse(..., embedding_rows=False) gives it one)"))
 
 
 def unfuse(model: nn.Module) -> nn.Module:
