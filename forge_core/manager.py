@@ -9,6 +9,7 @@ standard torch optimizer (the *fallback*) for every other trainable parameter.
 A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
 
 * its weight is frozen (``requires_grad=False``: then it is in no optimizer at all);
+* its weight has no elements (``nn.Linear(16, 0)``: the fallback steps nothing, as torch does);
 * its weight appears in more than one place (tied / shared: e.g. ``lm_head`` tied to
   ``embed_tokens``; the fused update would see only one consumer's gradient);
 * it is not exactly ``nn.Linear`` or transformers' ``Conv1D`` (a subclass has its own forward or
@@ -63,7 +64,9 @@ from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .fused_weight import FusedWeight
 from .optimizer import ForgeOptimizer
 from .rules import Rule, get_rule
+from .rules.checks import betas_pair
 from .state import STATE_DTYPES
+from .torch_guards import install_conversion_guard
 
 PROBE_SEQUENCE_LENGTH = 8
 
@@ -216,6 +219,8 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
             loud[label] = f"{type(module).__name__} is a subclass of {base} with its own behaviour; not fused"
         elif not weight.requires_grad:
             quiet[label] = "weight is frozen (requires_grad=False)"
+        elif weight.numel() == 0:           # (torch's optimizer steps it: nothing to update, nothing to keep)
+            quiet[label] = f"weight has no elements (shape {tuple(weight.shape)})"
         elif use_counts[id(weight)] > 1:
             quiet[label] = f"weight is tied / shared ({use_counts[id(weight)]} places hold this Parameter)"
         elif weight.dtype not in (torch.float32, torch.bfloat16):
@@ -246,6 +251,8 @@ def _select_experts(model: nn.Module, capturable: bool,
         if not all(weight.requires_grad for weight in weights):
             continue                                  # frozen experts: in no optimizer (or the fallback's)
         problem = experts_layout_problem(module)
+        if problem is None and any(weight.numel() == 0 for weight in weights):
+            problem = "expert weights have no elements"
         if problem is None and any(use_counts[id(weight)] > 1 for weight in weights):
             problem = "expert weights are shared with another module"
         if problem is None and capturable:
@@ -498,8 +505,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         raise ValueError(f"optimizer {rule.name!r} has no hyper-parameter(s) {unknown}; "
                          f"its hyper-parameters are {sorted(rule.defaults)}")
     hyperparameters = {**dict(rule.defaults), **given}
-    if "betas" in hyperparameters:
-        hyperparameters["betas"] = tuple(hyperparameters["betas"])
+    for key in [key for key in hyperparameters if key.endswith("betas")]:      # (Muon's adamw_betas too)
+        hyperparameters[key] = betas_pair(rule.name, hyperparameters[key], key)
     # Validate the values once, the way the fused path will read them (the rule raises on nonsense).
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
 
@@ -578,6 +585,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
             _install_row_embeddings(model, forge_optimizer)
         _mark_gradientless_weights(forge_optimizer)
         install_clipping_guard()
+        install_conversion_guard()
         return forge_optimizer
     except BaseException:
         for binding in bindings.values():
