@@ -65,6 +65,7 @@ from .fused_weight import FusedWeight
 from .optimizer import ForgeOptimizer
 from .rules import Rule, get_rule
 from .rules.checks import betas_pair
+from .rules.rule_optimizer import unsteppable_parameter
 from .state import STATE_DTYPES
 from .torch_guards import install_conversion_guard
 
@@ -515,6 +516,10 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         _keep_output_head_unfused(model, rule.name, candidates, quiet)
     expert_candidates, experts_left_out = _select_experts(model, capturable, rule)
     loud.update(experts_left_out)
+    if rule.regime == 3:           # its fallback, a RuleOptimizer, would refuse a 3-D parameter at the first step()
+        problem = unsteppable_parameter(model.named_parameters(), rule.name)
+        if problem is not None:
+            raise ValueError(problem)
     bindings: dict[str, FusedWeight] = {name: FusedWeight(name, module) for name, module in candidates.items()}
     bindings.update({name: ExpertsWeight(name, module, attribute)
                      for name, (module, attribute) in expert_candidates.items()})

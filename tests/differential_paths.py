@@ -16,22 +16,38 @@ step and some never: an int8 block then holds values of very different ages side
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-from typing import Any, Callable
+import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
 import forge_core
 
-WIDTH = 80                 # 64 + a ragged block of 16
-VOCAB, TIED_VOCAB, MATRIX_ROWS, HIDDEN, EXPERTS, EXPERT_WIDTH, TOKENS = 40, 24, 20, 40, 4, 16, 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The model's sizes: ``width`` the embeddings' and the Linear's input width, ``hidden`` the Linear's and
+    Conv1D's output width, ``tokens`` per step."""
+    width: int = 80            # 64 + a ragged block of 16
+    hidden: int = 40
+    vocab: int = 40
+    tied_vocab: int = 24
+    matrix_rows: int = 20
+    experts: int = 4
+    expert_width: int = 16
+    tokens: int = 12
+
+
+SMALL = Dims()
+GLUON = Dims(width=128, hidden=128, tokens=64)
+"""Where the warp-specialized Gluon kernel takes the Linear and Conv1D weights (128 x 128, bf16)."""
 LATE_STEP = 3
 """The step from which the late rows, columns and expert are first reached."""
 NEVER_ROWS = 4
-"""The last rows of each weight (and the last vocabulary ids) no step reaches."""
-NEVER_EXPERT, LATE_EXPERT = EXPERTS - 1, EXPERTS - 2
+"""The last rows of each weight (and the last vocabulary ids) no step reaches; the last expert no token."""
 
 RULE_HYPERPARAMETERS: dict[str, dict[str, Any]] = {
     "adamw": dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0),
@@ -60,10 +76,10 @@ def _conv1d(nf: int, nx: int) -> nn.Module:
     return Conv1D(nf, nx)
 
 
-def _experts() -> nn.Module:
+def _experts(dims: Dims) -> nn.Module:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    config = Qwen3MoeConfig(hidden_size=WIDTH, moe_intermediate_size=EXPERT_WIDTH, num_experts=EXPERTS,
+    config = Qwen3MoeConfig(hidden_size=dims.width, moe_intermediate_size=dims.expert_width, num_experts=dims.experts,
                             hidden_act="silu")
     experts = Qwen3MoeExperts(config)
     nn.init.normal_(experts.gate_up_proj, std=0.1)
@@ -75,20 +91,20 @@ class Paths(nn.Module):
     """One weight per fused path, each read by its own term of a loss linear in its output (``experts``
     False: no experts module)."""
 
-    def __init__(self, experts: bool = True) -> None:
+    def __init__(self, experts: bool = True, dims: Dims = SMALL) -> None:
         super().__init__()
-        self.emb_rows = nn.Embedding(VOCAB, WIDTH)
-        self.emb_dense = nn.Embedding(VOCAB, WIDTH, scale_grad_by_freq=True)
-        self.tied = nn.Embedding(TIED_VOCAB, WIDTH)
-        self.head = nn.Linear(WIDTH, TIED_VOCAB, bias=False)
+        self.emb_rows = nn.Embedding(dims.vocab, dims.width)
+        self.emb_dense = nn.Embedding(dims.vocab, dims.width, scale_grad_by_freq=True)
+        self.tied = nn.Embedding(dims.tied_vocab, dims.width)
+        self.head = nn.Linear(dims.width, dims.tied_vocab, bias=False)
         self.head.weight = self.tied.weight
-        self.matrix = nn.Parameter(torch.randn(MATRIX_ROWS, WIDTH) * 0.1)
-        self.lin = nn.Linear(WIDTH, HIDDEN)
-        self.conv = _conv1d(HIDDEN, WIDTH)
-        self.experts = _experts() if experts else None
+        self.matrix = nn.Parameter(torch.randn(dims.matrix_rows, dims.width) * 0.1)
+        self.lin = nn.Linear(dims.width, dims.hidden)
+        self.conv = _conv1d(dims.hidden, dims.width)
+        self.experts = _experts(dims) if experts else None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = batch["x"]
+        x = batch["x"].to(self.matrix.dtype)
         terms = [
             (self.emb_rows(batch["ids_rows"]), batch["r_emb_rows"]),
             (self.emb_dense(batch["ids_dense"]), batch["r_emb_dense"]),
@@ -109,9 +125,11 @@ WEIGHTS = {"emb_rows": "emb_rows.weight", "emb_dense": "emb_dense.weight", "tied
 """Path -> the parameter it steps (the tied weight is the embedding's and the head's)."""
 
 
-def make_model(seed: int = 0, experts: bool = True) -> Paths:
+def make_model(seed: int = 0, experts: bool = True, dims: Dims = SMALL,
+               dtype: torch.dtype = torch.float32) -> Paths:
+    """The model at ``seed`` (drawn in fp32, then cast to ``dtype``)."""
     torch.manual_seed(seed)
-    return Paths(experts)
+    return Paths(experts, dims).to(dtype)
 
 
 def _reached_columns(size: int, step: int) -> torch.Tensor:
@@ -124,35 +142,38 @@ def _reached_columns(size: int, step: int) -> torch.Tensor:
     return mask
 
 
-def _ids(generator: torch.Generator, vocab: int, step: int) -> torch.Tensor:
+def _ids(generator: torch.Generator, vocab: int, step: int, tokens: int) -> torch.Tensor:
     """A few ids of the rows a step may reach (a new draw each step: most rows are touched, then left idle)."""
     reachable = vocab - NEVER_ROWS if step >= LATE_STEP else (3 * (vocab - NEVER_ROWS)) // 4
-    return torch.randint(0, reachable, (TOKENS,), generator=generator)
+    return torch.randint(0, reachable, (tokens,), generator=generator)
 
 
-def make_batches(steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+def make_batches(steps: int, seed: int = 1, dims: Dims = SMALL) -> list[dict[str, torch.Tensor]]:
     """``steps`` batches on the CPU (the same values on every machine). Input columns span four decades
     (``spread``), so a block's small first moments sit next to large ones."""
     generator = torch.Generator().manual_seed(seed)
-    spread = torch.logspace(-3, 0, WIDTH)[torch.randperm(WIDTH, generator=generator)]
+    d = dims
+    spread = torch.logspace(-3, 0, d.width)[torch.randperm(d.width, generator=generator)]
     batches = []
     for step in range(1, steps + 1):
         def drawn(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=generator)
-        x = drawn(TOKENS, WIDTH) * spread * _reached_columns(WIDTH, step)
-        experts = torch.tensor([0, 1] + ([LATE_EXPERT] if step >= LATE_STEP else []))
-        top_k_index = experts[torch.randint(0, experts.numel(), (TOKENS, 1), generator=generator)]
+        x = drawn(d.tokens, d.width) * spread * _reached_columns(d.width, step)
+        # experts 0 and 1 from the first step, the one before the last from LATE_STEP, the last never
+        experts = torch.tensor([0, 1] + ([d.experts - 2] if step >= LATE_STEP else []))
+        top_k_index = experts[torch.randint(0, experts.numel(), (d.tokens, 1), generator=generator)]
         batches.append({
-            "x": x, "ids_rows": _ids(generator, VOCAB, step), "ids_dense": _ids(generator, VOCAB, step),
-            "ids_tied": _ids(generator, TIED_VOCAB, step),
-            "r_emb_rows": drawn(TOKENS, WIDTH) * spread, "r_emb_dense": drawn(TOKENS, WIDTH) * spread,
-            "r_tied": drawn(TOKENS, WIDTH) * spread,
-            "r_head": drawn(TOKENS, TIED_VOCAB) * _reached_columns(TIED_VOCAB, step),
-            "r_matrix": drawn(TOKENS, MATRIX_ROWS) * _reached_columns(MATRIX_ROWS, step),
-            "r_lin": drawn(TOKENS, HIDDEN) * _reached_columns(HIDDEN, step),
-            "r_conv": drawn(TOKENS, HIDDEN) * _reached_columns(HIDDEN, step),
-            "r_experts": drawn(TOKENS, WIDTH) * _reached_columns(WIDTH, step),
-            "top_k_index": top_k_index, "top_k_weights": torch.ones(TOKENS, 1),
+            "x": x, "ids_rows": _ids(generator, d.vocab, step, d.tokens),
+            "ids_dense": _ids(generator, d.vocab, step, d.tokens),
+            "ids_tied": _ids(generator, d.tied_vocab, step, d.tokens),
+            "r_emb_rows": drawn(d.tokens, d.width) * spread, "r_emb_dense": drawn(d.tokens, d.width) * spread,
+            "r_tied": drawn(d.tokens, d.width) * spread,
+            "r_head": drawn(d.tokens, d.tied_vocab) * _reached_columns(d.tied_vocab, step),
+            "r_matrix": drawn(d.tokens, d.matrix_rows) * _reached_columns(d.matrix_rows, step),
+            "r_lin": drawn(d.tokens, d.hidden) * _reached_columns(d.hidden, step),
+            "r_conv": drawn(d.tokens, d.hidden) * _reached_columns(d.hidden, step),
+            "r_experts": drawn(d.tokens, d.width) * _reached_columns(d.width, step),
+            "top_k_index": top_k_index, "top_k_weights": torch.ones(d.tokens, 1),
         })
     return batches
 
@@ -230,8 +251,8 @@ def run(model: nn.Module, optimizer: Any, batches: list[dict[str, torch.Tensor]]
 
 
 def torch_run(rule_name: str, batches: list[dict[str, torch.Tensor]], device: str = "cpu",
-              experts: bool = True) -> Run:
-    model = make_model(experts=experts).to(device)
+              experts: bool = True, dims: Dims = SMALL) -> Run:
+    model = make_model(experts=experts, dims=dims).to(device)
     weights = run(model, torch_optimizer(rule_name, model, RULE_HYPERPARAMETERS[rule_name]), batches, device)
     return Run(weights, {path: "torch" for path in weights})
 
@@ -250,12 +271,9 @@ def how_stepped(optimizer: forge_core.ForgeOptimizer, model: nn.Module) -> dict[
 
 
 def forge_run(rule_name: str, state_dtype: str, batches: list[dict[str, torch.Tensor]], *, backend: str,
-              device: str = "cpu", embedding_rows: bool = True, experts: bool = True,
-              prepare: Callable[[nn.Module], None] | None = None) -> Run:
-    model = make_model(experts=experts).to(device)
-    if prepare is not None:
-        prepare(model)
-    import warnings
+              device: str = "cpu", embedding_rows: bool = True, experts: bool = True, dims: Dims = SMALL,
+              dtype: torch.dtype = torch.float32) -> Run:
+    model = make_model(experts=experts, dims=dims, dtype=dtype).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the per-layer rules leave experts to their fallback, loudly
         optimizer = forge_core.fuse(model, rule_name, state_dtype=state_dtype, backend=backend, probe_inputs=False,
@@ -263,9 +281,6 @@ def forge_run(rule_name: str, state_dtype: str, batches: list[dict[str, torch.Te
     weights = run(model, optimizer, batches, device)
     return Run(weights, how_stepped(optimizer, model))
 
-
-def fresh_copy(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)
 
 
 # -- what each rule bounds a step by ---------------------------------------------------------------

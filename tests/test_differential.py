@@ -44,11 +44,17 @@ INTERPRETED = (("adamax", "int8"),)
 ``-m sweep`` runs them all): int8 Adamax, whose floored ``exp_inf`` every kernel path codes."""
 
 MOVE_SLACK = {"fp32": 1.0 + 1e-5, "bf16": 1.02, "int8": 2.0, "fp8": 1.25}
-"""How far past the rule's bound a step may go with each state format (docs/design.md, section 10):
-fp32 rounding (a bound torch attains: Lion's, LAMB's); bf16 moments (2^-9 relative each); an int8 first moment one code up and a second moment
-half a code down (measured up to 1.6); fp8's 1/16-relative grid (measured up to 1.08)."""
-TRAJECTORY = {"bf16": 0.03, "int8": 0.45, "fp8": 0.1}
-"""rms(W - W_torch) / rms(W_torch - W_0) after the last step, at most (docs/design.md, section 10)."""
+"""How far past the rule's bound a step may go with each state format (docs/design.md, section 10): fp32
+rounding (a bound torch attains: Lion's, LAMB's); bf16 moments (2^-9 relative each); an int8 first moment a
+code up and a second moment half a code down (measured up to 1.67); fp8's 1/16-relative grid (up to 1.07)."""
+TRAJECTORY = {"bf16": 0.02, "int8": 0.6, "fp8": 0.06}
+"""rms(W - W_torch) / rms(W_torch - W_0) after the last step, at most (docs/design.md, section 10; measured over
+6 and 10 steps and three seeds: bf16 0.011, int8 0.49, fp8 0.037). int8 is far: the inputs' columns span three
+decades, and a value below 1/254 of its 64-column block's largest codes 0, so its element stops where torch
+moves it (fp8's relative grid keeps it)."""
+SIGN_RULES = {"lion": 2.5}
+"""A rule whose step is a moment's sign: a rounding that flips a moment near 0 moves its element 2 lr the other
+way, so its bf16 and fp8 trajectories are this much further (measured: bf16 0.042, fp8 0.086)."""
 EQUAL = 1e-3
 """fp32 states: max |W - W_torch| over the largest move of torch's weight, at most."""
 
@@ -64,8 +70,9 @@ def _one_thread():
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_run(rule_name: str, steps: int, seed: int, experts: bool, device: str) -> paths.Run:
-    return paths.torch_run(rule_name, paths.make_batches(steps, seed), device=device, experts=experts)
+def _torch_run(rule_name: str, steps: int, seed: int, experts: bool, device: str,
+               dims: paths.Dims = paths.SMALL) -> paths.Run:
+    return paths.torch_run(rule_name, paths.make_batches(steps, seed, dims), device=device, experts=experts, dims=dims)
 
 
 def _stepping_rule(rule_name: str, how: str) -> tuple[str, dict[str, Any]]:
@@ -101,8 +108,9 @@ def check_against_torch(rule_name: str, state_dtype: str, ours: paths.Run, torch
                                 f"move {largest:.3g}")
         elif float(moved.square().mean()) > 0:
             distance = float(error.square().mean().sqrt() / moved.square().mean().sqrt())
-            if distance > TRAJECTORY[state_dtype]:
-                failures.append(f"{where}: trajectory {distance:.3g} from torch's (at most {TRAJECTORY[state_dtype]})")
+            allowed = TRAJECTORY[state_dtype] * (SIGN_RULES.get(rule_name, 1.0) if state_dtype != "int8" else 1.0)
+            if distance > allowed:
+                failures.append(f"{where}: trajectory {distance:.3g} from torch's (at most {allowed:.3g})")
     assert not failures, "\n".join(failures)
 
 
@@ -155,6 +163,74 @@ def _kernel_cases() -> list[Any]:
 def test_triton_kernels_on_every_path_follow_torch(rule_name: str, state_dtype: str, monkeypatch) -> None:
     monkeypatch.setenv("FORGE_AUTOTUNE", "0")     # tiny shapes: the untuned tile (tuning tells nothing here)
     _differential(rule_name, state_dtype, "triton", monkeypatch)
+
+
+# -- the Gluon kernel (a Hopper GPU) -----------------------------------------------------------------
+
+GLUON_RULES = ("adamw", "sgd", "lion", "rmsprop", "adagrad", "adamax", "nadam", "radam")
+"""The rules whose states the Gluon kernel takes here (regime 1, one or two states: SGD with momentum)."""
+
+
+def _no_gluon_reason() -> str | None:
+    if not CUDA:
+        return "needs a CUDA device"
+    from forge_core.kernels import hopper_ws
+    if hopper_ws.GLUON_IMPORT_ERROR is not None:
+        return f"Gluon is not importable: {hopper_ws.GLUON_IMPORT_ERROR}"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "the warp-specialized kernel needs a Hopper GPU (sm_90)"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_no_gluon_reason() is not None, reason=str(_no_gluon_reason()))
+@pytest.mark.parametrize("state_dtype", ("bf16", "int8"))
+@pytest.mark.parametrize("rule_name", GLUON_RULES)
+def test_gpu_gluon_kernel_paths(rule_name: str, state_dtype: str, monkeypatch) -> None:
+    """bf16 weights at 128 x 128 (``paths.GLUON``): the Linear and Conv1D weights stepped by the Gluon kernel
+    (forced: the first candidate that takes the call, untimed), the other paths by the Triton kernels, against
+    the same model on the Triton kernels alone: equal within a bf16 step of each weight or 5% of the largest
+    move; within the rule's bound (a bf16 weight's rounding allowed); elements torch never moves stay put."""
+    from forge_core.kernels import dispatch, ws_choice
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
+    batches = paths.make_batches(STEPS, 1, paths.GLUON)
+    triton_run = paths.forge_run(rule_name, state_dtype, batches, backend="triton", device="cuda", dims=paths.GLUON,
+                                 dtype=torch.bfloat16)
+    forced: list[str] = []
+
+    def gluon_plan(key, state_dtype_, x2, dy2, weight, states, scales, grad_accum, stochastic, scalars, seed, meta,
+                   triton_config):
+        candidates = ws_choice.candidates_for(x2, dy2, weight, states, scales, state_dtype_, grad_accum, stochastic,
+                                              meta["NUM_SUMS"])
+        if not candidates:
+            return None
+        forced.append(f"{tuple(weight.shape)}")
+        return dispatch.WsPlan(candidates[0], weight, states, scales, meta["EPILOGUE"], (meta["S0_SQRT"], meta["S1_SQRT"]))
+
+    monkeypatch.setattr(dispatch, "ws_plan", gluon_plan)
+    dispatch.PLANS.clear()
+    gluon_run = paths.forge_run(rule_name, state_dtype, batches, backend="triton", device="cuda", dims=paths.GLUON,
+                                dtype=torch.bfloat16)
+    assert len(forced) >= 2, forced                           # the Linear's and the Conv1D's weights
+    failures = []
+    reference = _torch_run(rule_name, STEPS, 1, True, "cuda", paths.GLUON)
+    for path, steps in gluon_run.weights.items():
+        theirs = triton_run.weights[path]
+        largest = float(torch.stack([(b - a).abs().max() for a, b in zip(theirs, theirs[1:])]).max())
+        apart = (steps[-1] - theirs[-1]).abs()
+        allowed = torch.clamp(theirs[-1].abs() * 2.0 ** -7, min=0.05 * largest)
+        if bool((apart > allowed).any()):
+            failures.append(f"{path}: {int((apart > allowed).sum())} element(s) apart from the Triton kernel's run "
+                            f"(max {float(apart.max()):.3g})")
+        for step in range(1, len(steps)):
+            ratio = paths.move_ratio(rule_name, paths.RULE_HYPERPARAMETERS[rule_name], step, steps[step - 1],
+                                     steps[step], weight_precision=2.0 ** -8)
+            if ratio is not None and ratio > MOVE_SLACK[state_dtype]:
+                failures.append(f"{path}: step {step} moved {ratio:.3g} times the rule's bound")
+        unmoved = torch.stack([t == reference.weights[path][0] for t in reference.weights[path]]).all(dim=0)
+        if not torch.equal(steps[-1][unmoved], steps[0][unmoved]):
+            failures.append(f"{path}: elements torch never moved have moved")
+    assert not failures, "\n".join(failures)
 
 
 # -- the larger sweep (pytest -m sweep) --------------------------------------------------------------

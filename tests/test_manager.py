@@ -420,3 +420,29 @@ def test_converting_a_fused_model_to_what_it_cannot_update_is_refused_at_once(co
     assert fresh[1].weight.dtype == torch.bfloat16 and not torch.equal(fresh[1].weight, before)
     plain = nn.Linear(2, 2)
     assert plain.to(torch.float64).weight.dtype == torch.float64      # a model without fused modules: torch's own
+
+
+@pytest.mark.parametrize("rule_name", ["adafactor", "adalomo", "sm3", "adam_mini", "lars", "galore_adamw"])
+def test_a_per_layer_rule_refuses_a_3d_parameter_at_fuse(rule_name: str) -> None:
+    """The regime-3 rules step what they do not fuse with a RuleOptimizer, which takes 1-D and 2-D parameters:
+    a model with 3-D MoE experts (or a convolution) fused with one failed at its first step(), after a warning
+    that the fallback steps them. Refused at fuse, the model untouched; frozen, the parameter is no obstacle."""
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.experts = nn.Parameter(torch.randn(2, 4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.einsum("bi,eoi->bo", self.lin(x), self.experts)
+
+    model = Experts()
+    with pytest.raises(ValueError, match=rf"^optimizer '{rule_name}' cannot step 'experts' of shape \(2, 4, 4\): its "
+                                         "per-layer step and the fallback that steps what it does not fuse take 1-D "
+                                         r"and 2-D parameters \(freeze it, or use another optimizer\)$"):
+        forge_core.fuse(model, rule_name, probe_inputs=False)
+    assert type(model.lin) is nn.Linear
+    model.experts.requires_grad_(False)
+    opt = forge_core.fuse(model, rule_name, probe_inputs=False)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
