@@ -56,7 +56,8 @@ SIGN_RULES = {"lion": 2.5}
 """A rule whose step is a moment's sign: a rounding that flips a moment near 0 moves its element 2 lr the other
 way, so its bf16 and fp8 trajectories are this much further (measured: bf16 0.042, fp8 0.086)."""
 EQUAL = 1e-3
-"""fp32 states: max |W - W_torch| over the largest move of torch's weight, at most."""
+"""fp32 states: max |W - W_torch| over the largest move of torch's weight, at most (Muon: steps x adjusted lr x
+2^-6, the rounding of torch's own bf16 Newton-Schulz)."""
 
 
 @pytest.fixture(autouse=True)
@@ -103,9 +104,13 @@ def check_against_torch(rule_name: str, state_dtype: str, ours: paths.Run, torch
         error = (steps[-1] - theirs[-1]).double()
         if state_dtype == "fp32":
             largest = float(torch.stack([(b - a).abs().max() for a, b in zip(theirs, theirs[1:])]).max())
-            if float(error.abs().max()) > EQUAL * largest:
-                failures.append(f"{where}: max |W - W_torch| {float(error.abs().max()):.3g} over the largest "
-                                f"move {largest:.3g}")
+            allowed = EQUAL * largest
+            if bound_rule == "muon":        # torch's bf16 Newton-Schulz rounds its input (docs/design.md, section 10)
+                from forge_core.newton_schulz import adjusted_lr
+                allowed = (len(steps) - 1) * adjusted_lr(hp["lr"], None, steps[0].shape) * 2.0 ** -6
+            if float(error.abs().max()) > allowed:
+                failures.append(f"{where}: max |W - W_torch| {float(error.abs().max()):.3g}, at most {allowed:.3g} "
+                                f"(the largest move {largest:.3g})")
         elif float(moved.square().mean()) > 0:
             distance = float(error.square().mean().sqrt() / moved.square().mean().sqrt())
             allowed = TRAJECTORY[state_dtype] * (SIGN_RULES.get(rule_name, 1.0) if state_dtype != "int8" else 1.0)
