@@ -510,6 +510,9 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         hyperparameters[key] = betas_pair(rule.name, hyperparameters[key], key)
     # Validate the values once, the way the fused path will read them (the rule raises on nonsense).
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
+    problem = rule.format_problem(hyperparameters, state_dtype)
+    if problem is not None:
+        raise ValueError(problem)
 
     candidates, quiet, loud = _select_candidates(model)
     if rule.hidden_weights_only:

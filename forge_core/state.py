@@ -286,5 +286,6 @@ def restore_entry(owner: Any, entry: Mapping[str, Any]) -> None:
     owner.steps_done = int(entry["step"])
 
 
-__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "CODES_AS_IS", "CODES_SQRT", "CODES_FLOORED", "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks",
+__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "CODES_AS_IS", "CODES_SQRT", "CODES_FLOORED",
+           "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks",
            "restore_entry", "saved_entry"]

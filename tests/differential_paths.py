@@ -69,6 +69,30 @@ RULE_HYPERPARAMETERS: dict[str, dict[str, Any]] = {
 }
 """Each rule's hyper-parameters here: no weight decay (a row no step reaches must then stay where it is
 under torch too), the betas of a short run."""
+VARIANTS: dict[str, dict[str, Any]] = {
+    "adamw": dict(lr=1e-3, betas=(0.8, 0.999), weight_decay=0.1),
+    "sgd": dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "lion": dict(lr=1e-3, weight_decay=0.1),
+    "rmsprop": dict(lr=1e-3, alpha=0.9, momentum=0.9, weight_decay=1e-2),
+    "adagrad": dict(lr=1e-2, lr_decay=1e-2, initial_accumulator_value=0.1, weight_decay=1e-2),
+    "adamax": dict(lr=1e-3, betas=(0.8, 0.99), weight_decay=1e-2),
+    "nadam": dict(lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1, momentum_decay=1e-2),
+    "radam": dict(lr=1e-3, decoupled_weight_decay=True, weight_decay=0.1),
+    "lamb": dict(lr=1e-2, weight_decay=1e-2, trust_clip=True),
+}
+"""A second setting of each kernel rule for the larger sweep: weight decay, and the options that change its
+state set or its arithmetic (Nesterov, RMSprop's momentum, NAdam's decoupled decay, LAMB's clip). Centered
+RMSprop (fp32 and bf16 states only) is ``CENTERED``."""
+CENTERED = dict(lr=1e-3, alpha=0.9, momentum=0.9, centered=True, weight_decay=1e-2)
+
+
+def hyperparameters(rule_name: str, variant: str = "") -> dict[str, Any]:
+    """The rule's hyper-parameters here: ``RULE_HYPERPARAMETERS``, ``VARIANTS`` for ``variant="variant"``,
+    ``CENTERED`` for RMSprop's ``variant="centered"``."""
+    if variant == "centered":
+        return dict(CENTERED)
+    return dict(VARIANTS[rule_name] if variant == "variant" else RULE_HYPERPARAMETERS[rule_name])
+
 
 
 def _conv1d(nf: int, nx: int) -> nn.Module:
@@ -238,7 +262,8 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
             if name in parameters}
 
 
-def run(model: nn.Module, optimizer: Any, batches: list[dict[str, torch.Tensor]], device: str) -> dict[str, list[torch.Tensor]]:
+def run(model: nn.Module, optimizer: Any, batches: list[dict[str, torch.Tensor]],
+        device: str) -> dict[str, list[torch.Tensor]]:
     """Step ``optimizer`` once per batch; each path's weight before the first step and after each."""
     weights = {path: [value] for path, value in _snapshot(model).items()}
     for batch in batches:
@@ -251,9 +276,9 @@ def run(model: nn.Module, optimizer: Any, batches: list[dict[str, torch.Tensor]]
 
 
 def torch_run(rule_name: str, batches: list[dict[str, torch.Tensor]], device: str = "cpu",
-              experts: bool = True, dims: Dims = SMALL) -> Run:
+              experts: bool = True, dims: Dims = SMALL, variant: str = "") -> Run:
     model = make_model(experts=experts, dims=dims).to(device)
-    weights = run(model, torch_optimizer(rule_name, model, RULE_HYPERPARAMETERS[rule_name]), batches, device)
+    weights = run(model, torch_optimizer(rule_name, model, hyperparameters(rule_name, variant)), batches, device)
     return Run(weights, {path: "torch" for path in weights})
 
 
@@ -272,12 +297,12 @@ def how_stepped(optimizer: forge_core.ForgeOptimizer, model: nn.Module) -> dict[
 
 def forge_run(rule_name: str, state_dtype: str, batches: list[dict[str, torch.Tensor]], *, backend: str,
               device: str = "cpu", embedding_rows: bool = True, experts: bool = True, dims: Dims = SMALL,
-              dtype: torch.dtype = torch.float32) -> Run:
+              dtype: torch.dtype = torch.float32, variant: str = "") -> Run:
     model = make_model(experts=experts, dims=dims, dtype=dtype).to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the per-layer rules leave experts to their fallback, loudly
         optimizer = forge_core.fuse(model, rule_name, state_dtype=state_dtype, backend=backend, probe_inputs=False,
-                                    embedding_rows=embedding_rows, **RULE_HYPERPARAMETERS[rule_name])
+                                    embedding_rows=embedding_rows, **hyperparameters(rule_name, variant))
     weights = run(model, optimizer, batches, device)
     return Run(weights, how_stepped(optimizer, model))
 
@@ -335,9 +360,9 @@ def move_ratio(rule_name: str, hp: dict[str, Any], step: int, before: torch.Tens
     or None where the rule bounds nothing. Element-wise rules: the largest element's move. LAMB: the
     Frobenius norm of the move over ``lr * ||W||`` (its trust ratio makes them equal). Adafactor: the
     move's rms over ``d * max(eps2, rms(W)) * min(lr, step^-0.5)``. Muon: the spectral norm over its
-    adjusted lr (torch's bf16 Newton-Schulz leaves singular values below 1.25: 1.204 seen). An element's move is counted less the
-    rounding of its stored weight (``weight_precision``, relative: an fp32 ulp, torch adds two terms to
-    NAdam's) and less its weight decay (``lr * weight_decay * |w|``, the term the rules add to the bound)."""
+    adjusted lr (torch's bf16 Newton-Schulz leaves singular values below 1.25: 1.204 seen). An element's move
+    is counted less the rounding of its stored weight (``weight_precision``, relative: an fp32 ulp, torch adds
+    two terms to NAdam's) and less its weight decay (``lr * weight_decay * |w|``, which the rules add)."""
     full = forge_core.get_rule(rule_name).resolve_hp(hp)
     lr = float(full["lr"])
     move = (after - before).double()

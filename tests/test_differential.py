@@ -72,26 +72,28 @@ def _one_thread():
 
 @functools.lru_cache(maxsize=None)
 def _torch_run(rule_name: str, steps: int, seed: int, experts: bool, device: str,
-               dims: paths.Dims = paths.SMALL) -> paths.Run:
-    return paths.torch_run(rule_name, paths.make_batches(steps, seed, dims), device=device, experts=experts, dims=dims)
+               dims: paths.Dims = paths.SMALL, variant: str = "") -> paths.Run:
+    return paths.torch_run(rule_name, paths.make_batches(steps, seed, dims), device=device, experts=experts, dims=dims,
+                           variant=variant)
 
 
-def _stepping_rule(rule_name: str, how: str) -> tuple[str, dict[str, Any]]:
+def _stepping_rule(rule_name: str, how: str, variant: str = "") -> tuple[str, dict[str, Any]]:
     """The rule that steps a weight stepped ``how`` (Muon's fallback is AdamW on its ``adamw_*`` values)."""
-    hp = paths.RULE_HYPERPARAMETERS[rule_name]
+    hp = paths.hyperparameters(rule_name, variant)
     if rule_name == "muon" and how == "fallback":
         from forge_core.rules.muon import adamw_hyperparameters
         return "adamw", adamw_hyperparameters(forge_core.get_rule("muon").resolve_hp(hp))
     return rule_name, hp
 
 
-def check_against_torch(rule_name: str, state_dtype: str, ours: paths.Run, torch_run: paths.Run) -> None:
+def check_against_torch(rule_name: str, state_dtype: str, ours: paths.Run, torch_run: paths.Run,
+                        variant: str = "") -> None:
     """The assertions of the module docstring, for every path of one run."""
     failures = []
     for path, steps in ours.weights.items():
         theirs = torch_run.weights[path]
-        where = f"{rule_name} {state_dtype} {path} ({ours.how[path]})"
-        bound_rule, hp = _stepping_rule(rule_name, ours.how[path])
+        where = f"{rule_name}{' ' + variant if variant else ''} {state_dtype} {path} ({ours.how[path]})"
+        bound_rule, hp = _stepping_rule(rule_name, ours.how[path], variant)
         for step in range(1, len(steps)):
             ratio = paths.move_ratio(bound_rule, hp, step, steps[step - 1], steps[step])
             if ratio is not None and ratio > MOVE_SLACK[state_dtype]:
@@ -120,7 +122,7 @@ def check_against_torch(rule_name: str, state_dtype: str, ours: paths.Run, torch
 
 
 def _differential(rule_name: str, state_dtype: str, backend: str, monkeypatch: pytest.MonkeyPatch, *,
-                  steps: int = STEPS, seed: int = 1) -> None:
+                  steps: int = STEPS, seed: int = 1, variant: str = "") -> None:
     experts = rule_name in KERNEL_RULES     # the per-layer rules leave 3-D experts to a fallback that takes 2-D only
     if backend == "reference":
         # the per-layer rules' plain-torch reference too: their Triton passes (``Rule.matrix_step``) run
@@ -128,10 +130,11 @@ def _differential(rule_name: str, state_dtype: str, backend: str, monkeypatch: p
         monkeypatch.setattr(forge_core.layer_step, "MATRIX_KERNELS", None)
         monkeypatch.setattr(forge_core.optimizer, "MATRIX_KERNELS", None)
     batches = paths.make_batches(steps, seed)
-    ours = paths.forge_run(rule_name, state_dtype, batches, backend=backend, device=DEVICE if backend == "triton"
-                           else "cpu", experts=experts)
-    reference = _torch_run(rule_name, steps, seed, experts, DEVICE if backend == "triton" else "cpu")
-    check_against_torch(rule_name, state_dtype, ours, reference)
+    device = DEVICE if backend == "triton" else "cpu"
+    ours = paths.forge_run(rule_name, state_dtype, batches, backend=backend, device=device, experts=experts,
+                           variant=variant)
+    reference = _torch_run(rule_name, steps, seed, experts, device, paths.SMALL, variant)
+    check_against_torch(rule_name, state_dtype, ours, reference, variant)
 
 
 def test_torch_stays_within_each_rules_bound() -> None:
@@ -210,7 +213,8 @@ def test_gpu_gluon_kernel_paths(rule_name: str, state_dtype: str, monkeypatch) -
         if not candidates:
             return None
         forced.append(f"{tuple(weight.shape)}")
-        return dispatch.WsPlan(candidates[0], weight, states, scales, meta["EPILOGUE"], (meta["S0_SQRT"], meta["S1_SQRT"]))
+        return dispatch.WsPlan(candidates[0], weight, states, scales, meta["EPILOGUE"],
+                               (meta["S0_SQRT"], meta["S1_SQRT"]))
 
     monkeypatch.setattr(dispatch, "ws_plan", gluon_plan)
     dispatch.PLANS.clear()
@@ -241,13 +245,32 @@ def test_gpu_gluon_kernel_paths(rule_name: str, state_dtype: str, monkeypatch) -
 # -- the larger sweep (pytest -m sweep) --------------------------------------------------------------
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("seed", (2, 3))
+@pytest.mark.parametrize("seed, variant", ((2, ""), (3, ""), (2, "variant")))
 @pytest.mark.parametrize("state_dtype", FORMATS)
 @pytest.mark.parametrize("rule_name", KERNEL_RULES)
 @pytest.mark.parametrize("backend", ("reference", "triton"))
-def test_sweep_kernel_rules(rule_name: str, state_dtype: str, backend: str, seed: int, monkeypatch) -> None:
+def test_sweep_kernel_rules(rule_name: str, state_dtype: str, backend: str, seed: int, variant: str,
+                            monkeypatch) -> None:
+    """10 steps, two more seeds, and each rule's ``differential_paths.VARIANTS`` setting."""
     monkeypatch.setenv("FORGE_AUTOTUNE", "0")
-    _differential(rule_name, state_dtype, backend, monkeypatch, steps=10, seed=seed)
+    _differential(rule_name, state_dtype, backend, monkeypatch, steps=10, seed=seed, variant=variant)
+
+
+@pytest.mark.parametrize("state_dtype", ("fp32", "bf16"))
+def test_centered_rmsprop_follows_torch(state_dtype: str, monkeypatch) -> None:
+    """Centered RMSprop with momentum, in the formats it takes (int8 / fp8 are refused at fuse)."""
+    _differential("rmsprop", state_dtype, "reference", monkeypatch, variant="centered")
+
+
+@pytest.mark.parametrize("state_dtype", ("int8", "fp8"))
+def test_centered_rmsprop_refuses_int8_and_fp8_states(state_dtype: str) -> None:
+    """Its variance, the difference of two moments rounded apart, read back as 0: steps of 350 (int8) and 135
+    (fp8) times torch's largest in this test's model, 2000 with momentum."""
+    with pytest.raises(ValueError, match=rf"^rule 'rmsprop': centered=True cannot keep {state_dtype} states: its "
+                                         r"variance square_avg - grad_avg\^2, a difference of two moments rounded "
+                                         r"apart, reads back as 0 where it is small and the step becomes g / eps; use "
+                                         r"fp32 or bf16 states, or centered=False$"):
+        paths.forge_run("rmsprop", state_dtype, paths.make_batches(1), backend="reference", variant="centered")
 
 
 @pytest.mark.sweep

@@ -365,7 +365,8 @@ def test_an_embeddings_kept_int8_codes_take_the_third_state_slot() -> None:
 
 # ---- checkpoints ------------------------------------------------------------------------------------
 
-RESUME_CASES = [("rmsprop_momentum_centered", "fp8"), ("rmsprop_centered", "fp32"), ("adagrad", "int8"),
+RESUME_CASES = [("rmsprop_momentum_centered", "bf16"), ("rmsprop_momentum", "fp8"), ("rmsprop_centered", "fp32"),
+                ("adagrad", "int8"),
                 ("adamax", "bf16"), ("nadam_decoupled", "fp8"), ("radam", "int8"), ("sgd", "fp32"),
                 ("lamb", "fp8"), ("lamb_clipped", "fp32")]
 

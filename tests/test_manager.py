@@ -355,7 +355,7 @@ def test_betas_that_are_not_a_pair_are_refused_in_one_line(rule_name: str, key: 
         assert type(model[0]) is nn.Linear
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = forge_core.fuse(model, rule_name, probe_inputs=False)
-    if key == "betas" and rule_name not in ("adam_mini", "galore_adamw"):     # (the per-layer path reads it in backward)
+    if key == "betas" and rule_name not in ("adam_mini", "galore_adamw"):     # (their layer path reads it later)
         opt.param_groups[0]["betas"] = (0.9,)                                   # a param group edited after fuse
         with pytest.raises(ValueError, match=rf"^{rule_name}: betas must be a pair of numbers"):
             model(torch.randn(3, 4)).sum().backward()

@@ -251,7 +251,8 @@ def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: li
            scales: list[torch.Tensor | None] | None = None, sqrt_domain: tuple[int, int] = (0, 0)) -> Any:
     """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
     ``states`` (bf16, or int8 codes with their fp32 block ``scales``; ``sqrt_domain``: each state's
-    ``ParamState.code_domain``, True / 1 for square roots, see state.py), with the rule's ``epilogue`` and its 8 kernel scalars
+    ``ParamState.code_domain``, True / 1 for square roots, see state.py), with the rule's ``epilogue`` and its 8
+    kernel scalars
     (floats, or a float32 device buffer for a graph-replayed launch). Raises ValueError with the
     reason when the call is outside this kernel's scope (``unsupported_reason``); ``check=False``
     skips that for a caller that checked the same weight and layouts before (a cached plan).
