@@ -264,8 +264,8 @@ def test_centered_rmsprop_follows_torch(state_dtype: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("state_dtype", ("int8", "fp8"))
 def test_centered_rmsprop_refuses_int8_and_fp8_states(state_dtype: str) -> None:
-    """Its variance, the difference of two moments rounded apart, read back as 0: steps of 350 (int8) and 135
-    (fp8) times torch's largest in this test's model, 2000 with momentum."""
+    """Its variance, the difference of two moments rounded apart, read back as 0: steps up to 10^6 (int8) and
+    2100 (fp8) times torch's largest in this test's model (D92)."""
     with pytest.raises(ValueError, match=rf"^rule 'rmsprop': centered=True cannot keep {state_dtype} states: its "
                                          r"variance square_avg - grad_avg\^2, a difference of two moments rounded "
                                          r"apart, reads back as 0 where it is small and the step becomes g / eps; use "
