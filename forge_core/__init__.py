@@ -15,6 +15,10 @@ Public API::
 
     # Llama-style blocks keep about half the activations for backward (same forward, same grads).
     forge_core.lean_activations(model)
+
+Importing forge_core wraps ``torch.optim.Optimizer.load_state_dict`` once, so that a ForgeOptimizer state
+dict given to another optimizer class (a FORGE checkpoint resumed by torch's AdamW) is refused in one line
+naming it (``forge_core.torch_guards``); every other load is torch's own.
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ from .manager import fuse, unfuse
 from .optimizer import ForgeOptimizer
 from .rules import RULES, get_rule
 from .state import STATE_DTYPES
+from .torch_guards import install_load_guard
+
+install_load_guard()
 
 __all__ = ["fuse", "unfuse", "ForgeOptimizer", "ForgeLinear", "RULES", "get_rule", "STATE_DTYPES",
            "chunked_lm_head_cross_entropy", "default_chunk_size", "keeps_logits", "lean_activations",

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .linear import FusedLinearFunction, WeightUpdater, traced_linear
+from .module_copies import plain_module_reduction
 
 
 def conv1d_class() -> Optional[type]:
@@ -55,6 +56,11 @@ def _fused_repr(self: nn.Module) -> str:
     return f"ForgeConv1D(nf={self.nf}, nx={self.nx}, forge_fused=True)"
 
 
+def _plain_reduction(self: nn.Module, protocol: int) -> tuple:
+    """A deep copy or pickle is transformers' ``Conv1D`` with the same weights (``forge_core.module_copies``)."""
+    return plain_module_reduction(self, type(self).__mro__[1], protocol)
+
+
 @functools.lru_cache(maxsize=None)
 def forge_conv1d_class(base: type) -> type:
     """The fused subclass of ``base`` (transformers' ``Conv1D``), made once."""
@@ -64,6 +70,7 @@ def forge_conv1d_class(base: type) -> type:
         "__module__": __name__,
         "forward": _fused_forward,
         "__repr__": _fused_repr,
+        "__reduce_ex__": _plain_reduction,
         "forge_fused_conv1d": True,
     })
 

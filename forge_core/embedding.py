@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .module_copies import plain_module_reduction
 from .traced import update_embedding_rows_, written_tensors
 
 
@@ -102,6 +103,10 @@ class ForgeEmbedding(nn.Embedding):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", forge_row_gradient=True"
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """A deep copy or pickle is a plain ``nn.Embedding`` with the same weight (``forge_core.module_copies``)."""
+        return plain_module_reduction(self, nn.Embedding, protocol)
 
 
 def install_forge_embedding(module: nn.Embedding, sink: RowGradientSink) -> None:

@@ -42,6 +42,7 @@ from torch import nn
 
 from .fused_weight import FusedWeight, RowSliceUpdate
 from .kernels.tile_config import default_config
+from .module_copies import plain_module_reduction
 from .traced import MUTATED, owner_of, traced_update_scope, written_tensors
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -364,6 +365,12 @@ def _fused_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     return out[inverse].view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
+def _plain_reduction(self: nn.Module, protocol: int) -> tuple:
+    """A deep copy or pickle is the experts module's own class with the same weights
+    (``forge_core.module_copies``)."""
+    return plain_module_reduction(self, type(self).__mro__[1], protocol)
+
+
 _FUSED_CLASSES: dict[type, type] = {}
 
 
@@ -375,6 +382,7 @@ def forge_experts_class(base: type) -> type:
             "__doc__": f"{base.__name__} whose 3-D expert weights are updated inside backward (forge_core.experts).",
             "__module__": __name__,
             "forward": _fused_experts_forward,
+            "__reduce_ex__": _plain_reduction,
             "forge_fused_experts": True,
         })
         _FUSED_CLASSES[base] = cls

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dtensors import contiguous_strides, dtensor_module, is_dtensor
+from .module_copies import plain_module_reduction
 from .overlap import run_beside, wants_overlap
 from .traced import update_weight_, written_tensors
 
@@ -279,6 +280,10 @@ class ForgeLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", forge_fused=True"
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """A deep copy or pickle is a plain ``nn.Linear`` with the same weights (``forge_core.module_copies``)."""
+        return plain_module_reduction(self, nn.Linear, protocol)
 
 
 def install_forge_linear(module: nn.Linear, updater: WeightUpdater) -> None:

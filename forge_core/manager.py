@@ -9,6 +9,7 @@ standard torch optimizer (the *fallback*) for every other trainable parameter.
 A Linear is NOT fused (it goes to the fallback, same hyper-parameters) when:
 
 * its weight is frozen (``requires_grad=False``: then it is in no optimizer at all);
+* its weight has no elements (``nn.Linear(16, 0)``: the fallback steps nothing, as torch does);
 * its weight appears in more than one place (tied / shared: e.g. ``lm_head`` tied to
   ``embed_tokens``; the fused update would see only one consumer's gradient);
 * it is not exactly ``nn.Linear`` or transformers' ``Conv1D`` (a subclass has its own forward or
@@ -32,6 +33,10 @@ warning (``probe_inputs=False`` skips it on purpose, silently).
 Gradient clipping: ``fuse`` marks every weight whose gradient FORGE never forms (``FUSED_MARK``) and
 installs, once per process, a guard around ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
 (``install_clipping_guard``) that raises when it is given such a weight; ``unfuse`` removes the marks.
+
+Copies: ``copy.deepcopy(model)`` and ``torch.save(model)`` of a fused model give the plain model with its
+weights as they are (``forge_core.module_copies``): an EMA or evaluation copy, a whole-model checkpoint.
+The original's optimizer does not step the copy; ``fuse(copy, ...)`` trains it.
 """
 from __future__ import annotations
 
@@ -54,11 +59,15 @@ from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_emb
 from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
                       is_forge_experts, looks_like_experts, remove_forge_experts)
 from .layer_step import takes_layer_path
+from .module_copies import FusedMark
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .fused_weight import FusedWeight
 from .optimizer import ForgeOptimizer
 from .rules import Rule, get_rule
+from .rules.checks import betas_pair
+from .rules.rule_optimizer import unsteppable_parameter
 from .state import STATE_DTYPES
+from .torch_guards import install_conversion_guard
 
 PROBE_SEQUENCE_LENGTH = 8
 
@@ -119,7 +128,7 @@ def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callabl
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         for parameter in parameters:
             what = getattr(parameter, FUSED_MARK, None)
-            if what is not None:
+            if isinstance(what, FusedMark):          # (a pickled copy's weight loads a plain str: no mark)
                 if function_name == "clip_grad_norm_" and _clips_nothing(args, kwargs):
                     # max_norm=inf measures a norm and clips nothing: HF's Trainer does it every step for
                     # its grad_norm log, max_grad_norm=0 or not. Allowed; the norm leaves out every
@@ -211,6 +220,8 @@ def _select_candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str
             loud[label] = f"{type(module).__name__} is a subclass of {base} with its own behaviour; not fused"
         elif not weight.requires_grad:
             quiet[label] = "weight is frozen (requires_grad=False)"
+        elif weight.numel() == 0:           # (torch's optimizer steps it: nothing to update, nothing to keep)
+            quiet[label] = f"weight has no elements (shape {tuple(weight.shape)})"
         elif use_counts[id(weight)] > 1:
             quiet[label] = f"weight is tied / shared ({use_counts[id(weight)]} places hold this Parameter)"
         elif weight.dtype not in (torch.float32, torch.bfloat16):
@@ -241,6 +252,8 @@ def _select_experts(model: nn.Module, capturable: bool,
         if not all(weight.requires_grad for weight in weights):
             continue                                  # frozen experts: in no optimizer (or the fallback's)
         problem = experts_layout_problem(module)
+        if problem is None and any(weight.numel() == 0 for weight in weights):
+            problem = "expert weights have no elements"
         if problem is None and any(use_counts[id(weight)] > 1 for weight in weights):
             problem = "expert weights are shared with another module"
         if problem is None and capturable:
@@ -493,16 +506,23 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         raise ValueError(f"optimizer {rule.name!r} has no hyper-parameter(s) {unknown}; "
                          f"its hyper-parameters are {sorted(rule.defaults)}")
     hyperparameters = {**dict(rule.defaults), **given}
-    if "betas" in hyperparameters:
-        hyperparameters["betas"] = tuple(hyperparameters["betas"])
+    for key in [key for key in hyperparameters if key.endswith("betas")]:      # (Muon's adamw_betas too)
+        hyperparameters[key] = betas_pair(rule.name, hyperparameters[key], key)
     # Validate the values once, the way the fused path will read them (the rule raises on nonsense).
     rule.fallback_optimizer([{"params": []}], **hyperparameters)
+    problem = rule.format_problem(hyperparameters, state_dtype)
+    if problem is not None:
+        raise ValueError(problem)
 
     candidates, quiet, loud = _select_candidates(model)
     if rule.hidden_weights_only:
         _keep_output_head_unfused(model, rule.name, candidates, quiet)
     expert_candidates, experts_left_out = _select_experts(model, capturable, rule)
     loud.update(experts_left_out)
+    if rule.regime == 3:           # its fallback, a RuleOptimizer, would refuse a 3-D parameter at the first step()
+        problem = unsteppable_parameter(model.named_parameters(), rule.name)
+        if problem is not None:
+            raise ValueError(problem)
     bindings: dict[str, FusedWeight] = {name: FusedWeight(name, module) for name, module in candidates.items()}
     bindings.update({name: ExpertsWeight(name, module, attribute)
                      for name, (module, attribute) in expert_candidates.items()})
@@ -574,6 +594,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         _mark_gradientless_weights(forge_optimizer)
         forge_optimizer.keep_addresses_static()
         install_clipping_guard()
+        install_conversion_guard()
         return forge_optimizer
     except BaseException:
         for binding in bindings.values():
@@ -629,13 +650,13 @@ def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
     row-gradient embeddings'."""
     for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
         label = name if name.rpartition(".")[2] in EXPERT_PARAMETERS else f"{name}.weight"   # experts name the Parameter
-        setattr(weight, FUSED_MARK, f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
-                                    "its gradient never exists)")
+        setattr(weight, FUSED_MARK, FusedMark(f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
+                                              "its gradient never exists)"))
     for dense in optimizer.dense_weights():
         if dense.records_rows:
-            setattr(dense.weight, FUSED_MARK, f"{dense.name}, an embedding weight whose gradient forge_core.fuse "
-                                              "keeps as rows (it never gets a .grad; fuse(..., embedding_rows=False) "
-                                              "gives it one)")
+            setattr(dense.weight, FUSED_MARK, FusedMark(
+                f"{dense.name}, an embedding weight whose gradient forge_core.fuse keeps as rows (it never gets a "
+                ".grad; fuse(..., embedding_rows=False) gives it one)"))
 
 
 def unfuse(model: nn.Module) -> nn.Module:

@@ -21,6 +21,14 @@ int8 format (the spec the fused kernel reproduces exactly):
   block's scale is non-zero, so a dequantized ``v`` is never 0 (nor negative, nor inf) next to a
   non-zero block maximum: it is at least ``(absmax / 127)**2``. That over-estimates a tiny ``v``
   (a smaller, safer step) instead of dividing a first moment by ``eps``.
+* A denominator kept as it is (the rule's ``floored_states``: Adamax's ``exp_inf``, ``max(beta2 * u,
+  |g| + eps)``) is quantized as it is, and its codes are floored at 1 as a second moment's are: a
+  dequantized ``u`` is at least ``absmax / 127`` next to a non-zero block maximum. Why: a value below
+  half a code (``absmax / 254``: an element whose gradients were small next to the block's large
+  ones) would decode to 0, and the next step without a gradient there divides the element's first
+  moment by ``eps`` (Adamax moved a tiny Llama's embedding by 2.7e4 lr in one step). Floored, the
+  ratio ``m / u`` stays at most about 1.5 (``m`` is at most ``u`` before rounding), as torch's does
+  at 1.
 
 fp8 format (``"fp8"``): the int8 format's blocks, scales and sqrt domain with float8_e4m3fn codes
 (4 exponent bits, 3 mantissa bits, largest finite 448):
@@ -29,9 +37,9 @@ fp8 format (``"fp8"``): the int8 format's blocks, scales and sqrt domain with fl
 * Code ``q = fp8(y * (1 / scale))``: the product rounded to fp32, then to the nearest e4m3fn value
   with ties to even, as torch's ``.to(torch.float8_e4m3fn)`` (``|y| * (1 / scale) <= 448`` up to
   the product's rounding, which rounds to 448). A block whose scale is 0 or subnormal multiplies by 1
-  (its values round to code 0). Codes of a sqrt-domain state are floored at the smallest positive
-  code (2^-9) where the block's scale is normal, as int8's are at 1: a dequantized second moment is
-  at least ``(absmax / 448 * 2^-9)**2`` next to a non-zero block maximum.
+  (its values round to code 0). Codes of a sqrt-domain or floored state are floored at the smallest
+  positive code (2^-9) where the block's scale is normal, as int8's are at 1: a dequantized second
+  moment is at least ``(absmax / 448 * 2^-9)**2`` next to a non-zero block maximum.
 * Decoding is exact: ``q * scale`` in fp32 (squared for sqrt-domain states).
 * The fp8 grid is relative (3 mantissa bits: half an ulp is 1/16 of the value) where int8's is
   absolute (half a code is 1/254 of the block maximum): fp8 keeps small values of a block that int8
@@ -56,6 +64,9 @@ FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value: an fp8 block's scale is its absmax over this."""
 _STORAGE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _SMALLEST_FP8_CODE = 2.0 ** -9         # the smallest positive float8_e4m3fn value (subnormal, bits 0x01)
+CODES_AS_IS, CODES_SQRT, CODES_FLOORED = 0, 1, 2
+"""A state's code domain as the kernels take it (``ParamState.code_domain``): coded as it is; in the sqrt
+domain (codes floored); as it is with floored codes (the rule's ``floored_states``)."""
 
 
 def num_blocks(length: int) -> int:
@@ -72,9 +83,11 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], -1, QBLOCK)
 
 
-def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool, codes: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool, codes: str = "int8",
+                       floored: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x32`` (..., D) -> (codes of x32's shape, fp32 scales (..., ceil(D/64))); ``codes``: "int8"
-    (int8 codes) or "fp8" (float8_e4m3fn codes).
+    (int8 codes) or "fp8" (float8_e4m3fn codes); ``floored``: codes floored at the smallest positive one
+    where the block's scale is normal (None: as ``sqrt_domain``; a floored state is non-negative).
 
     See the module docstring for the exact rules; the fused kernel implements the same ones."""
     if codes not in BLOCK_SCALED:
@@ -82,6 +95,7 @@ def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool, codes: str = "int8"
     if x32.dim() < 1 or x32.shape[-1] == 0:
         raise ValueError(f"quantize_blockwise: need a non-empty last dimension, got shape {tuple(x32.shape)}")
     values = x32.float()
+    floored = sqrt_domain if floored is None else bool(floored)
     if sqrt_domain:
         values = values.clamp_min(0.0).sqrt()
     blocks = _blocked(values)
@@ -92,12 +106,12 @@ def quantize_blockwise(x32: torch.Tensor, sqrt_domain: bool, codes: str = "int8"
     scaled = blocks * inverse.unsqueeze(-1)
     if codes == "int8":
         q = torch.round(scaled).clamp_(-127.0, 127.0)     # ties to even
-        if sqrt_domain:
+        if floored:
             q = torch.where(has_scale.unsqueeze(-1), q.clamp_min(1.0), q)
         q = q.to(torch.int8)
     else:
         q = scaled.to(torch.float8_e4m3fn).float()         # ties to even; |scaled| <= 448 up to one rounding
-        if sqrt_domain:
+        if floored:
             q = torch.where(has_scale.unsqueeze(-1), q.clamp_min(_SMALLEST_FP8_CODE), q)
         q = q.to(torch.float8_e4m3fn)
     q = q.reshape(*values.shape[:-1], -1)[..., : values.shape[-1]]
@@ -169,6 +183,18 @@ class ParamState:
         """Whether ``name`` is stored as sqrt(value) when int8 / fp8 (a second moment)."""
         return name in self.rule.sqrt_domain_states
 
+    def is_floored(self, name: str) -> bool:
+        """Whether ``name``'s int8 / fp8 codes are floored at the smallest positive one (a sqrt-domain
+        state, or one of the rule's ``floored_states``)."""
+        return name in self.rule.sqrt_domain_states or name in self.rule.floored_states
+
+    def code_domain(self, name: str) -> int:
+        """How the kernels code ``name`` (their ``S*_SQRT`` constants): ``CODES_AS_IS``, ``CODES_SQRT`` or
+        ``CODES_FLOORED``."""
+        if self.is_sqrt_domain(name):
+            return CODES_SQRT
+        return CODES_FLOORED if self.is_floored(name) else CODES_AS_IS
+
     def _check_name(self, name: str) -> None:
         if name not in self.values:
             raise KeyError(f"rule {self.rule.name!r} has no state {name!r}; states: {list(self.values)}")
@@ -186,7 +212,8 @@ class ParamState:
         if tuple(value32.shape) != self.shape:
             raise ValueError(f"state {name!r} has shape {self.shape}, got a value of shape {tuple(value32.shape)}")
         if self.state_dtype in BLOCK_SCALED:
-            codes, scale = quantize_blockwise(value32, self.is_sqrt_domain(name), self.state_dtype)
+            codes, scale = quantize_blockwise(value32, self.is_sqrt_domain(name), self.state_dtype,
+                                              floored=self.is_floored(name))
             self.values[name].copy_(codes)
             self.scales[name].copy_(scale)
         else:
@@ -259,5 +286,6 @@ def restore_entry(owner: Any, entry: Mapping[str, Any]) -> None:
     owner.steps_done = int(entry["step"])
 
 
-__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks",
+__all__ = ["STATE_DTYPES", "QBLOCK", "BLOCK_SCALED", "FP8_MAX", "CODES_AS_IS", "CODES_SQRT", "CODES_FLOORED",
+           "ParamState", "quantize_blockwise", "dequantize_blockwise", "num_blocks",
            "restore_entry", "saved_entry"]

@@ -28,3 +28,14 @@ def _own_gpu_claims(tmp_path_factory, monkeypatch):
     """Each test claims ``--gpus`` lanes in a folder of its own (``forge_bench.lanes.GpuClaims``):
     tests running at once in other pytest workers must not wait on, or count, each other's cells."""
     monkeypatch.setenv("FORGE_BENCH_GPU_LOCK_DIR", str(tmp_path_factory.mktemp("gpu-claims")))
+
+
+def pytest_collection_modifyitems(config, items):
+    """``sweep`` tests run only when the marker expression names them (``pytest -m sweep``): ``make test``
+    and CI leave them out."""
+    if "sweep" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the larger differential sweep runs only when selected: pytest -m sweep")
+    for item in items:
+        if "sweep" in item.keywords:
+            item.add_marker(skip)

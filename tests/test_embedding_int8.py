@@ -222,3 +222,30 @@ def test_a_tiny_llamas_embedding_ends_as_close_to_torch_as_its_linear_weights(to
     assert embedding < 1.0, error
     assert embedding <= max(error.values()), (embedding, error)
     assert max(value for name, value in error.items() if name != "lm_head") < 1.0, error
+
+
+@pytest.mark.parametrize("embedding_rows", [True, False])
+def test_adamax_int8_moves_no_weight_of_a_tiny_llama_by_more_than_lr_per_step(embedding_rows: bool) -> None:
+    """Adamax never moves an element by more than lr (torch's ``exp_avg / exp_inf`` is at most 1 after bias
+    correction). With int8 states and a new batch each step, a row touched at step 1 and idle at step 2 kept a
+    first moment while its ``exp_inf`` had coded 0: the embedding moved by 27 at lr 1e-3. The floored
+    ``exp_inf`` (``Rule.floored_states``) keeps every step within 1.5 lr (measured 1.0)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      max_position_embeddings=64, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).float()
+    lr = 1e-3
+    opt = forge_core.fuse(model, "adamax", lr=lr, state_dtype="int8", backend="reference",
+                          embedding_rows=embedding_rows)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(1, 5):
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        ids = torch.randint(0, 256, (2, 16), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        moves = {name: float((p.detach() - before[name]).abs().max()) for name, p in model.named_parameters()}
+        worst = max(moves, key=moves.get)
+        assert moves[worst] <= 1.5 * lr, f"step {step}: {worst} moved by {moves[worst]:.3g}"

@@ -26,7 +26,9 @@ from forge_core.kernels.launch import kernel_scalars
 from forge_core.rules import get_rule
 from forge_core.rules import nadam, radam
 from forge_core.rules.lamb import Lamb
-from forge_core.state import ParamState
+from forge_core.dense import EmbeddingState
+from forge_core.kernels.row_update import row_update
+from forge_core.state import ParamState, quantize_blockwise
 
 TOKENS, DIN, DOUT, VOCAB = 19, 45, 37, 23
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"      # the CPU runs the kernels interpreted
@@ -260,6 +262,40 @@ def test_quantized_states_are_stored_as_the_reference_stores_them(case: str, sta
         ref_s.load_state_dict({k: v.clone() for k, v in fused_s.state_dict().items()})
 
 
+@pytest.mark.parametrize("state_dtype", ["int8", "fp8"])
+def test_adamax_exp_inf_codes_are_floored_by_every_kernel(state_dtype: str) -> None:
+    """Input columns over six decades, so some ``exp_inf`` values fall below half a code next to their
+    block's maximum; then a step without a gradient (the step that divided a first moment by eps when
+    those codes were 0). The tile kernel and the row update (an embedding's ``EmbeddingState``, dense rows)
+    store the spec's floored codes (within one), no ``exp_inf`` code is 0 where its block's scale is
+    normal, and no element moves by more than 1.5 lr."""
+    rule, hp = get_rule("adamax"), {"lr": 1e-3}
+    generator = torch.Generator().manual_seed(2)
+    start = (torch.randn(DOUT, 130, generator=generator) * 0.1).to(DEVICE)
+    spread = torch.logspace(-6, 0, 130)[torch.randperm(130, generator=generator)].to(DEVICE)
+    x, dy = (torch.randn(TOKENS, 130, generator=generator).to(DEVICE) * spread,
+             torch.randn(TOKENS, DOUT, generator=generator).to(DEVICE))
+    no_x, no_dy = start.new_zeros((0, 130)), start.new_zeros((0, DOUT))
+    fused_w, ref_w, row_w = start.clone(), start.clone(), start.clone()
+    fused_s, ref_s = ParamState(start, rule, state_dtype), ParamState(start, rule, state_dtype)
+    row_s = EmbeddingState(start, rule, state_dtype)
+    for step, (xs, dys) in enumerate([(x, dy), (no_x, no_dy)], start=1):
+        before = ref_w.clone()
+        fused_wgrad_update(xs, dys, fused_w, fused_s, hp, step)
+        reference_wgrad_update(xs, dys, ref_w, ref_s, hp, step)
+        row_update(row_w, row_s, hp, step, slots=None, row_grads=(dys.t() @ xs).to(row_w.dtype),
+                   keep_signed_codes=state_dtype == "int8")
+        assert (ref_w - before).abs().max() <= 1.5e-3 and _relative(fused_w, ref_w) <= 1e-5, step
+        for state in (fused_s, row_s):
+            _storage_close(state.values["exp_inf"], ref_s.values["exp_inf"], f"exp_inf at step {step}")
+            codes = state.values["exp_inf"].view(torch.uint8) if state_dtype == "fp8" else state.values["exp_inf"]
+            assert not torch.any(codes == 0), step
+    exact_w, exact_s = start.clone(), ParamState(start, rule, "fp32")
+    reference_wgrad_update(x, dy, exact_w, exact_s, hp, 1)
+    unfloored, _ = quantize_blockwise(exact_s.values["exp_inf"], sqrt_domain=False, codes=state_dtype)
+    assert int((unfloored.float() == 0).sum()) > 0          # step 1 had codes the floor raised
+
+
 # rms(W - W_fp32) / rms(W_fp32 - W_0) after 6 steps of one weight, at most (measured in the interpreter:
 # bf16 0.04-0.23%, int8 0.4-2.5%, fp8 1.3-4.2%; LAMB the largest, its second pass reading the rounded moments)
 FIDELITY = {"bf16": 0.01, "int8": 0.1, "fp8": 0.15}
@@ -329,7 +365,8 @@ def test_an_embeddings_kept_int8_codes_take_the_third_state_slot() -> None:
 
 # ---- checkpoints ------------------------------------------------------------------------------------
 
-RESUME_CASES = [("rmsprop_momentum_centered", "fp8"), ("rmsprop_centered", "fp32"), ("adagrad", "int8"),
+RESUME_CASES = [("rmsprop_momentum_centered", "bf16"), ("rmsprop_momentum", "fp8"), ("rmsprop_centered", "fp32"),
+                ("adagrad", "int8"),
                 ("adamax", "bf16"), ("nadam_decoupled", "fp8"), ("radam", "int8"), ("sgd", "fp32"),
                 ("lamb", "fp8"), ("lamb_clipped", "fp32")]
 

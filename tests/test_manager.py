@@ -340,3 +340,109 @@ def test_a_stale_optimizer_after_unfuse_refuses_to_step() -> None:
     forge_core.unfuse(embedding_only)
     with pytest.raises(RuntimeError, match="unfused"):
         embedding_opt.step()
+
+
+@pytest.mark.parametrize("rule_name, key", [("adamw", "betas"), ("lion", "betas"), ("adamax", "betas"),
+                                            ("nadam", "betas"), ("radam", "betas"), ("lamb", "betas"),
+                                            ("adam_mini", "betas"), ("galore_adamw", "betas"), ("muon", "adamw_betas")])
+def test_betas_that_are_not_a_pair_are_refused_in_one_line(rule_name: str, key: str) -> None:
+    """``betas=(0.9,)`` raised a bare IndexError inside torch's optimizer (or a ValueError about unpacking)."""
+    for value, shown in (((0.9,), r"\(0\.9,\)"), (0.9, "0.9"), ((0.9, 0.99, 0.999), r"\(0\.9, 0\.99, 0\.999\)")):
+        model = nn.Sequential(nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=rf"^{rule_name}: {key} must be a pair of numbers \(beta1, beta2\), "
+                                             rf"got {shown}$"):
+            forge_core.fuse(model, rule_name, probe_inputs=False, **{key: value})
+        assert type(model[0]) is nn.Linear
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = forge_core.fuse(model, rule_name, probe_inputs=False)
+    if key == "betas" and rule_name not in ("adam_mini", "galore_adamw"):     # (their layer path reads it later)
+        opt.param_groups[0]["betas"] = (0.9,)                                   # a param group edited after fuse
+        with pytest.raises(ValueError, match=rf"^{rule_name}: betas must be a pair of numbers"):
+            model(torch.randn(3, 4)).sum().backward()
+
+
+def test_a_linear_without_elements_is_left_to_torch_and_trains_as_unfused() -> None:
+    """``nn.Linear(16, 0)`` / ``nn.Linear(0, 8)`` failed at fuse with a reshape error in the probe's backward;
+    torch trains such a model (its empty weights have nothing to update)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 0), nn.Linear(0, 8), nn.Linear(16, 4))
+
+    def forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        hidden = net[0](x)
+        return net[3](hidden).sum() + net[2](net[1](hidden)).sum()
+
+    reference = copy.deepcopy(model)
+    opt = forge_core.fuse(model, "adamw", lr=1e-2, probe_inputs=False)
+    assert opt.excluded_modules == {"1": "weight has no elements (shape (0, 16))",
+                                    "2": "weight has no elements (shape (8, 0))"}
+    assert sorted(opt.fused_module_names()) == ["0", "3"]
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(step))
+        for net, optimizer in ((model, opt), (reference, torch_opt)):
+            forward(net, x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("convert, message", [
+    (lambda m: m.to(torch.float64), r"^converting a fused model to torch\.float64: the fused update takes fp32 or "
+                                    r"bf16 weights, and '0\.weight' would become torch\.float64; convert the model "
+                                    r"before forge_core\.fuse \(or forge_core\.unfuse it first\)$"),
+    (lambda m: m.double(), "converting a fused model to torch.float64"),
+    (lambda m: m.half(), "converting a fused model to torch.float16"),
+    (lambda m: m.to("meta"), r"^moving a fused model to meta: '0\.weight''s optimizer state stays on cpu"),
+])
+def test_converting_a_fused_model_to_what_it_cannot_update_is_refused_at_once(convert, message: str) -> None:
+    """It failed only at the first backward (the kernel's "weight dtype must be bf16 or fp32"). Now the
+    conversion itself is refused before anything converts: the model trains on as it was. To bf16 (before
+    the first step: torch's fallback optimizer keeps its moments in the dtype they were made in) it converts
+    and trains."""
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = forge_core.fuse(model, "adamw", lr=1e-2, probe_inputs=False)
+    with pytest.raises(ValueError, match=message):
+        convert(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    ids = torch.tensor([[1, 2, 3]])
+    before = model[1].weight.detach().clone()
+    model(ids).sum().backward()
+    opt.step()
+    assert not torch.equal(model[1].weight, before)
+    fresh = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    fresh_opt = forge_core.fuse(fresh, "adamw", lr=1e-2, probe_inputs=False)
+    fresh.to(torch.bfloat16)                         # a dtype the fused update takes
+    before = fresh[1].weight.detach().clone()
+    fresh(ids).float().sum().backward()
+    fresh_opt.step()
+    assert fresh[1].weight.dtype == torch.bfloat16 and not torch.equal(fresh[1].weight, before)
+    plain = nn.Linear(2, 2)
+    assert plain.to(torch.float64).weight.dtype == torch.float64      # a model without fused modules: torch's own
+
+
+@pytest.mark.parametrize("rule_name", ["adafactor", "adalomo", "sm3", "adam_mini", "lars", "galore_adamw"])
+def test_a_per_layer_rule_refuses_a_3d_parameter_at_fuse(rule_name: str) -> None:
+    """The regime-3 rules step what they do not fuse with a RuleOptimizer, which takes 1-D and 2-D parameters:
+    a model with 3-D MoE experts (or a convolution) fused with one failed at its first step(), after a warning
+    that the fallback steps them. Refused at fuse, the model untouched; frozen, the parameter is no obstacle."""
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.experts = nn.Parameter(torch.randn(2, 4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.einsum("bi,eoi->bo", self.lin(x), self.experts)
+
+    model = Experts()
+    with pytest.raises(ValueError, match=rf"^optimizer '{rule_name}' cannot step 'experts' of shape \(2, 4, 4\): its "
+                                         "per-layer step and the fallback that steps what it does not fuse take 1-D "
+                                         r"and 2-D parameters \(freeze it, or use another optimizer\)$"):
+        forge_core.fuse(model, rule_name, probe_inputs=False)
+    assert type(model.lin) is nn.Linear
+    model.experts.requires_grad_(False)
+    opt = forge_core.fuse(model, rule_name, probe_inputs=False)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()

@@ -228,15 +228,26 @@ def test_a_forge_state_dict_is_refused_by_other_optimizer_classes_and_the_revers
     saved = opt.state_dict()
     assert saved["param_groups"][-1]["params"] == [len(list(model.parameters()))]
     # A torch optimizer over the same parameters, in one group or split as HF Trainer splits them
-    # (decay / no decay), or over the fallback parameters alone, refuses before touching its state.
+    # (decay / no decay), or over the fallback parameters alone, refuses before touching its state, in
+    # one line naming what the dict is (forge_core.torch_guards; torch's own check names group counts).
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     for other in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1),
                   torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]),
                   torch.optim.AdamW(opt.fallback_parameters())):
-        with pytest.raises(ValueError, match="different number of parameter groups|doesn't match the size"):
+        name = type(other).__name__
+        with pytest.raises(ValueError, match=rf"^{name}\.load_state_dict was given a ForgeOptimizer state dict "
+                                             rf"\(rule 'adamw', int8 states; its fused weights' moments are FORGE "
+                                             rf"kernel states, not {name}'s\): load it into the optimizer "
+                                             r"forge_core\.fuse\(model, \.\.\.\) returns"):
             other.load_state_dict(saved)
         assert not other.state
+        # torch's own check refuses it too (the guard group), with its message, where the guard is not installed
+        with pytest.raises(ValueError, match="different number of parameter groups|doesn't match the size"):
+            torch.optim.Optimizer.load_state_dict.forge_load_guard_of(other, saved)
+        assert not other.state
+    plain = torch.optim.AdamW(model.parameters())               # any other state dict loads as torch loads it
+    plain.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     with pytest.raises(ValueError, match=r"not a ForgeOptimizer state dict \(no 'forge' entry\)"):
         opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
 

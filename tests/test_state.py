@@ -53,6 +53,41 @@ def test_sqrt_domain_keeps_second_moment_positive_and_finite():
     assert torch.all(scale[1] == 0)
 
 
+@pytest.mark.parametrize("codes, smallest", [("int8", 1.0), ("fp8", 2.0 ** -9)])
+def test_a_floored_state_keeps_every_value_at_the_smallest_code_or_above(codes: str, smallest: float):
+    """Adamax's ``exp_inf`` (``Rule.floored_states``): coded as it is, codes floored where the block's
+    scale is normal; an all-zero block stays zero, a subnormal one codes zero."""
+    u = torch.zeros(3, 70)
+    u[0, 0], u[0, 1:64] = 50.0, 1e-9        # below half a code next to 50: code 0 unfloored
+    u[0, 64:] = torch.tensor([1e-3, 2.0, 1e-12, 0.5, 1e-7, 3.0])
+    u[2, :2] = torch.tensor([1e-37, 5e-38])
+    plain_q, plain_scale = quantize_blockwise(u, sqrt_domain=False, codes=codes)
+    q, scale = quantize_blockwise(u, sqrt_domain=False, codes=codes, floored=True)
+    assert torch.equal(scale, plain_scale)
+    assert float(plain_q[0, 1].float()) == 0.0 and float(q[0, 1].float()) == smallest
+    back = dequantize_blockwise(q, scale, sqrt_domain=False)
+    step = scale.repeat_interleave(QBLOCK, dim=1)[:, :70]
+    assert torch.all(back[0] >= step[0] * smallest * (1 - 1e-6))      # never 0 next to a non-zero maximum
+    assert back[0, 0].item() == pytest.approx(50.0, rel=1e-6)
+    assert torch.all(q[1].float() == 0) and torch.all(scale[1] == 0)
+    assert 0.0 < scale[2, 0].item() < torch.finfo(torch.float32).tiny and torch.all(q[2].float() == 0)
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "fp8"])
+def test_adamax_stores_exp_inf_floored_and_exp_avg_as_it_is(state_dtype: str):
+    rule = get_rule("adamax")
+    value = torch.zeros(2, 64)
+    value[:, 0], value[:, 1] = 10.0, 1e-9
+    state = ParamState(value, rule, state_dtype)
+    assert state.code_domain("exp_inf") == 2 and state.code_domain("exp_avg") == 0
+    assert state.is_floored("exp_inf") and not state.is_sqrt_domain("exp_inf")
+    assert ParamState(value, get_rule("adamw"), state_dtype).code_domain("exp_avg_sq") == 1
+    state.store("exp_inf", value)
+    state.store("exp_avg", value)
+    assert torch.all(state.dequantize("exp_inf") > 0)
+    assert state.dequantize("exp_avg")[0, 1].item() == 0.0
+
+
 def test_sqrt_domain_clamps_negative_inputs():
     q, scale = quantize_blockwise(torch.tensor([[-1.0, 4.0]]), sqrt_domain=True)
     back = dequantize_blockwise(q, scale, sqrt_domain=True)

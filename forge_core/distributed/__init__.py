@@ -39,6 +39,7 @@ from ..backends import resolve_backend
 from ..optimizer import ForgeOptimizer
 from ..layer_step import takes_layer_path
 from ..rules import Rule, get_rule
+from ..rules.checks import betas_pair
 from ..state import STATE_DTYPES
 from .affine import state_reduction_problem
 from .data_parallel import DataParallelUpdates
@@ -162,9 +163,12 @@ def fuse_fsdp(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float]
     if unknown:
         raise ValueError(f"{entry}: optimizer {rule.name!r} has no hyper-parameter(s) {unknown}")
     full = {**dict(rule.defaults), **given}
-    if "betas" in full:
-        full["betas"] = tuple(full["betas"])
+    for key in [key for key in full if key.endswith("betas")]:
+        full[key] = betas_pair(rule.name, full[key], key)
     rule.fallback_optimizer([{"params": []}], **full)          # the rule validates the values
+    problem = rule.format_problem(full, state_dtype)
+    if problem is not None:
+        raise ValueError(f"{entry}: {problem}")
     devices = {p.device for p in model.parameters()}
     return FsdpForgeOptimizer(model, rule=rule, hyperparameters=full, state_dtype=state_dtype,
                               stochastic_rounding=stochastic_rounding, accumulate_steps=accumulate_steps,

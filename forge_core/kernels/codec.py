@@ -4,7 +4,9 @@ rule's scalars are read from memory and written back.
 A state is stored as fp32, bf16 (rounded to nearest even), or int8 or float8_e4m3fn codes with one
 fp32 scale per 64-column block (``s = absmax / 127`` or ``absmax / 448``, re-quantized every step;
 ``forge_core.state`` is the spec). ``KIND`` (a constexpr): 0 fp32, 1 bf16, 2 int8, 3 fp8 (whose codes
-the kernels read and write as uint8).
+the kernels read and write as uint8). ``DOMAIN`` (a constexpr; the kernels' ``S0_SQRT`` ...): a state's
+``forge_core.state.ParamState.code_domain``, 0 coded as it is, 1 in the sqrt domain (codes floored at the
+smallest positive one), 2 as it is with floored codes (Adamax's ``exp_inf``); fp32 and bf16 ignore it.
 The Triton tile kernel (``tile_kernel``), the Gluon kernel (``hopper_ws_kernel``) and the embedding's
 row update (``row_update``) call these same ``@triton.jit`` functions, so all three store the same
 codes and bits. ``HW_MATH`` selects the GPU's instructions; without it (the interpreter) each step
@@ -72,7 +74,7 @@ def fp8_to_float(codes, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr,
+def decode_state(raw, scales, KIND: tl.constexpr, DOMAIN: tl.constexpr, HW_MATH: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """A raw state tile as fp32: fp32 / bf16 as is, int8 / fp8 codes times their block scale."""
     if KIND == 2:
@@ -81,7 +83,7 @@ def decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_
         else:
             NB: tl.constexpr = BN // QB
             value = tl.reshape(tl.reshape(int8_to_float(raw, HW_MATH), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
-        if SQRT_DOMAIN:
+        if DOMAIN == 1:
             value = value * value
     elif KIND == 3:
         if BN == QB:
@@ -89,7 +91,7 @@ def decode_state(raw, scales, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_
         else:
             NB: tl.constexpr = BN // QB
             value = tl.reshape(tl.reshape(fp8_to_float(raw, HW_MATH), (BM, NB, QB)) * scales[:, :, None], (BM, BN))
-        if SQRT_DOMAIN:
+        if DOMAIN == 1:
             value = value * value
     else:
         value = raw.to(tl.float32)
@@ -135,7 +137,7 @@ def block_scale(absmax, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+def int8_codes(signed, scale, DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
     """Codes of one block (or a tile of blocks, ``scale`` broadcast to it): see state.py.
 
     The rounding to the nearest integer (ties to even) and the conversion to an integer are one
@@ -156,15 +158,15 @@ def int8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
         # rounding of 16 elements and pushed the int8 tile into spilling
         inverse = libdevice.fast_dividef(1.0, tl.where(has_scale, scale, 1.0))
         pattern = (signed * inverse + 12582912.0).to(tl.int32, bitcast=True)     # 0x4B400000 + code
-        if SQRT_DOMAIN:
-            # codes floored at 1 where the block's scale is normal
+        if DOMAIN != 0:
+            # codes floored at 1 where the block's scale is normal (a sqrt-domain or floored state)
             return tl.maximum(pattern, 0x4B400000 + has_scale.to(tl.int32))
         else:
             return pattern
     else:              # an fp32 integer value
         inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
         code = (signed * inverse + 12582912.0) - 12582912.0
-        if SQRT_DOMAIN:
+        if DOMAIN != 0:
             code = tl.where(has_scale, tl.maximum(code, 1.0), code)
         return code
 
@@ -196,7 +198,7 @@ def fp8_bits_nearest_even(value):
 
 
 @triton.jit
-def fp8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+def fp8_codes(signed, scale, DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
     """fp8 codes (int32 patterns whose low byte is stored) of one block, or a tile of blocks with
     ``scale`` broadcast to it: see state.py. A block whose scale is 0 or subnormal multiplies by 1
     (its values round to code 0); sqrt-domain codes lose the sign of a -0.0 and are floored at 1 (the
@@ -208,7 +210,7 @@ def fp8_codes(signed, scale, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
     else:
         inverse = tl.math.div_rn(1.0, tl.where(has_scale, scale, 1.0))
         code = fp8_bits_nearest_even(signed * inverse)
-    if SQRT_DOMAIN:
+    if DOMAIN != 0:
         code = tl.maximum(code & 0x7F, has_scale.to(tl.int32))
     return code
 
@@ -223,28 +225,28 @@ def scale_of_block(absmax, KIND: tl.constexpr, HW_MATH: tl.constexpr):
 
 
 @triton.jit
-def block_codes(signed, scale, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
+def block_codes(signed, scale, KIND: tl.constexpr, DOMAIN: tl.constexpr, HW_MATH: tl.constexpr):
     """The codes of int8 (``KIND`` 2) or fp8 (3) blocks."""
     if KIND == 2:
-        return int8_codes(signed, scale, SQRT_DOMAIN, HW_MATH)
+        return int8_codes(signed, scale, DOMAIN, HW_MATH)
     else:
-        return fp8_codes(signed, scale, SQRT_DOMAIN, HW_MATH)
+        return fp8_codes(signed, scale, DOMAIN, HW_MATH)
 
 
 @triton.jit
 def store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, col_block0, n_blocks,
-                 stride_scale_row, KIND: tl.constexpr, SQRT_DOMAIN: tl.constexpr, EVEN: tl.constexpr,
+                 stride_scale_row, KIND: tl.constexpr, DOMAIN: tl.constexpr, EVEN: tl.constexpr,
                  HW_MATH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QB: tl.constexpr):
     """Store an fp32 state tile: as fp32, rounded to bf16, or re-quantized to int8 / fp8 (see state.py)."""
     if KIND >= 2:
         if not EVEN:
             value = tl.where(mask, value, 0.0)
-        if SQRT_DOMAIN:
+        if DOMAIN == 1:
             value = tl.sqrt(value)        # sqrt-domain states are nonnegative (the rule's contract)
         if BN == QB:        # one block per row: a plain row max, no reshape
             magnitude_in = tl.abs(value)
             scale = scale_of_block(tl.max(magnitude_in, axis=1), KIND, HW_MATH)
-            codes = block_codes(value, scale[:, None], KIND, SQRT_DOMAIN, HW_MATH)
+            codes = block_codes(value, scale[:, None], KIND, DOMAIN, HW_MATH)
             store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_ok = (tl.zeros_like(row_mask.to(tl.int32)) + col_block0) < n_blocks
             tl.store(scales_ptr + rows * stride_scale_row + col_block0, scale, mask=row_mask & block_ok)
@@ -253,7 +255,7 @@ def store_state(values_ptr, scales_ptr, value, offsets, mask, rows, row_mask, co
             blocks = tl.reshape(value, (BM, NB, QB))
             magnitude_in = tl.abs(blocks)
             scale = scale_of_block(tl.max(magnitude_in, axis=2), KIND, HW_MATH)
-            codes = block_codes(blocks, scale[:, :, None], KIND, SQRT_DOMAIN, HW_MATH)
+            codes = block_codes(blocks, scale[:, :, None], KIND, DOMAIN, HW_MATH)
             codes = tl.reshape(codes, (BM, BN))
             store_tile(values_ptr + offsets, codes, mask, EVEN, HW_MATH)
             block_cols = col_block0 + tl.arange(0, NB)

@@ -120,7 +120,7 @@ class WsPlan:
     states: list[torch.Tensor]
     scales: list[torch.Tensor | None]
     epilogue: Any
-    sqrt_domain: tuple[bool, bool]
+    sqrt_domain: tuple[int, int]
     direct: Callable[[torch.Tensor, torch.Tensor, Any], bool] | None = None
     """From the second launch: the Gluon kernel launched without its JIT (``hopper_ws.direct_launcher``)."""
     launched: bool = False

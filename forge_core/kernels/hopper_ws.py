@@ -222,7 +222,7 @@ def grid_size(weight: torch.Tensor, config: WsConfig, device_index: int) -> int:
 
 def kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor],
                 scales: list[torch.Tensor | None] | None, epilogue: Any, scalars: tuple[float, ...] | torch.Tensor,
-                config: WsConfig, sqrt_domain: tuple[bool, bool]) -> tuple[tuple, dict]:
+                config: WsConfig, sqrt_domain: tuple[int, int]) -> tuple[tuple, dict]:
     """The kernel's positional arguments and constexprs for one call (``launch``, ``compile_offline``)."""
     m, n = weight.shape
     c = config
@@ -237,7 +237,7 @@ def kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, state
             weight, states[0], states[-1], scale0, scale1, m, n, x2.shape[0], c.group,
             scale0.stride(0) if int8 else 0, *_scalar_args(scalars, weight))
     kwargs = dict(EPILOGUE=epilogue, NUM_STATES=len(states), STATE_KIND=2 if int8 else 1,
-                  S0_SQRT=bool(sqrt_domain[0]), S1_SQRT=bool(sqrt_domain[-1]), SCALARS_IN_MEMORY=in_memory,
+                  S0_SQRT=int(sqrt_domain[0]), S1_SQRT=int(sqrt_domain[-1]), SCALARS_IN_MEMORY=in_memory,
                   BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages, RM=c.slab_m, CN=c.slab_n,
                   STATE_STAGES=c.state_stages, PARKED=c.parked_halves, WIDE_INDEX=wide, MMA_WARPS=c.mma_warps, MMA_REGS=c.mma_registers,
                   LOADER_REGS=c.loader_registers, EPI_WARPS=c.epilogue_warps, num_warps=c.epilogue_warps,
@@ -248,10 +248,11 @@ def kernel_call(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, state
 
 def launch(x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor, states: list[torch.Tensor], epilogue: Any,
            scalars: tuple[float, ...] | torch.Tensor, config: WsConfig = DEFAULT_CONFIG, check: bool = True,
-           scales: list[torch.Tensor | None] | None = None, sqrt_domain: tuple[bool, bool] = (False, False)) -> Any:
+           scales: list[torch.Tensor | None] | None = None, sqrt_domain: tuple[int, int] = (0, 0)) -> Any:
     """One fused step on 2-D bf16 ``x2`` (K, Din), ``dy2`` (K, Dout), ``weight`` (Dout, Din) and its
-    ``states`` (bf16, or int8 codes with their fp32 block ``scales``; ``sqrt_domain``: which states
-    are stored as square roots, see state.py), with the rule's ``epilogue`` and its 8 kernel scalars
+    ``states`` (bf16, or int8 codes with their fp32 block ``scales``; ``sqrt_domain``: each state's
+    ``ParamState.code_domain``, True / 1 for square roots, see state.py), with the rule's ``epilogue`` and its 8
+    kernel scalars
     (floats, or a float32 device buffer for a graph-replayed launch). Raises ValueError with the
     reason when the call is outside this kernel's scope (``unsupported_reason``); ``check=False``
     skips that for a caller that checked the same weight and layouts before (a cached plan).
@@ -271,7 +272,7 @@ _DESCRIPTORS = 5
 
 def direct_launcher(compiled: Any, x2: torch.Tensor, dy2: torch.Tensor, weight: torch.Tensor,
                     states: list[torch.Tensor], scales: list[torch.Tensor | None] | None, epilogue: Any,
-                    scalars: tuple[float, ...] | torch.Tensor, config: WsConfig, sqrt_domain: tuple[bool, bool]
+                    scalars: tuple[float, ...] | torch.Tensor, config: WsConfig, sqrt_domain: tuple[int, int]
                     ) -> Callable[[torch.Tensor, torch.Tensor, Any], bool] | None:
     """Launches of ``compiled`` (what the JIT returned for this call) for later calls of the same
     weight, states and activation layout, without the JIT. Why: the JIT binds and specialises ~40

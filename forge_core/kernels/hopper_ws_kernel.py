@@ -136,26 +136,26 @@ if GLUON_IMPORT_ERROR is None:
         return gl.split(gl.permute(gl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
 
     @gluon.jit
-    def _decode_slab(raw, scales, KIND: gl.constexpr, SQRT_DOMAIN: gl.constexpr):
+    def _decode_slab(raw, scales, KIND: gl.constexpr, DOMAIN: gl.constexpr):
         """A state slab as fp32: bf16 as is, int8 codes times their row's block scale (squared for
         a sqrt-domain state), with the Triton kernel's exact steps (``codec.decode_state``)."""
         if KIND == 2:
             value = int8_to_float(raw, True) * gl.expand_dims(scales, 1)
-            if SQRT_DOMAIN:
+            if DOMAIN == 1:
                 value = value * value
         else:
             value = raw.to(gl.float32)
         return value
 
     @gluon.jit
-    def _store_slab(VALUES, SCALES, value, offsets, scale_offsets, KIND: gl.constexpr, SQRT_DOMAIN: gl.constexpr):
+    def _store_slab(VALUES, SCALES, value, offsets, scale_offsets, KIND: gl.constexpr, DOMAIN: gl.constexpr):
         """Store a state slab: bf16 rounded to nearest even, or int8 re-quantized with a new scale per
         row (the slab is one block wide), with the Triton kernel's exact steps (``codec.store_state``)."""
         if KIND == 2:
-            if SQRT_DOMAIN:
+            if DOMAIN == 1:
                 value = gl.sqrt(value)
             scale = block_scale(gl.max(gl.abs(value), axis=1), True)
-            codes = int8_codes(value, gl.expand_dims(scale, 1), SQRT_DOMAIN, True)
+            codes = int8_codes(value, gl.expand_dims(scale, 1), DOMAIN, True)
             gl.store(VALUES + offsets, codes.to(gl.int8))
             gl.store(SCALES + scale_offsets, scale)
         else:

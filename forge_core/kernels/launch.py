@@ -240,7 +240,7 @@ def kernel_meta(state: ParamState, input_dtype: torch.dtype, *, grad_accum: bool
                 scalars_in_memory: bool) -> dict[str, Any]:
     """The rule's and the states' compile-time parameters of a launch (its plan adds the tile's)."""
     names = state.state_names
-    sqrt = [len(names) > i and state.is_sqrt_domain(names[i]) for i in range(MAX_STATES)]
+    sqrt = [state.code_domain(names[i]) if len(names) > i else 0 for i in range(MAX_STATES)]     # codec.py's DOMAIN
     return dict(
         EPILOGUE=state.epilogue, NUM_STATES=len(names), STATE_KIND=STATE_KIND[state.state_dtype],
         S0_SQRT=sqrt[0], S1_SQRT=sqrt[1], S2_SQRT=sqrt[2], NUM_SUMS=state.rule.layer_sums,

@@ -5,9 +5,12 @@
     exp_inf <- max(beta2 * exp_inf, |g| + eps)
     w <- w - lr / (1 - beta1^t) * exp_avg / exp_inf
 
-``exp_inf`` is a magnitude, not a square: it is quantized as it is (no sqrt domain). The division
-reads the new ``exp_inf`` (at least eps), never a quantized one, so a block element rounded to zero
-divides nothing by zero.
+``exp_inf`` is a magnitude, not a square: it is quantized as it is (no sqrt domain), with its int8 /
+fp8 codes floored at the smallest positive one (``floored_states``). Why the floor: a code of 0 reads
+back as 0, so at the element's next step without a gradient ``exp_inf`` is ``eps`` while its first
+moment is not 0, and ``exp_avg / exp_inf`` is huge (a tiny Llama's embedding moved by 27 at lr 1e-3;
+a Linear weight whose input columns span decades by 300 lr). The division reads the new ``exp_inf``
+(at least eps), never a quantized one.
 """
 from __future__ import annotations
 
@@ -88,5 +91,6 @@ RULE = Rule(
     kernel_scalars=kernel_scalars,
     kernel_scalars_on_device=kernel_scalars_on_device,
     sqrt_domain_states=frozenset(),
+    floored_states=frozenset({"exp_inf"}),
     signed_states=frozenset({"exp_avg"}),
 )

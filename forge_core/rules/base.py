@@ -66,6 +66,10 @@ class Rule:
     graph can replay the computation (``fuse(..., capturable=True)``). None: the rule is not capturable."""
     sqrt_domain_states: frozenset[str] = field(default_factory=frozenset)
     """States stored as sqrt(value) when quantized to int8 / fp8 (second moments), see forge_core/state.py."""
+    floored_states: frozenset[str] = field(default_factory=frozenset)
+    """States stored as they are whose int8 / fp8 codes are floored at the smallest positive code, as a
+    sqrt-domain state's are: a non-negative denominator kept as it is (Adamax's ``exp_inf``), which a
+    zero code would turn into ``eps`` (forge_core/state.py says why)."""
     signed_states: frozenset[str] = field(default_factory=frozenset)
     """States that can be negative (first moments); the others are non-negative."""
     nonzero_code_states: frozenset[str] | None = None
@@ -93,6 +97,9 @@ class Rule:
     fused kernel; it reads the same ``kernel_scalars``."""
     state_dtypes: frozenset[str] | None = None
     """The state formats the rule can store (None: every one of forge_core.state.STATE_DTYPES)."""
+    format_refusal: Callable[[Mapping[str, Any], str], str | None] | None = None
+    """``format_refusal(hp, state_dtype)``: why these hyper-parameters cannot be stepped with states of this
+    format (one line), or None (``format_problem``; centered RMSprop with int8 / fp8 states). None: any."""
     refusals: Mapping[str, str] = field(default_factory=dict)
     """Options the rule refuses at ``fuse`` time, each with why: keys "capturable", "accumulate_steps",
     "stochastic_rounding" (see ``option_problem``)."""
@@ -202,6 +209,11 @@ class Rule:
         if self.initial_state is None:
             return 0.0
         return float(self.initial_state(name, self.resolve_hp(hp or {})))
+
+    def format_problem(self, hp: Mapping[str, Any], state_dtype: str) -> str | None:
+        """Why a weight with these hyper-parameters cannot keep ``state_dtype`` states (``format_refusal``), or
+        None; ``fuse`` raises it as a ValueError."""
+        return self.format_refusal(self.resolve_hp(hp), state_dtype) if self.format_refusal is not None else None
 
     def option_problem(self, *, state_dtype: str = "fp32", accumulate_steps: int = 1, capturable: bool = False,
                        stochastic_rounding: bool = False) -> str | None:

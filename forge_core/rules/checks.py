@@ -14,10 +14,22 @@ def filled(hp: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]
     return {key: hp.get(key, default) for key, default in defaults.items()}
 
 
+def betas_pair(rule_name: str, value: Any, name: str = "betas") -> tuple[float, float]:
+    """``value`` as ``(beta1, beta2)``: a one-line ValueError naming the rule and the value for anything but
+    two numbers (``betas=(0.9,)`` raised a bare IndexError inside torch's optimizer)."""
+    try:
+        pair = tuple(value)
+        if len(pair) != 2:
+            raise ValueError
+        return float(pair[0]), float(pair[1])
+    except (TypeError, ValueError):
+        raise ValueError(f"{rule_name}: {name} must be a pair of numbers (beta1, beta2), got {value!r}") from None
+
+
 def adam_hyperparameters(rule_name: str, full: Mapping[str, Any]) -> tuple[float, float, float, float, float]:
     """``lr, beta1, beta2, eps, weight_decay`` from a filled param group, each checked as torch.optim's
     Adam family checks it (a one-line ValueError naming the rule and the value)."""
-    lr, (beta1, beta2), eps = float(full["lr"]), tuple(map(float, full["betas"])), float(full["eps"])
+    lr, (beta1, beta2), eps = float(full["lr"]), betas_pair(rule_name, full["betas"]), float(full["eps"])
     weight_decay = float(full["weight_decay"])
     if not lr >= 0.0:
         raise ValueError(f"{rule_name}: lr must be >= 0, got {lr}")
@@ -44,4 +56,4 @@ def torch_fallback(optimizer_class: type[torch.optim.Optimizer], params: Any, hp
     return optimizer_class(params, **known_hyperparameters(hp, defaults), **capturable_flag(params, capturable))
 
 
-__all__ = ["adam_hyperparameters", "check_step", "filled", "torch_fallback"]
+__all__ = ["adam_hyperparameters", "betas_pair", "check_step", "filled", "torch_fallback"]

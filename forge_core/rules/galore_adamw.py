@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .checks import betas_pair
 from .rule_optimizer import reference_rule
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "rank": 128,
@@ -41,7 +42,7 @@ RANDOMIZED_SEED = 0
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float, float, int, int, float, str]:
     full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
     lr, eps, weight_decay, scale = (float(full[key]) for key in ("lr", "eps", "weight_decay", "scale"))
-    beta1, beta2 = (float(b) for b in full["betas"])
+    beta1, beta2 = betas_pair("galore_adamw", full["betas"])
     rank, gap, svd = full["rank"], full["update_proj_gap"], full["svd"]
     if not lr >= 0.0:
         raise ValueError(f"galore_adamw: lr must be >= 0, got {lr}")

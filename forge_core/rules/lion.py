@@ -16,13 +16,14 @@ import triton
 import triton.language as tl
 
 from .base import Rule, known_hyperparameters
+from .checks import betas_pair
 
 DEFAULTS = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0}
 
 
 def _checked(hp: Mapping[str, Any]) -> tuple[float, float, float, float]:
     full = {key: hp.get(key, default) for key, default in DEFAULTS.items()}
-    lr, (beta1, beta2), weight_decay = float(full["lr"]), tuple(map(float, full["betas"])), float(full["weight_decay"])
+    lr, (beta1, beta2), weight_decay = float(full["lr"]), betas_pair("lion", full["betas"]), float(full["weight_decay"])
     if not lr >= 0.0:
         raise ValueError(f"lion: lr must be >= 0, got {lr}")
     if not (0.0 <= beta1 <= 1.0 and 0.0 <= beta2 <= 1.0):

@@ -34,6 +34,7 @@ import torch
 from ..newton_schulz import ADJUST_LR_FNS, adjusted_lr, zeropower_via_newton_schulz
 from ..wgrad_gemm import accumulate_product, product_plus
 from .base import Rule, torch_fused_flag
+from .checks import betas_pair
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MUON_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
@@ -63,7 +64,7 @@ def checked(hp: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"muon: ns_steps must lie in [0, 100), got {full['ns_steps']}")
     return {**full, "lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": bool(full["nesterov"]),
             "ns_coefficients": coefficients, "ns_steps": int(full["ns_steps"]), "eps": float(full["eps"]),
-            "adamw_betas": tuple(float(b) for b in full["adamw_betas"])}
+            "adamw_betas": betas_pair("muon", full["adamw_betas"], "adamw_betas")}
 
 
 def _apply(weight: torch.Tensor, update: torch.Tensor, hp: Mapping[str, Any]) -> None:

@@ -12,6 +12,14 @@ A weight holds ``square_avg``, plus ``momentum_buffer`` with momentum and ``grad
 state set, with one to three state slots. The centered variance is clamped at zero before its square
 root: torch would return NaN where rounding makes it negative, which with quantized states (the two
 moments rounded apart) happens where the variance is tiny next to the mean's square.
+
+Centered RMSprop takes fp32 and bf16 states only (``format_refusal``): its variance ``square_avg -
+grad_avg^2`` is the difference of two moments stored apart, and int8 / fp8 codes keep neither to better
+than their block's step (int8) or 1/16 (fp8), so a variance small next to ``grad_avg^2`` reads back as 0 and
+the step is ``g / eps``. ``tests/test_differential.py`` saw steps up to 10^6 (int8) and 2100 (fp8) times
+torch's largest; flooring the variance at its exact lower bound ``alpha (1 - alpha) (g - grad_avg_old)^2``
+left 350 (int8), 8900 (int8, momentum) and 135 (fp8, momentum): a gradient near its stored mean makes that
+bound 0 too.
 """
 from __future__ import annotations
 
@@ -145,6 +153,15 @@ def epilogue_centered(w, g, square_avg, grad_avg, unused_third, lr, alpha, one_m
     return w, square_avg, grad_avg, unused_third
 
 
+def format_refusal(hp: Mapping[str, Any], state_dtype: str) -> str | None:
+    """Centered RMSprop with int8 / fp8 states (module docstring), or None."""
+    if bool(hp["centered"]) and state_dtype in ("int8", "fp8"):
+        return (f"rule 'rmsprop': centered=True cannot keep {state_dtype} states: its variance square_avg - grad_avg^2, "
+                f"a difference of two moments rounded apart, reads back as 0 where it is small and the step becomes "
+                "g / eps; use fp32 or bf16 states, or centered=False")
+    return None
+
+
 def fallback_optimizer(params, capturable: bool = False, **hp: Any) -> torch.optim.Optimizer:
     """torch.optim.RMSprop with the same hyper-parameters, for the parameters FORGE does not fuse."""
     return torch_fallback(torch.optim.RMSprop, params, hp, DEFAULTS, capturable)
@@ -163,6 +180,7 @@ RULE = Rule(
     signed_states=frozenset({"momentum_buffer", "grad_avg"}),
     nonzero_code_states=frozenset({"momentum_buffer"}),
     state_names_for=state_names_for,
+    format_refusal=format_refusal,
     epilogues={("square_avg",): epilogue_plain, ("square_avg", "momentum_buffer"): epilogue_momentum,
                ("square_avg", "grad_avg"): epilogue_centered},
 )

@@ -16,11 +16,27 @@ the references get it as a tensor and nothing syncs with the host). The math run
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
 from .base import Rule, fp32_states, known_hyperparameters, matrix_step_states
+
+
+STEPPED_DIMS = (1, 2)
+"""The parameter ranks a ``RuleOptimizer`` steps (the regime-3 references take vectors and matrices)."""
+
+
+def unsteppable_parameter(named_parameters: Iterable[tuple[str, torch.Tensor]], rule_name: str) -> Optional[str]:
+    """Why a ``RuleOptimizer`` of ``rule_name`` could not step one of these trainable parameters (one line naming
+    it), or None. ``fuse`` asks before anything is swapped: a 3-D one (MoE experts, a convolution) left to the
+    fallback failed at the first ``step()``."""
+    for name, parameter in named_parameters:
+        if parameter.requires_grad and parameter.dim() not in STEPPED_DIMS:
+            return (f"optimizer {rule_name!r} cannot step {name!r} of shape {tuple(parameter.shape)}: its per-layer "
+                    "step and the fallback that steps what it does not fuse take 1-D and 2-D parameters (freeze it, "
+                    "or use another optimizer)")
+    return None
 
 
 class RuleOptimizer(torch.optim.Optimizer):
@@ -44,7 +60,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                                                       rule.shapes_of_states((1,), defaults, "").items()}, defaults, 1)
 
     def _new_state(self, parameter: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        if parameter.dim() not in (1, 2):
+        if parameter.dim() not in STEPPED_DIMS:
             raise ValueError(f"{self.rule.name}: parameters must be 1-D or 2-D, got shape {tuple(parameter.shape)}")
         device = parameter.device if group["capturable"] else torch.device("cpu")
         state = {"step": torch.zeros((), dtype=torch.float32, device=device)}
@@ -120,4 +136,4 @@ def reference_rule(*, fallback_overrides: Optional[Mapping[str, Any]] = None, **
     return rule
 
 
-__all__ = ["RuleOptimizer", "reference_rule"]
+__all__ = ["STEPPED_DIMS", "RuleOptimizer", "reference_rule", "unsteppable_parameter"]
