@@ -345,7 +345,9 @@ def test_the_demo_suite_plans_every_cell(tmp_path):
     suite = load_suite(None)
     plans = [line for line in res.output.splitlines() if line.startswith("smoke/")]
     assert len(plans) == len(suite.cells) and all(line.endswith("  run") for line in plans)
-    assert {"forge_fp32", "forge_bf16", "forge_int8", "forge_int8_cce"} <= {c.method for c in suite.cells}
+    from forge_core.state import STATE_DTYPES
+
+    assert {f"forge_{states}" for states in STATE_DTYPES} | {"forge_int8_cce"} <= {c.method for c in suite.cells}
     assert not (tmp_path / "o").exists()
 
 
