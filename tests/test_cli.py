@@ -215,6 +215,9 @@ def test_report_out_on_a_file_or_a_folder_of_something_else_is_one_line_exit_2(t
     res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(tmp_path)])
     assert res.exit_code == 2 and "not a report folder (it holds notes.txt" in " ".join(res.stderr.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "nothing written beside the user's file"
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(taken / "report")])   # a place it cannot write
+    assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0
+    assert " ".join(res.stderr.split()) == f"error: {taken / 'report'}: cannot write the report there (File exists)"
 
 
 @pytest.mark.parametrize("command", [["sweep"], ["kernel"]])
