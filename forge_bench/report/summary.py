@@ -119,9 +119,9 @@ def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int],
     lines += [""] + _nothing_fused_lines(every)
     shown = [column for column in columns if column[3] in VARIANT_ORDER] or columns
     if shown and figures:
-        timing, activations = max(shown, key=lambda c: VARIANT_ORDER.index(c[3]) if c[3] in VARIANT_ORDER else -1)[3]
-        keys = {"device_name": first["device_name"], "model": model, "dtype": first["dtype"], "batch": batch,
-                "seq": seq, "timing": timing, "activations": activations}
+        _, picked, _, (timing, activations) = max(
+            shown, key=lambda c: VARIANT_ORDER.index(c[3]) if c[3] in VARIANT_ORDER else -1)
+        keys = {**{k: picked[0][k] for k in HEADLINE_KEYS}, "timing": timing, "activations": activations}
         png = figures.get(slug("headline", *key_parts({k: keys[k] for k in HEADLINE_KEYS})))
         if png:
             lines += [f"![{variant_label(timing, activations)}: peak and step per arm]({png})", ""]
