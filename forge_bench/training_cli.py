@@ -11,11 +11,11 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-
-from forge_bench import folder_lock
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Table
+
+from forge_bench import folder_lock
 
 EXIT_BAD_INPUT = 2
 
@@ -75,9 +75,9 @@ def convergence(
     if not arm_list or not seed_list:
         raise _fail(console, "--arms and --seeds need at least one entry each")
     spec = conv.ConvergenceSpec(model=model, steps=steps, batch=batch, seq=seq, lr=lr, min_lr_ratio=min_lr_ratio,
-                                warmup=conv.default_warmup(steps) if warmup is None else warmup, weight_decay=weight_decay, eval_every=eval_every,
-                                eval_batches=eval_batches, checkpoint_every=checkpoint_every,
-                                corpus_max_bytes=corpus_max_bytes)
+                                warmup=conv.default_warmup(steps) if warmup is None else warmup,
+                                weight_decay=weight_decay, eval_every=eval_every, eval_batches=eval_batches,
+                                checkpoint_every=checkpoint_every, corpus_max_bytes=corpus_max_bytes)
     try:
         # the folder is this study's; a run started by `--gpus` writes under its study's lock
         lock = None if parent and folder_lock.held_by(out, int(parent)) else folder_lock.acquire(out)
@@ -103,9 +103,9 @@ def _study(console: Console, out: Path, spec, arm_list: list[str], seed_list: li
     except (conv.ConvergenceError, KeyError, PluginError, ValueError) as error:
         raise _fail(console, str(error).strip("'\"")) from None
     total = len(arm_list) * len(seed_list)
-    console.print(f"convergence: {model}, {steps} steps of {spec.batch} x {spec.seq} bytes, arms {', '.join(arm_list)}, "
-                  f"seeds {', '.join(map(str, seed_list))} on {where}: {total - len(todo)} of {total} runs done; "
-                  f"out {out}; spec {spec.spec_hash}", highlight=False)
+    console.print(f"convergence: {model}, {steps} steps of {spec.batch} x {spec.seq} bytes, arms "
+                  f"{', '.join(arm_list)}, seeds {', '.join(map(str, seed_list))} on {where}: "
+                  f"{total - len(todo)} of {total} runs done; out {out}; spec {spec.spec_hash}", highlight=False)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                         console=console, transient=False)
