@@ -17,6 +17,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from forge_bench import folder_lock
 from forge_bench.profile.cli import profile_app
 from forge_bench.training_cli import convergence, fidelity
 from forge_bench.units import GIB
@@ -57,6 +58,7 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from forge_bench.folder_lock import FolderLockError
     from forge_bench.lanes import LaneError
     from forge_bench.methods import PluginError
     from forge_bench.models import ModelError
@@ -64,7 +66,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from forge_bench.runner import RunnerError
     from forge_bench.suite import SuiteError
 
-    return SuiteError, RunnerError, PluginError, ResultsError, ModelError, LaneError
+    return SuiteError, RunnerError, PluginError, ResultsError, ModelError, LaneError, FolderLockError
 
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
@@ -142,6 +144,27 @@ def sweep(
         cells = _selected_cells(loaded, only)
         out_dir = out or Path("results") / loaded.name
         baseline = results_mod.load_results(check) if check is not None else None
+        # the folder is this sweep's from its plan to its last row (a dry run writes nothing: no lock)
+        lock = None if dry_run else folder_lock.acquire(out_dir)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    try:
+        _sweep_planned(loaded, cells, out_dir, baseline, resume=resume, retry_failed=retry_failed,
+                       allow_mixed=allow_mixed, dry_run=dry_run, stop_after=stop_after, tune_cache=tune_cache,
+                       threads=threads, gpu_list=gpu_list, tolerance=tolerance, eager_tolerance=eager_tolerance)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retry_failed: bool, allow_mixed: bool,
+                   dry_run: bool, stop_after: Optional[float], tune_cache: Optional[str], threads: Optional[int],
+                   gpu_list: Optional[list[str]], tolerance: float, eager_tolerance: Optional[float]) -> None:
+    """``sweep`` once its input is checked (and its folder locked): plan, run, summarise, check."""
+    from forge_bench import results as results_mod
+    from forge_bench import runner
+
+    try:
         plan = runner.plan_run(out_dir, loaded, resume=resume, allow_mixed=allow_mixed, retry_failed=retry_failed)
         run_id, _manifest, done = plan
         unreadable = results_mod.scan_rows(out_dir).unreadable
@@ -156,7 +179,7 @@ def sweep(
         for path, why in unreadable.items():
             err_console.print(f"{path}: {why}; a run moves it to {path.name}{results_mod.CORRUPT_SUFFIX} "
                               f"and runs its cell again", highlight=False, soft_wrap=True)
-        _print_plan(loaded, cells, done)
+        _print_plan(loaded, cells, done, _median_wall_s(out_dir))
         return
 
     def on_set_aside(path: Path, moved: Path, why: str) -> None:
@@ -215,19 +238,56 @@ def sweep(
         out_console.print(f"check passed: no FORGE arm slower than baseline by more than {tolerance:.0%}{eager}")
 
 
-def _print_plan(loaded, cells, done) -> None:
+def _median_wall_s(out_dir: Path) -> Optional[tuple[float, int]]:
+    """(median seconds, count) of the ok rows already in ``out_dir`` (None without any): what a cell
+    of this folder took so far, for a dry run's estimate."""
+    from forge_bench import results as results_mod
+
+    try:
+        frame = results_mod.load_results(out_dir) if Path(out_dir).is_dir() else None
+    except _user_errors():
+        return None
+    if frame is None or frame.empty or "wall_s" not in frame:
+        return None
+    walls = frame.loc[frame["status"] == "ok", "wall_s"].dropna()
+    return (float(walls.median()), len(walls)) if len(walls) else None
+
+
+def _duration(seconds: float) -> str:
+    """``45 s``, ``12.5 min``, ``3.2 h``, ``41.5 days``: a plan's time at a glance."""
+    for limit, unit, size in ((120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / size:.{0 if unit == 's' else 1}f} {unit}"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _print_plan(loaded, cells, done, wall: Optional[tuple[float, int]] = None) -> None:
+    """One line per cell, then the run settings, then the plan's size and time: how many cells run,
+    the bound their timeouts put on the sweep, and the estimate from the folder's rows where it has some."""
     from forge_bench.methods import METHODS
 
     # plain lines, one per cell (greppable, and the ids can be pasted into `forge-bench cell`)
     out_console.print(f"{loaded.name}: plan (dry run): label  cell_id  plan", highlight=False)
+    to_run: list[Any] = []
+    unavailable = 0
     for c in cells:
         reason = METHODS[c.method].unavailable_reason(loaded.spec.device, c.cuda_graph, c.world_size)
         plan = "done (kept)" if c.cell_id in done else (f"unavailable: {reason}" if reason else "run")
+        if plan == "run":
+            to_run.append(c)
+        unavailable += plan.startswith("unavailable")
         out_console.print(f"{c.label}  {c.cell_id}  {plan}", highlight=False, soft_wrap=True)
     s = loaded.spec
     out_console.print(f"device {s.device}, dtype {s.dtype}, warm-up {s.warmup_steps}, {s.repeats} x {s.timed_steps} "
                       f"timed steps, parity {'on' if s.parity.enabled else 'off'} ({s.parity.steps} steps, tolerance "
                       f"{s.parity.tolerance}), timeout {s.timeout_s:g} s per cell", highlight=False)
+    kept = sum(c.cell_id in done for c in cells)
+    bound = sum(c.timeout_s for c in to_run)
+    estimate = (f"; at the median {wall[0]:.0f} s of the {wall[1]:,} ok cells in the folder, about "
+                f"{_duration(wall[0] * len(to_run))}" if wall and to_run else "")
+    out_console.print(f"plan: {len(cells):,} cells, {len(to_run):,} to run, {kept:,} kept, {unavailable:,} unavailable; "
+                      f"at most {_duration(bound)} one after the other (each cell's timeout){estimate}",
+                      highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -246,9 +306,14 @@ def cell(
     try:
         loaded = load_suite(suite)
         target = loaded.cell(cell_id)
+        lock = folder_lock.acquire(out)
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
-    raise typer.Exit(run_cell_process(loaded, target, out, run_id, attempt, threads))
+    try:
+        code = run_cell_process(loaded, target, out, run_id, attempt, threads)
+    finally:
+        lock.release()
+    raise typer.Exit(code)
 
 
 @app.command("list")
@@ -422,11 +487,17 @@ def kernel(
     except ValueError:
         raise _fail(f"--bts expects comma-separated integers, got {bts!r}") from None
     try:
+        lock = folder_lock.acquire(out)
+    except folder_lock.FolderLockError as exc:
+        raise _fail(str(exc)) from None
+    try:
         frame = kernel_bench.run(out, shapes=split(shapes), bts=bt_list, state_dtypes=split(state_dtypes), quick=quick)
     except (RuntimeError, ValueError) as exc:
         if "\n" in str(exc) or not str(exc):
             raise
         raise _fail(str(exc)) from None
+    finally:
+        lock.release()
     if frame is not None and len(frame):
         table = Table(title=f"kernel benchmark -> {out}")
         cols = list(frame.columns)[:10]

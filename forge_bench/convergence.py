@@ -45,6 +45,13 @@ from forge_bench.run_rows import KIND_COLUMN, write_rows
 DEFAULT_ARMS = ("adamw_fused", "adamw_fused_fp32_states", "forge_bf16", "forge_int8", "bnb_adamw8bit")
 BASELINES = ("adamw_fused", "adamw_foreach")       # what the report's deltas are against, in order of preference
 SMOOTHING_FRACTION = 0.1                           # the smoothed end-of-run train loss: mean of the last 10% of steps
+WARMUP_STEPS = 40                                  # ConvergenceSpec.warmup of a run of 400 steps or more
+
+
+def default_warmup(steps: int) -> int:
+    """The warm-up ``forge-bench convergence`` uses unless given: ``WARMUP_STEPS``, or a tenth of a
+    shorter run (a 20-step check warms up for 2 steps instead of refusing its own default)."""
+    return min(WARMUP_STEPS, max(0, steps // 10))
 
 
 class ConvergenceError(ValueError):
@@ -60,7 +67,7 @@ class ConvergenceSpec:
     seq: int = 512
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
-    warmup: int = 40
+    warmup: int = WARMUP_STEPS   # the command's default is default_warmup(steps): a tenth of a shorter run
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -368,5 +375,5 @@ def run_all(out: Path, spec: ConvergenceSpec, arms: list[str], seeds: list[int],
     return rows
 
 
-__all__ = ["BASELINES", "COLUMNS", "ConvergenceError", "ConvergenceSpec", "DEFAULT_ARMS", "SCHEMA", "checkpoint_path",
-           "evaluate", "plan", "read_row", "row_path", "run_all", "run_one"]
+__all__ = ["BASELINES", "COLUMNS", "ConvergenceError", "ConvergenceSpec", "DEFAULT_ARMS", "SCHEMA", "WARMUP_STEPS",
+           "checkpoint_path", "default_warmup", "evaluate", "plan", "read_row", "row_path", "run_all", "run_one"]

@@ -70,12 +70,28 @@ class ParitySettings(_Strict):
     max_layers: int = Field(2, ge=1, description="big models are gated on a twin with this many layers")
 
 
+BRIEF_ITEMS = 8
+"""How many values of a list an error names before "... (N more)": a 1000-entry grid's error stays one short line."""
+
+
+def brief(values: list[Any], limit: int = BRIEF_ITEMS) -> str:
+    """``[1, 2, 3, ... (997 more)]``: a list for a one-line error, at most ``limit`` items shown."""
+    shown = ", ".join(map(repr, values[:limit]))
+    return f"[{shown}{f', ... ({len(values) - limit:,} more)' if len(values) > limit else ''}]"
+
+
+def _repeated(values: list[Any]) -> list[Any]:
+    """The values given more than once, each once, in first-seen order."""
+    seen: set[Any] = set()
+    return list(dict.fromkeys(v for v in values if v in seen or seen.add(v)))
+
+
 def _names_check(values: list[str], known: dict[str, Any], what: str) -> list[str]:
     unknown = [v for v in values if v not in known]
     if unknown:
-        raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+        raise ValueError(f"unknown {what} {brief(unknown)[1:-1]}; known: {', '.join(sorted(known))}")
     if len(set(values)) != len(values):
-        raise ValueError(f"{what} names repeat: {values}")
+        raise ValueError(f"{what} names repeat: {brief(_repeated(values))}")
     return values
 
 
@@ -121,9 +137,9 @@ class Grid(_Strict):
         if v is not None:
             bad = [x for x in v if not x > 0]
             if bad:
-                raise ValueError(f"expected sizes > 0 MB, got {bad}")
+                raise ValueError(f"expected sizes > 0 MB, got {brief(bad)}")
             if len(set(v)) != len(v):
-                raise ValueError(f"bucket sizes repeat: {v}")
+                raise ValueError(f"bucket sizes repeat: {brief(_repeated(v))}")
         return v
 
     @field_validator("batch", "seq", "world_size")
@@ -131,7 +147,7 @@ class Grid(_Strict):
     def _positive(cls, v: list[int]) -> list[int]:
         bad = [x for x in v if x < 1]
         if bad:
-            raise ValueError(f"expected positive integers, got {bad}")
+            raise ValueError(f"expected positive integers, got {brief(bad)}")
         return v
 
     @model_validator(mode="after")
@@ -156,7 +172,7 @@ class Grid(_Strict):
             limit = models_mod.max_seq_len(model)
             too_long = [s for s in self.seq if s > limit]
             if too_long:
-                raise ValueError(f"seq {too_long} too long for model {model!r} (at most {limit} tokens)")
+                raise ValueError(f"seq {brief(too_long)} too long for model {model!r} (at most {limit} tokens)")
         return self
 
 
@@ -216,7 +232,7 @@ class SuiteSpec(_Strict):
             raise ValueError("grids: expected at least one grid")
         names = [g.name for g in self.grids]
         if len(set(names)) != len(names):
-            raise ValueError(f"grids: names repeat: {names}")
+            raise ValueError(f"grids: names repeat: {brief(_repeated(names))}")
         if self.warmup_steps is None:
             self.warmup_steps = DEFAULT_WARMUP["cpu" if self.device == "cpu" else "cuda"]
         graphed = [g.name for g in self.grids if g.cuda_graph]
@@ -373,7 +389,9 @@ def _format_validation_error(path: Path, err: ValidationError, shorthand: bool) 
         elif e["type"] == "missing":
             msg = "required field is missing"
         got = e.get("input")
-        detail = f" (got {got!r})" if e["type"] not in ("missing", "value_error") and not isinstance(got, dict) else ""
+        shown = brief(got) if isinstance(got, list) else repr(got)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        detail = f" (got {shown})" if e["type"] not in ("missing", "value_error") and not isinstance(got, dict) else ""
         parts.append(f"{loc or '<top level>'}: {msg}{detail}")
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return f"{path}: " + "; ".join(parts) + more

@@ -15,6 +15,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from rich.table import Table
 
+from forge_bench import folder_lock
+
 EXIT_BAD_INPUT = 2
 
 
@@ -37,7 +39,8 @@ def convergence(
     batch: Annotated[int, typer.Option("--batch", min=1, help="sequences per step")] = 16,
     seq: Annotated[int, typer.Option("--seq", min=2, help="bytes per sequence")] = 512,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="peak learning rate")] = 6e-4,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="linear warm-up steps")] = 40,
+    warmup: Annotated[Optional[int], typer.Option("--warmup", min=0, help="linear warm-up steps (default: 40, "
+                                                  "or a tenth of a run shorter than 400 steps)")] = None,
     min_lr_ratio: Annotated[float, typer.Option("--min-lr-ratio", help="cosine decay's end, as a fraction of --lr")] = 0.1,
     weight_decay: Annotated[float, typer.Option("--weight-decay", min=0.0)] = 0.1,
     eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="steps between validation losses")] = 100,
@@ -55,12 +58,12 @@ def convergence(
     same initial weights and batches: one parquet row per run with its loss curves. Resumes."""
     from forge_bench import convergence_lanes, lanes
 
-    if os.environ.get(convergence_lanes.PARENT_PID):       # a run of a study started with --gpus
-        lanes.die_with_parent(int(os.environ[convergence_lanes.PARENT_PID]))
+    parent = os.environ.get(convergence_lanes.PARENT_PID)
+    if parent:                                              # a run of a study started with --gpus
+        lanes.die_with_parent(int(parent))
     import torch
 
     from forge_bench import convergence as conv
-    from forge_bench.methods import PluginError
 
     console = Console(stderr=True)
     where = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,17 +75,37 @@ def convergence(
     if not arm_list or not seed_list:
         raise _fail(console, "--arms and --seeds need at least one entry each")
     spec = conv.ConvergenceSpec(model=model, steps=steps, batch=batch, seq=seq, lr=lr, min_lr_ratio=min_lr_ratio,
-                                warmup=warmup, weight_decay=weight_decay, eval_every=eval_every,
-                                eval_batches=eval_batches, checkpoint_every=checkpoint_every,
-                                corpus_max_bytes=corpus_max_bytes)
+                                warmup=conv.default_warmup(steps) if warmup is None else warmup,
+                                weight_decay=weight_decay, eval_every=eval_every, eval_batches=eval_batches,
+                                checkpoint_every=checkpoint_every, corpus_max_bytes=corpus_max_bytes)
+    try:
+        # the folder is this study's; a run started by `--gpus` writes under its study's lock
+        lock = None if parent and folder_lock.held_by(out, int(parent)) else folder_lock.acquire(out)
+    except folder_lock.FolderLockError as error:
+        raise _fail(console, str(error)) from None
+    try:
+        _study(console, out, spec, arm_list, seed_list, where, gpus, device)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _study(console: Console, out: Path, spec, arm_list: list[str], seed_list: list[int], where: str,
+           gpus: Optional[str], device: str) -> None:
+    """``convergence`` once its folder is held: plan the unfinished runs, run them here or side by side."""
+    from forge_bench import convergence as conv
+    from forge_bench import convergence_lanes, lanes
+    from forge_bench.methods import PluginError
+
+    steps, model = spec.steps, spec.model
     try:
         todo = conv.plan(out, spec, arm_list, seed_list)
     except (conv.ConvergenceError, KeyError, PluginError, ValueError) as error:
         raise _fail(console, str(error).strip("'\"")) from None
     total = len(arm_list) * len(seed_list)
-    console.print(f"convergence: {model}, {steps} steps of {batch} x {seq} bytes, arms {', '.join(arm_list)}, "
-                  f"seeds {', '.join(map(str, seed_list))} on {where}: {total - len(todo)} of {total} runs done; "
-                  f"out {out}; spec {spec.spec_hash}", highlight=False)
+    console.print(f"convergence: {model}, {steps} steps of {spec.batch} x {spec.seq} bytes, arms "
+                  f"{', '.join(arm_list)}, seeds {', '.join(map(str, seed_list))} on {where}: "
+                  f"{total - len(todo)} of {total} runs done; out {out}; spec {spec.spec_hash}", highlight=False)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                         console=console, transient=False)
@@ -104,10 +127,11 @@ def convergence(
         gpu_list = lanes.parse_gpus(gpus)
     except lanes.LaneError as error:
         raise _fail(console, str(error)) from None
-    options = ["--steps", str(steps), "--batch", str(batch), "--seq", str(seq), "--lr", repr(lr), "--warmup", str(warmup),
-               "--min-lr-ratio", repr(min_lr_ratio), "--weight-decay", repr(weight_decay), "--eval-every", str(eval_every),
-               "--eval-batches", str(eval_batches), "--checkpoint-every", str(checkpoint_every), "--model", model,
-               *(["--corpus-max-bytes", str(corpus_max_bytes)] if corpus_max_bytes is not None else []),
+    options = ["--steps", str(steps), "--batch", str(spec.batch), "--seq", str(spec.seq), "--lr", repr(spec.lr),
+               "--warmup", str(spec.warmup), "--min-lr-ratio", repr(spec.min_lr_ratio), "--weight-decay",
+               repr(spec.weight_decay), "--eval-every", str(spec.eval_every), "--eval-batches", str(spec.eval_batches),
+               "--checkpoint-every", str(spec.checkpoint_every), "--model", model,
+               *(["--corpus-max-bytes", str(spec.corpus_max_bytes)] if spec.corpus_max_bytes is not None else []),
                *(["--device", device] if device else [])]
     tasks = {(arm, seed): progress.add_task(f"{arm} seed {seed}", total=steps, completed=done, loss="-")
              for arm, seed, done in todo}
@@ -168,9 +192,6 @@ def fidelity(
     max |dW| per arm (the standard bf16 AdamW path, FORGE with each moment format), one file per rate."""
     import torch
 
-    from forge_bench import fidelity as fid
-    from forge_bench.run_rows import write_rows
-
     console = Console(stderr=True)
     where = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -180,6 +201,22 @@ def fidelity(
     if not rates or any(rate <= 0 for rate in rates):
         raise _fail(console, f"--lr {lr!r}: give one or more positive learning rates")
     chosen = _names(arms) if arms else None
+    try:
+        lock = folder_lock.acquire(out)
+    except folder_lock.FolderLockError as error:
+        raise _fail(console, str(error)) from None
+    try:
+        _fidelity_files(console, out, vocab, hidden, tokens, steps, rates, seed, chosen, where)
+    finally:
+        lock.release()
+
+
+def _fidelity_files(console: Console, out: Path, vocab: int, hidden: int, tokens: int, steps: int, rates: list[float],
+                    seed: int, chosen: Optional[list[str]], where: str) -> None:
+    """``fidelity`` once its folder is held: one file of rows per learning rate, and the table."""
+    from forge_bench import fidelity as fid
+    from forge_bench.run_rows import write_rows
+
     table = Table(title=f"fidelity: {vocab} x {hidden} head, {tokens} tokens, {steps} steps, on {where}")
     for column in ("lr", "arm", "rms-rel", "max |dW|", "rms-rel of the update"):
         table.add_column(column, justify="left" if column == "arm" else "right")

@@ -16,6 +16,8 @@ GRID = FIXTURES / "grid"
 RERUN_PARTIAL = FIXTURES / "smoke_rerun_partial"
 H100 = FIXTURES / "h100"
 H200 = FIXTURES / "h200"
+H100_HEADLINE_RUNS = FIXTURES / "h100_headline_runs"
+H100_GRID_OOM = FIXTURES / "h100_grid_oom"
 
 
 def has_parquet(folder: Path) -> bool:

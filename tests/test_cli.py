@@ -59,6 +59,74 @@ def test_dry_run_lists_cells_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+THOUSAND = """
+name: thousand
+device: cpu
+dtype: float32
+timeout_s: 90
+models: [tiny-llama]
+batch: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+seq: [{seqs}]
+methods: [sgd, adamw_fused]
+""".replace("{seqs}", ", ".join(str(n) for n in range(1, 101)))
+
+
+def test_dry_run_ends_with_the_plans_size_and_time(tmp_path):
+    """A dry run of 2,000 cells says how many run, are kept or cannot run, the bound their timeouts put
+    on the sweep and, once the folder has ok rows, the estimate at their median wall time."""
+    import shutil
+
+    suite = tmp_path / "thousand.yaml"
+    suite.write_text(THOUSAND)
+    out = tmp_path / "o"
+    res = cli.invoke(app, ["sweep", str(suite), "--dry-run", "--out", str(out)])
+    assert res.exit_code == 0, res.stderr
+    assert res.output.splitlines()[-1] == ("plan: 2,000 cells, 1,000 to run, 0 kept, 1,000 unavailable; at most 25.0 h "
+                                           "one after the other (each cell's timeout)")
+    res = cli.invoke(app, ["sweep", str(suite), "--out", str(out), "--only", "main/tiny-llama/b1/s1/adamw_fused"])
+    assert res.exit_code == 0, res.stderr
+    fixture = REPO / "tests" / "fixtures" / "grid"
+    for row_file in fixture.glob("*.parquet"):
+        shutil.copy(row_file, out / row_file.name)
+    frame = results.load_results(fixture)
+    median = float(frame.loc[frame.status == "ok", "wall_s"].median())
+    ok_rows = int((frame.status == "ok").sum())
+    res = cli.invoke(app, ["sweep", str(suite), "--dry-run", "--resume", "--out", str(out)])
+    assert res.exit_code == 0, res.stderr
+    hours = median * 1000 / 3600
+    assert 2 <= hours < 48, "the fixture rows' wall times print in hours"
+    assert res.output.splitlines()[-1] == (
+        f"plan: 2,000 cells, 1,000 to run, 1 kept, 999 unavailable; at most 25.0 h one after the other (each cell's "
+        f"timeout); at the median {median:.0f} s of the {ok_rows} ok cells in the folder, about {hours:.1f} h")
+
+
+def test_torchaos_extension_load_failure_is_not_printed(caplog):
+    """torchao's "Failed to load .../torchao/_C_mxfp8...so" (its CUDA extensions on a CPU torch) is
+    dropped in a forge_bench process; its other warnings still reach the log."""
+    import importlib.util
+    import logging
+
+    import forge_bench  # noqa: F401 - the filter is installed when the package is imported
+
+    torchao_log = logging.getLogger("torchao")
+    with caplog.at_level(logging.WARNING):
+        torchao_log.warning("Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+                            "Could not load this library: /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so")
+        torchao_log.warning("Failed to load /venv/site-packages/torchao/_C_cutlass_90a.abi3.so: Could not load this library")
+        torchao_log.warning("Skipping import of cpp extensions due to incompatible torch version.")
+        logging.getLogger("somebody.else").warning("Failed to load /x/torchao/_C_mxfp8.so: theirs")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Skipping import of cpp extensions due to incompatible torch version.",
+        "Failed to load /x/torchao/_C_mxfp8.so: theirs"]
+    if importlib.util.find_spec("torchao") is None:
+        return
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    imported = subprocess.run([sys.executable, "-c", "import forge_bench, torchao"], capture_output=True, text=True,
+                              env=env, cwd=REPO)
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    assert "Failed to load" not in imported.stderr
+
+
 def test_list_and_env_work_without_a_gpu():
     res = cli.invoke(app, ["list", "--device", "cpu"])
     assert res.exit_code == 0
@@ -147,6 +215,9 @@ def test_report_out_on_a_file_or_a_folder_of_something_else_is_one_line_exit_2(t
     res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(tmp_path)])
     assert res.exit_code == 2 and "not a report folder (it holds notes.txt" in " ".join(res.stderr.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "nothing written beside the user's file"
+    res = cli.invoke(app, ["report", str(fixtures / "smoke"), "-o", str(taken / "report")])   # a place it cannot write
+    assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0
+    assert " ".join(res.stderr.split()) == f"error: {taken / 'report'}: cannot write the report there (File exists)"
 
 
 @pytest.mark.parametrize("command", [["sweep"], ["kernel"]])
@@ -277,7 +348,9 @@ def test_the_demo_suite_plans_every_cell(tmp_path):
     suite = load_suite(None)
     plans = [line for line in res.output.splitlines() if line.startswith("smoke/")]
     assert len(plans) == len(suite.cells) and all(line.endswith("  run") for line in plans)
-    assert {"forge_fp32", "forge_bf16", "forge_int8", "forge_int8_cce"} <= {c.method for c in suite.cells}
+    from forge_core.state import STATE_DTYPES
+
+    assert {f"forge_{states}" for states in STATE_DTYPES} | {"forge_int8_cce"} <= {c.method for c in suite.cells}
     assert not (tmp_path / "o").exists()
 
 
@@ -288,6 +361,7 @@ def test_kernel_without_a_gpu_is_a_clear_error(tmp_path):
         pytest.skip("a GPU is present: the benchmark would run")
     res = cli.invoke(app, ["kernel", "--quick", "--out", str(tmp_path / "k")])
     assert res.exit_code == 2 and "CUDA" in res.stderr
+    assert not (tmp_path / "k").exists()          # its folder's lock is let go and the empty folder removed
     res = cli.invoke(app, ["kernel", "--bts", "5x", "--out", str(tmp_path / "k")])
     assert res.exit_code == 2 and "--bts" in res.stderr
 

@@ -87,6 +87,19 @@ def test_cli_runs_and_refuses_a_folder_of_other_settings(tmp_path: Path) -> None
     assert result.exit_code == 2 and "unknown method" in result.output
 
 
+def test_a_short_study_warms_up_for_a_tenth_of_its_steps_unless_told(tmp_path: Path) -> None:
+    """`--steps 20` with the default warm-up runs (2 warm-up steps) instead of refusing its own
+    default of 40; a run of 400 steps or more keeps 40; a warm-up given is kept as given."""
+    common = ["convergence", "--model", "tiny-gpt2", "--arms", "adamw_fused", "--seeds", "0", "--batch", "2", "--seq",
+              "16", "--steps", "20", "--corpus-max-bytes", "2000000", "--device", "cpu"]
+    result = CliRunner().invoke(app, common + ["--out", str(tmp_path / "short")])
+    assert result.exit_code == 0, result.output
+    assert conv.read_row(conv.row_path(tmp_path / "short", "adamw_fused", 0))["warmup"] == 2
+    assert [conv.default_warmup(n) for n in (1, 20, 399, 400, 4000)] == [0, 2, 39, 40, 40]
+    result = CliRunner().invoke(app, common + ["--out", str(tmp_path / "given"), "--warmup", "40"])
+    assert result.exit_code == 2 and "warmup must be in [0, steps), got 40 for 20 steps" in result.output
+
+
 def test_runs_side_by_side_on_gpus_match_the_runs_in_one_process(tmp_path: Path, monkeypatch) -> None:
     """``--gpus a,b``: each run in a process of its own with one GPU (its log says which), the same
     rows as the runs one after the other in this process; a bad --gpus is a one-line error."""
@@ -216,6 +229,7 @@ def test_the_command_defaults_are_the_spec_defaults() -> None:
 
     spec = conv.ConvergenceSpec()
     defaults = {name: p.default for name, p in inspect.signature(convergence).parameters.items()}
+    assert defaults.pop("warmup") is None and conv.default_warmup(spec.steps) == spec.warmup   # per --steps
     shared = [f.name for f in dataclasses.fields(spec) if f.name in defaults]
     assert {"steps", "eval_every", "checkpoint_every", "lr", "batch", "seq"} <= set(shared)
     assert {name: defaults[name] for name in shared} == {name: getattr(spec, name) for name in shared}

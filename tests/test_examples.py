@@ -1,5 +1,6 @@
 """The examples users copy: FORGE inside HF's Trainer and inside a plain torchrun script, each run
-for a few steps on a tiny model and checked against the same run with torch's AdamW."""
+for a few steps on a tiny model and checked against the same run with torch's AdamW; the torchrun
+script on two gloo ranks (data parallel) against the same global batches in one process."""
 from __future__ import annotations
 
 import importlib.util
@@ -74,3 +75,44 @@ def test_torchrun_launches_the_script_and_a_run_resumes_from_its_checkpoint(tmp_
     example.main(["--batch", "2", "--seq", "8", "--steps", "3", "--resume", str(checkpoint)])
     printed = capsys.readouterr().out
     assert "step    2" in printed and "step    0" not in printed
+
+
+def _launch(tmp_path: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc examples/torchrun_train.py ARGS`` on the reference backend."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}   # the reference backend
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(EXAMPLES / "torchrun_train.py"), *args], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+
+
+def test_torchrun_on_two_gloo_ranks_trains_data_parallel_as_one_process_does(tmp_path: Path, capsys,
+                                                                             reference_backend) -> None:
+    """Two ranks, each with half of every global batch (fuse_data_parallel): the printed losses and the
+    trained weights are the one-process run's on the same batches; rank 0 alone prints and saves."""
+    checkpoint = tmp_path / "dp.pt"
+    launched = _launch(tmp_path, 2, "--batch", "4", "--seq", "8", "--steps", "3", "--save", str(checkpoint))
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    lines = [line for line in launched.stdout.splitlines() if line.startswith("step")]
+    assert [line.split()[1] for line in lines] == ["0", "2"]         # printed once per step: by rank 0 alone
+    example = _load("torchrun_train")
+    capsys.readouterr()
+    single = example.main(["--batch", "4", "--seq", "8", "--steps", "3"])
+    single_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert [float(line.split()[3]) for line in lines] == pytest.approx(
+        [float(line.split()[3]) for line in single_lines], abs=2e-4)
+    ranks = torch.load(checkpoint, weights_only=False)["model"]
+    mine = single.state_dict()
+    assert ranks.keys() == mine.keys()
+    gap = sum(float((ranks[k].double() - mine[k].double()).pow(2).sum()) for k in mine)
+    size = sum(float(mine[k].double().pow(2).sum()) for k in mine)
+    assert (gap / size) ** 0.5 < 1e-5
+    untrained = example.tiny_llama(0, torch.device("cpu")).state_dict()
+    moved = sum(float((ranks[k].double() - untrained[k].double()).pow(2).sum()) for k in untrained)
+    assert (moved / size) ** 0.5 > 1e-4                                 # it trained
+
+
+def test_torchrun_refuses_a_batch_that_does_not_split_over_the_ranks(tmp_path: Path) -> None:
+    launched = _launch(tmp_path, 2, "--batch", "3", "--steps", "1")
+    assert launched.returncode != 0
+    assert "torchrun_train.py: --batch 3 does not split over 2 processes" in launched.stderr

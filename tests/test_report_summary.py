@@ -6,7 +6,8 @@ import shutil
 from forge_bench import results
 from forge_bench.report import build_report, ratios
 from forge_bench.report.data import run_label
-from report_rows import GRID, H100, H200, SMOKE, activations_of, close_to_printed, parse_markdown_tables, raw_rows
+from report_rows import (GRID, H100, H100_GRID_OOM, H100_HEADLINE_RUNS, H200, REPO, SMOKE, activations_of,
+                         close_to_printed, parse_markdown_tables, raw_rows)
 
 
 def test_summary_headline_equals_the_rows_of_the_runs_it_names(tmp_path):
@@ -138,3 +139,92 @@ def test_a_timing_no_run_compared_with_adamw_is_left_out_of_the_headline(tmp_pat
     tables = parse_markdown_tables((tmp_path / "out" / "README.md").read_text())
     [headline] = [t for t in tables if t.startswith("Headline")]
     assert list(tables[headline][0])[1:] == ["eager (run aaaaaa)"]
+
+
+def test_a_cpu_summary_says_its_timings_show_the_harness_works_and_captions_what_its_cells_hold(tmp_path):
+    """CPU rows (the smoke fixture): the device's section says that its timings show the harness works,
+    not FORGE's speed, and the headline's caption promises median step ms only (no peak was measured);
+    a GPU device's section says neither."""
+    from forge_bench.report.summary import CPU_NOTE
+
+    build_report([SMOKE, H200], tmp_path, formats=("png",))
+    text = (tmp_path / "README.md").read_text()
+    cpu, gpu = text.split("\n## H200")
+    assert CPU_NOTE in cpu and CPU_NOTE not in gpu
+    assert ("Median step ms (no peak memory: CPU run: torch keeps no peak-memory counter for CPU tensors) "
+            "(speed-up against torch fused AdamW") in cpu
+    assert "Peak GiB / median step ms" not in cpu and "Peak GiB / median step ms (speed-up" in gpu
+
+
+def test_the_summary_quotes_one_run_and_embeds_its_figure_with_one_bar_per_arm(tmp_path):
+    """Three H100 runs of the lean CUDA-graph headline (two with the baseline, the newest FORGE alone):
+    the summary quotes the newer run with the baseline, embeds that cell's figure, and the figure draws
+    that run's four arms, not every run's."""
+    from forge_bench.report import figures
+    from forge_bench.report.data import load_rows
+
+    build_report(H100_HEADLINE_RUNS, tmp_path, formats=("png",))
+    text = (tmp_path / "README.md").read_text()
+    tables = parse_markdown_tables(text)
+    [headline] = [t for t in tables if t.startswith("Headline")]
+    assert list(tables[headline][0])[1:] == ["CUDA graph, lean activations (run 500471)"]
+    stem = "headline-nvidia-h100-80gb-hbm3-llama-3.1-8b-bfloat16-1-512-cuda-graph-lean"
+    assert f"![CUDA graph, lean activations: peak and step per arm](figures/{stem}.png)" in text
+    assert (tmp_path / "figures" / f"{stem}.png").is_file()
+    frame = load_rows(H100_HEADLINE_RUNS)
+    assert frame["run_id"].nunique() == 3
+    run, drawn = figures.headline_run_rows(frame)
+    assert run_label(run) == "500471"
+    assert sorted(r["method"] for r in drawn) == ["adamw_fused", "forge_bf16_cce", "forge_int8_cce", "no_optimizer"]
+
+
+def test_the_readme_headline_quotes_the_run_and_numbers_the_report_does(tmp_path):
+    """The repository README's H100 table is the run the report's summary quotes from the committed runs
+    of that cell (tests/fixtures/h100_headline_runs): its folder's commit, and every arm's peak, step and
+    speed-up as the summary prints them."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**H100 80GB HBM3** (`results/h100/", 1)[1]
+    folder = section.split("`", 1)[0]
+    lines = [line for line in section.split("\n\n", 2)[1].splitlines() if line.startswith("| `")]
+    build_report(H100_HEADLINE_RUNS, tmp_path, formats=("png",))
+    tables = parse_markdown_tables((tmp_path / "README.md").read_text())
+    [headline] = [t for t in tables if t.startswith("Headline")]
+    [column] = list(tables[headline][0])[1:]
+    run = column.split(" (run ")[1].rstrip(")")
+    rows = [r for r in raw_rows(H100_HEADLINE_RUNS) if run_label(r["run_id"]) == run]
+    assert folder == f"headline_lean_{rows[0]['git_commit']}"
+    quoted = {line["Method"].strip("`"): line[column] for line in tables[headline]}
+    assert len(lines) == len(quoted) == 4
+    for line in lines:
+        cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
+        method = cells[0].split("`")[1]
+        peak, rest = quoted[method].split(" / ")
+        step, speed = rest.rstrip(")").split(" (")
+        assert cells[1] == peak
+        assert close_to_printed(step, float(cells[2].split(" (")[0].strip("*")))
+        assert cells[3] == "-" and method == "no_optimizer" or cells[3].replace("x", "×") == speed
+
+
+def test_every_grid_view_says_oom_where_the_arm_ran_out_and_fits_where_only_it_ran(tmp_path):
+    """At b4×s2048 on the H100 (tests/fixtures/h100_grid_oom): fused AdamW predicted out of memory,
+    FORGE bf16 out of memory, FORGE int8 ran. The summary's grid, the report's ratio table and the
+    heatmap's cells all read "oom" for bf16 and "fits (baseline oom_predicted)" for int8."""
+    from forge_bench.report import figures, tables as report_tables
+    from forge_bench.report.data import load_rows
+
+    build_report(H100_GRID_OOM, tmp_path, formats=("png",))
+    summary = parse_markdown_tables((tmp_path / "README.md").read_text())
+    [grid] = [summary[t] for t in summary if t.startswith("Batch × sequence grid")]
+    by_method = {line["Method"].strip("`"): line for line in grid}
+    assert by_method["forge_bf16_cce"]["b4×s2048"] == "oom"
+    assert by_method["forge_int8_cce"]["b4×s2048"] == "fits (baseline oom_predicted)"
+    assert by_method["forge_int8_cce"]["b4×s1024"].count(" / ") == 1
+    details = parse_markdown_tables((tmp_path / "tables" / "grid.md").read_text())
+    [ratios_table] = [details[t] for t in details if t.startswith("FORGE saving / speed-up")]
+    assert {line["Method"].strip("`"): line["b4×s2048"] for line in ratios_table} == {
+        "forge_bf16_cce": "oom", "forge_int8_cce": "fits (baseline oom_predicted)"}
+    frame = load_rows(H100_GRID_OOM)
+    drawn = {method: [figures.short_na(ratio) for ratio in report_tables.grid_ratio_cells(frame, method)[(4, 2048)]]
+             for method in ("forge_bf16_cce", "forge_int8_cce")}
+    assert drawn == {"forge_bf16_cce": ["oom", "oom"],
+                     "forge_int8_cce": ["fits\n(baseline oom_predicted)", "fits\n(baseline oom_predicted)"]}

@@ -90,6 +90,23 @@ def test_unknown_method_lists_known_ones(tmp_path):
     assert all(name in msg for name in ("adamw_fused", "forge_int8", "sgd"))
 
 
+def test_a_thousand_wide_grid_error_names_a_few_values_and_counts_the_rest(tmp_path):
+    """A 1000 x 1000 grid with bad values: the one-line error shows eight of them and how many more."""
+    numbers = ", ".join(str(n) for n in range(1, 1001))
+    negative = ", ".join(str(-n) for n in range(1, 1001))
+    path = write(tmp_path, GOOD.replace("batch: [1, 2]", f"batch: [{numbers}]").replace("seq: [16, 32]",
+                                                                                         f"seq: [{negative}]"))
+    msg = error_of(tmp_path, path.read_text())
+    assert msg == (f"{path}: seq: expected positive integers, got [-1, -2, -3, -4, -5, -6, -7, -8, ... (992 more)]")
+    longer = ", ".join(str(n) for n in range(1, 2001, 2))
+    msg = error_of(tmp_path, GOOD.replace("batch: [1, 2]", f"batch: [{numbers}]").replace("seq: [16, 32]",
+                                                                                          f"seq: [{longer}]"))
+    assert msg.endswith("seq [1025, 1027, 1029, 1031, 1033, 1035, 1037, 1039, ... (480 more)] too long for "
+                        "model 'tiny-llama' (at most 1024 tokens)") and len(msg) < 250
+    msg = error_of(tmp_path, GOOD.replace("seq: [16, 32]", "seq: " + str(["x" * 200] * 1000)))
+    assert len(msg) < 400 and msg.endswith(f"(got '{'x' * 36}...) (and 997 more)")
+
+
 def test_wrong_types(tmp_path):
     msg = error_of(tmp_path, GOOD.replace("batch: [1, 2]", "batch: [1, two]"))
     assert "batch[1]: " in msg and "grids" not in msg and "integer" in msg and "'two'" in msg

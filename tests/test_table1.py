@@ -68,3 +68,21 @@ def test_the_first_step_column_reads_the_rows_extra() -> None:
     single = single[single["cell_id"] == row["cell_id"]].assign(extra=row["extra"])
     [table] = table1_tables(single)
     assert table.rows[0][5] == "12.3" and table.records[0]["first_step_s"] == 12.34
+
+
+def test_a_cpu_cells_small_throughput_and_first_step_print_as_measured_not_as_zero() -> None:
+    """A tiny model's CPU step (the smoke fixture) does 0.0x model TF/s and its first step takes a few
+    hundredths of a second: printed with two significant digits ("0.019"), never "0" or "0.0"."""
+    smoke = load_rows(Path(__file__).resolve().parent / "fixtures" / "smoke")
+    llama = smoke[smoke["model"] == "tiny-llama"]
+    first = llama.iloc[0]
+    llama = llama.assign(extra=[json.dumps({**json.loads(first["extra"] or "{}"), "first_step_s": 0.018642})]
+                         + list(llama["extra"].iloc[1:]))
+    [table] = table1_tables(llama)
+    values = {r["method"]: r for r in table.records}
+    for line in table.rows:
+        method = line[0].split("`")[1]
+        throughput = values[method]["tflops"]
+        assert 0 < throughput < 1 and line[4] == f"{throughput:.2g}" and line[4] not in ("0", "0.0")
+    line = next(r for r in table.rows if r[0] == f"`{first['method']}`")
+    assert line[5] == "0.019"

@@ -251,7 +251,8 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
     index.write_text("\n".join(header + sections).rstrip() + "\n")
     written.append(index)
     first_page = out_dir / SUMMARY
-    first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS, distributed_rows))
+    pngs = {p.stem: p.relative_to(out_dir).as_posix() for p in head_figs if p.suffix == ".png"}
+    first_page.write_text(summary.summary_markdown(frame, results_dir, DETAILS, distributed_rows, pngs))
     written.append(first_page)
     folder.write_manifest(out_dir, written)
 

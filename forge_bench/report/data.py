@@ -115,6 +115,17 @@ def newest_run(frame: pd.DataFrame) -> Any:
                key=lambda item: (finished_last(item[1]), as_text(item[0]) or ""))[0]
 
 
+def cited_run(rows: pd.DataFrame) -> Any:
+    """The run a headline quotes among those that measured its cell: the newest where a FORGE arm ran ok
+    beside an ok AdamW baseline (``BASELINE_PREFERENCE``), else the newest with an ok FORGE arm, else
+    the newest with an ok row, else the newest. The summary page's headline columns and the headline figures both take it, so that a
+    figure draws the run its table quotes, one bar per arm."""
+    ok = rows[rows["status"] == "ok"]
+    forge = ok[ok["method_family"] == "forge"]
+    compared = forge[forge["run_id"].isin(set(ok.loc[ok["method"].isin(BASELINE_PREFERENCE), "run_id"]))]
+    return newest_run(next(chosen for chosen in (compared, forge, ok, rows) if not chosen.empty))
+
+
 def finished_last(group: pd.DataFrame) -> str:
     """The latest ``finished_at`` of a group of rows (ISO text; "" when none is recorded)."""
     return max((as_text(t) or "" for t in group["finished_at"]), default="")
@@ -323,6 +334,16 @@ def slug(*parts: Any) -> str:
 def fmt_number(value: Any, digits: int = 2) -> str:
     number = as_number(value)
     return "—" if number is None else f"{number:.{digits}f}"
+
+
+def fmt_measured(value: Any, digits: int) -> str:
+    """``fmt_number`` for a measured quantity that may be far below one (a CPU cell's TF/s, its first
+    step in seconds): under 1 it keeps two significant digits (0.019, not 0.0), so a small measurement
+    never prints as a zero one."""
+    number = as_number(value)
+    if number is None:
+        return "—"
+    return f"{number:.{digits}f}" if number == 0 or abs(number) >= 1 else f"{number:.2g}"
 
 
 def fmt_ms(value: Any) -> str:

@@ -27,7 +27,7 @@ import pandas as pd
 from forge_bench.png import compact_png
 
 from . import ratios
-from .data import (HEADLINE_KEYS, MIB_PER_GIB, NOTHING_FUSED, key_parts, timing_slug, choose_baseline,
+from .data import (HEADLINE_KEYS, MIB_PER_GIB, NOTHING_FUSED, cited_run, key_parts, timing_slug, choose_baseline,
                    find_baseline_row, group_title, is_forge, memory_unit, nothing_fused, one_per_key, ordered_methods,
                    params_text, records, run_label, slug)
 from .ratios import DIFFERENT_RUN, NOISE_MARK, Ratio, as_number, as_text
@@ -113,20 +113,29 @@ def _bar_labels(ax, bars, texts: list[str], vertical: bool = False,
 
 # --- headline: peak and step per method ---------------------------------------------------------
 
+def headline_run_rows(every_run: pd.DataFrame) -> tuple[Any, list[dict[str, Any]]]:
+    """(run, its rows) of one headline group that its figure draws: the run the summary quotes
+    (``data.cited_run``), so that the figure has one bar per arm and its numbers are the table's."""
+    run = cited_run(every_run)
+    return run, records(every_run[every_run["run_id"] == run])
+
+
 def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
                      formats: Sequence[str] = FORMATS) -> list[Path]:
-    """Per device, model and shape: peak GiB and step ms (p10–p90 whiskers) per method."""
+    """Per device, model and shape: peak GiB and step ms (p10–p90 whiskers) per method, one bar per arm
+    of the run the headline quotes (``data.cited_run``: the newest that measured FORGE beside its
+    baseline); the table beside it keeps every run."""
     paths = []
-    for keys, group in frame.groupby(HEADLINE_KEYS, sort=True, dropna=False):
-        ok = group[group["status"] == "ok"]
-        if ok.empty:
+    for keys, every_run in frame.groupby(HEADLINE_KEYS, sort=True, dropna=False):
+        if not (every_run["status"] == "ok").any():
             continue
-        all_rows = records(group)
+        run, all_rows = headline_run_rows(every_run)
+        several_runs = every_run["run_id"].nunique() > 1
         # the same dict objects as all_rows: "is this row its own baseline" is an identity test
         rows = sorted_rows([r for r in all_rows if as_text(r.get("status")) == "ok"])
-        several_runs = ok["run_id"].nunique() > 1
-        labels = [r["method"] + (f" · {run_label(r['run_id'])}" if several_runs else "")
-                  + (f"\n({NOTHING_FUSED})" if nothing_fused(r) else "") for r in rows]
+        if not rows:
+            continue
+        labels = [r["method"] + (f"\n({NOTHING_FUSED})" if nothing_fused(r) else "") for r in rows]
         base_method, base_note = choose_baseline(all_rows)
         # Side by side for a few arms; one above the other once the bars would make it too wide to read.
         if len(rows) <= 8:
@@ -178,8 +187,10 @@ def headline_figures(frame: pd.DataFrame, folder: Path, colors: dict[str, Any],
             ax_mem.set_xticks([])
             ax_mem.set_xlabel("")
         baseline_text = f"baseline {base_method}" if base_method else "no baseline"
-        fig.suptitle(f"{group_title(dict(zip(HEADLINE_KEYS, keys)))} ({baseline_text}; "
-                     f"{NOISE_MARK} = inside step-time noise)")
+        run_text = (f"run {run_label(run)}, the one of {every_run['run_id'].nunique()} runs the summary quotes "
+                    "(every run: the table)" if several_runs else f"run {run_label(run)}")
+        fig.suptitle(f"{group_title(dict(zip(HEADLINE_KEYS, keys)))}\n{run_text}; {baseline_text}; "
+                     f"{NOISE_MARK} = inside step-time noise")
         fig.tight_layout()
         paths += save(fig, folder, slug("headline", *key_parts(dict(zip(HEADLINE_KEYS, keys)))), formats)
     return paths

@@ -45,10 +45,14 @@ def check_target(out_dir: Path) -> None:
 
 
 def staging_folder(out_dir: Path) -> Path:
-    """A new, empty hidden folder beside ``out_dir`` to build the report in."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    """A new, empty hidden folder beside ``out_dir`` to build the report in; ``ReportFolderError`` (one
+    line) where it cannot be made (a read-only place, a file in the way)."""
     staging = out_dir.parent / f".{out_dir.name}.building-{secrets.token_hex(4)}"
-    staging.mkdir()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as exc:
+        raise ReportFolderError(f"{out_dir}: cannot write the report there ({exc.strerror or exc})") from None
     return staging
 
 

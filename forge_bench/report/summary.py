@@ -17,9 +17,9 @@ import pandas as pd
 from forge_bench.results import CHECKPOINTED
 
 from . import ratios, tables
-from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, NOTHING_FUSED_NOTE, across_runs, choose_baseline,
-                   device_label, find_baseline_row, fmt_memory, fmt_ms, group_title, memory_unit, method_cell,
-                   newest_run, nothing_fused, records, run_label)
+from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, across_runs, choose_baseline,
+                   cited_run, device_label, find_baseline_row, fmt_memory, fmt_ms, group_title, key_parts, memory_unit,
+                   method_cell, newest_run, nothing_fused, records, run_label, slug)
 from .ratios import as_number, as_text
 
 CORE_FAMILIES = ("baseline", "forge")
@@ -73,45 +73,59 @@ def _nothing_fused_lines(rows: list[Mapping[str, Any]]) -> list[str]:
     return [f"_{NOTHING_FUSED_NOTE}_", ""] if any(nothing_fused(r) for r in rows) else []
 
 
-def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int]) -> list[str]:
-    """The headline cell of one device: one row per baseline / FORGE arm, one column per timing."""
+def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int],
+                     figures: Mapping[str, str] | None = None) -> list[str]:
+    """The headline cell of one device: one row per baseline / FORGE arm, one column per timing; then
+    the headline figure of the last of ``VARIANT_ORDER``'s timings shown (the leanest step), where
+    ``figures`` (figure stem -> PNG path relative to the page) has it."""
     model, batch, seq = cell
     rows = frame[(frame["model"] == model) & (frame["batch"] == batch) & (frame["seq"] == seq)
                  & frame["method_family"].isin(CORE_FAMILIES)]
-    columns: list[tuple[str, list[dict[str, Any]], str | None]] = []
+    columns: list[tuple[str, list[dict[str, Any]], str | None, tuple[str, str]]] = []
     present = sorted(set(zip(rows["timing"], rows["activations"])), key=str)
     for timing, activations in VARIANT_ORDER + [v for v in present if v not in VARIANT_ORDER]:
         variant = rows[(rows["timing"] == timing) & (rows["activations"] == activations)]
         if variant.empty:
             continue
-        with_forge = variant[(variant["status"] == "ok") & (variant["method_family"] == "forge")]
-        # the newest run that compared FORGE with an AdamW baseline, else the newest with FORGE
-        based = variant[(variant["status"] == "ok") & variant["method"].isin(BASELINE_PREFERENCE)]
-        compared = with_forge[with_forge["run_id"].isin(set(based["run_id"]))]
-        run = newest_run(compared if not compared.empty else with_forge if not with_forge.empty else variant)
+        run = cited_run(variant)      # the newest run that compared FORGE with AdamW, else the newest with FORGE
         picked = records(variant[variant["run_id"] == run])
         base_method, _ = choose_baseline(picked)
-        columns.append((f"{variant_label(timing, activations)} (run {run_label(run)})", picked, base_method))
-    if any(base for _, _, base in columns):     # a timing no run compared with AdamW adds no ratio: left out
+        columns.append((f"{variant_label(timing, activations)} (run {run_label(run)})", picked, base_method,
+                        (timing, activations)))
+    if any(column[2] for column in columns):     # a timing no run compared with AdamW adds no ratio: left out
         columns = [column for column in columns if column[2]]
     first = frame[frame["model"] == model].iloc[0]
-    every = [r for _, picked, _ in columns for r in picked]
+    every = [r for column in columns for r in column[1]]
     unit = memory_unit(_ok_peaks(every))
+    if any(as_number(peak) is not None for peak in _ok_peaks(every)):
+        what = f"Peak {unit} / median step ms"
+    else:
+        why = next((as_text(r.get("peak_reason")) for r in every if as_text(r.get("peak_reason"))), None)
+        what = "Median step ms (no peak memory" + (f": {why.rstrip('.')}" if why else "") + ")"
     lines = [f"### Headline: {group_title({'model': model, 'dtype': first['dtype'], 'batch': batch, 'seq': seq})}", "",
-             f"Peak {unit} / median step ms (speed-up against torch fused AdamW, `adamw_fused`, of the same run; "
+             f"{what} (speed-up against torch fused AdamW, `adamw_fused`, of the same run; "
              "`adamw_foreach` where the fused arm did not run). One column per timing, each from the newest "
              "run that measured FORGE beside an AdamW baseline (else the newest that measured it); a timing "
              "that no run compared with AdamW is left out where another was.", "",
-             "| Method | " + " | ".join(label for label, _, _ in columns) + " |",
+             "| Method | " + " | ".join(column[0] for column in columns) + " |",
              "|:--|" + "--:|" * len(columns)]
-    methods = tables.sorted_rows([r for _, picked, _ in columns for r in picked])
+    methods = tables.sorted_rows(every)
     for method in dict.fromkeys(r["method"] for r in methods):
         cells = []
-        for _, picked, base_method in columns:
+        for _, picked, base_method, _ in columns:
             row = next((r for r in picked if r["method"] == method), None)
             cells.append("—" if row is None else _cell_text(row, find_baseline_row(row, picked, base_method), unit))
         lines.append(f"| {method_cell(method, every)} | " + " | ".join(cells) + " |")
-    return lines + [""] + _nothing_fused_lines(every)
+    lines += [""] + _nothing_fused_lines(every)
+    shown = [column for column in columns if column[3] in VARIANT_ORDER] or columns
+    if shown and figures:
+        _, picked, _, (timing, activations) = max(
+            shown, key=lambda c: VARIANT_ORDER.index(c[3]) if c[3] in VARIANT_ORDER else -1)
+        keys = {**{k: picked[0][k] for k in HEADLINE_KEYS}, "timing": timing, "activations": activations}
+        png = figures.get(slug("headline", *key_parts({k: keys[k] for k in HEADLINE_KEYS})))
+        if png:
+            lines += [f"![{variant_label(timing, activations)}: peak and step per arm]({png})", ""]
+    return lines
 
 
 def peers_section(frame: pd.DataFrame) -> list[str]:
@@ -176,7 +190,8 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
     runs = ", ".join(f"b{b}×s{q} run {run_label(rows[0]['run_id'])}" for (b, q), rows in per_shape.items())
     lines = [f"### Batch × sequence grid: {title}", "",
              "FORGE's memory saving (share of the baseline's peak) / speed-up against the baseline of the same "
-             f"run and shape. Each shape from the newest run that measured FORGE beside its baseline there (else "
+             "run and shape; a status where the arm did not run ok, “fits (baseline oom)” where it ran and the "
+             f"baseline ran out of memory. Each shape from the newest run that measured FORGE beside its baseline there (else "
              f"the newest with FORGE): {runs}.", "",
              "| Method | " + " | ".join(f"b{b}×s{q}" for b, q in columns) + " |", "|:--|" + "--:|" * len(columns)]
     for method in methods:
@@ -184,25 +199,23 @@ def grid_section(frame: pd.DataFrame, model: str) -> list[str]:
         for shape in columns:
             rows = per_shape[shape]
             row = next((r for r in rows if r["method"] == method), None)
-            if row is None:
-                cells.append("—")
-                continue
-            if as_text(row.get("status")) != "ok":
-                cells.append(as_text(row.get("status")) or "—")
-                continue
-            base_method, _ = choose_baseline(rows)
-            base = find_baseline_row(row, rows, base_method)
-            cells.append(f"{ratios.memory_saving(row, base).text} / {ratios.speedup(row, base).text}")
+            cells.append("—" if row is None else tables.ratio_pair_text(*tables.grid_ratio(row, rows)))
         every = [r for rows in per_shape.values() for r in rows]
         lines.append(f"| {method_cell(method, every)} | " + " | ".join(cells) + " |")
     return lines + [""] + _nothing_fused_lines([r for rows in per_shape.values() for r in rows])
 
 
+CPU_NOTE = ("_CPU rows: wall-clock steps on a CPU, FORGE's kernels in Triton's interpreter or its torch "
+            "reference, no peak memory. They show that the harness runs end to end and say nothing of FORGE's "
+            "speed or memory, which only a GPU measures: a speed-up below is no speed-up of FORGE's._")
+
+
 def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "index.md",
-                     distributed_rows: pd.DataFrame | None = None) -> str:
+                     distributed_rows: pd.DataFrame | None = None, figures: Mapping[str, str] | None = None) -> str:
     """The whole first page, as Markdown. ``frame``: the one-process rows the page's tables read;
     ``distributed_rows`` (the distributed arms') are counted and pointed to (their section is in
-    ``details``)."""
+    ``details``); ``figures``: figure stem -> PNG path relative to the page, for the headline figure
+    each device's section embeds."""
     every = frame if distributed_rows is None else pd.concat([frame, distributed_rows])
     ok = int((every["status"] == "ok").sum())
     runs = every["run_id"].nunique()
@@ -223,11 +236,13 @@ def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "ind
     for device in devices:
         on_device = frame[frame["device_name"] == device]
         lines += [f"## {device_label(device)}" + (f" ({device})" if device_label(device) != device else ""), ""]
+        if (on_device["device_type"] == "cpu").all():
+            lines += [CPU_NOTE, ""]
         cell = headline_cell(on_device)
         if cell is None:
             lines += ["_No baseline or FORGE row ran ok on this device._", ""]
         else:
-            lines += headline_section(on_device, cell)
+            lines += headline_section(on_device, cell, figures)
         lines += peers_section(on_device)
         lines += grid_section(on_device, cell[0] if cell is not None else "")
     lines += ["## Details", "", f"[{details}]({details}): the runs and the rule for ratios, every headline "

@@ -19,7 +19,8 @@ import pandas as pd
 
 from forge_bench import zoo
 
-from .data import HEADLINE_KEYS, fmt_ms, fmt_number, group_title, key_parts, method_cell, records, run_label, slug
+from .data import (HEADLINE_KEYS, fmt_measured, fmt_ms, fmt_number, group_title, key_parts, method_cell, records,
+                   run_label, slug)
 from . import ratios
 from .ratios import as_number, as_text
 from .render import Table
@@ -109,8 +110,7 @@ def table1_tables(frame: pd.DataFrame) -> list[Table]:
                         + [fmt_number(row.get("peak_allocated_gib")) if ok else as_text(row.get("status")) or "—",
                            fmt_ms(row.get("step_ms_median")) if ok else "—",
                            "—" if mean is None else f"{fmt_ms(mean)} ± {fmt_number(sd, 2 if sd < 10 else 1)}",
-                           fmt_number(throughput, 0) if throughput is not None else "—",
-                           fmt_number(first_step, 1), paper])
+                           fmt_measured(throughput, 0), fmt_measured(first_step, 1), paper])
             recs.append({**keys, "method": row["method"], "run_id": row.get("run_id"), "status": row.get("status"),
                          "peak_gib": as_number(row.get("peak_allocated_gib")) if ok else None,
                          "step_ms_median": as_number(row.get("step_ms_median")) if ok else None,

@@ -15,7 +15,7 @@ from forge_bench.floor import floor_ms, power_floor_ms
 
 from . import ratios
 from .render import Table
-from .data import (EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, across_runs, key_parts, timing_slug, choose_baseline,
+from .data import (BASELINE_PREFERENCE, EAGER_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, across_runs, key_parts, timing_slug, choose_baseline,
                    find_baseline_row, finished_last, fmt_memory, fmt_ms, fmt_number, group_title, is_forge, memory_unit,
                    method_cell, method_sort_key, nothing_fused, ordered_methods, records, run_label, slug)
 from .ratios import BOUND_FOOTNOTE, DIFFERENT_RUN, NOISE_FOOTNOTE, Ratio, as_number, as_text
@@ -78,6 +78,10 @@ class _Notes:
             self.add(NOISE_FOOTNOTE)
         if ratio.bound:
             self.add(BOUND_FOOTNOTE)
+        if ratio.text.startswith("fits (baseline "):
+            self.add("fits (baseline oom / oom_predicted): the arm ran ok at a shape where the AdamW baseline of "
+                     "its run ran out of memory (oom_predicted: the memory model said it would, so it was not "
+                     "started): there is no ratio, only that it fits.")
         if ratio.text == DIFFERENT_RUN:
             self.add(f"{DIFFERENT_RUN} for {who}: {ratio.refusal}; a ratio is computed only within "
                      f"one sweep run on one device (same versions; for times also SM clocks within "
@@ -261,17 +265,44 @@ def cell_row(group: pd.DataFrame, method: str, batch: int, seq: int) -> dict[str
     return records(hit.sort_values("finished_at", na_position="first"))[-1]
 
 
+OUT_OF_MEMORY = ("oom", "oom_predicted")
+
+
+def grid_ratio(row: Mapping[str, Any], shape_rows: list[Mapping[str, Any]]) -> tuple[Ratio, Ratio]:
+    """(memory saving, speed-up) of one FORGE row against its shape's baseline, as every grid view (the
+    tables, the heatmaps, the summary page) prints it: a row that did not run ok reads its status
+    (``oom``, as the peak table does); one that ran where the AdamW baseline of its run ran out of
+    memory reads ``fits (baseline oom)``, the one fact that shape has; else ``ratios.py``'s ratios."""
+    status = as_text(row.get("status"))
+    if status != "ok":
+        refused = Ratio(None, status or "—", refusal=f"this row status {status}")
+        return refused, refused
+    base_method, _ = choose_baseline(shape_rows)
+    base = find_baseline_row(row, shape_rows, base_method)
+    if base is None:
+        failed = [r for r in shape_rows if r["method"] in BASELINE_PREFERENCE
+                  and as_text(r.get("status")) in OUT_OF_MEMORY and ratios.incomparable_reason(row, r) is None]
+        if failed:
+            fits = Ratio(None, f"fits (baseline {as_text(failed[0].get('status'))})",
+                         refusal=f"{failed[0]['method']} status {as_text(failed[0].get('status'))}")
+            return fits, fits
+    return ratios.memory_saving(row, base), ratios.speedup(row, base)
+
+
+def ratio_pair_text(saving: Ratio, speed: Ratio) -> str:
+    """``saving / speed-up``, or the one text both share (a status, ``fits (baseline oom)``)."""
+    return saving.text if saving.text == speed.text else f"{saving.text} / {speed.text}"
+
+
 def grid_ratio_cells(group: pd.DataFrame, method: str) -> dict[tuple[int, int], tuple[Ratio, Ratio]]:
-    """Per shape: (memory saving, speed-up) of ``method`` against that shape's baseline."""
+    """Per shape: (memory saving, speed-up) of ``method`` against that shape's baseline (``grid_ratio``)."""
     out = {}
     for batch, seq in shapes_of(group):
         shape_rows = records(group[(group["batch"] == batch) & (group["seq"] == seq)])
         row = cell_row(group, method, batch, seq)
         if row is None:
             continue
-        base_method, _ = choose_baseline(shape_rows)
-        base = find_baseline_row(row, shape_rows, base_method)
-        out[(batch, seq)] = (ratios.memory_saving(row, base), ratios.speedup(row, base))
+        out[(batch, seq)] = grid_ratio(row, shape_rows)
     return out
 
 
@@ -342,7 +373,7 @@ def grid_tables(frame: pd.DataFrame) -> list[Table]:
                 saving, speed = cells[shape]
                 ratio_notes.ratio(saving, f"{method} at b{shape[0]}×s{shape[1]}")
                 ratio_notes.ratio(speed, f"{method} at b{shape[0]}×s{shape[1]}")
-                line.append(f"{saving.text} / {speed.text}")
+                line.append(ratio_pair_text(saving, speed))
                 ratio_recs.append({**keys, "method": method, "batch": shape[0], "seq": shape[1],
                                    "memory_saving": saving.value, "speedup": speed.value,
                                    "speedup_within_noise": speed.within_noise, "speedup_bound": speed.bound})
