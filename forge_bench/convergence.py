@@ -46,6 +46,7 @@ from forge_bench import lanes, models, telemetry
 from forge_bench.arm import TrainConfig
 from forge_bench.corpus import Corpus, build_corpus, train_batch, validation_batches
 from forge_bench.methods import get_method, load_plugins
+from forge_bench.results import PACKED_ROWS
 from forge_bench.run_rows import KIND_COLUMN, write_rows
 
 DEFAULT_ARMS = ("adamw_fused", "adamw_fused_fp32_states", "forge_bf16", "forge_int8", "forge_fp8", "bnb_adamw8bit")
@@ -329,7 +330,10 @@ def run_one(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, val: lis
 
 
 def check_folder(out: Path, spec: ConvergenceSpec) -> None:
-    """Refuse an output folder that holds rows of other settings (a re-run must continue, not mix)."""
+    """Refuse an output folder that holds rows of other settings (a re-run must continue, not mix),
+    or whose runs ``forge-bench pack`` packed into one file (a finished study, which nothing resumes)."""
+    if (out / PACKED_ROWS).exists():
+        raise ConvergenceError(f"{out}: its runs are packed into {PACKED_ROWS} (a finished study); use another --out")
     for path in sorted(out.glob("convergence_*.parquet")):
         row = read_row(path)
         if row is not None and row.get("spec_hash") != spec.spec_hash:
