@@ -356,10 +356,10 @@ def pack(
         except ResultsError as exc:
             raise _fail(str(exc)) from None
         for packed in done:
-            out_console.print(f"{packed.path}: {packed.rows} rows from {packed.files} files, "
-                              f"{packed.bytes_before:,} -> {packed.bytes_after:,} bytes", highlight=False)
+            out_console.print(f"{packed.path}: {packed.rows} rows from {packed.files} files, {packed.bytes_before:,} -> "
+                              f"{packed.bytes_after:,} bytes", highlight=False, soft_wrap=True)
         if not done:
-            out_console.print(f"{folder}: nothing to pack", highlight=False)
+            out_console.print(f"{folder}: nothing to pack", highlight=False, soft_wrap=True)
 
 
 def _csv_list(value: Optional[str]) -> list[str] | None:

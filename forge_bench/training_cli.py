@@ -159,7 +159,7 @@ def _runs_table(folders: list[Path], rows: list[tuple[Path, dict]]) -> Table:
     for folder, row in rows:
         number = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
         status = row["status"] if not row["reason"] else f"{row['status']}: {row['reason'][:80]}"
-        table.add_row(*([str(folder)] if len(folders) > 1 else []), row["arm"], str(row["seed"]), status,
+        table.add_row(*([folder.name] if len(folders) > 1 else []), row["arm"], str(row["seed"]), status,
                       number(row["final_val_loss"]), number(row["final_train_loss_smoothed"]),
                       number(row["tokens_per_s"], ",.0f"))
     return table
