@@ -103,7 +103,7 @@ def pack_tree(root: Path) -> list[Packed]:
     """Pack every folder under ``root`` (``root`` too) whose parquet files are rows of one kind; a
     folder of other parquet files (the kernel benchmark's) is left as it is."""
     if not root.is_dir():
-        raise PackError(f"{root}: no such folder")
+        raise PackError(f"{root}: not a folder")
     done = []
     for folder in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
         files = [p for p in folder.glob("*.parquet") if p.name != PACKED_ROWS]
