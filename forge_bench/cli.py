@@ -405,6 +405,28 @@ def report(
                       highlight=False)
 
 
+@app.command()
+def pack(
+    folders: Annotated[list[Path], typer.Argument(help="finished results folders; every folder under each "
+                                                  "whose parquet files are result rows is packed", metavar="FOLDER...")],
+) -> None:
+    """Move a finished folder's row files into one rows.parquet (the same rows, a fraction of the
+    bytes); a sweep or convergence study then refuses to add to it. For committed results."""
+    from forge_bench.pack import pack_tree
+    from forge_bench.results import ResultsError
+
+    for folder in folders:
+        try:
+            done = pack_tree(folder)
+        except ResultsError as exc:
+            raise _fail(str(exc)) from None
+        for packed in done:
+            out_console.print(f"{packed.path}: {packed.rows} rows from {packed.files} files, {packed.bytes_before:,} -> "
+                              f"{packed.bytes_after:,} bytes", highlight=False, soft_wrap=True)
+        if not done:
+            out_console.print(f"{folder}: nothing to pack", highlight=False, soft_wrap=True)
+
+
 def _csv_list(value: Optional[str]) -> list[str] | None:
     return None if value is None else [item.strip() for item in value.split(",") if item.strip()]
 

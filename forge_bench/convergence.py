@@ -5,8 +5,8 @@ GPT-2 (the 124M config, ``forge_bench/configs/gpt2.json``, with the byte vocabul
 arm and seed, every arm of a seed from the same initial weights and on the same batches: the
 paired runs differ only in the optimizer. The arms are registry entries (``forge_bench.methods``):
 by default fused AdamW with bf16 moments (``adamw_fused``) and with fp32 moments
-(``adamw_fused_fp32_states``), FORGE with bf16 and int8 moments, and bitsandbytes' AdamW8bit.
-Weights are bf16 in every arm.
+(``adamw_fused_fp32_states``), FORGE with bf16, int8 and fp8 moments, and bitsandbytes' AdamW8bit:
+one arm per moment format. Weights are bf16 in every arm.
 
 Schedule: linear warm-up over ``warmup`` steps to ``lr``, then a cosine decay to ``min_lr_ratio *
 lr`` at the last step. The decay is what makes the loss flatten at the end of a short run, so the
@@ -19,6 +19,12 @@ end (``completed`` true). Checkpoints (model, optimizer, curve so far) go to
 again skips completed runs and continues the others from their checkpoint. A run's batches are a
 function of (seed, step) alone, so a resumed run sees the batches it would have seen. The rows
 record a hash of the settings: an ``OUT`` holding runs of other settings is refused.
+
+A study may run every (arm, seed) twice, into two folders (``repeat_into``): the same settings,
+initial weights and batches, so how far the two runs of one arm and seed end apart is the
+run-to-run floor a delta between arms is read against (``forge_bench.report.training``). The runs
+go seed by seed, each arm's run in every folder before the next arm: a study stopped early has
+its first seeds of every arm, each with its repeat.
 """
 from __future__ import annotations
 
@@ -40,9 +46,10 @@ from forge_bench import lanes, models, telemetry
 from forge_bench.arm import TrainConfig
 from forge_bench.corpus import Corpus, build_corpus, train_batch, validation_batches
 from forge_bench.methods import get_method, load_plugins
+from forge_bench.results import PACKED_ROWS
 from forge_bench.run_rows import KIND_COLUMN, write_rows
 
-DEFAULT_ARMS = ("adamw_fused", "adamw_fused_fp32_states", "forge_bf16", "forge_int8", "bnb_adamw8bit")
+DEFAULT_ARMS = ("adamw_fused", "adamw_fused_fp32_states", "forge_bf16", "forge_int8", "forge_fp8", "bnb_adamw8bit")
 BASELINES = ("adamw_fused", "adamw_foreach")       # what the report's deltas are against, in order of preference
 SMOOTHING_FRACTION = 0.1                           # the smoothed end-of-run train loss: mean of the last 10% of steps
 WARMUP_STEPS = 40                                  # ConvergenceSpec.warmup of a run of 400 steps or more
@@ -330,7 +337,10 @@ def run_one(spec: ConvergenceSpec, arm: str, seed: int, corpus: Corpus, val: lis
 
 
 def check_folder(out: Path, spec: ConvergenceSpec) -> None:
-    """Refuse an output folder that holds rows of other settings (a re-run must continue, not mix)."""
+    """Refuse an output folder that holds rows of other settings (a re-run must continue, not mix),
+    or whose runs ``forge-bench pack`` packed into one file (a finished study, which nothing resumes)."""
+    if (out / PACKED_ROWS).exists():
+        raise ConvergenceError(f"{out}: its runs are packed into {PACKED_ROWS} (a finished study); use another --out")
     for path in sorted(out.glob("convergence_*.parquet")):
         row = read_row(path)
         if row is not None and row.get("spec_hash") != spec.spec_hash:
@@ -338,42 +348,66 @@ def check_folder(out: Path, spec: ConvergenceSpec) -> None:
                                    f"these {spec.spec_hash}); use another --out")
 
 
-def plan(out: Path, spec: ConvergenceSpec, arms: list[str], seeds: list[int]) -> list[tuple[str, int, int]]:
-    """(arm, seed, steps already done) of every run still to finish, in order."""
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """One unfinished run of a study: its folder, arm, seed, and the steps its checkpoint holds."""
+    folder: Path
+    arm: str
+    seed: int
+    done: int
+
+
+def plan_study(folders: list[Path], spec: ConvergenceSpec, arms: list[str], seeds: list[int]) -> list[PlannedRun]:
+    """Every run of ``arms`` x ``seeds`` in each of ``folders`` (the study and its repeats) still to
+    finish: seed by seed, each arm in every folder before the next arm."""
     load_plugins()
     for arm in arms:
         get_method(arm)            # an unknown arm is a one-line error before anything runs
     spec.check()
-    check_folder(out, spec)
+    if len({folder.resolve() for folder in folders}) < len(folders):
+        raise ConvergenceError(f"a repeat needs a folder of its own: {', '.join(map(str, folders))} name one "
+                               "folder twice")
+    for folder in folders:
+        check_folder(folder, spec)
     todo = []
-    for arm in arms:
-        for seed in seeds:
-            row = read_row(row_path(out, arm, seed))
-            if row is not None and row.get("completed"):
-                continue
-            todo.append((arm, seed, int(row["steps_done"]) if row else 0))
+    for seed in seeds:
+        for arm in arms:
+            for folder in folders:
+                row = read_row(row_path(folder, arm, seed))
+                if row is not None and row.get("completed"):
+                    continue
+                todo.append(PlannedRun(folder, arm, seed, int(row["steps_done"]) if row else 0))
     return todo
 
 
+def plan(out: Path, spec: ConvergenceSpec, arms: list[str], seeds: list[int]) -> list[tuple[str, int, int]]:
+    """(arm, seed, steps already done) of every run in ``out`` still to finish, in order."""
+    return [(run.arm, run.seed, run.done) for run in plan_study([out], spec, arms, seeds)]
+
+
 def run_all(out: Path, spec: ConvergenceSpec, arms: list[str], seeds: list[int], device: str,
-            on_run: Callable[[str, int, int], Callable[[int, Optional[float]], None]] = (
-                lambda arm, seed, done: (lambda step, loss: None))) -> list[dict[str, Any]]:
-    """Every unfinished run of ``arms`` x ``seeds`` (``plan``), one after the other in this process
-    (tile tuning and compilation are paid once). ``on_run(arm, seed, steps done)`` returns the run's
-    step callback (the CLI's progress bar)."""
-    todo = plan(out, spec, arms, seeds)
-    if any(arm.startswith("forge_") for arm, _, _ in todo) and not os.environ.get("FORGE_TUNE_CACHE"):
+            on_run: Callable[[Path, str, int, int], Callable[[int, Optional[float]], None]] = (
+                lambda folder, arm, seed, done: (lambda step, loss: None)),
+            repeat_into: Optional[Path] = None) -> list[dict[str, Any]]:
+    """Every unfinished run of ``arms`` x ``seeds`` (``plan_study``) in ``out`` and, with
+    ``repeat_into``, again in that folder, one after the other in this process (tile tuning and
+    compilation are paid once). ``on_run(folder, arm, seed, steps done)`` returns the run's step
+    callback (the CLI's progress bar)."""
+    todo = plan_study([out] + ([repeat_into] if repeat_into is not None else []), spec, arms, seeds)
+    if any(run.arm.startswith("forge_") for run in todo) and not os.environ.get("FORGE_TUNE_CACHE"):
         os.environ["FORGE_TUNE_CACHE"] = str(out / "tune_cache.json")     # a resumed run tunes nothing again
     corpus = build_corpus(max_bytes=spec.corpus_max_bytes)
     val = validation_batches(corpus, spec.batch, spec.seq, spec.eval_batches)
     environment = telemetry.environment(device)
     rows = []
-    for arm, seed, done in todo:
-        rows.append(run_one(spec, arm, seed, corpus, val, out, device, environment, on_run(arm, seed, done)))
+    for run in todo:
+        rows.append(run_one(spec, run.arm, run.seed, corpus, val, run.folder, device, environment,
+                            on_run(run.folder, run.arm, run.seed, run.done)))
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
 
 
-__all__ = ["BASELINES", "COLUMNS", "ConvergenceError", "ConvergenceSpec", "DEFAULT_ARMS", "SCHEMA", "WARMUP_STEPS",
-           "checkpoint_path", "default_warmup", "evaluate", "plan", "read_row", "row_path", "run_all", "run_one"]
+__all__ = ["BASELINES", "COLUMNS", "ConvergenceError", "ConvergenceSpec", "DEFAULT_ARMS", "PlannedRun", "SCHEMA",
+           "WARMUP_STEPS", "checkpoint_path", "default_warmup", "evaluate", "plan", "plan_study", "read_row", "row_path",
+           "run_all", "run_one"]

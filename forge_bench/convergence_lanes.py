@@ -5,8 +5,9 @@ fraction of one GPU's time for its whole length; one after the other they take t
 time times the number of runs. Here each unfinished run is a ``forge-bench convergence`` process
 of its own (the same settings, one arm, one seed), started on a free GPU of ``gpus`` as soon as one
 is free (``lanes.GpuPool``, so sweeps and studies of one host never share a GPU), with its output in
-``OUT/logs/<arm>_seed<seed>.log``. Each writes its own row and checkpoint as a run in one process
-does, so a study stopped part-way continues, with or without ``--gpus``, from the same files.
+``OUT/logs/<arm>_seed<seed>.log`` of its folder (a study's repeat runs into a folder of its own).
+Each writes its own row and checkpoint as a run in one process does, so a study stopped part-way
+continues, with or without ``--gpus``, from the same files.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ that a study killed and started again never finds a run of its own still writing
 
 @dataclass
 class LaneRun:
-    """One run of the study in its own process: where its output goes and how it ended."""
+    """One run of the study in its own process: its folder, where its output goes and how it ended."""
+    out: Path
     arm: str
     seed: int
     log: Path
@@ -47,13 +49,13 @@ def child_command(out: Path, arm: str, seed: int, options: list[str]) -> list[st
             "--seeds", str(seed), *options]
 
 
-def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str], gpus: list[str],
+def run_side_by_side(runs: list[tuple[Path, str, int]], options: list[str], gpus: list[str],
                      on_poll: Callable[[], None] = lambda: None) -> list[LaneRun]:
-    """Run every (arm, seed) of ``runs`` in a process of its own on one GPU of ``gpus``, as many at a
-    time as there are GPUs; ``on_poll()`` every ``POLL_S`` while they run (the caller's progress).
-    Returns each run with its exit status; a run that fails does not stop the others."""
+    """Run every (folder, arm, seed) of ``runs``, in order, in a process of its own on one GPU of
+    ``gpus``, as many at a time as there are GPUs; ``on_poll()`` every ``POLL_S`` while they run (the
+    caller's progress). Returns each run with its exit status; a run that fails does not stop the others."""
     pool = lanes.GpuPool(gpus)
-    queue = [LaneRun(arm, seed, log_path(out, arm, seed)) for arm, seed in runs]
+    queue = [LaneRun(out, arm, seed, log_path(out, arm, seed)) for out, arm, seed in runs]
     pending = list(queue)
     lock = threading.Lock()
 
@@ -73,7 +75,7 @@ def run_side_by_side(out: Path, runs: list[tuple[str, int]], options: list[str],
                 with run.log.open("ab") as log:
                     log.write(f"# GPU {run.gpus}, {beside} run(s) beside\n".encode())
                     log.flush()
-                    run.returncode = subprocess.call(child_command(out, run.arm, run.seed, options), stdout=log,
+                    run.returncode = subprocess.call(child_command(run.out, run.arm, run.seed, options), stdout=log,
                                                      stderr=subprocess.STDOUT, env={**os.environ,
                                                      **lanes.child_env(gpu_list, beside), PARENT_PID: str(os.getpid())})
             finally:

@@ -4,7 +4,9 @@ Layout: a results folder holds one small parquet file per finished cell
 (``<cell_id>.parquet``), each written to a temporary name and then ``os.replace``d into place.
 A ``kill -9`` at any moment therefore leaves every finished row readable and no partial file
 under a ``*.parquet`` name; ``--resume`` skips the cell ids already present, so no row is lost
-or duplicated. ``load_results`` concatenates every row under a folder (recursively).
+or duplicated. ``load_results`` concatenates every row under a folder (recursively), and reads a
+folder whose rows ``forge-bench pack`` moved into one ``rows.parquet`` (``PACKED_ROWS``: a finished
+record, which no sweep resumes) the same way.
 
 A row file that does not read as parquet (truncated or overwritten by something else) is never
 taken for a finished cell: ``scan_rows`` reports it, the sweep moves it aside to
@@ -27,6 +29,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SCHEMA_VERSION = 1
+PACKED_ROWS = "rows.parquet"
+"""The one file of a packed folder's rows (``forge_bench.pack``)."""
 
 STATUSES = (
     "ok",            # measured; timing and memory are valid
@@ -179,13 +183,13 @@ def write_row(results_dir: str | os.PathLike, row: Mapping[str, Any]) -> Path:
     return write_table_atomically(pa.Table.from_pylist([norm], schema=SCHEMA), row_path(results_dir, norm["cell_id"]))
 
 
-def write_table_atomically(table: pa.Table, path: Path) -> Path:
+def write_table_atomically(table: pa.Table, path: Path, compression: str = "snappy") -> Path:
     """Write ``table`` to ``path`` as parquet through a temp file in the same folder, fsync and
     ``os.replace``: a reader (or a killed writer) never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".parquet.part")
     try:
         with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh)
+            pq.write_table(table, fh, compression=compression)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

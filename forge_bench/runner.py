@@ -103,6 +103,9 @@ def plan_run(out_dir: Path, suite: Suite, *, resume: bool, allow_mixed: bool,
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise RunnerError(f"{out_dir}: --out exists and is not a folder")
+    if (out_dir / results.PACKED_ROWS).exists():
+        raise RunnerError(f"{out_dir}: its rows are packed into {results.PACKED_ROWS} (a finished record, "
+                          "`forge-bench pack`); use another --out")
     resume = resume or retry_failed
     manifest = read_manifest(out_dir)
     statuses = results.scan_rows(out_dir).statuses

@@ -33,7 +33,7 @@ def convergence(
     out: Annotated[Path, typer.Option("--out", "-o", help="folder for the rows and checkpoints "
                                                           "(results/<gpu>/convergence_<commit>); a re-run continues there")],
     arms: Annotated[str, typer.Option("--arms", help="comma-separated registry arms")] =
-        "adamw_fused,adamw_fused_fp32_states,forge_bf16,forge_int8,bnb_adamw8bit",
+        "adamw_fused,adamw_fused_fp32_states,forge_bf16,forge_int8,forge_fp8,bnb_adamw8bit",
     seeds: Annotated[str, typer.Option("--seeds", help="comma-separated seeds (initial weights and batch order)")] = "0,1,2",
     steps: Annotated[int, typer.Option("--steps", min=1, help="optimizer steps per run")] = 4000,
     batch: Annotated[int, typer.Option("--batch", min=1, help="sequences per step")] = 16,
@@ -53,9 +53,14 @@ def convergence(
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="run the runs side by side on these GPUs, e.g. "
                                                 "0,1,2,3: one process per run and GPU, its output in "
                                                 "OUT/logs/ (default: one after the other in this process)")] = None,
+    repeat_into: Annotated[Optional[Path], typer.Option("--repeat-into", help="run every arm x seed a second "
+                                                        "time into this folder, beside the first: the report "
+                                                        "reads how far the two ended apart as the run-to-run "
+                                                        "floor of a delta")] = None,
 ) -> None:
     """GPT-2 from scratch on the Python standard library's sources (bytes), every arm x seed from the
-    same initial weights and batches: one parquet row per run with its loss curves. Resumes."""
+    same initial weights and batches: one parquet row per run with its loss curves. Resumes (both
+    folders, with --repeat-into)."""
     from forge_bench import convergence_lanes, lanes
 
     parent = os.environ.get(convergence_lanes.PARENT_PID)
@@ -78,40 +83,47 @@ def convergence(
                                 warmup=conv.default_warmup(steps) if warmup is None else warmup,
                                 weight_decay=weight_decay, eval_every=eval_every, eval_batches=eval_batches,
                                 checkpoint_every=checkpoint_every, corpus_max_bytes=corpus_max_bytes)
+    folders = [out] + ([repeat_into] if repeat_into is not None else [])
+    locks: list[folder_lock.FolderLock] = []
     try:
-        # the folder is this study's; a run started by `--gpus` writes under its study's lock
-        lock = None if parent and folder_lock.held_by(out, int(parent)) else folder_lock.acquire(out)
+        for folder in folders:
+            # the folders are this study's; a run started by `--gpus` writes under its study's locks
+            if not (parent and folder_lock.held_by(folder, int(parent))):
+                locks.append(folder_lock.acquire(folder))
+        _study(console, folders, spec, arm_list, seed_list, where, gpus, device)
     except folder_lock.FolderLockError as error:
         raise _fail(console, str(error)) from None
-    try:
-        _study(console, out, spec, arm_list, seed_list, where, gpus, device)
     finally:
-        if lock is not None:
+        for lock in locks:
             lock.release()
 
 
-def _study(console: Console, out: Path, spec, arm_list: list[str], seed_list: list[int], where: str,
+def _study(console: Console, folders: list[Path], spec, arm_list: list[str], seed_list: list[int], where: str,
            gpus: Optional[str], device: str) -> None:
-    """``convergence`` once its folder is held: plan the unfinished runs, run them here or side by side."""
+    """``convergence`` once its folders are held: plan the unfinished runs, run them here or side by side."""
     from forge_bench import convergence as conv
     from forge_bench import convergence_lanes, lanes
     from forge_bench.methods import PluginError
 
-    steps, model = spec.steps, spec.model
+    steps, model, batch, seq = spec.steps, spec.model, spec.batch, spec.seq
+    out, repeat_into = folders[0], (folders[1] if len(folders) > 1 else None)
     try:
-        todo = conv.plan(out, spec, arm_list, seed_list)
+        todo = conv.plan_study(folders, spec, arm_list, seed_list)
     except (conv.ConvergenceError, KeyError, PluginError, ValueError) as error:
         raise _fail(console, str(error).strip("'\"")) from None
-    total = len(arm_list) * len(seed_list)
-    console.print(f"convergence: {model}, {steps} steps of {spec.batch} x {spec.seq} bytes, arms "
-                  f"{', '.join(arm_list)}, seeds {', '.join(map(str, seed_list))} on {where}: "
-                  f"{total - len(todo)} of {total} runs done; out {out}; spec {spec.spec_hash}", highlight=False)
+    total = len(arm_list) * len(seed_list) * len(folders)
+    console.print(f"convergence: {model}, {steps} steps of {batch} x {seq} bytes, arms {', '.join(arm_list)}, "
+                  f"seeds {', '.join(map(str, seed_list))} on {where}: {total - len(todo)} of {total} runs done; "
+                  f"out {' and '.join(map(str, folders))}; spec {spec.spec_hash}", highlight=False)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                         console=console, transient=False)
 
-    def on_run(arm: str, seed: int, done: int):
-        task = progress.add_task(f"{arm} seed {seed}", total=steps, completed=done, loss="-")
+    def label(folder: Path, arm: str, seed: int) -> str:
+        return f"{arm} seed {seed}" + (" (repeat)" if len(folders) > 1 and folder == repeat_into else "")
+
+    def on_run(folder: Path, arm: str, seed: int, done: int):
+        task = progress.add_task(label(folder, arm, seed), total=steps, completed=done, loss="-")
 
         def on_step(step: int, loss: float | None) -> None:
             fields = {"loss": f"{loss:.3f}"} if loss is not None else {}
@@ -120,43 +132,43 @@ def _study(console: Console, out: Path, spec, arm_list: list[str], seed_list: li
 
     if gpus is None:
         with progress:
-            rows = conv.run_all(out, spec, arm_list, seed_list, where, on_run)
-        Console().print(_runs_table(out, rows))
+            rows = conv.run_all(out, spec, arm_list, seed_list, where, on_run, repeat_into=repeat_into)
+        Console().print(_runs_table(folders, [(run.folder, row) for run, row in zip(todo, rows)]))
         return
     try:
         gpu_list = lanes.parse_gpus(gpus)
     except lanes.LaneError as error:
         raise _fail(console, str(error)) from None
-    options = ["--steps", str(steps), "--batch", str(spec.batch), "--seq", str(spec.seq), "--lr", repr(spec.lr),
+    options = ["--steps", str(steps), "--batch", str(batch), "--seq", str(seq), "--lr", repr(spec.lr),
                "--warmup", str(spec.warmup), "--min-lr-ratio", repr(spec.min_lr_ratio), "--weight-decay",
                repr(spec.weight_decay), "--eval-every", str(spec.eval_every), "--eval-batches", str(spec.eval_batches),
                "--checkpoint-every", str(spec.checkpoint_every), "--model", model,
                *(["--corpus-max-bytes", str(spec.corpus_max_bytes)] if spec.corpus_max_bytes is not None else []),
                *(["--device", device] if device else [])]
-    tasks = {(arm, seed): progress.add_task(f"{arm} seed {seed}", total=steps, completed=done, loss="-")
-             for arm, seed, done in todo}
+    tasks = {(run.folder, run.arm, run.seed): progress.add_task(label(run.folder, run.arm, run.seed), total=steps,
+                                                                completed=run.done, loss="-") for run in todo}
 
-    finished_tasks: set[tuple[str, int]] = set()
+    finished_tasks: set[tuple[Path, str, int]] = set()
 
     def read_back() -> None:        # a run's row is rewritten at each checkpoint (atomically); a finished one no more
-        for (arm, seed), task in tasks.items():
-            if (arm, seed) in finished_tasks:
+        for (folder, arm, seed), task in tasks.items():
+            if (folder, arm, seed) in finished_tasks:
                 continue
             try:
-                row = conv.read_row(conv.row_path(out, arm, seed))
+                row = conv.read_row(conv.row_path(folder, arm, seed))
             except (OSError, ValueError):           # a row file that is not (yet) readable: next poll
                 row = None
             if row is not None:
                 if row.get("completed"):
-                    finished_tasks.add((arm, seed))
+                    finished_tasks.add((folder, arm, seed))
                 loss = row["val_loss"][-1] if row.get("val_loss") else None
                 progress.update(task, completed=int(row["steps_done"]), **({"loss": f"{loss:.3f}"} if loss else {}))
 
     with progress:
-        finished = convergence_lanes.run_side_by_side(out, [(arm, seed) for arm, seed, _ in todo], options, gpu_list,
-                                                      read_back)
-    rows = [row for row in (conv.read_row(conv.row_path(out, run.arm, run.seed)) for run in finished) if row]
-    Console().print(_runs_table(out, rows))
+        finished = convergence_lanes.run_side_by_side([(run.folder, run.arm, run.seed) for run in todo], options,
+                                                      gpu_list, read_back)
+    rows = [(run.out, conv.read_row(conv.row_path(run.out, run.arm, run.seed))) for run in finished]
+    Console().print(_runs_table(folders, [(folder, row) for folder, row in rows if row]))
     failed = [run for run in finished if run.returncode != 0]
     for run in failed:
         console.print(f"[bold red]failed:[/] {convergence_lanes.failure_line(run)}", highlight=False, soft_wrap=True)
@@ -164,15 +176,18 @@ def _study(console: Console, out: Path, spec, arm_list: list[str], seed_list: li
         raise typer.Exit(1)
 
 
-def _runs_table(out: Path, rows: list[dict]) -> Table:
-    """The runs this command finished, one line each."""
-    table = Table(title=f"convergence runs finished here ({out})")
-    for column in ("arm", "seed", "status", "final val loss", "smoothed train loss", "tokens/s"):
-        table.add_column(column, justify="left" if column in ("arm", "status") else "right")
-    for row in rows:
+def _runs_table(folders: list[Path], rows: list[tuple[Path, dict]]) -> Table:
+    """The runs this command finished, one line each, with their folder when a repeat runs beside."""
+    table = Table(title=f"convergence runs finished here ({' and '.join(map(str, folders))})")
+    columns = (["folder"] if len(folders) > 1 else []) + ["arm", "seed", "status", "final val loss",
+                                                          "smoothed train loss", "tokens/s"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("folder", "arm", "status") else "right")
+    for folder, row in rows:
         number = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
-        table.add_row(row["arm"], str(row["seed"]), row["status"] if not row["reason"] else f"{row['status']}: "
-                      f"{row['reason'][:80]}", number(row["final_val_loss"]), number(row["final_train_loss_smoothed"]),
+        status = row["status"] if not row["reason"] else f"{row['status']}: {row['reason'][:80]}"
+        table.add_row(*([folder.name] if len(folders) > 1 else []), row["arm"], str(row["seed"]), status,
+                      number(row["final_val_loss"]), number(row["final_train_loss_smoothed"]),
                       number(row["tokens_per_s"], ",.0f"))
     return table
 

@@ -5,10 +5,16 @@
 * No import cycle among a package's modules, counting imports inside functions too (a lazy import
   that only dodges a cycle is still the cycle).
 * No module over ``MAX_LINES`` lines.
+* The committed results (``git ls-files results``) take at most ``RESULTS_BUDGET`` bytes: a finished
+  folder goes in packed (``forge-bench pack``), and a run a newer one of the same command replaced
+  leaves in the commit that adds the newer.
 """
 from __future__ import annotations
 
 import ast
+import subprocess
+from collections import Counter
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -16,6 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 700
 PACKAGES = ["forge_core", "forge_bench"]
+RESULTS_BUDGET = 5_000_000
+KEPT_PATTERN_PREFIX = "!/results/*/**/"
 
 
 def _modules(package: str, root: Path = ROOT) -> dict[str, Path]:
@@ -140,3 +148,60 @@ def test_the_checks_see_a_private_import_and_a_cycle(tmp_path):
     edges, private = _graph("planted", tmp_path)
     assert private["planted.a"] == ["1: from planted.b import _hidden", "6: planted.b._other"]
     assert _cycle(edges) == ["planted.a", "planted.b", "planted.a"]
+
+
+def _committed_results(root: Path = ROOT) -> dict[Path, int]:
+    """Bytes of each file under ``root/results`` that git keeps (``git ls-files``); where git cannot
+    say (a copy of the tree without its repository), of each file there that .gitignore admits."""
+    try:
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "results"], capture_output=True,
+                                check=True, timeout=120).stdout.decode().split("\0")
+        paths = [root / name for name in listed if name]
+    except (OSError, subprocess.SubprocessError):
+        kept = [line.removeprefix(KEPT_PATTERN_PREFIX) for line in (root / ".gitignore").read_text().splitlines()
+                if line.startswith(KEPT_PATTERN_PREFIX) and not line.endswith("/")]
+        paths = [path for path in (root / "results").rglob("*") if path.is_file()
+                 and (path.parent == root / "results" or any(fnmatch(path.name, pattern) for pattern in kept))]
+    return {path: path.stat().st_size for path in paths if path.is_file()}
+
+
+def _over_budget(sizes: dict[Path, int], root: Path = ROOT) -> str | None:
+    """None within ``RESULTS_BUDGET``; otherwise one line with the total and the largest folders."""
+    total = sum(sizes.values())
+    if total <= RESULTS_BUDGET:
+        return None
+    folders: Counter[str] = Counter()
+    for path, size in sizes.items():
+        parts = path.relative_to(root).parts
+        folders["/".join(parts[:3]) if len(parts) > 3 else "/".join(parts[:-1]) or parts[0]] += size
+    largest = ", ".join(f"{folder} {size / 1e6:.2f} MB" for folder, size in folders.most_common(5))
+    return (f"results/ holds {total / 1e6:.2f} MB in git, over its {RESULTS_BUDGET / 1e6:.0f} MB: pack finished "
+            f"folders (forge-bench pack) and remove runs newer ones replaced; largest: {largest}")
+
+
+def test_committed_results_fit_their_budget():
+    sizes = _committed_results()
+    assert sizes, "no committed results found"
+    problem = _over_budget(sizes)
+    assert problem is None, problem
+
+
+def test_the_budget_counts_what_git_keeps_and_names_the_largest_folders(tmp_path):
+    """Outside a repository: the files .gitignore admits (rows, manifests), not a study's checkpoints."""
+    (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    big, small = tmp_path / "results" / "h200" / "table1_x", tmp_path / "results" / "h100" / "grid_y"
+    for folder, size in ((big, 4_000_000), (small, 1_500_000)):
+        folder.mkdir(parents=True)
+        with (folder / "rows.parquet").open("wb") as fh:
+            fh.truncate(size)
+        (folder / "manifest.json").write_text("{}")
+    (big / "checkpoints").mkdir()
+    with (big / "checkpoints" / "forge_bf16_seed0.pt").open("wb") as fh:
+        fh.truncate(50_000_000)
+    sizes = _committed_results(tmp_path)
+    assert sum(sizes.values()) == 5_500_004 and len(sizes) == 4
+    problem = _over_budget(sizes, tmp_path)
+    assert problem.startswith("results/ holds 5.50 MB in git, over its 5 MB") and \
+        problem.endswith("largest: results/h200/table1_x 4.00 MB, results/h100/grid_y 1.50 MB"), problem
+    (big / "rows.parquet").unlink()
+    assert _over_budget(_committed_results(tmp_path), tmp_path) is None

@@ -50,7 +50,7 @@ def test_runs_write_one_row_each_and_a_killed_run_resumes_to_the_same_curve(tmp_
     assert rows[1]["n_fused_params"] > 0 and rows[0]["n_fused_params"] == 0
     assert not any((whole / "checkpoints").glob("*.pt"))
 
-    def stop_after_step_3(arm: str, seed: int, done: int):
+    def stop_after_step_3(folder: Path, arm: str, seed: int, done: int):
         def on_step(step: int, loss):
             if step == 3:
                 raise Stop
@@ -127,11 +127,58 @@ def test_runs_side_by_side_on_gpus_match_the_runs_in_one_process(tmp_path: Path,
     assert result.exit_code == 2 and "named more than once" in result.output
 
 
+def test_a_study_runs_again_into_its_repeat_folder_and_resumes_both(tmp_path: Path) -> None:
+    """A repeat folder: every arm and seed runs once in each folder, seed by seed, from the same
+    weights and batches (on the CPU: the same curve); a study stopped part-way continues both."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    arms, seeds = ["adamw_foreach", "forge_bf16"], [0, 1]
+    order = [(run.folder.name, run.arm, run.seed) for run in conv.plan_study([first, again], SPEC, arms, seeds)]
+    assert order == [(folder, arm, seed) for seed in seeds for arm in arms for folder in ("first", "again")]
+
+    def stop_at_the_third_run(folder: Path, arm: str, seed: int, done: int):
+        if (folder, arm, seed) == (first, "forge_bf16", 0):
+            raise Stop
+        return lambda step, loss: None
+
+    with pytest.raises(Stop):
+        conv.run_all(first, SPEC, arms, seeds, "cpu", stop_at_the_third_run, repeat_into=again)
+    assert conv.read_row(conv.row_path(again, "adamw_foreach", 0))["completed"]
+    left = [(run.folder.name, run.arm, run.seed) for run in conv.plan_study([first, again], SPEC, arms, seeds)]
+    assert left == order[2:]
+    rows = conv.run_all(first, SPEC, arms, seeds, "cpu", repeat_into=again)
+    assert len(rows) == 6 and conv.plan_study([first, again], SPEC, arms, seeds) == []
+    for arm in arms:
+        for seed in seeds:
+            one, two = (conv.read_row(conv.row_path(folder, arm, seed)) for folder in (first, again))
+            assert one["completed"] and two["completed"] and one["spec_hash"] == two["spec_hash"]
+            assert one["val_loss"] == pytest.approx(two["val_loss"], rel=1e-5), (arm, seed)
+
+
+def test_cli_repeat_into_runs_each_run_in_both_folders(tmp_path: Path) -> None:
+    """``--repeat-into DIR``: one command, each run in both folders (its table names the folder);
+    the same folder given twice is a one-line error before anything runs."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    common = ["convergence", "--model", "tiny-gpt2", "--arms", "adamw_foreach", "--seeds", "0", "--batch", "2",
+              "--seq", "16", "--steps", "2", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1",
+              "--corpus-max-bytes", "2000000", "--device", "cpu"]
+    runner = CliRunner()
+    result = runner.invoke(app, common + ["--out", str(first), "--repeat-into", str(first)])
+    assert result.exit_code == 2 and "a repeat needs a folder of its own" in result.output, result.output
+    assert not first.exists()
+    result = runner.invoke(app, common + ["--out", str(first), "--repeat-into", str(again)])
+    assert result.exit_code == 0, result.output
+    assert "0 of 2 runs done" in result.output and str(again) in result.output
+    rows = [conv.read_row(conv.row_path(folder, "adamw_foreach", 0)) for folder in (first, again)]
+    assert all(row["completed"] and row["status"] == "ok" for row in rows)
+    result = runner.invoke(app, common + ["--out", str(first), "--repeat-into", str(again)])
+    assert result.exit_code == 0 and "2 of 2 runs done" in result.output, result.output
+
+
 def test_a_run_that_fails_beside_others_is_named_with_its_log(tmp_path: Path, monkeypatch) -> None:
     from forge_bench import convergence_lanes, lanes
 
     monkeypatch.setenv(lanes.LOCK_DIR, str(tmp_path / "locks"))
-    [run] = convergence_lanes.run_side_by_side(tmp_path, [("adamw_foreach", 0)], ["--steps", "0"], ["g0"])
+    [run] = convergence_lanes.run_side_by_side([(tmp_path, "adamw_foreach", 0)], ["--steps", "0"], ["g0"])
     assert run.returncode == 2 and run.gpus == "g0"
     line = convergence_lanes.failure_line(run)
     assert line.startswith("adamw_foreach seed 0 (GPU g0) exited 2: ") and str(run.log) in line
@@ -177,7 +224,7 @@ def test_a_run_dies_with_its_study(tmp_path: Path) -> None:
                 "--eval-every", "100000", "--eval-batches", "1", "--checkpoint-every", "100000",
                 "--corpus-max-bytes", "2000000", "--device", "cpu"]
     script = ("import sys; from pathlib import Path; from forge_bench import convergence_lanes; "
-              f"convergence_lanes.run_side_by_side(Path({str(out)!r}), [('adamw_foreach', 0)], {long_run!r}, ['g0'])")
+              f"convergence_lanes.run_side_by_side([(Path({str(out)!r}), 'adamw_foreach', 0)], {long_run!r}, ['g0'])")
     study = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env={**os.environ, lanes.LOCK_DIR: str(tmp_path / "locks")})
     try:
@@ -222,7 +269,7 @@ def test_training_schema_doc_is_current() -> None:
 
 def test_the_command_defaults_are_the_spec_defaults() -> None:
     """`forge-bench convergence` with no settings runs ``ConvergenceSpec()``: the two lists of
-    defaults cannot drift apart (2,000 steps: the committed H100 rows' setting)."""
+    defaults cannot drift apart."""
     import inspect
 
     from forge_bench.training_cli import convergence
@@ -234,3 +281,5 @@ def test_the_command_defaults_are_the_spec_defaults() -> None:
     assert {"steps", "eval_every", "checkpoint_every", "lr", "batch", "seq"} <= set(shared)
     assert {name: defaults[name] for name in shared} == {name: getattr(spec, name) for name in shared}
     assert spec.steps == 4000
+    assert defaults["arms"].split(",") == list(conv.DEFAULT_ARMS)       # one arm per moment format, and the peer
+    assert {"forge_fp8", "adamw_fused_fp32_states", "bnb_adamw8bit"} <= set(conv.DEFAULT_ARMS)

@@ -16,6 +16,7 @@ from forge_bench.results import write_row
 from forge_bench.run_rows import KIND_COLUMN, write_rows
 
 H100_ROW = Path(__file__).resolve().parent / "fixtures" / "h100" / "llama-3.1-8b_b1_s512_adamw_fused_9a3c76cb2a.parquet"
+CONVERGENCE_H200 = Path(__file__).resolve().parent / "fixtures" / "convergence_h200"
 QWEN3 = {"qwen3-0.6b": 0.596e9, "qwen3-4b": 4.02e9, "qwen3-14b": 14.77e9}
 
 
@@ -107,6 +108,62 @@ def test_a_repeated_seed_is_averaged_and_its_gap_is_the_noise_floor(tmp_path: Pa
     forge = next(l for l in section if l.startswith("| `forge_bf16` | 2 |"))
     assert "+0.0025 ± 0.0021" in forge and forge.count("| — |") == 1, forge
     assert any("ended 0.0060-0.0060 nats apart (1 pair, `adamw_fused`)" in l for l in section)
+
+
+def _convergence_section(out: Path) -> list[str]:
+    return (out / "index.md").read_text().split("## Convergence on real text", 1)[1].splitlines()
+
+
+def test_each_arm_is_read_against_the_run_to_run_floor_of_its_study(tmp_path: Path) -> None:
+    """The floor is the largest end-of-run gap between two runs of one arm and seed over the
+    study (here fused AdamW's seed 0, 0.006 apart); an arm is within it when its |Δ val| is at most
+    that: FORGE bf16 (+0.0025) is, FORGE int8 (+0.0185) is not; without a repeat there is no floor."""
+    _training_rows(tmp_path / "first")
+    _convergence_row(tmp_path / "again", "adamw_fused", 0, 0.006)
+    build_report([tmp_path / "first", tmp_path / "again"], tmp_path / "out", formats=("png",))
+    section = _convergence_section(tmp_path / "out")
+    header = next(l for l in section if l.startswith("| Arm |"))
+    assert "| \\|Δ val\\| ≤ floor (0.0060) |" in header, header
+    forge = next(l for l in section if l.startswith("| `forge_bf16` |")).split(" | ")
+    int8 = next(l for l in section if l.startswith("| `forge_int8` |")).split(" | ")
+    base = next(l for l in section if l.startswith("| `adamw_fused` |")).split(" | ")
+    assert (forge[6], forge[7]) == ("yes", "yes") and (int8[6], int8[7]) == ("no", "no") and base[7] == "—"
+    assert any("The largest gap, 0.0060, is this study's floor." in l for l in section)
+    build_report(tmp_path / "first", tmp_path / "alone", formats=("png",))
+    alone = _convergence_section(tmp_path / "alone")
+    assert "| \\|Δ val\\| ≤ floor |" in next(l for l in alone if l.startswith("| Arm |"))
+    assert next(l for l in alone if l.startswith("| `forge_bf16` |")).split(" | ")[7] == "—"
+
+
+def test_floor_curve_is_the_largest_gap_of_a_repeat_at_each_evaluation(tmp_path: Path) -> None:
+    """Per validation step, the largest |gap| between two runs of one arm and seed over every arm."""
+    from forge_bench.report.training import floor_curve
+    from forge_bench.run_rows import load_kind
+
+    _training_rows(tmp_path / "first")
+    _convergence_row(tmp_path / "again", "adamw_fused", 0, 0.006)
+    _convergence_row(tmp_path / "again", "forge_int8", 1, 0.02 + 0.004)
+    assert floor_curve(load_kind([tmp_path / "first"], "convergence")) is None
+    steps, floor = floor_curve(load_kind([tmp_path / "first", tmp_path / "again"], "convergence"))
+    assert steps.tolist() == [5, 10] and floor == pytest.approx([0.006, 0.006])
+
+
+def test_real_h200_repeats_give_the_floor_a_delta_is_read_against() -> None:
+    """Rows of the committed H200 study and its repeat (seed 1 of fused AdamW and FORGE bf16, each
+    run twice; tests/fixtures/convergence_h200): the floor is FORGE bf16's own repeat gap, 0.0078
+    (0.8568 against 0.8490); its Δ, +0.0084, is within 0.01 but not within that floor."""
+    from forge_bench.report.training import convergence_tables
+    from forge_bench.run_rows import load_kind
+
+    frame = load_kind([CONVERGENCE_H200 / "first", CONVERGENCE_H200 / "repeat"], "convergence")
+    [table] = convergence_tables(frame)
+    recs = {rec["arm"]: rec for rec in table.records}
+    forge = recs["forge_bf16"]
+    assert forge["run_to_run_floor"] == pytest.approx(0.8567584156990051 - 0.8489773273468018)
+    assert forge["delta_val_mean"] == pytest.approx((0.8567584156990051 + 0.8489773273468018) / 2
+                                                    - (0.8456505537033081 + 0.8431880474090576) / 2)
+    assert forge["within_target"] is True and forge["within_floor"] is False
+    assert recs["adamw_fused"]["within_floor"] is None and recs["adamw_fused"]["runs"] == 2
 
 
 def test_a_folder_of_training_rows_alone_gets_a_report(tmp_path: Path) -> None:

@@ -11,7 +11,11 @@ row per (arm, seed) with the loss curves, ``forge-bench fidelity`` one row per a
   the seed-to-seed spread. Target: |delta| <= ``TARGET_DELTA`` nats. Folders that ran the same
   settings again (a repeat: same arm, seed, initial weights and batches) are pooled: each seed's
   runs are averaged, and how far apart the repeats ended is the run-to-run floor of a delta (GPU
-  kernels are not bitwise deterministic, and training amplifies a last-bit difference).
+  kernels are not bitwise deterministic, and training amplifies a last-bit difference). The
+  floor (``floor_curve``) is, at each evaluation, the largest |validation loss gap| between two runs
+  of one arm and seed, over every arm and seed of the study; an arm is within the floor when its
+  |delta| at the end is at most the floor's last value, and the figure shades the floor around 0
+  beside each arm's mean delta curve.
 * Fidelity, per device, shape, steps and learning rate: rms-rel and max |dW| of each arm against
   fp32, and each arm's rms-rel over the standard bf16 path's (below 1: closer to fp32).
 """
@@ -102,12 +106,28 @@ def repeat_gaps(rows: list[dict[str, Any]]) -> list[float]:
             for a, b in itertools.combinations(values, 2)]
 
 
+def floor_curve(group: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+    """The run-to-run floor of a study: (validation steps, the largest |validation loss gap| at each
+    between two runs of one arm and seed, over every arm and seed of ``group``); None when no run
+    was repeated. Its last value is the floor of an end-of-run delta."""
+    steps, gaps = None, []
+    for _, runs in group.groupby(["arm", "seed"], sort=True):
+        for a, b in itertools.combinations(runs.to_dict("records"), 2):
+            if len(a["val_loss"]) == len(b["val_loss"]) and list(a["val_step"]) == list(b["val_step"]):
+                steps = np.asarray(a["val_step"], dtype=float)
+                gaps.append(np.abs(np.asarray(a["val_loss"], dtype=float) - np.asarray(b["val_loss"], dtype=float)))
+    same = [g for g in gaps if steps is not None and g.size == steps.size]
+    return (steps, np.max(same, axis=0)) if same else None
+
+
 def convergence_tables(frame: pd.DataFrame) -> list[Table]:
     tables = []
     for keys, group in convergence_groups(frame):
         baseline = _baseline(group)
         base_rows = group[group["arm"] == baseline].to_dict("records") if baseline else []
         base_val, base_train = _seed_means(base_rows, "final_val_loss"), _seed_means(base_rows, "final_train_loss_smoothed")
+        study_gaps = [g for arm in _arms(group, baseline) for g in repeat_gaps(group[group["arm"] == arm].to_dict("records"))]
+        floor = max(study_gaps) if study_gaps else None      # the run-to-run floor of this study
         body, recs, gaps_all = [], [], {}
         for arm in _arms(group, baseline):
             rows = group[group["arm"] == arm].to_dict("records")
@@ -130,11 +150,13 @@ def convergence_tables(frame: pd.DataFrame) -> list[Table]:
                 return text + (f" ± {values.std(ddof=1):.{digits}f}" if values.size > 1 else "")
 
             within = None if arm == baseline or dval.size == 0 else bool(abs(dval.mean()) <= TARGET_DELTA)
+            in_floor = None if within is None or floor is None else bool(abs(dval.mean()) <= floor)
             body.append([f"`{arm}`", f"{len(val_by_seed)}" + (f" ({len(rows)} runs)" if len(rows) > len(val_by_seed) else ""),
                          f"{val.mean():.4f}" + (f" ± {val.std(ddof=1):.4f}" if val.size > 1 else ""),
                          "baseline" if arm == baseline else spread(dval), f"{train.mean():.4f}",
                          "baseline" if arm == baseline else spread(dtrain),
                          "—" if within is None else ("yes" if within else "no"),
+                         "—" if in_floor is None else ("yes" if in_floor else "no"),
                          "—" if not drops else f"{np.mean(drops):.4f}",
                          "—" if not gaps else f"{max(gaps):.4f}",
                          "—" if not rates else f"{np.mean(rates):,.0f}"])
@@ -142,7 +164,8 @@ def convergence_tables(frame: pd.DataFrame) -> list[Table]:
                          "final_val_loss_mean": float(val.mean()),
                          "delta_val_mean": float(dval.mean()) if dval.size and arm != baseline else None,
                          "delta_train_smoothed_mean": float(dtrain.mean()) if dtrain.size and arm != baseline else None,
-                         "within_target": within, "val_drop_last_20pct": float(np.mean(drops)) if drops else None,
+                         "within_target": within, "run_to_run_floor": floor, "within_floor": in_floor,
+                         "val_drop_last_20pct": float(np.mean(drops)) if drops else None,
                          "repeat_gap_max": max(gaps) if gaps else None,
                          "tokens_per_s": float(np.mean(rates)) if rates else None})
         caption = (f"End of run, mean over seeds (± their standard deviation); a seed run more than once counts "
@@ -151,19 +174,24 @@ def convergence_tables(frame: pd.DataFrame) -> list[Table]:
                    f"train: mean training loss over the last 10% of the steps. Last-20% drop: how much the "
                    f"validation loss still fell over the last 20% of the steps (near 0: the curve has "
                    f"flattened). Repeat |Δ|: the largest end-of-run gap between two runs of one seed of the "
-                   f"arm.") if baseline else "No fused or foreach AdamW run completed here: no deltas."
+                   f"arm. Floor: the largest end-of-run gap between two runs of one arm and seed over every arm "
+                   f"of this study (its run-to-run spread); within the floor: |Δ val| at most that, so this "
+                   f"study cannot tell the arm from `{baseline}` (— where no run was repeated).") if baseline \
+            else "No fused or foreach AdamW run completed here: no deltas."
         notes = []
         if gaps_all:
             every = [g for gaps in gaps_all.values() for g in gaps]
             notes.append(f"Run to run: the same arm and seed run again (same settings, initial weights and batches) "
                          f"ended {min(every):.4f}-{max(every):.4f} nats apart ({len(every)} pair{'s' if len(every) > 1 else ''}, "
                          f"{', '.join(f'`{a}`' for a in gaps_all)}): GPU kernels are not bitwise deterministic and "
-                         f"training amplifies the difference, so a Δ of that size is noise.")
+                         f"training amplifies the difference, so a Δ of that size is noise. The largest gap, "
+                         f"{max(every):.4f}, is this study's floor.")
         tables.append(Table(slug("convergence", keys["device_name"], keys["model"], keys["spec_hash"]),
                             f"Convergence, {_title(keys, group)}", caption,
                             ["Arm", "Seeds", "Final val loss", "Δ val", "Smoothed train", "Δ train",
-                             f"|Δ val| ≤ {TARGET_DELTA}", "Last-20% drop", "Repeat |Δ|", "Tokens/s"],
-                            body, "lrrrrrlrrr", notes, recs))
+                             f"|Δ val| ≤ {TARGET_DELTA}", "|Δ val| ≤ floor" + (f" ({floor:.4f})" if floor is not None else ""),
+                             "Last-20% drop", "Repeat |Δ|", "Tokens/s"],
+                            body, "lrrrrrllrrr", notes, recs))
     return tables
 
 
@@ -187,6 +215,7 @@ def convergence_figures(frame: pd.DataFrame, folder: Path, formats: Sequence[str
         fig = Figure(figsize=(13.0, 3.9))
         ax_val, ax_train, ax_delta = fig.subplots(1, 3)
         base = _seed_means(group[group["arm"] == baseline].to_dict("records"), "val_loss") if baseline else {}
+        measured = floor_curve(group)
         for arm in arms:
             rows = group[group["arm"] == arm].to_dict("records")
             steps = np.asarray(rows[0]["val_step"], dtype=float)
@@ -201,11 +230,17 @@ def convergence_figures(frame: pd.DataFrame, folder: Path, formats: Sequence[str
             diffs = [curve - base[seed] for seed, curve in curves.items() if seed in base and base[seed].size == curve.size]
             if diffs and arm != baseline:
                 ax_delta.plot(steps, np.mean(diffs, axis=0), color=colors[arm], marker=".", label=arm)
-        ax_delta.axhspan(-TARGET_DELTA, TARGET_DELTA, color="#2ca02c", alpha=0.12, label=f"±{TARGET_DELTA} nats")
+        marks = [ax_delta.fill_between(measured[0], -measured[1], measured[1], color="#7f7f7f", alpha=0.3,
+                                       label="run-to-run floor")] if measured is not None else []
+        marks.append(ax_delta.axhline(TARGET_DELTA, color="#2ca02c", linestyle="--", linewidth=0.9,
+                                      label=f"±{TARGET_DELTA} nats"))
+        ax_delta.axhline(-TARGET_DELTA, color="#2ca02c", linestyle="--", linewidth=0.9)
         ax_delta.axhline(0.0, color="black", linewidth=0.8)
+        ax_delta.legend(handles=marks, loc="upper right", fontsize=7)
         for ax, title, ylabel in ((ax_val, "Validation loss (seed range shaded)", "nats per byte"),
                                   (ax_train, "Training loss (moving average)", "nats per byte"),
-                                  (ax_delta, f"Validation loss − {baseline or 'baseline'}, same seed", "Δ nats per byte")):
+                                  (ax_delta, f"Validation loss − {baseline or 'baseline'}, same seed\n(mean over "
+                                             f"seeds; run-to-run floor shaded)", "Δ nats per byte")):
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
@@ -257,4 +292,4 @@ def fidelity_run_tables(frame: pd.DataFrame) -> list[Table]:
 
 
 __all__ = ["TARGET_DELTA", "convergence_figures", "convergence_groups", "convergence_tables", "fidelity_run_tables",
-           "repeat_gaps"]
+           "floor_curve", "repeat_gaps"]
