@@ -17,6 +17,7 @@ Run it (a tiny random-init Llama on synthetic tokens; nothing is downloaded)::
 
     python examples/hf_trainer.py --steps 20            # FORGE
     python examples/hf_trainer.py --steps 20 --unfused  # the same run with torch's AdamW
+    python examples/hf_trainer.py --steps 20 --compile inductor   # the Trainer's torch_compile=True
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def token_dataset(examples: int, seq: int, seed: int = 1) -> list[dict[str, torc
 
 
 def train(model: torch.nn.Module, *, steps: int, fused: bool, output_dir: str, seed: int = 0,
-          batch_size: int = 4, seq: int = 32) -> list[dict[str, Any]]:
-    """Train ``model`` ``steps`` steps with the Trainer; returns the Trainer's log history."""
+          batch_size: int = 4, seq: int = 32, compile_backend: Optional[str] = None) -> list[dict[str, Any]]:
+    """Train ``model`` ``steps`` steps with the Trainer; returns the Trainer's log history. ``compile_backend``:
+    the Trainer compiles the model (``torch_compile=True``) with this ``torch.compile`` backend."""
     if fused:
         optimizer = forge_core.fuse(model, "adamw", **HYPERPARAMETERS)
     else:
@@ -63,7 +65,8 @@ def train(model: torch.nn.Module, *, steps: int, fused: bool, output_dir: str, s
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
         max_grad_norm=0.0,                    # no global-norm clipping: fused gradients never exist
         logging_steps=1, save_strategy="no", report_to="none", seed=seed, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available())
+        use_cpu=not torch.cuda.is_available(), torch_compile=compile_backend is not None,
+        **({"torch_compile_backend": compile_backend} if compile_backend is not None else {}))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=token_dataset(steps * batch_size, seq),
                                    optimizers=(optimizer, scheduler))
     trainer.train()
@@ -75,10 +78,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--unfused", action="store_true", help="torch's AdamW instead of FORGE")
     parser.add_argument("--output-dir", default=None, help="the Trainer's folder (default: a temporary one)")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="let the Trainer compile the model (torch_compile=True) with this backend, e.g. inductor")
     args = parser.parse_args(argv)
     model = tiny_llama()
     with tempfile.TemporaryDirectory() as scratch:
-        history = train(model, steps=args.steps, fused=not args.unfused, output_dir=args.output_dir or scratch)
+        history = train(model, steps=args.steps, fused=not args.unfused, output_dir=args.output_dir or scratch,
+                        compile_backend=args.compile)
     losses = [entry["loss"] for entry in history if "loss" in entry]
     print(f"{'torch AdamW' if args.unfused else 'FORGE'}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
           f"over {len(losses)} steps")

@@ -22,6 +22,7 @@ from torch import nn
 
 from .linear import FusedLinearFunction, WeightUpdater, traced_linear
 from .module_copies import plain_module_reduction
+from .traced import traced
 
 
 def conv1d_class() -> Optional[type]:
@@ -47,7 +48,7 @@ def _fused_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  # noq
     weight = self.weight
     if updater is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return torch.nn.functional.linear(input, weight.t(), self.bias)
-    if torch.compiler.is_compiling():
+    if traced(updater):
         return traced_linear(input, weight, self.bias, updater, transposed=True)
     return FusedLinearFunction.apply(input, weight, self.bias, updater, True)
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .module_copies import plain_module_reduction
-from .traced import update_embedding_rows_, written_tensors
+from .traced import traced, update_embedding_rows_, written_tensors
 
 
 class RowGradientSink(Protocol):
@@ -95,7 +95,7 @@ class ForgeEmbedding(nn.Embedding):
         weight = self.weight
         if sink is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return super().forward(input)
-        if torch.compiler.is_compiling():
+        if traced(sink):
             return TracedRowGradientEmbeddingFunction.apply(input, weight, self.padding_idx,
                                                             sink.optimizer.device_scalars_of(sink), sink.trace_key,
                                                             *written_tensors(sink))

@@ -43,7 +43,7 @@ from torch import nn
 from .fused_weight import FusedWeight, RowSliceUpdate
 from .kernels.tile_config import default_config
 from .module_copies import plain_module_reduction
-from .traced import MUTATED, owner_of, traced_update_scope, written_tensors
+from .traced import MUTATED, owner_of, traced, traced_update_scope, written_tensors
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64
@@ -337,7 +337,7 @@ def _fused_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     if not updaters or not torch.is_grad_enabled() or not all(
             getattr(self, name).requires_grad for name in EXPERT_PARAMETERS):
         return type(self).__mro__[1].forward(self, hidden_states, top_k_index, top_k_weights)
-    if torch.compiler.is_compiling():
+    if traced(updaters["gate_up_proj"]):
         return _traced_experts_forward(self, hidden_states, top_k_index, top_k_weights, updaters)
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]

@@ -34,7 +34,7 @@ from torch import nn
 from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
 from .overlap import run_beside, wants_overlap
-from .traced import update_weight_, written_tensors
+from .traced import traced, update_weight_, written_tensors
 
 
 class WeightUpdater(Protocol):
@@ -274,7 +274,7 @@ class ForgeLinear(nn.Linear):
             return F.linear(input, weight, self.bias)
         if is_dtensor(weight):
             return ShardedLinearFunction.apply(input, weight, self.bias, updater)
-        if torch.compiler.is_compiling():
+        if traced(updater):
             return traced_linear(input, weight, self.bias, updater)
         return FusedLinearFunction.apply(input, weight, self.bias, updater)
 

@@ -400,6 +400,8 @@ class ForgeOptimizer(BackwardUpdateOptimizer):
         """The group's kernel scalars for step (device count + 1), by device ops only (a fill per
         float, a copy per tensor): in a CUDA graph they are recomputed at every replay. ``buffer``: write
         there instead of the group's own buffer (an update of copies, ``traced_update``)."""
+        if self.rule.kernel_scalars_on_device is None:       # a per-layer rule reads the device step itself
+            return
         hyperparameters = self._kernel_hyperparameters(group)
         values = self.rule.kernel_scalars_on_device(hyperparameters, self._device_steps[group] + 1)
         check_scalar_count(self.rule.name, len(values))

@@ -42,6 +42,16 @@ def trace_key(owner: Any) -> int:
     return key
 
 
+def traced(owner: Any) -> bool:
+    """Whether a fused module's forward takes its compiled path: under ``torch.compile``, for an owner that a
+    single-process ``ForgeOptimizer`` gave a key (``trace_key``). The distributed entries' updates stay eager
+    (the compiler breaks the graph at each of their modules): FORGE-FSDP2's owners have no key, and FORGE-DP
+    applies a layer's update when its bucket is reduced, after the layer's backward, which an operator that
+    must have written its tensors when it returns cannot express."""
+    return (torch.compiler.is_compiling() and getattr(owner, "trace_key", None) is not None
+            and getattr(owner.optimizer, "distributed", None) is None)
+
+
 def owner_of(key: int) -> Any:
     """The owner ``trace_key`` gave ``key``; a one-line error when it is gone (its optimizer was dropped)."""
     owner = _OWNERS.get(int(key), lambda: None)()
@@ -163,5 +173,5 @@ def _update_embedding_rows_fake(ids: torch.Tensor, grad_output: torch.Tensor, we
     return None
 
 
-__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "graph_capturing", "in_traced_update", "keep_static", "owner_of", "same_tensors", "trace_key", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "graph_capturing", "in_traced_update", "keep_static", "owner_of", "same_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]

@@ -177,6 +177,33 @@ def scenario_dp_adamw(out: dict[str, Any], backend: str = "reference", steps: in
     out["reductions"] = opt.distributed.reductions_started
 
 
+def compiled_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """``lm_loss`` through ``torch.compile(model, backend="aot_eager")`` (the compiled path of the fused layers)."""
+    compiled = torch.compile(model, backend="aot_eager")
+    return lambda _model, ids: lm_loss(compiled, ids)
+
+
+def scenario_dp_compiled(out: dict[str, Any]) -> None:
+    from torch._dynamo.utils import counters
+
+    from forge_core.distributed import fuse_data_parallel
+    model = make_model(seed=0 if dist.get_rank() == 0 else 7)
+    opt = fuse_data_parallel(model, "adamw", lr=1e-2, weight_decay=0.1, probe_inputs=False, backend="reference")
+    counters.clear()
+    out["losses"] = _train(model, opt, global_batches(SHORT_STEPS), SHORT_STEPS, loss_fn=compiled_loss(model))
+    out["params"] = flat_parameters(model)
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["reductions"] = opt.distributed.reductions_started
+
+
+def scenario_fsdp_compiled(out: dict[str, Any]) -> None:
+    from forge_core.distributed import fuse_fsdp
+    model = _fsdp_model()
+    opt = fuse_fsdp(model, "adamw", lr=1e-2, weight_decay=0.1, backend="reference")
+    out["losses"] = _train(model, opt, global_batches(SHORT_STEPS), SHORT_STEPS, loss_fn=compiled_loss(model))
+    out["params"] = flat_parameters(model)
+
+
 def scenario_dp_accumulate(out: dict[str, Any]) -> None:
     from forge_core.distributed import fuse_data_parallel
     model = make_model()
@@ -342,6 +369,8 @@ SCENARIOS: dict[str, Callable[..., None]] = {
     "dp_chunked_loss": lambda out: scenario_dp_adamw(out, steps=4, loss_fn=chunked_loss),
     "dp_experts": lambda out: scenario_dp_adamw(out, steps=4, loss_fn=moe_loss, model_fn=make_moe),
     "dp_accumulate": scenario_dp_accumulate,
+    "dp_compiled": scenario_dp_compiled,
+    "fsdp_compiled": scenario_fsdp_compiled,
     "dp_sgd": scenario_dp_sgd,
     "dp_sgd_kernel_accumulate": lambda out: scenario_dp_sgd(out, backend="auto", steps=3, micro_batches=2),
     "dp_state_dict": scenario_dp_state_dict,

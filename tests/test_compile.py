@@ -68,6 +68,19 @@ def test_a_fused_model_traces_whole_and_trains_as_eager_forge(name: str) -> None
     assert _largest_difference(eager, _model(name)) > 1e-3          # it trained
 
 
+@pytest.mark.parametrize("rule", ["lion", "lamb", "muon", "adafactor"])
+def test_other_families_trace_whole_and_train_as_eager(rule: str) -> None:
+    """A regime-1 rule, LAMB's second pass (regime 2) and two per-layer rules (Muon, Adafactor: regime 3)."""
+    eager, compiled = _model("tiny-llama"), _model("tiny-llama")
+    eager_opt = forge_core.fuse(eager, rule, lr=1e-2)
+    compiled_opt = forge_core.fuse(compiled, rule, lr=1e-2)
+    batches = _batches("tiny-llama", 3)
+    _train(eager, eager_opt, batches)
+    _train(torch.compile(compiled, fullgraph=True, backend="aot_eager"), compiled_opt, batches)
+    assert _largest_difference(eager, compiled) <= 1e-6
+    assert _largest_difference(eager, _model("tiny-llama")) > 1e-3
+
+
 def test_inductor_compiles_without_a_graph_break_and_a_schedule_never_recompiles() -> None:
     eager, compiled = _model("tiny-llama"), _model("tiny-llama")
     options = {"lr": 5e-2, "momentum": 0.9}

@@ -52,6 +52,21 @@ def test_hf_trainer_with_forge_matches_the_unfused_trainer_run(tmp_path: Path, r
     assert _rms_rel(fused, example.tiny_llama()) > 1e-4          # it trained
 
 
+def test_hf_trainer_with_torch_compile_trains_as_the_eager_forge_run(tmp_path: Path, reference_backend) -> None:
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the fused model; the fused layers' compiled
+    path (forge_core.traced) trains as the eager one does, the scheduler's lr at every step included."""
+    pytest.importorskip("accelerate")
+    example = _load("hf_trainer")
+    compiled, eager = example.tiny_llama(), example.tiny_llama()
+    history = example.train(compiled, steps=3, fused=True, output_dir=str(tmp_path / "compiled"),
+                            compile_backend="aot_eager")
+    reference = example.train(eager, steps=3, fused=True, output_dir=str(tmp_path / "eager"))
+    assert [e["loss"] for e in history if "loss" in e] == pytest.approx([e["loss"] for e in reference if "loss" in e],
+                                                                        rel=1e-6)
+    assert _rms_rel(compiled, eager) < 1e-6
+    assert _rms_rel(compiled, example.tiny_llama()) > 1e-4
+
+
 def test_torchrun_script_with_forge_matches_the_unfused_run(reference_backend) -> None:
     example = _load("torchrun_train")
     fused = example.main(["--steps", "4"])
