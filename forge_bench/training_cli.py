@@ -86,7 +86,7 @@ def convergence(
     folders = [out] + ([repeat_into] if repeat_into is not None else [])
     locks: list[folder_lock.FolderLock] = []
     try:
-        for folder in folders:
+        for folder in {folder.resolve(): folder for folder in folders}.values():     # a folder named twice: once
             # the folders are this study's; a run started by `--gpus` writes under its study's locks
             if not (parent and folder_lock.held_by(folder, int(parent))):
                 locks.append(folder_lock.acquire(folder))

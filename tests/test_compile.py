@@ -117,16 +117,25 @@ def test_the_chunked_loss_and_lean_blocks_trace_whole() -> None:
     assert _largest_difference(eager, compiled) <= 1e-2 * 2
 
 
-def test_the_update_operator_declares_what_it_writes() -> None:
+@pytest.mark.parametrize("check, accumulate_steps", [("test_schema", 1), ("test_faketensor", 1),
+                                                     ("test_aot_dispatch_dynamic", 8)])
+def test_the_update_operator_declares_what_it_writes(check: str, accumulate_steps: int) -> None:
+    """``torch.library.opcheck`` on copies of a binding's tensors (the operator updates what it is given:
+    ``ForgeOptimizer.updating_on``). Each check on an optimizer of its own: a check calls the operator more
+    than once, which is a second backward before ``step()`` unless the optimizer accumulates micro-batches
+    (the AOT check: each call adds into the fp32 accumulator, a declared mutation)."""
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
-    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, state_dtype="int8", probe_inputs=False)
+    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, state_dtype="int8", probe_inputs=False,
+                                accumulate_steps=accumulate_steps)
     binding = optimizer.fused_weights()[0]
     x = torch.randn(5, 12, device=DEVICE)
     grad_output = torch.randn(5, 20, device=DEVICE)
+    scalars = optimizer.device_scalars_of(binding)
     torch.library.opcheck(torch.ops.forge.update_weight_.default,
-                          (x, grad_output, binding.weight.detach(), forge_core.traced.written_tensors(binding),
-                           optimizer.device_scalars_of(binding), [], binding.trace_key),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+                          (x, grad_output, binding.weight.detach().clone(),
+                           [t.clone() for t in forge_core.traced.written_tensors(binding)],
+                           scalars.clone() if scalars is not None else None, [], binding.trace_key),
+                          test_utils=(check,))
 
 
 def test_a_capture_of_what_a_graph_cannot_replay_is_refused_in_one_line() -> None:

@@ -1,0 +1,141 @@
+"""What a ``ForgeOptimizer`` does for its fused modules' compiled path (``forge_core.traced``): the bodies of
+the update operators, run on the tensors the compiled graph hands them, and the switch to device scalars
+that a replayed CUDA graph needs. A mixin of ``ForgeOptimizer`` (``forge_core.optimizer``), which owns the
+state it reads (bindings, dense weights, device step counts and scalars) and the eager update path it calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .dense import DenseWeight
+from .fused_weight import FusedWeight
+from .state import ParamState
+from .traced import graph_capturing, keep_static, same_tensors, written_tensors
+
+
+def _update_target(owner: Any) -> torch.Tensor:
+    """The tensor a traced operator names as what an update of ``owner`` writes: a fused weight's matrix (a
+    3-D expert weight whole: its matrix is a view of it), a dense weight's Parameter."""
+    if isinstance(owner, FusedWeight):
+        return owner.weight if owner.weight.dim() == 3 else owner.matrix
+    return owner.weight
+
+
+def _state_on(state: ParamState, tensors: list[torch.Tensor]) -> ParamState:
+    """``state`` over ``tensors`` (``traced.written_tensors``' order: each state's values, then its scale)
+    instead of its own: what an update of copies runs on."""
+    view = copy.copy(state)
+    remaining = iter(tensors)
+    view.values = {}
+    view.scales = {}
+    for name in state.state_names:
+        view.values[name] = next(remaining)
+        view.scales[name] = next(remaining) if state.scales.get(name) is not None else None
+    if state.layer_sums is not None:
+        view.layer_sums = next(remaining)
+    return view
+
+
+class TracedUpdates:
+    """The compiled path's side of a ``ForgeOptimizer`` (a mixin: every attribute it reads is the optimizer's)."""
+
+    def keep_addresses_static(self) -> None:
+        """Mark every tensor a traced update writes, and the device scalars, as static for the compiler
+        (``traced.keep_static``); ``fuse`` calls it once the states are final."""
+        tensors = [*self._device_steps, *self._device_scalars]
+        for owner in (*self._bindings, *self._dense):
+            tensors.extend(written_tensors(owner))
+        keep_static(tensors)
+
+    def device_scalars_of(self, owner: "FusedWeight | DenseWeight") -> Optional[torch.Tensor]:
+        """The device scalars buffer ``owner``'s updates read once device mode is on, or None where this
+        optimizer has none (``device_scalars_problem``)."""
+        return self._device_scalars[owner.group_index] if self._device_scalars else None
+
+    def enter_device_mode(self) -> None:
+        """From now on every update reads the step count and kernel scalars from device tensors, as
+        capturable=True does: a traced update calls this at its first run (outside any CUDA graph capture),
+        so a graph recorded later replays correct updates. A no-op where ``device_scalars_problem`` is set
+        (the updates keep their host scalars; a capture of them is refused by ``traced_update``)."""
+        if self._device_mode or not self._device_steps:
+            return
+        for group, count in enumerate(self._device_steps):
+            count.fill_(float(self._group_step_count(group)))
+            self._scalars_stale[group] = True
+        self._device_mode = True
+
+    def _group_step_count(self, group: int) -> int:
+        """The one step count of the group's fused and kernel-stepped weights (device mode keeps one)."""
+        steps = {b.steps_done for b in self._bindings if b.group_index == group}
+        steps |= {d.steps_done for d in self._dense if d.group_index == group and d.steps_done}
+        if len(steps) > 1:
+            raise ValueError(f"device scalars keep one step count per param group, but the fused weights of group "
+                             f"{group} were updated {sorted(steps)} times")
+        return steps.pop() if steps else 0
+
+    def prepare_traced_update(self, what: str) -> None:
+        """Device mode for a traced update, and a one-line refusal of what a CUDA graph could not replay."""
+        capturing = graph_capturing()
+        if not capturing:
+            self.enter_device_mode()
+            return
+        if not self._device_mode:
+            problem = self.device_scalars_problem or "the updates have not run once before the capture"
+            raise RuntimeError(f"a CUDA graph (torch.compile mode='reduce-overhead', or a capture) cannot replay "
+                               f"FORGE's update of {what}: {problem}")
+        if self.distributed is not None:
+            raise RuntimeError(f"a CUDA graph cannot replay the data-parallel update of {what} (its bucket "
+                               "all-reduce is scheduled by the host); compile without mode='reduce-overhead'")
+
+    @contextlib.contextmanager
+    def updating_on(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor, written: list[torch.Tensor],
+                    scalars: Optional[torch.Tensor]) -> Iterator[None]:
+        """Run ``owner``'s updates inside this block on the tensors a traced operator was given: its own
+        (the compiler re-inplaced the operator: nothing to do), or copies of them (``aot_eager``'s
+        functionalization, ``torch.library.opcheck``), which the update then writes instead, the copies'
+        scalars buffer included; the compiler copies them back where they were the owner's."""
+        own_scalars = self.device_scalars_of(owner)
+        own_written = written_tensors(owner)
+        if same_tensors([weight, *written], [_update_target(owner), *own_written]) and (
+                scalars is None or own_scalars is None or same_tensors([scalars], [own_scalars])):
+            yield
+            return
+        target = "matrix" if isinstance(owner, FusedWeight) else "weight"
+        extras = [name for name in ("grad_accum", "slots") if getattr(owner, name, None) is not None]
+        saved = {name: getattr(owner, name) for name in (target, "state", *extras)}
+        setattr(owner, target, weight if weight.dim() == 2 else weight.detach().view(-1, weight.shape[-1]))
+        owner.state = _state_on(owner.state, written)
+        for name, tensor in zip(extras, written[len(own_written) - len(extras):]):
+            setattr(owner, name, tensor)
+        self._scalars_override = scalars if scalars is not None and own_scalars is not None else None
+        try:
+            yield
+        finally:
+            self._scalars_override = None
+            for name, value in saved.items():
+                setattr(owner, name, value)
+
+    def traced_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                      written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
+        """The body of ``forge::update_weight_`` (``forge_core.traced``): the backward's update of ``binding``,
+        with no side stream, in device mode, on the tensors the operator was given (``updating_on``)."""
+        self.prepare_traced_update(repr(binding.name))
+        with self.updating_on(binding, weight, written, scalars):
+            self.fused_backward(binding, x, grad_output)
+
+    def traced_row_update(self, dense: DenseWeight, ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
+                          written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
+        """The body of ``forge::update_embedding_rows_``: record this backward's rows and, with one micro-batch
+        per step, step the embedding now (``step()`` then finds nothing left to step for it)."""
+        self.prepare_traced_update(repr(dense.name))
+        with self.updating_on(dense, weight, written, scalars):
+            dense.record_rows(ids, grad_output)
+            if self.accumulate_steps == 1:
+                self._step_dense(dense)
+
+
+__all__ = ["TracedUpdates"]
