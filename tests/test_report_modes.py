@@ -10,7 +10,7 @@ import pytest
 from forge_bench.report import build_report, ratios
 from forge_bench.report.data import load_rows, run_label
 from forge_bench.report.modes import NO_COMPILE_NOTE, modes_tables, peak_gib
-from report_rows import FIXTURES, H100_HEADLINE_RUNS, close_to_printed, parse_markdown_tables, raw_rows
+from report_rows import FIXTURES, H100_HEADLINE_RUNS, REPO, close_to_printed, parse_markdown_tables, raw_rows
 
 MODES = FIXTURES / "h200_modes"
 LLAMA8B = "Where users train, NVIDIA H200 · llama-3.1-8b · bfloat16 · batch 1 × seq 512"
@@ -117,3 +117,31 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     with (out / "tables" / "modes.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["model"], r["mode"]) for r in rows][:2] == [("llama-3.1-8b", "eager"), ("llama-3.1-8b", "torch.compile")]
+
+
+def test_the_readme_quotes_the_table_the_report_prints() -> None:
+    """The repository README's "Where users train" table: each mode's AdamW and FORGE step, speed-up and FORGE
+    peak as the report prints them from the committed rows, the folders it names holding those rows' commits,
+    and the lines on the lean reduce-overhead arm and on Llama-3.2-1B."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**Where users train (H200, Llama-3.1-8B b1 x s512, bf16)**", 1)[1].split("**Training", 1)[0]
+    intro, table, after = section.split("\n\n", 2)
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    modes = lines[0][1:]
+    assert modes == ["eager", "torch.compile", "reduce-overhead", "hand-captured CUDA graph (lean, chunked loss)"]
+    quoted = {line[0]: line[1:] for line in lines[1:]}
+    report = {line[0]: line for line in _tables()[LLAMA8B].rows}
+    shown = [report[m] for m in ("eager", "torch.compile", "torch.compile reduce-overhead",
+                                 "hand-captured CUDA graph, lean + chunked loss")]
+    assert quoted["fused AdamW ms"] == [line[3] for line in shown]
+    assert quoted["FORGE bf16 ms"] == [line[5] for line in shown]
+    assert quoted["speed-up"] == [line[7].replace("×", "x") for line in shown]
+    assert quoted["FORGE peak GiB"] == [line[6].rstrip("†") for line in shown]
+    for folder, method in (("compile_35228bc", "forge_bf16_compile"), ("compile_85b1088", "forge_bf16")):
+        commit = _row(method, COMPILE_RUN if folder.endswith("35228bc") else EAGER_RUN)["git_commit"]
+        assert f"`results/h200/{folder}` (" in intro and folder.endswith(commit)
+    lean = report["torch.compile reduce-overhead, lean + chunked loss"]
+    assert f"FORGE {lean[5]} ms, {lean[6].rstrip('†')} GiB, read against the graph's {shown[3][5]}" in " ".join(after.split())
+    small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
+    assert (f"torch.compile {small['torch.compile']} (a miss, host-bound launches), reduce-overhead "
+            f"{small['torch.compile reduce-overhead']}.") in " ".join(after.split())
