@@ -74,6 +74,7 @@ def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
     table = _tables()[LLAMA8B]
     assert "larger of that and its process peak (`peak_process_gib`)" in table.caption
     assert any(note.startswith("† the process peak") for note in table.footnotes)
+    assert "& 47.35\\textdagger{} &" in table.to_latex()
 
 
 def test_a_pair_across_runs_shows_both_steps_and_refuses_the_ratio() -> None:
@@ -141,7 +142,8 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
         commit = _row(method, COMPILE_RUN if folder.endswith("35228bc") else EAGER_RUN)["git_commit"]
         assert f"`results/h200/{folder}` (" in intro and folder.endswith(commit)
     lean = report["torch.compile reduce-overhead, lean + chunked loss"]
-    assert f"FORGE {lean[5]} ms, {lean[6].rstrip('†')} GiB, read against the graph's {shown[3][5]}" in " ".join(after.split())
+    text = " ".join(after.split())
+    assert f"FORGE {lean[5]} ms, {lean[6].rstrip('†')} GiB, read against the graph's {shown[3][5]}" in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
     assert (f"torch.compile {small['torch.compile']} (a miss, host-bound launches), reduce-overhead "
-            f"{small['torch.compile reduce-overhead']}.") in " ".join(after.split())
+            f"{small['torch.compile reduce-overhead']}.") in text

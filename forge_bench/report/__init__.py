@@ -8,7 +8,8 @@
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the paper's Table 1 (mean ± sd, TF/s;
   ``table1.py``) and beside it where users train (eager, torch.compile, reduce-overhead and the
-  hand-captured graph per device and model a compile run measured; ``modes.py``), the optimizer families (App. I), composability (``composability.py``),
+  hand-captured graph per device and model a compile run measured; ``modes.py``), the optimizer
+  families (App. I), composability (``composability.py``),
   batch x seq grid, the constant-token law (``token_law.py``), model scaling (``scaling.py``), where
   memory goes, hardware comparison, fidelity, coverage across the model zoo, across GPUs (the
   distributed arms: per-rank peak, step and tokens/s per world size, and the targets;

@@ -146,9 +146,9 @@ def _speed_text(line: ModeLine, target: Mapping[str, Any] | None, notes: list[st
         if line.speed.bound and ratios.BOUND_FOOTNOTE not in notes:
             notes.append(ratios.BOUND_FOOTNOTE)
         if line.speed.text == ratios.DIFFERENT_RUN:
-            notes.append(f"{ratios.DIFFERENT_RUN} for {line.mode.label}: AdamW from run {run_label(line.adamw['run_id'])}, "
-                         f"FORGE from run {run_label(line.forge['run_id'])} ({line.speed.refusal}); both steps are "
-                         "shown, their ratio is not.")
+            notes.append(f"{ratios.DIFFERENT_RUN} for {line.mode.label}: AdamW from run "
+                         f"{run_label(line.adamw['run_id'])}, FORGE from run {run_label(line.forge['run_id'])} "
+                         f"({line.speed.refusal}); both steps are shown, their ratio is not.")
         return line.speed.text
     if line.forge is None or line.adamw is not None:
         return "—"

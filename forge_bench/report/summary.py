@@ -255,6 +255,6 @@ def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "ind
         lines += peers_section(on_device)
         lines += grid_section(on_device, cell[0] if cell is not None else "")
     lines += ["## Details", "", f"[{details}]({details}): the runs and the rule for ratios, every headline "
-              "table and figure, where users train, the floor, the grids, model scaling, where memory goes, the hardware "
-              "comparison, fidelity and what did not run.", ""]
+              "table and figure, where users train, the floor, the grids, model scaling, where memory goes, the "
+              "hardware comparison, fidelity and what did not run.", ""]
     return "\n".join(lines).rstrip() + "\n"
