@@ -7,7 +7,9 @@
 * ``index.md``: the details, every run, table and figure (with a note for every section that has
   no data);
 * ``tables/*.md``, ``*.tex`` (booktabs), ``*.csv``: headline, the paper's Table 1 (mean ± sd, TF/s;
-  ``table1.py``), the optimizer families (App. I), composability (``composability.py``),
+  ``table1.py``) and beside it where users train (eager, torch.compile, reduce-overhead and the
+  hand-captured graph per device and model a compile run measured; ``modes.py``), the optimizer
+  families (App. I), composability (``composability.py``),
   batch x seq grid, the constant-token law (``token_law.py``), model scaling (``scaling.py``), where
   memory goes, hardware comparison, fidelity, coverage across the model zoo, across GPUs (the
   distributed arms: per-rank peak, step and tokens/s per world size, and the targets;
@@ -35,8 +37,8 @@ import pandas as pd
 from forge_bench.results import ResultsError
 from forge_bench.run_rows import file_kind, load_kind
 
-from . import (app_i, app_o, composability, coverage, distributed, figures, folder, ratios, render, scaling, summary,
-               table1, tables, token_law, training)
+from . import (app_i, app_o, composability, coverage, distributed, figures, folder, modes, ratios, render, scaling,
+               summary, table1, tables, token_law, training)
 from .data import NoResultsError, as_folders, load_rows, ordered_methods, run_label, skip_on_stderr
 from .ratios import as_number, as_text
 
@@ -151,6 +153,13 @@ def _write_report(every_row: pd.DataFrame | None, folders: list[Path], out_dir: 
     sections += table_section("Table 1", "table1", table1.table1_tables(frame),
                               "Per device, model and shape: every arm's peak, median and mean ± sd step and model "
                               "TF/s, with the paper's row where it has one.", False, "no rows")
+
+    # beside Table 1: each training mode (eager, torch.compile, reduce-overhead, hand-captured graph) side by side
+    sections += table_section("Where users train", "modes", modes.modes_tables(frame),
+                              "Per device and model that a compile run measured (suites/compile.yaml): fused AdamW and "
+                              "FORGE bf16 eager, under torch.compile, reduce-overhead and the headline's hand-captured "
+                              "CUDA graph, each speed-up within its mode and run.", True,
+                              "no torch.compile run (suites/compile.yaml)")
 
     # App. I: every optimizer family fused against unfused
     sections += table_section("Optimizer families (App. I)", "app-i", app_i.app_i_tables(frame),

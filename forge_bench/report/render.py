@@ -59,7 +59,7 @@ _TEX_PLAIN = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#"
               "_": r"\_", "{": r"\{", "}": r"\}", "^": r"\^{}"}
 _TEX_SYMBOL = {"~": r"$\sim$", "×": r"$\times$", "–": "--", "—": "---", "±": r"$\pm$",
                "·": r"$\cdot$", "…": r"\ldots{}", "Δ": r"$\Delta$", "≤": r"$\leq$",
-               "≥": r"$\geq$", "→": r"$\rightarrow$", "`": "", "“": "``", "”": "''"}
+               "≥": r"$\geq$", "→": r"$\rightarrow$", "†": r"\textdagger{}", "`": "", "“": "``", "”": "''"}
 
 
 def _tex(text: Any) -> str:

@@ -2,7 +2,8 @@
 
 Per device: the headline cell (where an AdamW baseline and the most arms ran, then the largest model,
 at its smallest batch x seq), one column per timing (eager, CUDA graph, lean activations) from the
-newest run that compared FORGE with AdamW there; the peers at
+newest run that compared FORGE with AdamW there; where users train (``modes.py``: eager, torch.compile,
+reduce-overhead and the hand-captured graph, per model a compile run measured); the peers at
 the cell where the newest run with peer arms measured them; FORGE's memory saving / speed-up at every
 batch x seq of that model (each shape from its newest run). Everything else, every run, table and
 figure, is in ``index.md``, which this page links. Ratios follow the one rule (``ratios.py``): only
@@ -16,7 +17,7 @@ import pandas as pd
 
 from forge_bench.results import CHECKPOINTED
 
-from . import ratios, tables
+from . import modes, ratios, tables
 from .data import (BASELINE_PREFERENCE, EAGER_TIMING, GRAPH_TIMING, HEADLINE_KEYS, NOTHING_FUSED_NOTE, across_runs, choose_baseline,
                    cited_run, device_label, find_baseline_row, fmt_memory, fmt_ms, group_title, key_parts, memory_unit,
                    method_cell, newest_run, nothing_fused, records, run_label, slug)
@@ -126,6 +127,13 @@ def headline_section(frame: pd.DataFrame, cell: tuple[str, int, int],
         if png:
             lines += [f"![{variant_label(timing, activations)}: peak and step per arm]({png})", ""]
     return lines
+
+
+def modes_section(frame: pd.DataFrame) -> list[str]:
+    """Where users train on this device: each model a compile run measured, its modes side by side."""
+    if not modes.device_has_modes(frame):
+        return [modes.NO_COMPILE_NOTE, ""]
+    return [table.to_markdown(level=3) for table in modes.modes_tables(frame)]
 
 
 def peers_section(frame: pd.DataFrame) -> list[str]:
@@ -243,9 +251,10 @@ def summary_markdown(frame: pd.DataFrame, results_text: str, details: str = "ind
             lines += ["_No baseline or FORGE row ran ok on this device._", ""]
         else:
             lines += headline_section(on_device, cell, figures)
+        lines += modes_section(on_device)
         lines += peers_section(on_device)
         lines += grid_section(on_device, cell[0] if cell is not None else "")
     lines += ["## Details", "", f"[{details}]({details}): the runs and the rule for ratios, every headline "
-              "table and figure, the floor, the grids, model scaling, where memory goes, the hardware "
-              "comparison, fidelity and what did not run.", ""]
+              "table and figure, where users train, the floor, the grids, model scaling, where memory goes, the "
+              "hardware comparison, fidelity and what did not run.", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,149 @@
+"""The report's "Where users train" table (``forge_bench.report.modes``) on the committed H200 rows of the
+compile suite and the hand-captured headline graph (``tests/fixtures/h200_modes``): each mode's rows, their
+values as printed, the reduce-overhead peak, and the one ratio rule's refusal of a pair across runs."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from forge_bench.report import build_report, ratios
+from forge_bench.report.data import load_rows, run_label
+from forge_bench.report.modes import NO_COMPILE_NOTE, modes_tables, peak_gib
+from report_rows import FIXTURES, H100_HEADLINE_RUNS, REPO, close_to_printed, parse_markdown_tables, raw_rows
+
+MODES = FIXTURES / "h200_modes"
+LLAMA8B = "Where users train, NVIDIA H200 · llama-3.1-8b · bfloat16 · batch 1 × seq 512"
+LLAMA1B = "Where users train, NVIDIA H200 · llama-3.2-1b · bfloat16 · batch 1 × seq 512"
+COMPILE_RUN, EAGER_RUN, GRAPH_RUN = "9c9ba9", "cdf67b", "88edbb"
+HEADER = ["Mode", "Arms (AdamW / FORGE)", "Run", "AdamW ms", "AdamW peak GiB", "FORGE ms", "FORGE peak GiB",
+          "Speed-up", "Compile s (AdamW / FORGE)"]
+
+
+def _tables(frame=None) -> dict:
+    return {t.title: t for t in modes_tables(load_rows(MODES) if frame is None else frame)}
+
+
+def _row(method: str, run: str, lean: bool = False, graph: bool = False) -> dict:
+    return next(r for r in raw_rows(MODES) if r["method"] == method and run_label(r["run_id"]) == run
+                and (r["activations"] == "lean") == lean and (r["timing_method"] == "cuda_graph_replay") == graph)
+
+
+def test_llama8b_every_mode_side_by_side() -> None:
+    table = _tables()[LLAMA8B]
+    assert table.header == HEADER
+    assert [line[:3] for line in table.rows] == [
+        ["eager", "`adamw_fused` / `forge_bf16`", EAGER_RUN],
+        ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", COMPILE_RUN],
+        ["torch.compile reduce-overhead", "`adamw_fused_compile_ro` / `forge_bf16_compile_ro`", COMPILE_RUN],
+        ["torch.compile reduce-overhead, lean + chunked loss", "`adamw_fused_compile_ro` / `forge_bf16_cce_compile_ro`",
+         EAGER_RUN],
+        ["hand-captured CUDA graph, lean + chunked loss", "`adamw_fused` / `forge_bf16_cce`", GRAPH_RUN]]
+    assert [line[3:] for line in table.rows] == [
+        ["122.2", "59.90", "92.64", "48.75", "~1.32×", "—"],
+        ["87.67", "61.85", "64.64", "47.39", "1.36×", "53.2 / 67.1"],
+        ["86.81", "61.82†", "63.62", "47.35†", "≥1.36×", "56.1 / 73.3"],
+        ["—", "—", "64.30", "47.31†", "n/a (no AdamW row); target 67.22 ms (hand-captured graph)", "— / 70.9"],
+        ["90.35", "60.09", "67.22", "46.90", "≥1.34×", "—"]]
+    # the printed numbers are the rows' own
+    compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", COMPILE_RUN),
+                                             _row("forge_bf16_compile", COMPILE_RUN))))
+    record = table.records[1]
+    assert record["adamw_step_ms"] == compiled["adamw"]["step_ms_median"]
+    assert record["forge_peak_gib"] == compiled["forge"]["peak_allocated_gib"]
+    assert record["speedup"] == pytest.approx(compiled["adamw"]["step_ms_median"] / compiled["forge"]["step_ms_median"])
+    assert close_to_printed(table.rows[1][8].split(" / ")[1], 67.14326941519803)
+
+
+def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
+    table = _tables()[LLAMA1B]
+    assert [line[0] for line in table.rows] == ["eager", "torch.compile", "torch.compile reduce-overhead"]
+    assert table.rows[0][2:] == ["not measured", "—", "—", "—", "—", "—", "—"]
+    assert [line[7] for line in table.rows[1:]] == ["0.52×", "1.23×"]
+    assert [line[3] for line in table.rows[1:]] == ["16.91", "16.37"]
+    assert [line[5] for line in table.rows[1:]] == ["32.40", "13.29"]
+
+
+def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
+    """The 35228bc rows' window peak (44.87 GiB) misses the CUDA graphs' pool, recorded in the warm-up: the
+    table quotes the process peak, marked, and says so; a default-mode row keeps its window peak."""
+    ro = _row("adamw_fused_compile_ro", COMPILE_RUN)
+    assert f"{ro['peak_allocated_gib']:.2f}" == "44.87" and peak_gib(ro) == (ro["peak_process_gib"], True)
+    default = _row("forge_bf16_compile", COMPILE_RUN)
+    assert peak_gib({**default, "peak_process_gib": 99.0}) == (default["peak_allocated_gib"], False)
+    table = _tables()[LLAMA8B]
+    assert "larger of that and its process peak (`peak_process_gib`)" in table.caption
+    assert any(note.startswith("† the process peak") for note in table.footnotes)
+    assert "& 47.35\\textdagger{} &" in table.to_latex()
+
+
+def test_a_pair_across_runs_shows_both_steps_and_refuses_the_ratio() -> None:
+    """Eager AdamW from the headline run (88edbb) alone, eager FORGE from the compile run (cdf67b) alone (each
+    run's other eager row left out): both steps are printed, the ratio is "n/a (different run)"."""
+    frame = load_rows(MODES)
+    eager = (frame["timing"] == "eager") & (frame["activations"] == "hf")
+    frame = frame[~(eager & (((frame["method"] == "adamw_fused") & (frame["run_short"] == EAGER_RUN))
+                             | ((frame["method"] == "forge_bf16") & (frame["run_short"] == GRAPH_RUN))))]
+    table = _tables(frame)[LLAMA8B]
+    eager = table.rows[0]
+    assert eager[2:8] == [f"{GRAPH_RUN} / {EAGER_RUN}", "122.3", "59.90", "92.64", "48.75", ratios.DIFFERENT_RUN]
+    assert table.records[0]["speedup"] is None and table.records[0]["refusal"].startswith("run_id differs")
+    assert any(note.startswith(f"{ratios.DIFFERENT_RUN} for eager: AdamW from run {GRAPH_RUN}, FORGE from run "
+                               f"{EAGER_RUN}") for note in table.footnotes)
+
+
+def test_of_two_runs_with_the_eager_pair_the_compile_run_is_quoted() -> None:
+    """The headline run (88edbb) holds an eager pair too (122.3 / 111.2 ms): the table quotes the compile run's."""
+    assert _row("forge_bf16", GRAPH_RUN)["step_ms_median"] == pytest.approx(111.1975326538086)
+    assert _tables()[LLAMA8B].rows[0][2] == EAGER_RUN
+
+
+def test_forge_alone_without_a_graph_row_has_no_target() -> None:
+    frame = load_rows(MODES)
+    table = _tables(frame[frame["timing"] != "CUDA graph"])[LLAMA8B]
+    assert [line[0] for line in table.rows][-1] == "torch.compile reduce-overhead, lean + chunked loss"
+    assert table.rows[-1][7] == "n/a (no AdamW row)"
+
+
+def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
+    out = tmp_path / "report"
+    build_report([H100_HEADLINE_RUNS / "headline_lean_d54da0b", MODES], out, formats=("png",))
+    summary = (out / "README.md").read_text()
+    h100, h200 = summary.split("## H200")
+    assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
+    tables = parse_markdown_tables(h200)
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.36×" and tables[LLAMA1B][1]["Speed-up"] == "0.52×"
+    index = (out / "index.md").read_text()
+    assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
+    with (out / "tables" / "modes.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["model"], r["mode"]) for r in rows][:2] == [("llama-3.1-8b", "eager"), ("llama-3.1-8b", "torch.compile")]
+
+
+def test_the_readme_quotes_the_table_the_report_prints() -> None:
+    """The repository README's "Where users train" table: each mode's AdamW and FORGE step, speed-up and FORGE
+    peak as the report prints them from the committed rows, the folders it names holding those rows' commits,
+    and the lines on the lean reduce-overhead arm and on Llama-3.2-1B."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**Where users train (H200, Llama-3.1-8B b1 x s512, bf16)**", 1)[1].split("**Training", 1)[0]
+    intro, table, after = section.split("\n\n", 2)
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    modes = lines[0][1:]
+    assert modes == ["eager", "torch.compile", "reduce-overhead", "hand-captured CUDA graph (lean, chunked loss)"]
+    quoted = {line[0]: line[1:] for line in lines[1:]}
+    report = {line[0]: line for line in _tables()[LLAMA8B].rows}
+    shown = [report[m] for m in ("eager", "torch.compile", "torch.compile reduce-overhead",
+                                 "hand-captured CUDA graph, lean + chunked loss")]
+    assert quoted["fused AdamW ms"] == [line[3] for line in shown]
+    assert quoted["FORGE bf16 ms"] == [line[5] for line in shown]
+    assert quoted["speed-up"] == [line[7].replace("×", "x") for line in shown]
+    assert quoted["FORGE peak GiB"] == [line[6].rstrip("†") for line in shown]
+    for folder, method in (("compile_35228bc", "forge_bf16_compile"), ("compile_85b1088", "forge_bf16")):
+        commit = _row(method, COMPILE_RUN if folder.endswith("35228bc") else EAGER_RUN)["git_commit"]
+        assert f"`results/h200/{folder}` (" in intro and folder.endswith(commit)
+    lean = report["torch.compile reduce-overhead, lean + chunked loss"]
+    text = " ".join(after.split())
+    assert f"FORGE {lean[5]} ms, {lean[6].rstrip('†')} GiB, read against the graph's {shown[3][5]}" in text
+    small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
+    assert (f"torch.compile {small['torch.compile']} (a miss, host-bound launches), reduce-overhead "
+            f"{small['torch.compile reduce-overhead']}.") in text
