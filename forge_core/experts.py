@@ -222,9 +222,7 @@ def _bounds_of(offsets: torch.Tensor) -> tuple[tuple[int, int], ...]:
 @torch.library.custom_op("forge::experts_mm", mutates_args=())
 def _experts_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``grouped_linear`` as the compiler sees it: rows past the last expert's are zero."""
-    grouped = _use_grouped_mm(x, weight)
-    out = grouped_linear(x, weight, offsets, () if grouped else _bounds_of(offsets))
-    return _zero_rows_past(out, offsets) if grouped else out
+    return _traced_product(grouped_linear, x, weight, offsets)
 
 
 @_experts_mm.register_fake
@@ -235,14 +233,21 @@ def _experts_mm_fake(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tenso
 @torch.library.custom_op("forge::experts_mm_input_grad", mutates_args=())
 def _experts_mm_input_grad(grad_output: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``grouped_input_grad`` as the compiler sees it: rows past the last expert's are zero."""
-    grouped = _use_grouped_mm(grad_output, weight)
-    out = grouped_input_grad(grad_output, weight, offsets, () if grouped else _bounds_of(offsets))
-    return _zero_rows_past(out, offsets) if grouped else out
+    return _traced_product(grouped_input_grad, grad_output, weight, offsets)
 
 
 @_experts_mm_input_grad.register_fake
 def _experts_mm_input_grad_fake(grad_output: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return grad_output.new_empty((grad_output.shape[0], weight.shape[2]))
+
+
+def _traced_product(product: Any, a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``product`` (``grouped_linear`` or ``grouped_input_grad``) inside an operator: the grouped GEMM reads the
+    groups from ``offsets`` on the device (its rows past the last group zeroed: it leaves them unwritten);
+    the per-expert loop reads each expert's rows on the host."""
+    grouped = _use_grouped_mm(a, weight)
+    out = product(a, weight, offsets, () if grouped else _bounds_of(offsets))
+    return _zero_rows_past(out, offsets) if grouped else out
 
 
 def _zero_rows_past(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
