@@ -256,7 +256,13 @@ def _zero_rows_past(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.where(rows < offsets[-1], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-@torch.library.custom_op("forge::update_experts_", mutates_args=tuple(n for n in MUTATED if n != "scalars"))
+# The experts' update reads each expert's token count on the host: Inductor leaves a graph holding it out of
+# CUDA graphs (mode="reduce-overhead" then runs that graph without them) rather than record a host sync.
+_HOST_SYNCED = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("forge::update_experts_", mutates_args=tuple(n for n in MUTATED if n != "scalars"),
+                         tags=_HOST_SYNCED)
 def _update_experts(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
                     offsets: torch.Tensor, after: list[torch.Tensor], key: int) -> None:
     """The backward's update of every expert of the 3-D weight ``key`` names, from its routed rows, once
