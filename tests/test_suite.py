@@ -169,7 +169,13 @@ def test_headline_cell_runs_alone_with_every_arm(name):
     # the A/B arms of two FORGE options (side-stream overlap off; the chunked LM-head loss), graphed only
     new = {"forge_bf16_inline", "forge_int8_inline", "forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce", "forge_fp8_cce"}
     assert {c.method for c in select_cells(s.cells, "headline_graph_new/*")} == new
-    assert {c.method for c in head} == core | peers | new, "every registered arm runs at the headline shape"
+    # the compiled twins of the core arms (forge_bench/compiled_arms.py), and of the chunked-loss arms under
+    # reduce-overhead with lean activations
+    compiled = {f"{arm}_{suffix}" for arm in ("adamw_fused", "forge_bf16", "forge_int8") for suffix in ("compile", "compile_ro")}
+    compiled |= {"forge_bf16_cce_compile_ro", "forge_int8_cce_compile_ro"}
+    assert {c.method for c in select_cells(s.cells, "headline_compile*/*")} == compiled
+    assert all(METHODS[name].compile_mode is not None for name in compiled)
+    assert {c.method for c in head} == core | peers | new | compiled, "every registered arm runs at the headline shape"
     shapes = {(c.batch, c.seq) for c in s.cells if c.model == "llama-3.1-8b"}
     assert {(b, q) for b in (1, 2, 4) for q in (512, 1024, 2048)} <= shapes
     assert s.spec.device == "cuda" and s.spec.dtype == "bfloat16"

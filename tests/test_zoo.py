@@ -108,10 +108,14 @@ def test_image_batches_carry_pixels_and_labels_and_refuse_another_token_count() 
         models.make_batch("vit-base-16", 1, 512, "cpu")
 
 
-@pytest.mark.parametrize("suite, more", [("zoo.yaml", set()),
+COMPILED_TWINS = {f"{arm}_{suffix}" for arm in ("adamw_fused", "forge_bf16", "forge_int8")
+                  for suffix in ("compile", "compile_ro")}
+
+
+@pytest.mark.parametrize("suite, more", [("zoo.yaml", COMPILED_TWINS),
                                          ("qwen3_scaling.yaml", {"forge_bf16_inline", "forge_int8_inline"})])
 def test_zoo_suites_load(suite: str, more: set[str]) -> None:
-    """The zoo's suites compare fused AdamW with FORGE bf16 / int8 (and the scaling suite's
+    """The zoo's suites compare fused AdamW with FORGE bf16 / int8, eager and compiled (and the scaling suite's
     smallest model FORGE without its side stream)."""
     loaded = load_suite(REPO / "suites" / suite)
     assert {cell.method for cell in loaded.cells} == {"adamw_fused", "forge_bf16", "forge_int8"} | more
