@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.forge-installed
 OUT    ?= results/smoke
 REPORT ?= reports/smoke
 
-.PHONY: install demo test wheels offline-triton clean-venv
+.PHONY: install demo test test-slow wheels offline-triton clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2
+
+# The slow end-to-end tests (marker `slow`: torchrun cell trees, killed sweeps, family grids through the gate)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m slow
 
 # Wheels for the GPU machine's Python (3.12, no internet there): see scripts/fetch_wheels.sh
 wheels:

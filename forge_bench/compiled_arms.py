@@ -62,6 +62,16 @@ class CompiledArm:
         self.settings["graph_breaks"] = graph_breaks() - self._breaks_at_build
         return loss.detach().clone() if replays else loss.detach()
 
+    @property
+    def model(self) -> nn.Module:
+        """The arm's model (eager: evaluation and checkpoints read it as it is)."""
+        return self.inner.model
+
+    @property
+    def optimizer(self) -> Any:
+        """The arm's optimizer (a training loop sets its lr, a checkpoint saves it)."""
+        return self.inner.optimizer
+
     def memory_breakdown(self) -> Mapping[str, int]:
         return self.inner.memory_breakdown()
 

@@ -49,7 +49,9 @@ from forge_bench.methods import get_method, load_plugins
 from forge_bench.results import PACKED_ROWS
 from forge_bench.run_rows import KIND_COLUMN, write_rows
 
-DEFAULT_ARMS = ("adamw_fused", "adamw_fused_fp32_states", "forge_bf16", "forge_int8", "forge_fp8", "bnb_adamw8bit")
+DEFAULT_ARMS = ("adamw_fused", "adamw_fused_fp32_states", "forge_bf16", "forge_int8", "forge_fp8", "bnb_adamw8bit",
+                "forge_bf16_compile")
+"""One arm per moment format, the 8-bit peer, and FORGE bf16 with the model under torch.compile."""
 BASELINES = ("adamw_fused", "adamw_foreach")       # what the report's deltas are against, in order of preference
 SMOOTHING_FRACTION = 0.1                           # the smoothed end-of-run train loss: mean of the last 10% of steps
 WARMUP_STEPS = 40                                  # ConvergenceSpec.warmup of a run of 400 steps or more

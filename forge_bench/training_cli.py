@@ -33,7 +33,7 @@ def convergence(
     out: Annotated[Path, typer.Option("--out", "-o", help="folder for the rows and checkpoints "
                                                           "(results/<gpu>/convergence_<commit>); a re-run continues there")],
     arms: Annotated[str, typer.Option("--arms", help="comma-separated registry arms")] =
-        "adamw_fused,adamw_fused_fp32_states,forge_bf16,forge_int8,forge_fp8,bnb_adamw8bit",
+        "adamw_fused,adamw_fused_fp32_states,forge_bf16,forge_int8,forge_fp8,bnb_adamw8bit,forge_bf16_compile",
     seeds: Annotated[str, typer.Option("--seeds", help="comma-separated seeds (initial weights and batch order)")] = "0,1,2",
     steps: Annotated[int, typer.Option("--steps", min=1, help="optimizer steps per run")] = 4000,
     batch: Annotated[int, typer.Option("--batch", min=1, help="sequences per step")] = 16,

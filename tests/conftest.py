@@ -30,12 +30,21 @@ def _own_gpu_claims(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FORGE_BENCH_GPU_LOCK_DIR", str(tmp_path_factory.mktemp("gpu-claims")))
 
 
+SELECTED_ONLY = {
+    "sweep": "the larger differential sweep runs only when selected: pytest -m sweep",
+    "slow": "a slow end-to-end test runs only when selected: make test-slow (CI runs it after make test)",
+}
+"""Markers whose tests run only when the marker expression names them: ``make test`` leaves them out (it stays
+under 10 minutes on two cores); ``.ci/run`` runs ``make test-slow`` after it, never ``sweep``."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """``sweep`` tests run only when the marker expression names them (``pytest -m sweep``): ``make test``
-    and CI leave them out."""
-    if "sweep" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="the larger differential sweep runs only when selected: pytest -m sweep")
-    for item in items:
-        if "sweep" in item.keywords:
-            item.add_marker(skip)
+    """Skip the tests of each ``SELECTED_ONLY`` marker the marker expression (``-m``) does not name."""
+    expression = config.getoption("markexpr") or ""
+    for marker, reason in SELECTED_ONLY.items():
+        if marker in expression:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

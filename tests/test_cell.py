@@ -205,6 +205,7 @@ def test_graph_cell_of_an_arm_that_cannot_be_captured_is_unavailable(tmp_path):
     assert code == 0 and row.status == "unavailable" and "CUDA graph" in row.reason
 
 
+@pytest.mark.slow
 def test_lean_cell_row_says_so_and_passes_the_parity_gate(tmp_path):
     """activations: lean goes on the arm (timed and gated); the gate's fp32 reference stays plain."""
     path = tmp_path / "lean.yaml"

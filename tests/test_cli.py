@@ -300,6 +300,7 @@ methods: [adamw_foreach, forge_bf16, forge_int8_cce]
 """
 
 
+@pytest.mark.slow
 def test_sweep_end_to_end_then_resume_check_and_report(tmp_path):
     """What `make demo` runs (a sweep, then the report) on a three-cell suite; plus --resume and --check."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FORGE_BENCH_PLUGINS")}

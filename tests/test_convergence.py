@@ -282,4 +282,4 @@ def test_the_command_defaults_are_the_spec_defaults() -> None:
     assert {name: defaults[name] for name in shared} == {name: getattr(spec, name) for name in shared}
     assert spec.steps == 4000
     assert defaults["arms"].split(",") == list(conv.DEFAULT_ARMS)       # one arm per moment format, and the peer
-    assert {"forge_fp8", "adamw_fused_fp32_states", "bnb_adamw8bit"} <= set(conv.DEFAULT_ARMS)
+    assert {"forge_fp8", "adamw_fused_fp32_states", "bnb_adamw8bit", "forge_bf16_compile"} <= set(conv.DEFAULT_ARMS)

@@ -100,6 +100,7 @@ def plugin_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_distributed_cells_are_torchrun_trees_with_one_row_each(plugin_env):
     tmp_path = plugin_env
     suite = load_suite(write_suite(tmp_path, SWEEP, "dist_sweep"))

@@ -71,6 +71,7 @@ def _run_grid(tmp_path: Path, method_names: list[str]) -> dict[str, dict]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", LAYER_FAMILIES)
 def test_cpu_grid_of_a_family_runs_both_arms_through_the_gate(tmp_path, family):
     rows = _run_grid(tmp_path, [f"{family}_unfused", f"forge_{family}_fp32"])

@@ -168,6 +168,7 @@ def test_norm_outputs_and_swiglu_product_are_not_stored(monkeypatch, fused, path
     assert counter.count == 2 * 6
 
 
+@pytest.mark.slow
 def test_lean_fused_step_equals_plain_fused_step(path):
     plain = _tiny()
     slim = copy.deepcopy(plain)

@@ -64,6 +64,7 @@ def plugin_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_every_misbehaving_cell_gets_its_row_and_the_sweep_goes_on(plugin_env):
     path = plugin_env / "broken.yaml"
     path.write_text(BROKEN)
@@ -119,6 +120,7 @@ GATED = FAST.replace("methods: [no_optimizer, sgd, adamw_foreach, test_forge_lik
                      "methods: [no_optimizer, test_gated, sgd]")
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_running_sweep_then_resume_loses_and_duplicates_nothing(plugin_env):
     suite_path = plugin_env / "gated.yaml"
     suite_path.write_text(GATED)

@@ -68,6 +68,7 @@ def tuning_keys(path: Path) -> set[tuple]:
     return keys
 
 
+@pytest.mark.slow
 def test_warm_tunes_each_fused_weight_shape_of_the_cells_twin_once(tuner, tmp_path):
     suite = load_suite(write_suite(tmp_path))
     cache = tmp_path / "out" / "tune.json"
@@ -93,6 +94,7 @@ def test_warm_tunes_each_fused_weight_shape_of_the_cells_twin_once(tuner, tmp_pa
     assert tuning_module.FROM_DISK
 
 
+@pytest.mark.slow
 def test_warm_cli_prints_each_cell_and_the_total(tuner, tmp_path):
     cache = tmp_path / "tune.json"
     res = cli.invoke(app, ["tune-cache", "warm", str(write_suite(tmp_path)), "--out", str(cache),
