@@ -89,11 +89,13 @@ def keep_static(tensors: list[torch.Tensor]) -> None:
     (``torch._dynamo.mark_static_address``): a CUDA graph recorded by ``mode="reduce-overhead"`` then
     reads and writes them in place instead of copying each into a buffer of its own at every replay
     (an 8B model's moments are 32 GB) and updating the copy."""
+    on_gpu = [tensor for tensor in tensors if tensor.is_cuda]
+    if not on_gpu:                 # CUDA graphs only: a CPU model need not import the compiler
+        return
     import torch._dynamo
 
-    for tensor in tensors:
-        if tensor.is_cuda:
-            torch._dynamo.mark_static_address(tensor, guard=False)
+    for tensor in on_gpu:
+        torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 def same_tensors(given: list[torch.Tensor], owned: list[torch.Tensor]) -> bool:
