@@ -478,7 +478,6 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         if self._device_mode:
             for group, count in enumerate(self._device_steps):
                 count.add_(1.0)
-                self._scalars_stale[group] = True
                 self._write_device_scalars(group)      # for the next backward, outside the graph it may replay
         return loss
 
@@ -578,9 +577,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         self._fallback.load_state_dict({"state": fallback_state, "param_groups": fallback_groups})
         self._steps_taken = int(forge.get("steps_taken", 0))
         if self._device_mode:
-            for group, count in enumerate(self._device_steps):
-                count.fill_(float(self._group_step_count(group)))
-                self._scalars_stale[group] = True
+            self.device_steps_from_host()
 
     def __repr__(self) -> str:
         return (f"ForgeOptimizer(rule={self.rule.name}, state_dtype={self.state_dtype}, backend={self.backend}, "

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-_OWNERS: dict[int, "weakref.ref[Any]"] = {}
+_OWNERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 _IN_TRACED_UPDATE = [0]
 
@@ -35,9 +35,9 @@ _IN_TRACED_UPDATE = [0]
 def trace_key(owner: Any) -> int:
     """The integer a compiled graph names ``owner`` by (made once per owner, kept in ``owner.trace_key``)."""
     key = getattr(owner, "trace_key", None)
-    if key is None or _OWNERS.get(key, lambda: None)() is not owner:
+    if key is None or _OWNERS.get(key) is not owner:
         key = next(_KEYS)
-        _OWNERS[key] = weakref.ref(owner)
+        _OWNERS[key] = owner
         owner.trace_key = key
     return key
 
@@ -54,7 +54,7 @@ def traced(owner: Any) -> bool:
 
 def owner_of(key: int) -> Any:
     """The owner ``trace_key`` gave ``key``; a one-line error when it is gone (its optimizer was dropped)."""
-    owner = _OWNERS.get(int(key), lambda: None)()
+    owner = _OWNERS.get(int(key))
     if owner is None:
         raise RuntimeError(f"a compiled FORGE update names fused weight #{key}, which no longer exists: the model "
                            "was fused again or its optimizer dropped; compile the model again after forge_core.fuse")

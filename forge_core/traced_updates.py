@@ -63,10 +63,15 @@ class TracedUpdates:
         (the updates keep their host scalars; a capture of them is refused by ``traced_update``)."""
         if self._device_mode or not self._device_steps:
             return
+        self.device_steps_from_host()
+        self._device_mode = True
+
+    def device_steps_from_host(self) -> None:
+        """Set each group's device step count from its weights' host counts (``_group_step_count``), its
+        scalars to be rewritten: entering device mode, and ``load_state_dict`` in it."""
         for group, count in enumerate(self._device_steps):
             count.fill_(float(self._group_step_count(group)))
             self._scalars_stale[group] = True
-        self._device_mode = True
 
     def _group_step_count(self, group: int) -> int:
         """The one step count of the group's fused and kernel-stepped weights (device mode keeps one)."""
