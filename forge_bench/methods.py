@@ -204,13 +204,13 @@ ARMS: tuple[Method, ...] = (
            build=forge_builder("fp8"), requires=FORGE_NEEDS, extra_check=forge_problem,
            settings={"state_dtype": "fp8"}, parity_reference="adamw",
            bytes_per_param=forge_bytes_per_param("fp8"), graphable=True),
-    # per state dtype: the A/B arm of forge_core.overlap (each update in line on the backward's
-    # stream), then FORGE with the vocab-chunked LM-head loss
-    Method(name="forge_bf16_inline", family="forge",
-           description="FORGE as forge_bf16, each fused update in line on the backward's stream "
-                       "(fuse(overlap=False)): measures what the side-stream overlap buys",
-           build=forge_builder("bf16", overlap=False), requires=FORGE_NEEDS, extra_check=forge_problem,
-           settings={"state_dtype": "bf16", "overlap": False}, parity_reference="adamw",
+    # per state dtype: the A/B arm of forge_core.overlap (each update on a side stream), then FORGE with
+    # the vocab-chunked LM-head loss
+    Method(name="forge_bf16_side_stream", family="forge",
+           description="FORGE as forge_bf16, each fused update on a side CUDA stream beside the rest of the backward "
+                       "(fuse(overlap=True)): measures what the overlap costs or buys",
+           build=forge_builder("bf16", overlap=True), requires=FORGE_NEEDS, extra_check=forge_problem,
+           settings={"state_dtype": "bf16", "overlap": True}, parity_reference="adamw",
            bytes_per_param=forge_bytes_per_param("bf16"), graphable=True),
     Method(name="forge_bf16_cce", family="forge",
            description="FORGE fused wgrad + AdamW update, bf16 moments, with the vocab-chunked LM-head "
@@ -218,11 +218,11 @@ ARMS: tuple[Method, ...] = (
            build=forge_cce_builder("bf16"), requires=FORGE_NEEDS, extra_check=forge_problem,
            settings={"state_dtype": "bf16", "loss": "chunked_ce", "chunk_size": "auto"}, parity_reference="adamw",
            bytes_per_param=forge_bytes_per_param("bf16"), graphable=True),
-    Method(name="forge_int8_inline", family="forge",
-           description="FORGE as forge_int8, each fused update in line on the backward's stream "
-                       "(fuse(overlap=False)): measures what the side-stream overlap buys",
-           build=forge_builder("int8", overlap=False), requires=FORGE_NEEDS, extra_check=forge_problem,
-           settings={"state_dtype": "int8", "overlap": False}, parity_reference="adamw",
+    Method(name="forge_int8_side_stream", family="forge",
+           description="FORGE as forge_int8, each fused update on a side CUDA stream beside the rest of the backward "
+                       "(fuse(overlap=True)): measures what the overlap costs or buys",
+           build=forge_builder("int8", overlap=True), requires=FORGE_NEEDS, extra_check=forge_problem,
+           settings={"state_dtype": "int8", "overlap": True}, parity_reference="adamw",
            bytes_per_param=forge_bytes_per_param("int8"), graphable=True),
     Method(name="forge_int8_cce", family="forge",
            description="FORGE fused wgrad + AdamW update, int8 moments, with the vocab-chunked LM-head "

@@ -199,7 +199,7 @@ def forge_problem() -> str | None:
     return None
 
 
-def forge_builder(state_dtype: str, overlap: bool = True) -> Callable[[nn.Module, TrainConfig], ForgeArm]:
+def forge_builder(state_dtype: str, overlap: bool = False) -> Callable[[nn.Module, TrainConfig], ForgeArm]:
     def build(model: nn.Module, cfg: TrainConfig) -> ForgeArm:
         import forge_core
 

@@ -43,7 +43,7 @@ from torch import nn
 from .fused_weight import FusedWeight, RowSliceUpdate
 from .kernels.tile_config import default_config
 from .module_copies import plain_module_reduction
-from .traced import MUTATED, owner_of, traced, traced_update_scope, written_tensors
+from .traced import WEIGHT, mutating_operator, owner_of, traced, traced_update_scope, written_tensors
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64
@@ -261,24 +261,20 @@ def _zero_rows_past(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 _HOST_SYNCED = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-@torch.library.custom_op("forge::update_experts_", mutates_args=tuple(n for n in MUTATED if n != "scalars"),
-                         tags=_HOST_SYNCED)
-def _update_experts(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
-                    offsets: torch.Tensor, after: list[torch.Tensor], key: int) -> None:
+def _experts_update_body(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
+                         offsets: torch.Tensor, after: list[torch.Tensor], key: int) -> None:
     """The backward's update of every expert of the 3-D weight ``key`` names, from its routed rows, once
     ``after`` exist."""
     binding = owner_of(key)
     optimizer = binding.optimizer
-    optimizer.prepare_traced_update(repr(binding.name))
+    optimizer.prepare_traced_update(binding)
     with optimizer.updating_on(binding, weight, written, None), traced_update_scope():
         binding.update_experts(x, grad_output, offsets, _bounds_of(offsets))
 
 
-@_update_experts.register_fake
-def _update_experts_fake(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
-                         written: list[torch.Tensor], offsets: torch.Tensor, after: list[torch.Tensor],
-                         key: int) -> None:
-    return None
+_update_experts = mutating_operator(
+    "update_experts_", f"Tensor x, Tensor grad_output, {WEIGHT}, Tensor(b!)[] written, Tensor offsets, "
+    "Tensor[] after, int key", _experts_update_body, tags=_HOST_SYNCED)
 
 
 class TracedExpertsLinearFunction(torch.autograd.Function):

@@ -20,7 +20,7 @@ grad / n_valid`` in the dtype HF's backward gives dlogits (the model dtype), add
 * a plain ``nn.Linear`` (any optimizer; also a tied head such as GPT-2's): rows ``[c0, c1)`` of
   an ordinary weight gradient are written, returned through autograd as ``lm_head.weight.grad``.
 
-With ``fuse(..., overlap=True)`` (the default) each chunk's row update runs on the side CUDA stream of
+With ``fuse(..., overlap=True)`` each chunk's row update runs on the side CUDA stream of
 ``forge_core.overlap``, overlapping the next chunk's GEMMs, as a ForgeLinear's update does.
 
 Cost: where all the logits of a step would take more than ``keep_logits_bytes`` (default
@@ -306,7 +306,7 @@ def _traced_loss_backward(grad_loss: torch.Tensor, hidden_c: torch.Tensor, weigh
     updater = owner_of(key) if key >= 0 and needs_weight else None
     with contextlib.ExitStack() as scope:
         if updater is not None:
-            updater.optimizer.prepare_traced_update(repr(updater.name))
+            updater.optimizer.prepare_traced_update(updater)
             scope.enter_context(updater.optimizer.updating_on(updater, weight, written, scalars))
         scope.enter_context(traced_update_scope())
         grads = chunked_loss_backward(grad_loss, hidden_c, weight, bias, hit_targets, lse, denominator, chunk_size,

@@ -82,12 +82,14 @@ class TracedUpdates:
                              f"{group} were updated {sorted(steps)} times")
         return steps.pop() if steps else 0
 
-    def prepare_traced_update(self, what: str) -> None:
-        """Device mode for a traced update, and a one-line refusal of what a CUDA graph could not replay."""
-        capturing = graph_capturing()
-        if not capturing:
-            self.enter_device_mode()
+    def prepare_traced_update(self, owner: "FusedWeight | DenseWeight") -> None:
+        """Device mode for a traced update of ``owner``, and a one-line refusal of what a CUDA graph could not
+        replay."""
+        if not graph_capturing():
+            if not self._device_mode:
+                self.enter_device_mode()
             return
+        what = repr(owner.name)
         if not self._device_mode:
             problem = self.device_scalars_problem or "the updates have not run once before the capture"
             raise RuntimeError(f"a CUDA graph (torch.compile mode='reduce-overhead', or a capture) cannot replay "
@@ -103,12 +105,11 @@ class TracedUpdates:
         (the compiler re-inplaced the operator: nothing to do), or copies of them (``aot_eager``'s
         functionalization, ``torch.library.opcheck``), which the update then writes instead, the copies'
         scalars buffer included; the compiler copies them back where they were the owner's."""
-        own_scalars = self.device_scalars_of(owner)
-        own_written = written_tensors(owner)
-        if same_tensors([weight, *written], [_update_target(owner), *own_written]) and (
-                scalars is None or own_scalars is None or same_tensors([scalars], [own_scalars])):
+        if self.given_own_tensors(owner, weight, written, scalars):
             yield
             return
+        own_scalars = self.device_scalars_of(owner)
+        own_written = written_tensors(owner)
         target = "matrix" if isinstance(owner, FusedWeight) else "weight"
         extras = [name for name in ("grad_accum", "slots") if getattr(owner, name, None) is not None]
         saved = {name: getattr(owner, name) for name in (target, "state", *extras)}
@@ -124,11 +125,22 @@ class TracedUpdates:
             for name, value in saved.items():
                 setattr(owner, name, value)
 
+    def given_own_tensors(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor, written: list[torch.Tensor],
+                          scalars: Optional[torch.Tensor]) -> bool:
+        """Whether a traced operator was given ``owner``'s own tensors (the compiler re-inplaced it), not copies."""
+        own_scalars = self.device_scalars_of(owner)
+        return same_tensors([weight, *written], [_update_target(owner), *written_tensors(owner)]) and (
+            scalars is None or own_scalars is None or same_tensors([scalars], [own_scalars]))
+
     def traced_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
                       written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
         """The body of ``forge::update_weight_`` (``forge_core.traced``): the backward's update of ``binding``,
-        with no side stream, in device mode, on the tensors the operator was given (``updating_on``)."""
-        self.prepare_traced_update(repr(binding.name))
+        with no side stream, in device mode, on the tensors the operator was given (``updating_on``). Runs once
+        per fused layer of a compiled backward: its own tensors skip ``updating_on``'s context manager."""
+        self.prepare_traced_update(binding)
+        if self.given_own_tensors(binding, weight, written, scalars):
+            self.fused_backward(binding, x, grad_output)
+            return
         with self.updating_on(binding, weight, written, scalars):
             self.fused_backward(binding, x, grad_output)
 
@@ -136,7 +148,7 @@ class TracedUpdates:
                           written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
         """The body of ``forge::update_embedding_rows_``: record this backward's rows and, with one micro-batch
         per step, step the embedding now (``step()`` then finds nothing left to step for it)."""
-        self.prepare_traced_update(repr(dense.name))
+        self.prepare_traced_update(dense)
         with self.updating_on(dense, weight, written, scalars):
             dense.record_rows(ids, grad_output)
             if self.accumulate_steps == 1:

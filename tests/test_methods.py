@@ -95,7 +95,7 @@ def test_missing_package_is_a_reason():
 
 def test_only_capturable_arms_run_in_cuda_graph_grids():
     core = {"no_optimizer", "adamw_foreach", "adamw_fused", "sgd", "forge_fp32", "forge_bf16", "forge_int8",
-            "forge_fp8", "forge_fp8_cce", "forge_bf16_inline", "forge_int8_inline"}
+            "forge_fp8", "forge_fp8_cce", "forge_bf16_side_stream", "forge_int8_side_stream"}
     # the optimizer families (forge_bench.families): every FORGE arm, and the unfused arms whose step
     # does not read the device on the host (torch.optim.Adafactor reads two norms per weight)
     family_arms = {f"forge_{f}_{states}" for f in FAMILIES for states in STATE_DTYPES}
@@ -163,8 +163,8 @@ def test_chunked_loss_arms_refuse_a_model_without_an_lm_head_in_one_line():
         METHODS["adamw_fused_cce"].build(model, TrainConfig(device="cpu"))
 
 
-def test_inline_arms_fuse_without_the_side_stream_and_say_so():
-    for name, overlap in (("forge_bf16", True), ("forge_bf16_inline", False)):
+def test_side_stream_arms_fuse_with_the_side_stream_and_say_so():
+    for name, overlap in (("forge_bf16", False), ("forge_bf16_side_stream", True)):
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         arm = METHODS[name].build(model, TrainConfig(device="cpu"))
         assert arm.settings["overlap"] is overlap

@@ -1,4 +1,4 @@
-"""Fused updates on a side CUDA stream (``fuse(..., overlap=True)``, the default): the same weights as
+"""Fused updates on a side CUDA stream (``fuse(..., overlap=True)``): the same weights as
 updates in line, available as soon as ``backward()`` returns, also inside a captured CUDA graph."""
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def test_headline_cell_runs_alone_with_every_arm(name):
     assert {c.method for c in select_cells(s.cells, "headline/*")} == core
     peers = {name for name, m in METHODS.items() if m.family == "peer" and not name.startswith("test_")}
     # the A/B arms of two FORGE options (side-stream overlap off; the chunked LM-head loss), graphed only
-    new = {"forge_bf16_inline", "forge_int8_inline", "forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce", "forge_fp8_cce"}
+    new = {"forge_bf16_side_stream", "forge_int8_side_stream", "forge_bf16_cce", "forge_int8_cce", "adamw_fused_cce", "forge_fp8_cce"}
     assert {c.method for c in select_cells(s.cells, "headline_graph_new/*")} == new
     # the compiled twins of the core arms (forge_bench/compiled_arms.py), and of the chunked-loss arms under
     # reduce-overhead with lean activations

@@ -113,7 +113,7 @@ COMPILED_TWINS = {f"{arm}_{suffix}" for arm in ("adamw_fused", "forge_bf16", "fo
 
 
 @pytest.mark.parametrize("suite, more", [("zoo.yaml", COMPILED_TWINS),
-                                         ("qwen3_scaling.yaml", {"forge_bf16_inline", "forge_int8_inline"})])
+                                         ("qwen3_scaling.yaml", {"forge_bf16_side_stream", "forge_int8_side_stream"})])
 def test_zoo_suites_load(suite: str, more: set[str]) -> None:
     """The zoo's suites compare fused AdamW with FORGE bf16 / int8, eager and compiled (and the scaling suite's
     smallest model FORGE without its side stream)."""

@@ -1,5 +1,5 @@
 """``forge-bench profile``: the per-arm GPU profilers as Typer subcommands (``step``, ``timeline``,
-``graph``). Each runs every ``--methods`` arm in its own child process, started as this same
+``graph``, ``layers``). Each runs every ``--methods`` arm in its own child process, started as this same
 command with the hidden ``--one`` flag; the profiler modules (torch, the model zoo) load only when
 a command runs, so ``forge-bench --help`` stays quick."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import typer
 profile_app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Profile training steps on a GPU, one process per arm: top kernels (step), host/GPU timeline "
-         "(timeline), CUDA-graph replays on both streams (graph). Each writes a Markdown report.",
+         "(timeline), CUDA-graph replays on both streams (graph), host time per fused Linear (layers). Each "
+         "writes a Markdown report.",
 )
 
 ACTIVATIONS = ("hf", "lean")
@@ -101,3 +102,35 @@ def graph(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 
         graph_mod.run_one(options, names[0], timed, out, trace_dir)
         return
     raise typer.Exit(graph_mod.run(options, names, timed, out, trace_dir))
+
+
+@profile_app.command()
+def layers(out: Out,
+           dim: Annotated[int, typer.Option("--dim", min=16, help="the Linears' width (square weights)")] = 2048,
+           tokens: Annotated[int, typer.Option("--tokens", min=1, help="tokens per step")] = 512,
+           depths: Annotated[str, typer.Option("--depths", help="two chain depths, comma-separated: the slope "
+                                                                "between them is one layer's time")] = "4,36",
+           variants: Annotated[Optional[list[str]], typer.Option("--variants", help="variants to time, "
+                                                                 "comma-separated or repeated")] = None,
+           steps: Steps = 30, warmup: Warmup = 15,
+           cprofile: Annotated[bool, typer.Option("--cprofile", help="add the top Python functions of five "
+                                                                     "FORGE backwards")] = False,
+           one: One = False) -> None:
+    """Host time per fused Linear layer, eager and compiled, FORGE against torch's Linear and fused AdamW.
+
+    Default variants: torch, forge, forge_side_stream, forge_tile, torch_compile, forge_compile."""
+    from forge_bench.profile import layers as layers_mod
+
+    try:
+        low, high = sorted(int(d) for d in depths.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{depths!r} is not two comma-separated integers", param_hint="--depths") from None
+    if low < 1 or low == high:
+        raise typer.BadParameter(f"{depths!r}: two different depths of at least 1", param_hint="--depths")
+    options = layers_mod.ChainOptions(dim=dim, tokens=tokens, depths=(low, high), warmup=warmup, steps=steps,
+                                      cprofile=cprofile)
+    names = _methods(variants, layers_mod.DEFAULT_VARIANTS, one)
+    if one:
+        layers_mod.run_one(options, names[0], out)
+        return
+    raise typer.Exit(layers_mod.run(options, names, out))
