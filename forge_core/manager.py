@@ -468,9 +468,8 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
     a few steps eagerly before capturing (tile tuning and the fallback's state happen on first use).
     ``overlap``: on CUDA, run each layer's fused update on a side stream so it overlaps the rest of
     the backward (``forge_core.overlap`` says why this is safe); the backward's end waits for it, so
-    weights are updated when ``backward()`` returns, as without it. False (the default): updates run
-    in line, since the side stream's fork, join and ``record_stream`` cost an eager step's host more
-    than the overlap buys (D102).
+    weights are updated when ``backward()`` returns, as without it. False (the default): in line; the side
+    stream's fork, join and ``record_stream`` cost an eager step's host more than the overlap buys (D102).
     ``dense_2d``: step the 2-D fallback parameters (a vocabulary embedding, tied or excluded weights)
     in ``step()`` with the fused kernel from their ``.grad``, in the same ``state_dtype`` as the fused
     weights (``forge_core.dense.DenseWeight``); False leaves them to the torch optimizer (moments

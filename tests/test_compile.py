@@ -182,3 +182,22 @@ def test_reduce_overhead_replays_match_eager_forge(state_dtype: str) -> None:
     assert compiled_opt.steps_taken == 8
     assert _largest_difference(eager, compiled) <= 1e-4
     assert _largest_difference(eager, _model("tiny-llama")) > 1e-2     # it trained
+
+
+def test_the_update_operators_are_plain_dispatcher_operators() -> None:
+    """The update operators carry no Python autograd or version-bumping layer (``traced.mutating_operator``):
+    a compiled backward calls them once per fused layer. Their schemas declare what they write."""
+    for name in ("update_weight_", "update_embedding_rows_", "update_experts_"):
+        schema = str(getattr(torch.ops.forge, name).default._schema)
+        assert "Tensor(b!)[] written" in schema and schema.endswith("-> ()")
+        assert ("Tensor(a!) weight" in schema) == forge_core.traced.DECLARES_WEIGHT_MUTATION
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"forge::{name}", "Autograd")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"forge::{name}", "CompositeExplicitAutograd")
+    assert "Tensor(c!)? scalars" in str(torch.ops.forge.update_weight_.default._schema)
+    assert torch.Tag.cudagraph_unsafe in torch.ops.forge.update_experts_.default.tags
+
+
+def test_fuse_runs_the_updates_in_line_by_default() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
+    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, probe_inputs=False)
+    assert [binding.overlap_updates for binding in optimizer.fused_weights()] == [False, False]

@@ -116,6 +116,19 @@ COMPILED_TWINS = {f"{arm}_{suffix}" for arm in ("adamw_fused", "forge_bf16", "fo
                                          ("qwen3_scaling.yaml", {"forge_bf16_side_stream", "forge_int8_side_stream"})])
 def test_zoo_suites_load(suite: str, more: set[str]) -> None:
     """The zoo's suites compare fused AdamW with FORGE bf16 / int8, eager and compiled (and the scaling suite's
-    smallest model FORGE without its side stream)."""
+    smallest model FORGE on its side stream)."""
     loaded = load_suite(REPO / "suites" / suite)
     assert {cell.method for cell in loaded.cells} == {"adamw_fused", "forge_bf16", "forge_int8"} | more
+
+
+def test_the_eager_suite_pairs_fused_adamw_and_forge_on_every_model_of_the_zoo() -> None:
+    """``suites/eager.yaml`` holds every model of models.yaml and zoo.yaml at batch 1 (and Qwen3-0.6B), each
+    with fused AdamW and FORGE bf16, eager: the whole Qwen3-30B-A3B only at 8 layers, where fused AdamW fits."""
+    eager = load_suite(REPO / "suites" / "eager.yaml").cells
+    zoo = [*load_suite(REPO / "suites" / "models.yaml").cells, *load_suite(REPO / "suites" / "zoo.yaml").cells]
+    wanted = {cell.model for cell in zoo} - {"qwen3-30b-a3b"}
+    assert {cell.model for cell in eager} == wanted | {"qwen3-0.6b"}
+    for model in wanted:
+        cells = [cell for cell in eager if cell.model == model and cell.method != "forge_bf16_side_stream"]
+        assert {cell.method for cell in cells} == {"adamw_fused", "forge_bf16"}
+        assert all(not cell.cuda_graph and cell.batch * cell.seq <= 600 for cell in cells)
