@@ -201,3 +201,20 @@ def test_fuse_runs_the_updates_in_line_by_default() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
     optimizer = forge_core.fuse(model, "adamw", lr=1e-2, probe_inputs=False)
     assert [binding.overlap_updates for binding in optimizer.fused_weights()] == [False, False]
+
+
+def test_the_undeclared_weight_variant_traces_and_trains_as_eager_forge() -> None:
+    """torch 2.11's variant (the weight written undeclared, after the layer's dX: ``traced._declares_weight_mutation``)
+    on this torch: the tracing tests above, in a process with ``FORGE_DECLARE_WEIGHT_MUTATION=0``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    selected = ("plain_dispatcher or (traces_whole_and_trains_as_eager_forge and (tiny-llama or tiny-gpt2 or "
+                "tiny-qwen3-moe)) or inductor_compiles_without")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__,
+                           "-k", selected], env={**os.environ, "FORGE_DECLARE_WEIGHT_MUTATION": "0"},
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "5 passed" in done.stdout
