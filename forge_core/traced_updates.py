@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -98,16 +98,28 @@ class TracedUpdates:
             raise RuntimeError(f"a CUDA graph cannot replay the data-parallel update of {what} (its bucket "
                                "all-reduce is scheduled by the host); compile without mode='reduce-overhead'")
 
-    @contextlib.contextmanager
     def updating_on(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor, written: list[torch.Tensor],
-                    scalars: Optional[torch.Tensor]) -> Iterator[None]:
+                    scalars: Optional[torch.Tensor]) -> ContextManager[None]:
         """Run ``owner``'s updates inside this block on the tensors a traced operator was given: its own
-        (the compiler re-inplaced the operator: nothing to do), or copies of them (``aot_eager``'s
-        functionalization, ``torch.library.opcheck``), which the update then writes instead, the copies'
-        scalars buffer included; the compiler copies them back where they were the owner's."""
+        (the compiler re-inplaced the operator: nothing to do, no generator-based context manager on the path a
+        compiled backward takes once per fused layer), or copies of them (``aot_eager``'s functionalization,
+        ``torch.library.opcheck``), which the update then writes instead (``_updating_on_copies``)."""
         if self.given_own_tensors(owner, weight, written, scalars):
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._updating_on_copies(owner, weight, written, scalars)
+
+    def given_own_tensors(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor, written: list[torch.Tensor],
+                          scalars: Optional[torch.Tensor]) -> bool:
+        """Whether a traced operator was given ``owner``'s own tensors (the compiler re-inplaced it), not copies."""
+        own_scalars = self.device_scalars_of(owner)
+        return same_tensors([weight, *written], [_update_target(owner), *written_tensors(owner)]) and (
+            scalars is None or own_scalars is None or same_tensors([scalars], [own_scalars]))
+
+    @contextlib.contextmanager
+    def _updating_on_copies(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor,
+                            written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> Iterator[None]:
+        """``owner``'s weight, state, accumulator, slot table and scalars buffer swapped for the copies a traced
+        operator was given while the block runs; the compiler copies them back where they were the owner's."""
         own_scalars = self.device_scalars_of(owner)
         own_written = written_tensors(owner)
         target = "matrix" if isinstance(owner, FusedWeight) else "weight"
@@ -125,22 +137,11 @@ class TracedUpdates:
             for name, value in saved.items():
                 setattr(owner, name, value)
 
-    def given_own_tensors(self, owner: "FusedWeight | DenseWeight", weight: torch.Tensor, written: list[torch.Tensor],
-                          scalars: Optional[torch.Tensor]) -> bool:
-        """Whether a traced operator was given ``owner``'s own tensors (the compiler re-inplaced it), not copies."""
-        own_scalars = self.device_scalars_of(owner)
-        return same_tensors([weight, *written], [_update_target(owner), *written_tensors(owner)]) and (
-            scalars is None or own_scalars is None or same_tensors([scalars], [own_scalars]))
-
     def traced_update(self, binding: FusedWeight, x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
                       written: list[torch.Tensor], scalars: Optional[torch.Tensor]) -> None:
         """The body of ``forge::update_weight_`` (``forge_core.traced``): the backward's update of ``binding``,
-        with no side stream, in device mode, on the tensors the operator was given (``updating_on``). Runs once
-        per fused layer of a compiled backward: its own tensors skip ``updating_on``'s context manager."""
+        with no side stream, in device mode, on the tensors the operator was given (``updating_on``)."""
         self.prepare_traced_update(binding)
-        if self.given_own_tensors(binding, weight, written, scalars):
-            self.fused_backward(binding, x, grad_output)
-            return
         with self.updating_on(binding, weight, written, scalars):
             self.fused_backward(binding, x, grad_output)
 
