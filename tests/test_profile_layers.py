@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from forge_bench.cli import app
-from forge_bench.profile import layers
+from forge_bench.profile import common, layers
 
 KEYS = ("backward_host_us", "backward_synced_us", "step_host_us", "whole_step_us")
 
@@ -59,7 +59,7 @@ def test_each_variant_runs_in_its_own_process_with_its_environment(tmp_path, mon
             json.dump(_result(name, 400.0, 2000.0), fh)
         return type("Done", (), {"returncode": 0})()
 
-    monkeypatch.setattr(layers.subprocess, "run", fake_run)
+    monkeypatch.setattr(common.subprocess, "run", fake_run)
     out = tmp_path / "new" / "layers.md"
     assert layers.run(layers.ChainOptions(depths=(4, 36)), ["torch", "forge_tile"], out) == 0
     assert [cmd[cmd.index("--variants") + 1] for cmd, _ in calls] == ["torch", "forge_tile"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import tempfile
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -41,18 +42,22 @@ class StepOptions:
         return f"{self.model}, batch {self.batch}, seq {self.seq}{lean}"
 
 
-def run_each_method(command: list[str], methods: list[str], child_args: list[str], out: Path) -> list[dict]:
+def run_each_method(command: list[str], methods: list[str], child_args: list[str], out: Path, *,
+                    option: str = "--methods",
+                    environment: Callable[[str], Mapping[str, str]] | None = None) -> list[dict]:
     """Run ``forge-bench profile COMMAND --one --methods M ... --out TMP`` per method (a fresh process
     each, as a sweep cell); returns the JSON each wrote, skipping (and reporting) the ones that failed.
     The children write beside ``out``, so its folder is made first (a new folder would otherwise
-    fail every arm after its whole warm-up)."""
+    fail every arm after its whole warm-up). ``option`` names what the child takes one of (``--variants``
+    for ``profile layers``); ``environment(method)``: variables a child runs with beside this process's."""
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for method in methods:
         tmp = out.with_suffix(f".{method}.json")
-        cmd = [sys.executable, "-m", "forge_bench.cli", *command, "--one", "--methods", method, *child_args,
+        cmd = [sys.executable, "-m", "forge_bench.cli", *command, "--one", option, method, *child_args,
                "--out", str(tmp)]
-        proc = subprocess.run(cmd)
+        env = {**os.environ, **environment(method)} if environment is not None else None
+        proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
             print(f"forge-bench {' '.join(command)}: {method} failed (exit {proc.returncode})", file=sys.stderr)
             continue

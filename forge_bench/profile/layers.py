@@ -17,10 +17,8 @@ from __future__ import annotations
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from forge_bench.profile.common import run_each_method
 
 
 @dataclass(frozen=True)
@@ -208,18 +208,8 @@ def run(options: ChainOptions, names: list[str], out: Path) -> int:
         print(f"forge-bench profile layers: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in names:
-        tmp = out.with_suffix(f".{name}.json")
-        cmd = [sys.executable, "-m", "forge_bench.cli", "profile", "layers", "--one", "--variants", name,
-               *options.child_arguments(), "--out", str(tmp)]
-        proc = subprocess.run(cmd, env={**os.environ, **VARIANTS[name].env})
-        if proc.returncode != 0:
-            print(f"forge-bench profile layers: {name} failed (exit {proc.returncode})", file=sys.stderr)
-            continue
-        results.append(json.loads(tmp.read_text()))
-        tmp.unlink()
+    results = run_each_method(["profile", "layers"], names, options.child_arguments(), out, option="--variants",
+                              environment=lambda name: VARIANTS[name].env)
     if not results:
         print("forge-bench profile layers: no variant could run; nothing written", file=sys.stderr)
         return 1
