@@ -9,13 +9,16 @@ import pytest
 
 from forge_bench.report import build_report, ratios
 from forge_bench.report.data import load_rows, run_label
-from forge_bench.report.modes import NO_COMPILE_NOTE, modes_tables, peak_gib
+from forge_bench.report.modes import NO_COMPILE_NOTE, compile_s, modes_tables, peak_gib
 from report_rows import FIXTURES, H100_HEADLINE_RUNS, REPO, close_to_printed, parse_markdown_tables, raw_rows
 
 MODES = FIXTURES / "h200_modes"
 LLAMA8B = "Where users train, NVIDIA H200 · llama-3.1-8b · bfloat16 · batch 1 × seq 512"
 LLAMA1B = "Where users train, NVIDIA H200 · llama-3.2-1b · bfloat16 · batch 1 × seq 512"
-COMPILE_RUN, EAGER_RUN, GRAPH_RUN = "9c9ba9", "cdf67b", "88edbb"
+COMPILE_RUN, LEAN_RUN, EAGER_RUN, GRAPH_RUN = "0945e6", "4473b0", "cdf67b", "88edbb"
+FIRST_COMPILE_RUN = "9c9ba9"
+"""The first 8B compile run (35228bc, before the update operators went to the dispatcher: D103); the
+2d597bf runs (0945e6, and 4473b0 with the lean pair) are newer, and the table quotes them."""
 HEADER = ["Mode", "Arms (AdamW / FORGE)", "Run", "AdamW ms", "AdamW peak GiB", "FORGE ms", "FORGE peak GiB",
           "Speed-up", "Compile s (AdamW / FORGE)"]
 
@@ -37,13 +40,13 @@ def test_llama8b_every_mode_side_by_side() -> None:
         ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", COMPILE_RUN],
         ["torch.compile reduce-overhead", "`adamw_fused_compile_ro` / `forge_bf16_compile_ro`", COMPILE_RUN],
         ["torch.compile reduce-overhead, lean + chunked loss", "`adamw_fused_compile_ro` / `forge_bf16_cce_compile_ro`",
-         EAGER_RUN],
+         LEAN_RUN],
         ["hand-captured CUDA graph, lean + chunked loss", "`adamw_fused` / `forge_bf16_cce`", GRAPH_RUN]]
     assert [line[3:] for line in table.rows] == [
         ["122.2", "59.90", "92.64", "48.75", "~1.32×", "—"],
-        ["87.67", "61.85", "64.64", "47.39", "1.36×", "53.2 / 67.1"],
-        ["86.81", "61.82†", "63.62", "47.35†", "≥1.36×", "56.1 / 73.3"],
-        ["—", "—", "64.30", "47.31†", "n/a (no AdamW row); target 67.22 ms (hand-captured graph)", "— / 70.9"],
+        ["87.76", "61.85", "66.29", "47.38", "≥1.32×", "48.1 / 71.7"],
+        ["86.74", "61.82", "63.80", "49.66†", "≥1.36×", "52.4 / 66.8"],
+        ["86.95", "61.82", "64.53", "49.66†", "≥1.35×", "51.7 / 75.7"],
         ["90.35", "60.09", "67.22", "46.90", "≥1.34×", "—"]]
     # the printed numbers are the rows' own
     compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", COMPILE_RUN),
@@ -52,7 +55,10 @@ def test_llama8b_every_mode_side_by_side() -> None:
     assert record["adamw_step_ms"] == compiled["adamw"]["step_ms_median"]
     assert record["forge_peak_gib"] == compiled["forge"]["peak_allocated_gib"]
     assert record["speedup"] == pytest.approx(compiled["adamw"]["step_ms_median"] / compiled["forge"]["step_ms_median"])
-    assert close_to_printed(table.rows[1][8].split(" / ")[1], 67.14326941519803)
+    assert close_to_printed(table.rows[1][8].split(" / ")[1], compile_s(compiled["forge"]))
+    first = _tables(load_rows(MODES).query("git_commit != '2d597bf'"))[LLAMA8B]
+    assert [line[2] for line in first.rows[1:4]] == [FIRST_COMPILE_RUN, FIRST_COMPILE_RUN, EAGER_RUN]
+    assert [line[5] for line in first.rows[1:4]] == ["64.64", "63.62", "64.30"]
 
 
 def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
@@ -71,14 +77,14 @@ def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
 def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
     """The 35228bc rows' window peak (44.87 GiB) misses the CUDA graphs' pool, recorded in the warm-up: the
     table quotes the process peak, marked, and says so; a default-mode row keeps its window peak."""
-    ro = _row("adamw_fused_compile_ro", COMPILE_RUN)
+    ro = _row("adamw_fused_compile_ro", FIRST_COMPILE_RUN)
     assert f"{ro['peak_allocated_gib']:.2f}" == "44.87" and peak_gib(ro) == (ro["peak_process_gib"], True)
-    default = _row("forge_bf16_compile", COMPILE_RUN)
+    default = _row("forge_bf16_compile", FIRST_COMPILE_RUN)
     assert peak_gib({**default, "peak_process_gib": 99.0}) == (default["peak_allocated_gib"], False)
     table = _tables()[LLAMA8B]
     assert "larger of that and its process peak (`peak_process_gib`)" in table.caption
     assert any(note.startswith("† the process peak") for note in table.footnotes)
-    assert "& 47.35\\textdagger{} &" in table.to_latex()
+    assert "& 49.66\\textdagger{} &" in table.to_latex()
 
 
 def test_a_pair_across_runs_shows_both_steps_and_refuses_the_ratio() -> None:
@@ -103,8 +109,10 @@ def test_of_two_runs_with_the_eager_pair_the_compile_run_is_quoted() -> None:
 
 
 def test_forge_alone_without_a_graph_row_has_no_target() -> None:
+    """The lean reduce-overhead FORGE rows without their AdamW partner (4473b0's) and without the graph rows."""
     frame = load_rows(MODES)
-    table = _tables(frame[frame["timing"] != "CUDA graph"])[LLAMA8B]
+    lean_adamw = (frame["method"] == "adamw_fused_compile_ro") & (frame["activations"] == "lean")
+    table = _tables(frame[(frame["timing"] != "CUDA graph") & ~lean_adamw])[LLAMA8B]
     assert [line[0] for line in table.rows][-1] == "torch.compile reduce-overhead, lean + chunked loss"
     assert table.rows[-1][7] == "n/a (no AdamW row)"
 
@@ -142,12 +150,17 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert quoted["FORGE bf16 ms"] == [line[5] for line in shown]
     assert quoted["speed-up"] == [line[7].replace("×", "x") for line in shown]
     assert quoted["FORGE peak GiB"] == [line[6].rstrip("†") for line in shown]
-    for folder, method in (("compile_35228bc", "forge_bf16_compile"), ("compile_85b1088", "forge_bf16")):
-        commit = _row(method, COMPILE_RUN if folder.endswith("35228bc") else EAGER_RUN)["git_commit"]
-        assert f"`results/h200/{folder}` (" in intro and folder.endswith(commit)
+    for folder, method, run in (("compile8b_2d597bf", "forge_bf16_compile", COMPILE_RUN),
+                                ("compile_85b1088", "forge_bf16", EAGER_RUN)):
+        assert f"`results/h200/{folder}` (" in intro and folder.endswith(_row(method, run)["git_commit"])
     lean = report["torch.compile reduce-overhead, lean + chunked loss"]
     text = " ".join(after.split())
-    assert f"FORGE {lean[5]} ms, {lean[6].rstrip('†')} GiB, read against the graph's {shown[3][5]}" in text
+    assert (f"FORGE {lean[5]} ms, {lean[6].rstrip('†')} GiB, read against the graph's {shown[3][5]} "
+            f"(AdamW {lean[3]})") in text
+    int8 = {method: f"{_row(method, run)['step_ms_median']:.2f}"
+            for method, run in (("forge_int8_compile", COMPILE_RUN), ("forge_int8_compile_ro", LEAN_RUN))}
+    assert (f"FORGE int8: {int8['forge_int8_compile']} ms compiled, {int8['forge_int8_compile_ro']} "
+            f"reduce-overhead") in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
     assert (f"torch.compile {small['torch.compile']} (a miss, host-bound launches), reduce-overhead "
             f"{small['torch.compile reduce-overhead']}.") in text
