@@ -8,10 +8,13 @@
 * The committed results (``git ls-files results``) take at most ``RESULTS_BUDGET`` bytes: a finished
   folder goes in packed (``forge-bench pack``), and a run a newer one of the same command replaced
   leaves in the commit that adds the newer.
+* Every folder ``results/README.md`` lists holds files git keeps: a folder whose files ``.gitignore``
+  drops would be cited by the docs and absent from every clone.
 """
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from collections import Counter
 from fnmatch import fnmatch
@@ -205,3 +208,32 @@ def test_the_budget_counts_what_git_keeps_and_names_the_largest_folders(tmp_path
         problem.endswith("largest: results/h200/table1_x 4.00 MB, results/h100/grid_y 1.50 MB"), problem
     (big / "rows.parquet").unlink()
     assert _over_budget(_committed_results(tmp_path), tmp_path) is None
+
+
+LISTED_FOLDER = re.compile(r"^\| `((?:h100|h200|kernels)/[^`]+?)/?` \|", re.MULTILINE)
+"""A folder's cell in ``results/README.md``'s table: its path under ``results/``, first in its row."""
+
+
+def _listed_without_files(root: Path = ROOT) -> list[str]:
+    """The folders ``root/results/README.md`` lists that hold no file git keeps (``_committed_results``)."""
+    listed = LISTED_FOLDER.findall((root / "results" / "README.md").read_text())
+    held = {parent for path in _committed_results(root) for parent in path.relative_to(root / "results").parents}
+    return [folder for folder in listed if Path(folder) not in held]
+
+
+def test_every_listed_results_folder_is_in_git():
+    missing = _listed_without_files()
+    assert not missing, f"results/README.md lists folders git does not keep (see .gitignore): {missing}"
+
+
+def test_a_listed_folder_of_ignored_files_is_named(tmp_path):
+    """Outside a repository: a listed folder holding only a file .gitignore drops is named; rows keep one."""
+    (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    kept, dropped = tmp_path / "results" / "h200" / "table1_x", tmp_path / "results" / "h200" / "notes_y"
+    for folder in (kept, dropped):
+        folder.mkdir(parents=True)
+    (kept / "rows.parquet").write_bytes(b"PAR1")
+    (dropped / "scratch.txt").write_text("a log")
+    (tmp_path / "results" / "README.md").write_text(
+        "| folder | GPU |\n|---|---|\n| `h200/table1_x/` | H200 |\n| `h200/notes_y/` | H200 |\n")
+    assert _listed_without_files(tmp_path) == ["h200/notes_y"]
