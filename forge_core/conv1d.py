@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .linear import FusedLinearFunction, WeightUpdater, traced_linear
+from .linear import FusedLinearFunction, WeightUpdater, hooked_linear, traced_linear
 from .module_copies import plain_module_reduction
 from .traced import traced
 
@@ -50,7 +50,8 @@ def _fused_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  # noq
         return torch.nn.functional.linear(input, weight.t(), self.bias)
     if traced(updater):
         return traced_linear(input, weight, self.bias, updater, transposed=True)
-    return FusedLinearFunction.apply(input, weight, self.bias, updater, True)
+    output = hooked_linear(input, weight, self.bias, updater, transposed=True)
+    return output if output is not None else FusedLinearFunction.apply(input, weight, self.bias, updater, True)
 
 
 def _fused_repr(self: nn.Module) -> str:

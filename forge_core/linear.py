@@ -25,6 +25,7 @@ and dY swapped, so the updater is called with ``(dY, x)`` and the same kernel up
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Protocol
 
 import torch
@@ -159,6 +160,79 @@ def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                                       updater.trace_key, transposed, *written_tensors(updater))
 
 
+HOOKED_LINEAR = os.environ.get("FORGE_HOOKED_LINEAR", "1") != "0"
+"""Whether eager fused Linears run ``hooked_linear`` where it applies (``FORGE_HOOKED_LINEAR=0``: always
+``FusedLinearFunction``, to A/B the host cost); read once at import, a test may set it."""
+_GEMM_NODES = ("AddmmBackward0", "MmBackward0")
+_VIEW_NODES = ("ViewBackward0", "UnsafeViewBackward0")
+_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+if _saved_tensor_hooks is None or _functorch_active is None or _any_autocast is None:   # a torch without them
+    HOOKED_LINEAR = False
+
+
+def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], updater: WeightUpdater,
+                  transposed: bool = False) -> Optional[torch.Tensor]:
+    """``FusedLinearFunction``'s result and update without a Python autograd Function, or None where
+    this path does not apply (the caller then runs the Function).
+
+    Why: an eager step at batch 1 is bound by the host, and a Python Function costs it, per fused
+    layer, its forward's and its backward node's Python (ctx, saved tensors, the outputs'
+    checks) on top of the GEMMs. Here the forward is torch's own GEMM on the flattened input and a
+    detached alias of the weight, so autograd's C++ node computes dX (from the weight as it is
+    before this layer's update) and the bias gradient and never dW; a post-hook on that node then
+    runs the update with the node's dY and the input. The input is held by the hook until it runs
+    once (as the Function's saved tensor is until its backward): a second backward through the same
+    graph (``retain_graph=True``) is refused in one line.
+
+    Applies only where it is exact: no saved-tensor hooks (activation checkpointing, lean
+    activations: they manage saved tensors, which this path has none of), no autocast (its casts
+    happen in the Function's forward), no functorch transform, one dtype for x, weight and bias, and
+    an autograd node to hook (x or the bias requires grad)."""
+    if not HOOKED_LINEAR or _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
+        return None
+    dtype = weight.dtype
+    if x.dtype != dtype or (bias is not None and bias.dtype != dtype) or x.dim() < 2:
+        return None
+    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    alias = weight.detach()
+    if transposed:                    # transformers' Conv1D: x W + b, as its own forward computes it
+        x2 = x.reshape(-1, x.shape[-1])
+        output = torch.addmm(bias, x2, alias) if bias is not None else torch.mm(x2, alias)
+        node = output.grad_fn
+        if x.dim() != 2:
+            output = output.view(*x.shape[:-1], output.shape[-1])
+    else:
+        output = F.linear(x, alias, bias)
+        node = output.grad_fn         # a (..., Din) input: a view of the GEMM of its 2-D view
+        if node is not None and type(node).__name__ in _VIEW_NODES:
+            node = node.next_functions[0][0]
+    if node is None or type(node).__name__ not in _GEMM_NODES:
+        return None                   # a layout torch computes otherwise (a non-contiguous input)
+    pending = [x]
+
+    def update_after_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if not pending:
+            raise RuntimeError("a fused Linear's graph was run backward twice (retain_graph=True): FORGE updates "
+                               "the weight once per forward; run the forward again for another backward")
+        x_saved = pending.pop()
+        grad_output = grad_outputs[0]
+        if grad_output is None:
+            grad_output = torch.zeros(*x_saved.shape[:-1], outputs, dtype=dtype, device=x_saved.device)
+        first, second = (grad_output, x_saved) if transposed else (x_saved, grad_output)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                _update(updater, first, second)
+        else:
+            _update(updater, first, second)
+
+    outputs = output.shape[-1]
+    node.register_hook(update_after_gradients)
+    return output
+
+
 def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:
     if wants_overlap(updater, grad_output):
         # The update streams W and the moments once; the rest of the backward need not wait.
@@ -276,7 +350,8 @@ class ForgeLinear(nn.Linear):
             return ShardedLinearFunction.apply(input, weight, self.bias, updater)
         if traced(updater):
             return traced_linear(input, weight, self.bias, updater)
-        return FusedLinearFunction.apply(input, weight, self.bias, updater)
+        output = hooked_linear(input, weight, self.bias, updater)
+        return output if output is not None else FusedLinearFunction.apply(input, weight, self.bias, updater)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", forge_fused=True"

@@ -172,7 +172,7 @@ def test_the_direct_launch_encodes_w_and_states_once_and_the_activations_per_lau
     import triton
 
     from fake_triton_launch import descriptor_meta, install
-    from forge_core.kernels.direct_launch import constexpr_tail
+    from forge_core.kernels.direct_launch import as_pointers, constexpr_tail
 
     config = ws_choice.CANDIDATES[1]
     fake = install(monkeypatch, set(range(5)), [descriptor_meta([config.block_k, config.block_n]),
@@ -196,7 +196,8 @@ def test_the_direct_launch_encodes_w_and_states_once_and_the_activations_per_lau
     args, kwargs = hopper_ws.kernel_call(x_next, dy2, weight, states, None, epilogue, scalars, config, (False, True))
     names = constexpr_tail(hopper_ws.ws_fused_kernel)
     assert names[0] == "EPILOGUE" and names[-1] == "PREFETCH_SCALES"
-    assert call[38:] == args[5:] + tuple(kwargs[name] for name in names)
+    assert call[38:] == as_pointers(args[5:]) + tuple(kwargs[name] for name in names)
+    assert not any(isinstance(argument, torch.Tensor) for argument in call), "addresses, not tensors"
     assert len(fake.encoded) == 5, "x2 and dy2 per launch"
     assert direct(x2, dy2, torch.zeros(8)) is False, "compiled for scalars as arguments"
     states[1].set_(torch.zeros_like(states[1]))

@@ -315,8 +315,13 @@ def test_direct_launcher_passes_runtime_arguments_then_constexprs(monkeypatch):
     assert direct(runtime_args) is True
     (call,) = calls
     constexprs = tuple(f"value-of-{name}" for name in names)
-    assert call[:7] == (7, 1, 1, 1003, "function-handle", "packed", ("metadata", (7,), 1003, 4 + len(names)))
+    assert call[:7] == (7, 1, 1, 1003, "function-handle", "packed", None), "no launch hook: no launch metadata"
     assert call[9:] == runtime_args + constexprs
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    assert direct(runtime_args) is True
+    assert calls[-1][6] == ("metadata", (7,), 1003, 4 + len(names)), "a profiler's hook reads the metadata"
+    del calls[1:]
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
     active.device = 0
     assert direct(runtime_args) is False and len(calls) == 1, "another current device: the JIT path must run"
     assert launch.direct_launcher(object(), plan) is None
@@ -337,21 +342,23 @@ def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     names = constexpr_tail(tile_kernel.fused_wgrad_update_kernel)
     kwargs = {name: f"value-of-{name}" for name in names}
     kwargs["TMA"] = True
-    plan = launch.LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)
-    plan.direct = launch.direct_launcher(FakeCompiled(), plan)
-    assert plan.direct_builds_descriptors
     x2, dy2 = torch.zeros(48, 200, dtype=torch.bfloat16), torch.zeros(48, 136, dtype=torch.bfloat16)
     weight = torch.zeros(136, 200, dtype=torch.bfloat16)
-    plan.fixed_args = (weight, weight, weight, weight, weight, 136, 200, 48, 200, 1, 200, 1, 1, 200, 1)
+    fixed = (weight, weight, weight, weight, weight, 136, 200, 48, 200, 1, 200, 1, 1, 200, 1)
+    plan = launch.LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), fixed, kwargs)
+    plan.direct = launch.direct_launcher(FakeCompiled(), plan)
+    assert plan.direct_builds_descriptors
     monkeypatch.setattr(launch, "TensorDescriptor", lambda *a, **k: pytest.fail("no descriptor objects"))
     assert launch.run_plan(plan, x2, dy2, (0.5,) * launch.NUM_SCALARS, 7) is None
     (call,) = calls
     hooks = (triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook)
     assert call[:13] == (5, 1, 1, 99, "function-handle", False, True, None, None, "packed", None, *hooks)
-    assert call[13] is x2 and call[14] is dy2
+    # tensors as their addresses: the C launcher then asks the driver about none of them
+    assert call[13] == x2.data_ptr() and call[14] == dy2.data_ptr()
     assert call[15:20] == (f"map@{x2.data_ptr()}", 48, 200, 200, 1)
     assert call[20:25] == (f"map@{dy2.data_ptr()}", 48, 136, 136, 1)
-    assert call[25] is weight and call[-len(names):] == tuple(kwargs[name] for name in names)
+    assert call[25:31] == (weight.data_ptr(),) * 6 and call[-len(names):] == tuple(kwargs[name] for name in names)
+    assert not any(isinstance(argument, torch.Tensor) for argument in call)
     assert encoded == [(128, 6, (32, 64), 0), (64, 6, (32, 128), 0)]
     fake.driver._BASE_ARGS_FORMAT = "another layout"
     other = launch.LaunchPlan(TileConfig(64, 128, 32, 8, 4, 1), (5,), (), kwargs)

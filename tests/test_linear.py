@@ -115,3 +115,103 @@ def test_autocast_backward_runs_and_input_grad_keeps_dtype() -> None:
     out.float().square().mean().backward()
     assert x.grad is not None and x.grad.dtype == torch.float32
     assert model[0].weight.dtype == torch.float32 and not torch.equal(model[0].weight, before)
+
+
+def _graph_names(tensor: torch.Tensor) -> set[str]:
+    """Every autograd node type name upstream of ``tensor``."""
+    names, stack, seen = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _fused_pair(monkeypatch: pytest.MonkeyPatch, bias: bool, hooked: bool, seed: int = 3):
+    """An MLP fused with the reference backend, eager fused Linears on the hooked path or the Function."""
+    import forge_core.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "HOOKED_LINEAR", hooked)
+    model = _mlp(seed=seed, bias=bias)
+    opt = forge_core.fuse(model, lr=1e-2, backend="reference", probe_inputs=torch.randn(3, 70))
+    return model, opt
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 70), (2, 7, 70)])
+def test_hooked_path_equals_the_function_path_exactly(monkeypatch: pytest.MonkeyPatch, bias: bool,
+                                                       shape: tuple[int, ...]) -> None:
+    results = {}
+    for hooked in (True, False):
+        model, opt = _fused_pair(monkeypatch, bias, hooked)
+        torch.manual_seed(11)
+        x = torch.randn(*shape, requires_grad=True)
+        losses = []
+        for _ in range(3):
+            out = model(x)
+            names = _graph_names(out)
+            assert ("FusedLinearFunctionBackward" in names) is not hooked, names
+            loss = out.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            losses.append(loss.detach())
+        results[hooked] = ([p.detach().clone() for p in model.parameters()], x.grad.clone(), losses)
+    (hooked_params, hooked_dx, hooked_losses), (function_params, function_dx, function_losses) = \
+        results[True], results[False]
+    assert all(torch.equal(a, b) for a, b in zip(hooked_losses, function_losses))
+    torch.testing.assert_close(hooked_dx, function_dx, rtol=0, atol=0)
+    for ours, theirs in zip(hooked_params, function_params):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_hooked_path_takes_dx_from_the_weight_before_its_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = _fused_pair(monkeypatch, bias=True, hooked=True)
+    plain = copy.deepcopy(model)
+    forge_core.unfuse(plain)
+    x = torch.randn(4, 70, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    model(x).sum().backward()
+    plain(x_plain).sum().backward()
+    assert model[0].weight.grad is None and model[2].weight.grad is None
+    torch.testing.assert_close(x.grad, x_plain.grad, rtol=0, atol=0)
+    torch.testing.assert_close(model[2].bias.grad, plain[2].bias.grad, rtol=0, atol=0)
+
+
+def test_hooked_path_refuses_a_second_backward_through_one_graph() -> None:
+    from forge_core.linear import hooked_linear
+
+    weight, calls = nn.Parameter(torch.randn(6, 4)), []
+    out = hooked_linear(torch.randn(3, 4, requires_grad=True), weight, None, lambda x, dy: calls.append(dy))
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    assert len(calls) == 1 and weight.grad is None
+    with pytest.raises(RuntimeError, match="run backward twice"):
+        loss.backward()
+
+
+def test_hooked_path_releases_the_input_after_its_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import weakref
+
+    model, _ = _fused_pair(monkeypatch, bias=True, hooked=True)
+    source = torch.randn(4, 70, requires_grad=True)
+    hidden = source * 2                      # the second layer's input is held only by the graph
+    loss = model[2](model[1](model[0](hidden))).sum()
+    held = weakref.ref(hidden)
+    del hidden
+    assert held() is not None, "the graph keeps the layer's input for its update"
+    loss.backward()
+    assert held() is None, "the input outlived the backward that used it while the loss is still referenced"
+
+
+def test_function_path_where_the_hooked_path_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = _fused_pair(monkeypatch, bias=True, hooked=True)
+    x = torch.randn(4, 70, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):     # checkpointing, lean activations
+        assert "FusedLinearFunctionBackward" in _graph_names(model(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "FusedLinearFunctionBackward" in _graph_names(model(x))
+    assert "FusedLinearFunctionBackward" not in _graph_names(model(x))

@@ -43,6 +43,36 @@ def constexpr_tail(kernel: Any) -> tuple[str, ...] | None:
     return tuple(name for name, _ in flagged[first:])
 
 
+def as_pointers(values: tuple) -> tuple:
+    """``values`` with every tensor replaced by its device address. Why: Triton's C launcher resolves a
+    tensor argument by calling its ``data_ptr`` and then asking the driver about the address
+    (``cuPointerGetAttribute``), per pointer and launch, a dozen driver calls for the fused kernel;
+    an int it takes as it is. Only for tensors whose storage a launcher's later calls keep (a plan
+    keys on the weight's address and the states' identity)."""
+    return tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values)
+
+
+def current_device_getter(driver_getter: Callable[[], int]) -> Callable[[], int]:
+    """The driver's current-device getter, or torch's C function behind it where that is
+    ``torch.cuda.current_device`` (whose Python lazy-init check ran at the first launch, long before a
+    direct launcher exists)."""
+    fast = getattr(torch._C, "_cuda_getDevice", None)
+    return fast if fast is not None and driver_getter is torch.cuda.current_device else driver_getter
+
+
+def launch_metadata_or_none(knobs: Any, metadata: Callable[..., Any], grid: tuple, stream: int, *args: Any) -> Any:
+    """What the launcher passes to Triton's launch hooks: computed only when a hook is set (a profiler);
+    the C launcher reads it for nothing else."""
+    if not _hooked(knobs.launch_enter_hook) and not _hooked(knobs.launch_exit_hook):
+        return None
+    return metadata(grid, stream, *args)
+
+
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook knob holds a hook: not None (Triton 3.6) nor an empty chain (later)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 @dataclass(frozen=True)
 class CompiledLaunch:
     """What launching a compiled kernel without the JIT needs, read once from it (``launch_parts``)."""
@@ -68,7 +98,8 @@ def launch_parts(kernel: Any, compiled: Any, constexprs: Mapping[str, Any]) -> C
         return None
     try:
         values = tuple(constexprs[name] for name in names)
-        current_stream, current_device = driver.active.get_current_stream, driver.active.get_current_device
+        current_stream = driver.active.get_current_stream
+        current_device = current_device_getter(driver.active.get_current_device)
         device_index = current_device()
     except (KeyError, AttributeError, RuntimeError):
         return None
@@ -91,9 +122,10 @@ def compiled_launcher(kernel: Any, compiled: Any, grid: tuple[int, ...],
         if parts.current_device() != parts.device_index:
             return False
         stream = parts.current_stream(parts.device_index)
+        knobs = parts.knobs
         parts.run(grid_x, grid_y, grid_z, stream, parts.function, parts.packed,
-                  parts.metadata(grid, stream, *args, *parts.constexprs), parts.knobs.launch_enter_hook,
-                  parts.knobs.launch_exit_hook, *args, *parts.constexprs)
+                  launch_metadata_or_none(knobs, parts.metadata, grid, stream, *args, *parts.constexprs),
+                  knobs.launch_enter_hook, knobs.launch_exit_hook, *args, *parts.constexprs)
         return True
 
     return launch

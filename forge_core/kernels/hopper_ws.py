@@ -42,7 +42,8 @@ import triton
 
 from ..rules import get_rule
 from ..state import QBLOCK
-from .direct_launch import constexpr_tail, raw_tma_launch
+from .direct_launch import (as_pointers, constexpr_tail, current_device_getter, launch_metadata_or_none,
+                            raw_tma_launch)
 from .hopper_ws_kernel import GLUON_IMPORT_ERROR, ws_fused_kernel
 from .offline_compile import compile_for_gpu
 
@@ -196,11 +197,12 @@ def sm_count(device_index: int) -> int:
 _NO_VALUES = (0.0,) * 8
 
 
-def _scalar_args(scalars: tuple[float, ...] | torch.Tensor, weight: torch.Tensor) -> tuple:
+def _scalar_args(scalars: tuple[float, ...] | torch.Tensor, weight: torch.Tensor | int) -> tuple:
     """The kernel's c0..c7 and SCALARS arguments: the rule's floats (zero-padded to 8) with the weight
-    as an unread pointer, or zeros with the device buffer holding them."""
+    (or its address) as an unread pointer, or zeros with the device buffer holding them (its address
+    where the weight is given as one: a direct launch)."""
     if isinstance(scalars, torch.Tensor):
-        return (*_NO_VALUES, scalars)
+        return (*_NO_VALUES, scalars.data_ptr() if isinstance(weight, int) else scalars)
     return (*scalars, *_NO_VALUES[len(scalars):], weight)
 
 
@@ -296,7 +298,7 @@ def direct_launcher(compiled: Any, x2: torch.Tensor, dy2: torch.Tensor, weight: 
     try:
         constexprs = tuple(kwargs[name] for name in names)
         active = triton.runtime.driver.active
-        current_stream, current_device = active.get_current_stream, active.get_current_device
+        current_stream, current_device = active.get_current_stream, current_device_getter(active.get_current_device)
         device_index = current_device()
     except (KeyError, AttributeError, RuntimeError):
         return None
@@ -304,23 +306,24 @@ def direct_launcher(compiled: Any, x2: torch.Tensor, dy2: torch.Tensor, weight: 
     aligned = in_memory and scalars.data_ptr() % 16 == 0
     fixed_maps = tuple(item for t, meta in zip((weight, states[0], states[-1]), metas[2:]) for item in encode(t, meta))
     state_pointers = (states[0].data_ptr(), states[-1].data_ptr())
-    fixed = args[_DESCRIPTORS:-9]                  # W, S0, S1, SCALE0, SCALE1, M, N, K, group, scale row stride
+    fixed = as_pointers(args[_DESCRIPTORS:-9])     # W, S0, S1, SCALE0, SCALE1, M, N, K, group, scale row stride
     placeholders = (None,) * _DESCRIPTORS
     grid_x = grid_size(weight, config, device_index)
     grid = (grid_x,)
     function, packed, metadata = compiled.function, compiled.packed_metadata, compiled.launch_metadata
+    weight_pointer = weight.data_ptr()
 
     def launch_direct(x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor) -> bool:
         if isinstance(scalars, torch.Tensor) != in_memory or (in_memory and (scalars.data_ptr() % 16 == 0) != aligned):
             return False
-        tail = _scalar_args(scalars, weight)
         if current_device() != device_index or (states[0].data_ptr(), states[-1].data_ptr()) != state_pointers:
             return False
+        tail = _scalar_args(scalars, weight_pointer)
         stream = current_stream(device_index)
         launcher(grid_x, 1, 1, stream, function, cooperative, pdl, None, None, packed,
-                 metadata(grid, stream, *placeholders, *fixed, *tail, *constexprs), knobs.launch_enter_hook,
-                 knobs.launch_exit_hook, *encode(x2, metas[0]), *encode(dy2, metas[1]), *fixed_maps, *fixed, *tail,
-                 *constexprs)
+                 launch_metadata_or_none(knobs, metadata, grid, stream, *placeholders, *fixed, *tail, *constexprs),
+                 knobs.launch_enter_hook, knobs.launch_exit_hook, *encode(x2, metas[0]), *encode(dy2, metas[1]),
+                 *fixed_maps, *fixed, *tail, *constexprs)
         return True
 
     return launch_direct

@@ -18,7 +18,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..rules.base import KERNEL_SCALARS, MAX_STATES, Rule, check_scalar_count
 from ..state import QBLOCK, ParamState
 from .device import interpreting
-from .direct_launch import compiled_launcher, direct_launch_enabled, launch_parts, raw_tma_launch
+from .direct_launch import (as_pointers, compiled_launcher, direct_launch_enabled, launch_metadata_or_none, launch_parts,
+                            raw_tma_launch)
 from .tile_config import TileConfig
 from .tile_kernel import fused_wgrad_update_kernel
 
@@ -60,6 +61,9 @@ class LaunchPlan:
     direct_builds_descriptors: bool = False
     """``direct`` encodes the TMA descriptors of x2 and dy2 itself (``raw_tma_launch``): ``run_plan``
     then passes no TensorDescriptor objects."""
+    fixed_pointers: tuple = ()
+    """``fixed_args`` with each tensor as its device address (``direct_launch.as_pointers``), set with
+    ``direct``: what the direct launches pass."""
 
     @property
     def tma(self) -> bool:
@@ -153,13 +157,17 @@ def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tup
     """One launch. ``scalars``: the rule's floats as launch arguments, or a device buffer holding them
     (the plan was then built with ``SCALARS_IN_MEMORY``). ``grad_accum``: the accumulator, of the
     layout the plan was built with (or None, as the plan was)."""
-    tail = kernel_args(plan, x2, dy2, scalars, seed, grad_accum)
     if plan.direct is not None:
-        descriptors = (None, None) if plan.direct_builds_descriptors else _tma_descriptors(plan, x2, dy2)
-        if plan.direct((x2, dy2, *descriptors, *tail)):
+        if plan.direct_builds_descriptors:
+            launched = plan.direct((x2, dy2, None, None, *direct_kernel_args(plan, x2, dy2, scalars, seed, grad_accum)))
+        else:
+            launched = plan.direct((x2.data_ptr(), dy2.data_ptr(), *_tma_descriptors(plan, x2, dy2),
+                                    *direct_kernel_args(plan, x2, dy2, scalars, seed, grad_accum)))
+        if launched:
             LAUNCH_PATHS["direct"] += 1
             return None
     LAUNCH_PATHS["jit"] += 1
+    tail = kernel_args(plan, x2, dy2, scalars, seed, grad_accum)
     return fused_wgrad_update_kernel[plan.grid](x2, dy2, *_tma_descriptors(plan, x2, dy2), *tail, **plan.kwargs)
 
 
@@ -171,6 +179,21 @@ def kernel_args(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: 
     values, buffer = scalar_arguments(scalars, weight)
     return (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             *plan.fixed_args[8:15], *values, seed, buffer, *plan.fixed_args[15:])
+
+
+def direct_kernel_args(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor,
+                       scalars: tuple[float, ...] | torch.Tensor, seed: int,
+                       grad_accum: torch.Tensor | None = None) -> tuple:
+    """``kernel_args`` as a direct launch passes them: every tensor as its address (``fixed_pointers``)."""
+    pointers = plan.fixed_pointers
+    weight = pointers[0]
+    if isinstance(scalars, torch.Tensor):
+        values, buffer = _NO_SCALARS, scalars.data_ptr()
+    else:
+        values, buffer = scalars, weight
+    accum = grad_accum.data_ptr() if grad_accum is not None else weight
+    return (*pointers[:5], accum, *pointers[5:8], x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+            *pointers[8:15], *values, seed, buffer, *pointers[15:])
 
 
 def _tma_descriptors(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
@@ -198,6 +221,7 @@ def direct_launcher(compiled: Any, plan: LaunchPlan) -> Callable[[tuple], bool] 
     parts = launch_parts(fused_wgrad_update_kernel, compiled, plan.kwargs)
     if parts is None:
         return None
+    plan.fixed_pointers = as_pointers(plan.fixed_args)
     grid = plan.grid
     raw = raw_tma_launch(compiled) if plan.tma else None
     if raw is None:
@@ -212,9 +236,9 @@ def direct_launcher(compiled: Any, plan: LaunchPlan) -> Callable[[tuple], bool] 
         stream = parts.current_stream(parts.device_index)
         x2, dy2 = args[0], args[1]
         launcher(grid_x, 1, 1, stream, parts.function, cooperative, pdl, None, None, parts.packed,
-                 parts.metadata(grid, stream, *args, *constexprs), knobs.launch_enter_hook,
-                 knobs.launch_exit_hook, x2, dy2, *encode(x2, x_meta), *encode(dy2, dy_meta),
-                 *args[4:], *constexprs)
+                 launch_metadata_or_none(knobs, parts.metadata, grid, stream, *args, *constexprs),
+                 knobs.launch_enter_hook, knobs.launch_exit_hook, x2.data_ptr(), dy2.data_ptr(),
+                 *encode(x2, x_meta), *encode(dy2, dy_meta), *args[4:], *constexprs)
         return True
 
     return launch_encoding_descriptors
