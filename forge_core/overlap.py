@@ -1,6 +1,8 @@
-"""Fused updates on a side CUDA stream, overlapping the rest of the backward.
+"""Fused updates on a side CUDA stream, overlapping the rest of the backward (``fuse(..., overlap=True)``;
+by default every update runs in line on the backward's stream, D102: the fork, join and ``record_stream``
+cost an eager step more host time than the overlap buys it, and a replayed graph gains nothing from it).
 
-Why: a fused update is memory-bound (it streams W and the moments once) and needs nothing from the
+Why one would: a fused update is memory-bound (it streams W and the moments once) and needs nothing from the
 layers whose backward comes after it; the backward's own kernels (dX GEMMs, attention, norms) are
 mostly compute- or latency-bound and at small batch leave much of the GPU idle. Launched on one
 side stream, layer L's update runs while the main stream goes on with layer L-1's backward.
