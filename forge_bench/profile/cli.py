@@ -1,4 +1,4 @@
-"""``forge-bench profile``: the per-arm GPU profilers as Typer subcommands (``step``, ``timeline``,
+"""``forge-bench profile``: the per-arm GPU profilers as Typer subcommands (``step``, ``timeline``, ``host``,
 ``graph``, ``layers``). Each runs every ``--methods`` arm in its own child process, started as this same
 command with the hidden ``--one`` flag; the profiler modules (torch, the model zoo) load only when
 a command runs, so ``forge-bench --help`` stays quick."""
@@ -83,6 +83,25 @@ def timeline(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq
         timeline_mod.run_one(options, names[0], out, trace_dir)
         return
     raise typer.Exit(timeline_mod.run(options, names, out, trace_dir))
+
+
+@profile_app.command()
+def host(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 512, dtype: Dtype = "bfloat16",
+         activations: Activations = "hf", methods: Methods = None,
+         steps: Annotated[int, typer.Option("--steps", min=1, help="steps timed")] = 20, warmup: Warmup = 10,
+         one: One = False) -> None:
+    """Where an eager step's host time goes: forward, backward and optimizer per arm and per Linear
+    layer, and FORGE's fused updates and launches timed inside the steps.
+
+    Default arms: adamw_fused, forge_bf16."""
+    from forge_bench.profile import host as host_mod
+
+    options = _options(model, batch, seq, dtype, activations, steps, warmup)
+    names = _methods(methods, host_mod.DEFAULT_METHODS, one)
+    if one:
+        host_mod.run_one(options, names[0], out)
+        return
+    raise typer.Exit(host_mod.run(options, names, out))
 
 
 @profile_app.command()

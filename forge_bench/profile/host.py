@@ -1,0 +1,156 @@
+"""Where an eager step's host time goes, per arm: the forward, the backward and the optimizer step as the
+host spends them, per Linear layer, and inside FORGE's backward the fused updates and their launches.
+
+    forge-bench profile host --model vit-large-16 --batch 3 --seq 197 \
+        --methods adamw_fused,forge_bf16 --out reports/h200/host.md
+
+Why: at batch 1 an eager step is bound by the host (section 2 of docs/design.md), and FORGE's cost
+there is Python per fused layer. Timed in a loop, those calls take two to three times less than
+inside a real step, where the model's own code keeps the host's caches cold; here they are timed
+inside the steps themselves. Each arm runs in its own process, warms up, then times ``--steps``
+steps; host times are ``time.perf_counter`` around each phase (the host has queued the phase's
+work when it returns), the step's wall time includes a synchronize.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from forge_bench.profile.common import StepOptions, run_each_method, warmed_up_arm
+
+DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
+COMMAND = ["profile", "host"]
+PHASES = ("forward", "backward", "optimizer")
+
+
+class CallTimer:
+    """Host seconds and calls of wrapped functions, by label."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, label: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` with its host time added to ``label`` at every call."""
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started
+                self.calls[label] = self.calls.get(label, 0) + 1
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        """Per label: calls per step and host microseconds per call."""
+        return {label: {"calls_per_step": self.calls[label] / steps,
+                        "us_per_call": 1e6 * self.seconds[label] / self.calls[label]}
+                for label in sorted(self.seconds) if self.calls[label]}
+
+
+def time_forge_internals(timer: CallTimer) -> None:
+    """Wrap, in this process, what a fused layer's backward calls: the whole update of a weight
+    (``FusedWeight.__call__``: the optimizer's bookkeeping, the plan lookup, the launch) and the two
+    launches it ends in (the Triton tile plan's, the Gluon plan's)."""
+    from forge_core.fused_weight import FusedWeight
+    from forge_core.kernels import dispatch, launch
+
+    FusedWeight.__call__ = timer.wrap("update (whole)", FusedWeight.__call__)
+    launch.run_plan = timer.wrap("launch: Triton tile plan", launch.run_plan)
+    dispatch.WsPlan.run = timer.wrap("launch: Gluon plan", dispatch.WsPlan.run)
+
+
+def linear_layers(model: torch.nn.Module) -> int:
+    """The model's Linear-like layers: ``nn.Linear`` and transformers' ``Conv1D`` (fused or not)."""
+    return sum(1 for module in model.modules()
+               if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Conv1D", "ForgeConv1D"))
+
+
+def profile_one(options: StepOptions, method_name: str) -> dict:
+    """Time ``options.steps`` eager steps of one arm in this process, phase by phase."""
+    arm, batches = warmed_up_arm("profile host", options, method_name)
+    if not (callable(getattr(arm, "loss_of", None)) and callable(getattr(arm, "finish_step", None))):
+        raise SystemExit(f"profile host: {method_name} does not split its step into loss_of and finish_step")
+    timer = CallTimer()
+    if getattr(arm, "n_fused_params", 0):
+        time_forge_internals(timer)
+        for i in range(2):                                   # the wrapped calls, once, before the window
+            arm.step(batches[i % len(batches)])
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
+    walls = []
+    torch.cuda.synchronize()
+    timer.reset()
+    for i in range(options.steps):
+        batch = batches[i % len(batches)]
+        started = time.perf_counter()
+        loss = arm.loss_of(batch)
+        forward_done = time.perf_counter()
+        loss.backward()
+        backward_done = time.perf_counter()
+        arm.finish_step()
+        step_done = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - started)
+        for name, seconds in zip(PHASES, (forward_done - started, backward_done - forward_done,
+                                          step_done - backward_done)):
+            phases[name].append(seconds)
+    layers = linear_layers(arm.model)
+    return {"method": method_name, "linear_layers": layers, "steps": options.steps,
+            "wall_ms": 1e3 * statistics.median(walls),
+            "host_ms": {name: 1e3 * statistics.median(values) for name, values in phases.items()},
+            "calls": timer.per_step(options.steps)}
+
+
+def to_markdown(results: list[dict], options: StepOptions, device: str) -> str:
+    """The report: one table of phases for every arm (per step and per Linear layer), then FORGE's timed calls."""
+    lines = [f"# Host time of an eager step: {options.title()} ({device})", "",
+             f"Medians of {results[0]['steps'] if results else 0} steps after {options.warmup} warm-up steps, each arm "
+             "in its own process. Host ms: `time.perf_counter` around each phase (its work queued when it "
+             "returns); wall ms: the step with a synchronize. Per layer: divided by the model's Linear layers.", "",
+             "| arm | wall ms | forward | backward | optimizer | backward us / Linear | Linear layers |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        host = res["host_ms"]
+        per_layer = 1e3 * host["backward"] / res["linear_layers"] if res["linear_layers"] else float("nan")
+        lines.append(f"| {res['method']} | {res['wall_ms']:.2f} | {host['forward']:.2f} | {host['backward']:.2f} | "
+                     f"{host['optimizer']:.2f} | {per_layer:.1f} | {res['linear_layers']} |")
+    for res in results:
+        if not res["calls"]:
+            continue
+        lines += ["", f"## {res['method']}: calls inside the steps", "",
+                  "| call | calls / step | us / call | ms / step |", "|---|---:|---:|---:|"]
+        for label, call in res["calls"].items():
+            lines.append(f"| {label} | {call['calls_per_step']:.0f} | {call['us_per_call']:.1f} | "
+                         f"{call['calls_per_step'] * call['us_per_call'] / 1e3:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_one(options: StepOptions, method: str, out: Path) -> None:
+    """The per-arm child: time ``method`` and write its JSON to ``out``."""
+    out.write_text(json.dumps(profile_one(options, method)))
+
+
+def run(options: StepOptions, methods: list[str], out: Path) -> int:
+    """Every arm in its own process, then the Markdown report at ``out`` (and its JSON beside it)."""
+    results = run_each_method(COMMAND, methods, options.child_arguments(), out)
+    if not results:
+        print("forge-bench profile host: no arm could be timed; nothing written", file=sys.stderr)
+        return 1
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+    out.write_text(to_markdown(results, options, device))
+    out.with_suffix(".json").write_text(json.dumps({"options": options.child_arguments(), "device": device,
+                                                    "results": results}, indent=1))
+    print(out.read_text())
+    return 0
