@@ -50,6 +50,16 @@ def _methods(given: list[str] | None, default: tuple[str, ...], one: bool) -> li
     return names
 
 
+def _run_per_arm(module, options, methods: list[str] | None, out: Path, one: bool) -> None:
+    """A profiler whose ``run_one(options, method, out)`` / ``run(options, methods, out)`` take nothing else:
+    the child's one arm, or every arm and the report (the exit code)."""
+    names = _methods(methods, module.DEFAULT_METHODS, one)
+    if one:
+        module.run_one(options, names[0], out)
+        return
+    raise typer.Exit(module.run(options, names, out))
+
+
 @profile_app.command()
 def step(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 512, dtype: Dtype = "bfloat16",
          activations: Activations = "hf", methods: Methods = None, steps: Steps = 3, warmup: Warmup = 10,
@@ -59,12 +69,7 @@ def step(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 5
     Default arms: adamw_fused, forge_bf16."""
     from forge_bench.profile import step as step_mod
 
-    options = _options(model, batch, seq, dtype, activations, steps, warmup)
-    names = _methods(methods, step_mod.DEFAULT_METHODS, one)
-    if one:
-        step_mod.run_one(options, names[0], out)
-        return
-    raise typer.Exit(step_mod.run(options, names, out))
+    _run_per_arm(step_mod, _options(model, batch, seq, dtype, activations, steps, warmup), methods, out, one)
 
 
 @profile_app.command()
@@ -96,12 +101,7 @@ def host(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 5
     Default arms: adamw_fused, forge_bf16."""
     from forge_bench.profile import host as host_mod
 
-    options = _options(model, batch, seq, dtype, activations, steps, warmup)
-    names = _methods(methods, host_mod.DEFAULT_METHODS, one)
-    if one:
-        host_mod.run_one(options, names[0], out)
-        return
-    raise typer.Exit(host_mod.run(options, names, out))
+    _run_per_arm(host_mod, _options(model, batch, seq, dtype, activations, steps, warmup), methods, out, one)
 
 
 @profile_app.command()

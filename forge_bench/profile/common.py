@@ -66,6 +66,24 @@ def run_each_method(command: list[str], methods: list[str], child_args: list[str
     return results
 
 
+def run_and_report(command: list[str], methods: list[str], child_args: list[str], out: Path,
+                   render: Callable[[list[dict], str], str], what: str, json_beside: bool = False) -> int:
+    """Every arm in its own process (``run_each_method``), then the Markdown ``render(results, device)`` at
+    ``out``, and the results' JSON beside it when ``json_beside``; 1 (nothing written) when no arm ran.
+    ``what``: the past participle the refusal uses ("profiled", "timed")."""
+    results = run_each_method(command, methods, child_args, out)
+    if not results:
+        print(f"forge-bench {' '.join(command)}: no arm could be {what}; nothing written", file=sys.stderr)
+        return 1
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results, device))
+    if json_beside:
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print(out.read_text())
+    return 0
+
+
 def warmed_up_arm(tool: str, options: StepOptions, method_name: str, warmup: int | None = None,
                   capturable: bool = False) -> tuple[Any, list]:
     """One arm built on the GPU as a sweep cell builds it, after ``warmup`` steps (default

@@ -16,14 +16,13 @@ from __future__ import annotations
 import functools
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from forge_bench.profile.common import StepOptions, run_each_method, warmed_up_arm
+from forge_bench.profile.common import StepOptions, run_and_report, warmed_up_arm
 
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
 COMMAND = ["profile", "host"]
@@ -143,14 +142,6 @@ def run_one(options: StepOptions, method: str, out: Path) -> None:
 
 
 def run(options: StepOptions, methods: list[str], out: Path) -> int:
-    """Every arm in its own process, then the Markdown report at ``out`` (and its JSON beside it)."""
-    results = run_each_method(COMMAND, methods, options.child_arguments(), out)
-    if not results:
-        print("forge-bench profile host: no arm could be timed; nothing written", file=sys.stderr)
-        return 1
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
-    out.write_text(to_markdown(results, options, device))
-    out.with_suffix(".json").write_text(json.dumps({"options": options.child_arguments(), "device": device,
-                                                    "results": results}, indent=1))
-    print(out.read_text())
-    return 0
+    """Every arm in its own process, then the Markdown report at ``out`` and its JSON beside it."""
+    return run_and_report(COMMAND, methods, options.child_arguments(), out,
+                          lambda results, device: to_markdown(results, options, device), "timed", json_beside=True)

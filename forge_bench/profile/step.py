@@ -11,13 +11,12 @@ its floor.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from forge_bench.profile.common import BATCH_POOL, StepOptions, run_each_method, warmed_up_arm
+from forge_bench.profile.common import BATCH_POOL, StepOptions, run_and_report, warmed_up_arm
 
 TOP = 15
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
@@ -75,12 +74,5 @@ def run_one(options: StepOptions, method: str, out: Path) -> None:
 
 def run(options: StepOptions, methods: list[str], out: Path) -> int:
     """Every arm in its own process, then the Markdown report at ``out``; 1 when no arm could run."""
-    results = run_each_method(COMMAND, methods, options.child_arguments(), out)
-    if not results:
-        print("forge-bench profile step: no arm could be profiled; nothing written", file=sys.stderr)
-        return 1
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(to_markdown(results, options.model, options.batch, options.seq, device, options.activations))
-    print(out.read_text())
-    return 0
+    return run_and_report(COMMAND, methods, options.child_arguments(), out, lambda results, device: to_markdown(
+        results, options.model, options.batch, options.seq, device, options.activations), "profiled")
