@@ -32,7 +32,8 @@ warning (``probe_inputs=False`` skips it on purpose, silently).
 
 Gradient clipping: ``fuse`` marks every weight whose gradient FORGE never forms (``FUSED_MARK``) and
 installs, once per process, a guard around ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_``
-(``install_clipping_guard``) that raises when it is given such a weight; ``unfuse`` removes the marks.
+(``install_clipping_guard``, both in ``forge_core.clipping``) that raises when it is given such a weight;
+``unfuse`` removes the marks.
 
 Copies: ``copy.deepcopy(model)`` and ``torch.save(model)`` of a fused model give the plain model with its
 weights as they are (``forge_core.module_copies``): an EMA or evaluation copy, a whole-model checkpoint.
@@ -40,26 +41,23 @@ The original's optimizer does not step the copy; ``fuse(copy, ...)`` trains it.
 """
 from __future__ import annotations
 
-import functools
 import inspect
-import math
 import sys
 import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
-import torch.nn.utils.clip_grad as torch_clip_grad
 from torch import nn
 
 from .backends import resolve_backend
+from .clipping import CLIPPING_FUNCTIONS, FUSED_MARK, install_clipping_guard, mark_gradientless_weights
 from .conv1d import conv1d_class, install_forge_conv1d, is_conv1d, is_forge_conv1d, remove_forge_conv1d
 from .dtensors import is_dtensor
 from .embedding import ForgeEmbedding, install_forge_embedding, remove_forge_embedding, row_gradient_unsupported
 from .experts import (EXPERT_PARAMETERS, ExpertsWeight, experts_layout_problem, install_forge_experts,
                       is_forge_experts, looks_like_experts, remove_forge_experts)
 from .layer_step import takes_layer_path
-from .module_copies import FusedMark
 from .linear import ForgeLinear, install_forge_linear, remove_forge_linear
 from .fused_weight import FusedWeight
 from .optimizer import ForgeOptimizer
@@ -105,71 +103,6 @@ def distributed_wrapper_problem(model: nn.Module, device_mesh: Any = None) -> Op
             return (f"parameter {name!r} is a DTensor {where}: use forge_core.distributed.fuse_tensor_parallel"
                     "(model, device_mesh, ...) for a tensor-parallel model")
     return None
-
-
-FUSED_MARK = "forge_gradient_never_exists"
-"""The attribute ``fuse`` sets on each weight whose gradient FORGE never forms (a fused Linear's, a
-row-gradient embedding's), holding what it is; ``unfuse`` removes it. The clipping guard reads it."""
-
-CLIPPING_FUNCTIONS = {
-    "clip_grad_norm_": "global-norm clipping needs every gradient before any weight moves",
-    "clip_grad_value_": "FORGE cannot clip a gradient it never forms",
-}
-"""The ``torch.nn.utils`` functions the guard wraps, with why a weight without a gradient breaks them
-(both skip a parameter whose ``.grad`` is None, so they would leave the fused weights out silently)."""
-
-
-def _clipping_guard(original: Callable[..., Any], function_name: str) -> Callable[..., Any]:
-    """``original`` behind a check that none of its parameters carries ``FUSED_MARK``: one attribute
-    read per parameter, then the untouched original (it runs every step of a training loop)."""
-
-    @functools.wraps(original)
-    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for parameter in parameters:
-            what = getattr(parameter, FUSED_MARK, None)
-            if isinstance(what, FusedMark):          # (a pickled copy's weight loads a plain str: no mark)
-                if function_name == "clip_grad_norm_" and _clips_nothing(args, kwargs):
-                    # max_norm=inf measures a norm and clips nothing: HF's Trainer does it every step for
-                    # its grad_norm log, max_grad_norm=0 or not. Allowed; the norm leaves out every
-                    # fused weight, which the warning says (once per place it is called from).
-                    warnings.warn(f"torch.nn.utils.clip_grad_norm_ with max_norm=inf (a norm, no clipping) was "
-                                  f"given {what}: the norm it returns covers only the gradients that exist",
-                                  stacklevel=2)
-                    break
-                raise ValueError(
-                    f"torch.nn.utils.{function_name} was given {what}: it would be left out silently, and "
-                    f"{CLIPPING_FUNCTIONS[function_name]}; train without clipping (HF Trainer: max_grad_norm=0), "
-                    "clip only parameters that get a .grad, or call forge_core.unfuse(model) first")
-        return original(parameters, *args, **kwargs)
-
-    guarded.forge_clipping_guard_of = original      # type: ignore[attr-defined]
-    return guarded
-
-
-def _clips_nothing(args: tuple, kwargs: dict) -> bool:
-    """Whether a ``clip_grad_norm_`` call's ``max_norm`` is infinite (it then only measures the norm)."""
-    max_norm = args[0] if args else kwargs.get("max_norm")
-    try:
-        return max_norm is not None and math.isinf(float(max_norm))
-    except (TypeError, ValueError):
-        return False
-
-
-def install_clipping_guard() -> None:
-    """Wrap ``CLIPPING_FUNCTIONS`` in ``torch.nn.utils`` and ``torch.nn.utils.clip_grad`` (once: a
-    wrapped function is left as it is). Why at ``fuse``: a user's ``clip_grad_norm_(model.parameters())``
-    after ``fuse`` would clip the fallback gradients alone; code that imported the function by name
-    before ``fuse`` keeps the unguarded one."""
-    for function_name in CLIPPING_FUNCTIONS:
-        wrapped: dict[int, Callable[..., Any]] = {}
-        for namespace in (torch_clip_grad, torch.nn.utils):
-            current = getattr(namespace, function_name, None)
-            if current is None or hasattr(current, "forge_clipping_guard_of"):
-                continue
-            if id(current) not in wrapped:
-                wrapped[id(current)] = _clipping_guard(current, function_name)
-            setattr(namespace, function_name, wrapped[id(current)])
 
 
 def _parameter_use_counts(model: nn.Module) -> Counter:
@@ -592,7 +525,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         _give_embeddings_their_state(model, forge_optimizer)
         if embedding_rows:
             _install_row_embeddings(model, forge_optimizer)
-        _mark_gradientless_weights(forge_optimizer)
+        mark_gradientless_weights(forge_optimizer)
         forge_optimizer.keep_addresses_static()
         install_clipping_guard()
         install_conversion_guard()
@@ -644,20 +577,6 @@ def _install_row_embeddings(model: nn.Module, optimizer: ForgeOptimizer) -> None
         dense.padding_idx = module.padding_idx
         if optimizer.backend == "triton":
             dense.slot_table()          # made now: a compiled backward names it among the tensors it writes
-
-
-def _mark_gradientless_weights(optimizer: ForgeOptimizer) -> None:
-    """Set ``FUSED_MARK`` on the weights that will never get a ``.grad``: the fused ones and the
-    row-gradient embeddings'."""
-    for name, weight in zip(optimizer.fused_module_names(), optimizer.fused_parameters()):
-        label = name if name.rpartition(".")[2] in EXPERT_PARAMETERS else f"{name}.weight"   # experts name the Parameter
-        setattr(weight, FUSED_MARK, FusedMark(f"{label}, a fused weight (forge_core.fuse updates it inside backward; "
-                                              "its gradient never exists)"))
-    for dense in optimizer.dense_weights():
-        if dense.records_rows:
-            setattr(dense.weight, FUSED_MARK, FusedMark(
-                f"{dense.name}, an embedding weight whose gradient forge_core.fuse keeps as rows (it never gets a "
-                ".grad; fuse(..., embedding_rows=False) gives it one)"))
 
 
 def unfuse(model: nn.Module) -> nn.Module:

@@ -11,7 +11,7 @@ attributes. It is not updated by the original's optimizer, and its forward is th
 same values: a fused forward computes what its plain module does). To train a copy, fuse it
 (``forge_core.fuse(copy, ...)``, a new ``ForgeOptimizer``) or give it a torch optimizer; to resume from a
 pickled model, fuse the loaded model and load the saved ``ForgeOptimizer.state_dict()`` into the new one.
-A weight's ``forge_core.manager.FUSED_MARK`` is a ``FusedMark``, which pickles to a plain string that
+A weight's ``forge_core.clipping.FUSED_MARK`` is a ``FusedMark``, which pickles to a plain string that
 the clipping guard ignores (a deep copy of a Parameter keeps no attribute at all).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def plain_module_reduction(module: nn.Module, plain_class: type, protocol: int) 
 
 
 class FusedMark(str):
-    """The value of ``forge_core.manager.FUSED_MARK`` on a weight: what the weight is, for the clipping
+    """The value of ``forge_core.clipping.FUSED_MARK`` on a weight: what the weight is, for the clipping
     guard's message. A pickled weight (``torch.save`` of the model) loads it back as a plain ``str``, which
     the guard does not read as a mark: the loaded model is a plain one (module docstring)."""
 
