@@ -76,12 +76,7 @@ class FusedLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         grad_x, grad_bias, first, second = linear_backward(ctx, x, weight, grad_output)
-        updater = ctx.updater
-        if torch.is_grad_enabled():          # backward(create_graph=True): the update is not differentiable
-            with torch.no_grad():
-                _update(updater, first, second)
-        else:                                # autograd runs a plain backward with grad mode off already
-            _update(updater, first, second)
+        _update_without_grad(ctx.updater, first, second)
         # None for the weight: autograd then never creates (or accumulates into) W.grad.
         return grad_x, None, grad_bias, None, None
 
@@ -211,7 +206,7 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             node = node.next_functions[0][0]
     if node is None or type(node).__name__ not in _GEMM_NODES:
         return None                   # a layout torch computes otherwise (a non-contiguous input)
-    pending = [x]
+    pending, outputs = [x], output.shape[-1]
 
     def update_after_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
         if not pending:
@@ -222,15 +217,20 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if grad_output is None:
             grad_output = torch.zeros(*x_saved.shape[:-1], outputs, dtype=dtype, device=x_saved.device)
         first, second = (grad_output, x_saved) if transposed else (x_saved, grad_output)
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                _update(updater, first, second)
-        else:
-            _update(updater, first, second)
+        _update_without_grad(updater, first, second)
 
-    outputs = output.shape[-1]
     node.register_hook(update_after_gradients)
     return output
+
+
+def _update_without_grad(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``_update`` outside autograd: a backward with ``create_graph=True`` runs with grad mode on, and the
+    update is not differentiable; a plain backward has it off already (no context to enter)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            _update(updater, x, grad_output)
+    else:
+        _update(updater, x, grad_output)
 
 
 def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:

@@ -327,6 +327,30 @@ def test_direct_launcher_passes_runtime_arguments_then_constexprs(monkeypatch):
     assert launch.direct_launcher(object(), plan) is None
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_direct_arguments_are_the_jit_arguments_as_addresses(in_memory, accumulate):
+    """What a direct launch passes (``direct_kernel_args``) is, position by position, what a launch through
+    the JIT passes (``kernel_args``) with every tensor as its address: same order, same values."""
+    from forge_core.kernels.direct_launch import as_pointers
+
+    weight = torch.zeros(24, 40, dtype=torch.bfloat16)
+    state = ParamState(weight, get_rule("adamw"), "int8")
+    states, scales = launch.kernel_states(state)
+    x2, dy2 = torch.zeros(9, 40, dtype=torch.bfloat16), torch.zeros(9, 24, dtype=torch.bfloat16)
+    accum = torch.zeros(24, 40) if accumulate else None
+    meta = launch.kernel_meta(state, torch.bfloat16, grad_accum=accumulate, stochastic=False, ieee=False,
+                              scalars_in_memory=in_memory)
+    plan = launch.make_plan(TileConfig(16, 32, 16, 8, 4, 1), x2, dy2, weight, states, scales, accum, meta)
+    plan.fixed_pointers = as_pointers(plan.fixed_args)
+    scalars = torch.arange(launch.NUM_SCALARS, dtype=torch.float32) if in_memory else \
+        tuple(float(i) / 4 for i in range(launch.NUM_SCALARS))
+    jit = launch.kernel_args(plan, x2, dy2, scalars, 77, accum)
+    direct = launch.direct_kernel_args(plan, x2, dy2, scalars, 77, accum)
+    assert direct == as_pointers(jit)
+    assert not any(isinstance(argument, torch.Tensor) for argument in direct)
+
+
 def test_direct_launch_of_a_tma_plan_encodes_its_descriptors(monkeypatch):
     """With Triton 3.6's launcher layout, a TMA plan's direct launch hands the raw launcher what
     Triton's descriptor wrapper would: the base arguments, then x2 and dy2, each descriptor as

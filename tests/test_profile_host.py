@@ -66,6 +66,8 @@ def test_the_timers_see_every_fused_update_of_a_step(monkeypatch: pytest.MonkeyP
     calls = timer.per_step(3)
     assert calls["update (whole)"]["calls_per_step"] == 3.0, calls
     assert host.linear_layers(model) == 3
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    assert host.linear_layers(nn.Sequential(conv1d(8, 4), nn.ReLU(), nn.Linear(8, 2))) == 2
 
 
 class _TinyRegressor(nn.Module):

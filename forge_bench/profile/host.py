@@ -73,8 +73,10 @@ def time_forge_internals(timer: CallTimer) -> None:
 
 def linear_layers(model: torch.nn.Module) -> int:
     """The model's Linear-like layers: ``nn.Linear`` and transformers' ``Conv1D`` (fused or not)."""
+    from forge_core.conv1d import is_conv1d, is_forge_conv1d
+
     return sum(1 for module in model.modules()
-               if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Conv1D", "ForgeConv1D"))
+               if isinstance(module, torch.nn.Linear) or is_conv1d(module) or is_forge_conv1d(module))
 
 
 def profile_one(options: StepOptions, method_name: str) -> dict:

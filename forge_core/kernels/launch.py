@@ -94,7 +94,7 @@ def compile_options() -> dict[str, Any]:
 
 
 def scalar_arguments(scalars: tuple[float, ...] | torch.Tensor,
-                     placeholder: torch.Tensor) -> tuple[tuple[float, ...], torch.Tensor]:
+                     placeholder: torch.Tensor | int) -> tuple[tuple[float, ...], torch.Tensor | int]:
     """(c0..c7, SCALARS) as a launch passes them: the floats and any pointer, or (capturable mode) zeros
     and the device buffer the kernel reads them from (``rule_scalars``)."""
     if isinstance(scalars, torch.Tensor):
@@ -158,12 +158,10 @@ def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tup
     (the plan was then built with ``SCALARS_IN_MEMORY``). ``grad_accum``: the accumulator, of the
     layout the plan was built with (or None, as the plan was)."""
     if plan.direct is not None:
-        if plan.direct_builds_descriptors:
-            launched = plan.direct((x2, dy2, None, None, *direct_kernel_args(plan, x2, dy2, scalars, seed, grad_accum)))
-        else:
-            launched = plan.direct((x2.data_ptr(), dy2.data_ptr(), *_tma_descriptors(plan, x2, dy2),
-                                    *direct_kernel_args(plan, x2, dy2, scalars, seed, grad_accum)))
-        if launched:
+        # a launcher that encodes the descriptors itself reads the tensors; the others take addresses
+        head = (x2, dy2, None, None) if plan.direct_builds_descriptors else \
+            (x2.data_ptr(), dy2.data_ptr(), *_tma_descriptors(plan, x2, dy2))
+        if plan.direct((*head, *direct_kernel_args(plan, x2, dy2, scalars, seed, grad_accum))):
             LAUNCH_PATHS["direct"] += 1
             return None
     LAUNCH_PATHS["jit"] += 1
@@ -174,26 +172,29 @@ def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tup
 def kernel_args(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,
                 seed: int, grad_accum: torch.Tensor | None = None) -> tuple:
     """The kernel's runtime arguments after X, DY and their two descriptors (see ``run_plan``)."""
-    weight, s0, s1, scale0, scale1, m, n, k = plan.fixed_args[:8]
-    accum = grad_accum if grad_accum is not None else weight
+    weight = plan.fixed_args[0]
     values, buffer = scalar_arguments(scalars, weight)
-    return (weight, s0, s1, scale0, scale1, accum, m, n, k, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-            *plan.fixed_args[8:15], *values, seed, buffer, *plan.fixed_args[15:])
+    return _ordered_arguments(plan.fixed_args, grad_accum if grad_accum is not None else weight, x2, dy2, values,
+                              seed, buffer)
 
 
 def direct_kernel_args(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor,
                        scalars: tuple[float, ...] | torch.Tensor, seed: int,
                        grad_accum: torch.Tensor | None = None) -> tuple:
     """``kernel_args`` as a direct launch passes them: every tensor as its address (``fixed_pointers``)."""
-    pointers = plan.fixed_pointers
-    weight = pointers[0]
-    if isinstance(scalars, torch.Tensor):
-        values, buffer = _NO_SCALARS, scalars.data_ptr()
-    else:
-        values, buffer = scalars, weight
-    accum = grad_accum.data_ptr() if grad_accum is not None else weight
-    return (*pointers[:5], accum, *pointers[5:8], x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
-            *pointers[8:15], *values, seed, buffer, *pointers[15:])
+    weight = plan.fixed_pointers[0]
+    values, buffer = scalar_arguments(scalars, weight)
+    return _ordered_arguments(plan.fixed_pointers, grad_accum.data_ptr() if grad_accum is not None else weight, x2,
+                              dy2, values, seed, buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer)
+
+
+def _ordered_arguments(fixed: tuple, accum: Any, x2: torch.Tensor, dy2: torch.Tensor, values: tuple[float, ...],
+                       seed: int, buffer: Any) -> tuple:
+    """The kernel's runtime arguments after X, DY and their descriptors, in its parameter order: the plan's
+    weight, states and scales (``fixed``: tensors or their addresses), the accumulator, sizes, the
+    activations' strides, the other strides, the scalars, the seed, the scalars' buffer, the third state."""
+    return (*fixed[:5], accum, *fixed[5:8], x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+            *fixed[8:15], *values, seed, buffer, *fixed[15:])
 
 
 def _tma_descriptors(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor) -> tuple[Any, Any]:
