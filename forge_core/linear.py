@@ -193,12 +193,20 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if not (x.requires_grad or (bias is not None and bias.requires_grad)):
         return None
     alias = weight.detach()
-    if transposed:                    # transformers' Conv1D: x W + b, as its own forward computes it
+    # An input F.linear cannot flatten as a view (MLP-Mixer's token mixing reads a transposed one) it
+    # multiplies as a flattened copy, adding the bias after the GEMM (the weight requires grad): the same here.
+    unflattened = not transposed and x.dim() > 2 and not x.is_contiguous()
+    if transposed or unflattened:     # transposed: transformers' Conv1D, x W + b, as its own forward computes it
         x2 = x.reshape(-1, x.shape[-1])
-        output = torch.addmm(bias, x2, alias) if bias is not None else torch.mm(x2, alias)
+        if transposed and bias is not None:
+            output = torch.addmm(bias, x2, alias)
+        else:
+            output = torch.mm(x2, alias if transposed else alias.t())
         node = output.grad_fn
         if x.dim() != 2:
             output = output.view(*x.shape[:-1], output.shape[-1])
+        if unflattened and bias is not None:
+            output = output + bias
     else:
         output = F.linear(x, alias, bias)
         node = output.grad_fn         # a (..., Din) input: a view of the GEMM of its 2-D view

@@ -168,6 +168,31 @@ def test_hooked_path_equals_the_function_path_exactly(monkeypatch: pytest.Monkey
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_hooked_path_takes_a_transposed_input_as_torch_does(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    """MLP-Mixer's token mixing reads a transposed view, which F.linear multiplies as a flattened copy: the
+    hooked path takes it too (no second forward through the Function), with torch's forward and dX exactly,
+    and updates the weights as the Function does."""
+    torch.manual_seed(11)
+    source = torch.randn(2, 70, 7)
+    results = {}
+    for arm in ("hooked", "function", "torch"):
+        model, opt = _fused_pair(monkeypatch, bias, hooked=arm == "hooked")
+        if arm == "torch":
+            forge_core.unfuse(model)
+        x = source.clone().requires_grad_(True)
+        out = model(x.transpose(-1, -2))
+        assert ("FusedLinearFunctionBackward" in _graph_names(out)) is (arm == "function")
+        out.square().mean().backward()
+        if arm != "torch":                   # an unfused model's weights have .grad, which FORGE does not step
+            opt.step()
+        results[arm] = out.detach(), x.grad, [p.detach().clone() for p in model.parameters()]
+    torch.testing.assert_close(results["hooked"][0], results["torch"][0], rtol=0, atol=0)
+    torch.testing.assert_close(results["hooked"][1], results["torch"][1], rtol=0, atol=0)
+    for ours, theirs in zip(results["hooked"][2], results["function"][2]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 def test_hooked_path_takes_dx_from_the_weight_before_its_update(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _fused_pair(monkeypatch, bias=True, hooked=True)
     plain = copy.deepcopy(model)
