@@ -58,9 +58,13 @@ class CompiledArm:
             torch.compiler.cudagraph_mark_step_begin()
         loss = self.loss_of(batch)
         loss.backward()
-        self.inner.finish_step()
+        self.finish_step()
         self.settings["graph_breaks"] = graph_breaks() - self._breaks_at_build
         return loss.detach().clone() if replays else loss.detach()
+
+    def finish_step(self) -> None:
+        """What follows the backward: the inner arm's optimizer step (eager, as torch.compile leaves it)."""
+        self.inner.finish_step()
 
     @property
     def model(self) -> nn.Module:

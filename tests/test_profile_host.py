@@ -112,3 +112,23 @@ def test_each_arm_is_timed_phase_by_phase(monkeypatch: pytest.MonkeyPatch) -> No
             assert result["calls"] == {}
         else:
             assert result["calls"]["update (whole)"]["calls_per_step"] == 2.0
+
+
+def test_a_compiled_twin_is_timed_and_a_replaying_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A default-mode twin splits its step as its eager arm does; a reduce-overhead one is refused in one line."""
+    from forge_bench import compiled_arms
+    from forge_bench.torch_arms import TorchArm
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(compiled_arms.torch, "compile", lambda function, mode=None: function)   # the split, not Inductor
+    batches = [{"x": torch.randn(4, 12), "labels": torch.randn(4, 3)}]
+    for mode in ("default", "reduce-overhead"):
+        model = _TinyRegressor()
+        arm = compiled_arms.CompiledArm(TorchArm(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {}), mode)
+        monkeypatch.setattr(host, "warmed_up_arm", lambda tool, options, name, arm=arm: (arm, batches))
+        if mode == "default":
+            result = host.profile_one(StepOptions(steps=3), "adamw_fused_compile")
+            assert result["host_ms"]["optimizer"] > 0 and result["linear_layers"] == 2
+        else:
+            with pytest.raises(SystemExit, match="adamw_fused_compile_ro replays CUDA graphs"):
+                host.profile_one(StepOptions(steps=3), "adamw_fused_compile_ro")

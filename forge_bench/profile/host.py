@@ -84,6 +84,9 @@ def profile_one(options: StepOptions, method_name: str) -> dict:
     arm, batches = warmed_up_arm("profile host", options, method_name)
     if not (callable(getattr(arm, "loss_of", None)) and callable(getattr(arm, "finish_step", None))):
         raise SystemExit(f"profile host: {method_name} does not split its step into loss_of and finish_step")
+    if getattr(arm, "mode", None) == "reduce-overhead":
+        raise SystemExit(f"profile host: {method_name} replays CUDA graphs, whose host time is not split into "
+                         "forward, backward and optimizer; profile graph times replays")
     timer = CallTimer()
     if getattr(arm, "n_fused_params", 0):
         time_forge_internals(timer)
