@@ -196,8 +196,9 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     # An input F.linear cannot flatten as a view (MLP-Mixer's token mixing reads a transposed one) it
     # multiplies as a flattened copy, adding the bias after the GEMM (the weight requires grad): the same here.
     unflattened = not transposed and x.dim() > 2 and not x.is_contiguous()
+    held = x                          # what the update reads: the input, or the 2-D copy the GEMM read
     if transposed or unflattened:     # transposed: transformers' Conv1D, x W + b, as its own forward computes it
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = held = x.reshape(-1, x.shape[-1])
         if transposed and bias is not None:
             output = torch.addmm(bias, x2, alias)
         else:
@@ -214,7 +215,7 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             node = node.next_functions[0][0]
     if node is None or type(node).__name__ not in _GEMM_NODES:
         return None                   # a layout torch computes otherwise (a non-contiguous input)
-    pending, outputs = [x], output.shape[-1]
+    pending, outputs = [held], output.shape[-1]
 
     def update_after_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
         if not pending:

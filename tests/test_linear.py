@@ -193,6 +193,18 @@ def test_hooked_path_takes_a_transposed_input_as_torch_does(monkeypatch: pytest.
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+def test_hooked_path_hands_the_update_the_copy_its_gemm_read() -> None:
+    """A transposed input is copied once, in the forward; the update reads that copy (no second copy per backward)."""
+    from forge_core.linear import hooked_linear
+
+    weight, seen = nn.Parameter(torch.randn(6, 4)), []
+    x = torch.randn(2, 4, 3, requires_grad=True).transpose(-1, -2)
+    hooked_linear(x, weight, None, lambda first, dy: seen.append((first, dy))).sum().backward()
+    (first, dy), = seen
+    assert first.shape == (6, 4) and first.is_contiguous() and dy.shape == (6, 6)
+    torch.testing.assert_close(first, x.reshape(-1, 4), rtol=0, atol=0)
+
+
 def test_hooked_path_takes_dx_from_the_weight_before_its_update(monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = _fused_pair(monkeypatch, bias=True, hooked=True)
     plain = copy.deepcopy(model)
