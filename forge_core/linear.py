@@ -214,7 +214,7 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if node is not None and type(node).__name__ in _VIEW_NODES:
             node = node.next_functions[0][0]
     if node is None or type(node).__name__ not in _GEMM_NODES:
-        return None                   # a layout torch computes otherwise (a non-contiguous input)
+        return None                   # a layout torch computes with another node
     pending, outputs = [held], output.shape[-1]
 
     def update_after_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:

@@ -96,7 +96,8 @@ def host(out: Out, model: Model = "llama-3.1-8b", batch: Batch = 1, seq: Seq = 5
          steps: Annotated[int, typer.Option("--steps", min=1, help="steps timed")] = 20, warmup: Warmup = 10,
          one: One = False) -> None:
     """Where an eager step's host time goes: forward, backward and optimizer per arm and per Linear
-    layer, and FORGE's fused updates and launches timed inside the steps.
+    layer, and FORGE's fused updates and launches timed inside the steps (a default-mode ``_compile``
+    twin too).
 
     Default arms: adamw_fused, forge_bf16."""
     from forge_bench.profile import host as host_mod

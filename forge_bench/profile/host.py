@@ -7,7 +7,8 @@ host spends them, per Linear layer, and inside FORGE's backward the fused update
 Why: at batch 1 an eager step is bound by the host (section 2 of docs/design.md), and FORGE's cost
 there is Python per fused layer. Timed in a loop, those calls take two to three times less than
 inside a real step, where the model's own code keeps the host's caches cold; here they are timed
-inside the steps themselves. Each arm runs in its own process, warms up, then times ``--steps``
+inside the steps themselves. A default-mode compiled twin (``<arm>_compile``) is timed the same way; a
+reduce-overhead one, whose steps are graph replays, is refused. Each arm runs in its own process, warms up, then times ``--steps``
 steps; host times are ``time.perf_counter`` around each phase (the host has queued the phase's
 work when it returns), the step's wall time includes a synchronize.
 """
