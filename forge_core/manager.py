@@ -45,7 +45,7 @@ import inspect
 import sys
 import warnings
 from collections import Counter
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
