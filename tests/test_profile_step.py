@@ -73,3 +73,26 @@ def test_child_arguments_carry_every_option():
 def test_union_of_intervals_merges_overlaps_and_touching_ends():
     assert common.union_intervals([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (3.0, 4.0)]) == [(0.0, 4.0), (5.0, 7.0)]
     assert common.union_intervals([]) == []
+
+
+@pytest.mark.parametrize("name", ["timeline", "graph"])
+def test_timeline_and_graph_write_their_report_and_json_or_nothing(name, tmp_path, monkeypatch, capsys):
+    """Both reports go through ``common.run_and_report``: the Markdown and its JSON, or exit 1 with nothing written."""
+    import importlib
+
+    module = importlib.import_module(f"forge_bench.profile.{name}")
+    monkeypatch.setattr(module, "to_markdown", lambda results, title: f"# {title}: {len(results)} arms\n")
+    out = tmp_path / "report" / f"{name}.md"
+
+    def run() -> int:
+        if name == "timeline":
+            return module.run(StepOptions(), ["a"], out, None)
+        return module.run(StepOptions(), ["a"], 20, out, None)
+
+    monkeypatch.setattr(common, "run_each_method", lambda *args, **kwargs: [])
+    assert run() == 1 and not out.parent.exists()
+    assert f"forge-bench profile {name}: no arm could be" in capsys.readouterr().err
+    monkeypatch.setattr(common, "run_each_method", lambda *args, **kwargs: [{"method": "a"}])
+    assert run() == 0
+    assert out.read_text().endswith(": 1 arms\n")
+    assert json.loads(out.with_suffix(".json").read_text()) == [{"method": "a"}]

@@ -21,7 +21,6 @@ import bisect
 import gc
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from forge_bench.cell import GRAPH_EAGER_WARMUP, GraphedStep
-from forge_bench.profile.common import BATCH_POOL, chrome_trace, StepOptions, run_each_method, union_intervals, warmed_up_arm
+from forge_bench.profile.common import BATCH_POOL, chrome_trace, StepOptions, run_and_report, union_intervals, warmed_up_arm
 
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16", "forge_int8")
 COMMAND = ["profile", "graph"]
@@ -225,13 +224,5 @@ def run(options: StepOptions, methods: list[str], timed: int, out: Path, trace_d
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--timed", str(timed)] + (["--trace-dir", str(trace_dir)] if trace_dir else [])
-    results = run_each_method(COMMAND, methods, options.child_arguments() + extra, out)
-    if not results:
-        print("forge-bench profile graph: no arm could be profiled; nothing written", file=sys.stderr)
-        return 1
-    device = torch.cuda.get_device_name(0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(to_markdown(results, f"{options.title()} ({device})"))
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    print(out.read_text())
-    return 0
+    return run_and_report(COMMAND, methods, options.child_arguments() + extra, out, lambda results, device: to_markdown(
+        results, f"{options.title()} ({device})"), "profiled", json_beside=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
@@ -26,7 +25,7 @@ from typing import Any, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from forge_bench.profile.common import BATCH_POOL, chrome_trace, StepOptions, run_each_method, union_intervals, warmed_up_arm
+from forge_bench.profile.common import BATCH_POOL, chrome_trace, StepOptions, run_and_report, union_intervals, warmed_up_arm
 
 STEP_PREFIX = "forge_step_"
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -205,12 +204,5 @@ def run(options: StepOptions, methods: list[str], out: Path, trace_dir: Path | N
     if trace_dir:
         trace_dir.mkdir(parents=True, exist_ok=True)
     child_args = options.child_arguments() + (["--trace-dir", str(trace_dir)] if trace_dir else [])
-    results = run_each_method(COMMAND, methods, child_args, out)
-    if not results:
-        print("forge-bench profile timeline: no arm could be recorded; nothing written", file=sys.stderr)
-        return 1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.write_text(to_markdown(results, f"{options.model}, batch {options.batch}, seq {options.seq}"))
-    print(out.read_text())
-    return 0
+    return run_and_report(COMMAND, methods, child_args, out, lambda results, device: to_markdown(
+        results, f"{options.model}, batch {options.batch}, seq {options.seq}"), "recorded", json_beside=True)
