@@ -15,6 +15,7 @@ from torch import nn
 from . import kernels
 from .dtensors import local_shard
 from .state import ParamState
+from .update_graphs import UpdateGraphs
 
 
 class UpdateOwner(Protocol):
@@ -64,6 +65,9 @@ class FusedWeight:
         self.probe_backward_calls = 0
         self.overlap_updates = False
         """Run this weight's updates on the side stream (``forge_core.overlap``); set by ``fuse``."""
+        self.update_graphs: Optional[UpdateGraphs] = None
+        """Its eager updates' recorded CUDA graphs, where its optimizer replays them (``forge_core.update_graphs``);
+        a ``tile_config`` set after an update was recorded reaches only the launched updates."""
         self._row_parts: dict[tuple[int, int], RowPart] = {}
 
     def begin_probe(self) -> None:

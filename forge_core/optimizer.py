@@ -43,8 +43,9 @@ from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
-from .traced import graph_capturing, trace_key
+from .traced import graph_capturing, in_traced_update, trace_key
 from .traced_updates import TracedUpdates
+from .update_graphs import UPDATE_GRAPHS, UpdateGraphs, replay_problem
 
 GUARD_GROUP_KEY = "forge_state_dict"
 """The key of the last entry of a ``ForgeOptimizer.state_dict()``'s ``param_groups``: a group that lists
@@ -154,6 +155,14 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 self._scalars_written_from.append(None)
         self._device_mode = self.capturable and bool(self._device_steps)
         self._scalars_override: Optional[torch.Tensor] = None
+        self.update_replay_problem: Optional[str] = "the rule steps whole layers (forge_core.layer_step)" \
+            if self._layer_path is not None else replay_problem(
+                UPDATE_GRAPHS, backend, self.device_scalars_problem, {b.weight.device for b in bindings})
+        """Why this optimizer's eager updates do not replay recorded CUDA graphs (``forge_core.update_graphs``),
+        or None when a fused weight's update is recorded once its inputs' placement repeats."""
+        if self.update_replay_problem is None:
+            for binding in bindings:
+                binding.update_graphs = UpdateGraphs(kernels.launch_path_counts())
 
     # -- what is fused ----------------------------------------------------------------------
 
@@ -192,6 +201,13 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         fallback parameters alone, and a backward through the plain model gives the fused weights a
         ``.grad`` that nothing here applies."""
         self._unfused = True
+        self._forget_update_graphs()
+
+    def _forget_update_graphs(self) -> None:
+        """Drop every recorded update (``forge_core.update_graphs``): their weights or states changed."""
+        for binding in self._bindings:
+            if binding.update_graphs is not None:
+                binding.update_graphs.clear()
 
     @property
     def unfused(self) -> bool:
@@ -289,7 +305,34 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             return
         if self.distributed is not None:           # data parallel: the gradient is reduced first
             return self.distributed.fused_backward(binding, x, grad_output)
+        graphs = binding.update_graphs
+        if graphs is not None and self._replayed_update(graphs, binding, x, grad_output):
+            return
         self.apply_update(binding, x, grad_output)
+
+    def _replayed_update(self, graphs: UpdateGraphs, binding: FusedWeight, x: torch.Tensor,
+                         grad_output: torch.Tensor) -> bool:
+        """``binding``'s update replayed from its recorded graph, or recorded now and replayed when its inputs
+        lie where they lay at its previous update (``forge_core.update_graphs``); False where it must be
+        launched: fp32 inputs (their plan follows the TF32 switch), the side stream, a traced update, a graph
+        capture around it, or device mode out of reach (the weights' step counts differ)."""
+        if x.dtype == torch.float32 or binding.overlap_updates or in_traced_update() or graph_capturing():
+            return False
+        key = graphs.key(x, grad_output, binding.matrix)
+        group = binding.group_index
+        if key in graphs.graphs:
+            self._keep_device_scalars_current(group)
+            return graphs.replay(key)
+        if not graphs.wants_recording(key):
+            return False
+        if not self._device_mode:
+            try:
+                self.enter_device_mode()
+            except ValueError:                      # one step count per group is what device mode keeps
+                graphs.stopped = True
+                return False
+        self._keep_device_scalars_current(group)    # before the recording: a recorded write would replay
+        return graphs.record_and_replay(key, lambda: self.apply_update(binding, x, grad_output), x.device)
 
     def begin_row_updates_of(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
@@ -578,6 +621,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         self._steps_taken = int(forge.get("steps_taken", 0))
         if self._device_mode:
             self.device_steps_from_host()
+        self._forget_update_graphs()
 
     def __repr__(self) -> str:
         return (f"ForgeOptimizer(rule={self.rule.name}, state_dtype={self.state_dtype}, backend={self.backend}, "

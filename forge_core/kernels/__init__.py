@@ -26,7 +26,7 @@ try:
     from .device import triton_available
     from .dispatch import fused_wgrad_update
     from .grouped_update import grouped_wgrad_update
-    from .launch import NUM_SCALARS, launch_paths, reset_launch_paths
+    from .launch import NUM_SCALARS, launch_path_counts, launch_paths, reset_launch_paths
     from .tuning import (count_current_tune_cache_entries, describe_tuned_configs, rekey_tune_cache_entries,
                          tuned_configs)
 except ImportError:  # pragma: no cover - a torch-only install without Triton
@@ -39,9 +39,15 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
         """No Triton: the fused kernel cannot run here."""
         return False
 
+    _NO_LAUNCHES = {"direct": 0, "jit": 0, "graph": 0}
+
     def launch_paths() -> dict[str, int]:
         """No Triton: no fused-kernel launch."""
-        return {"direct": 0, "jit": 0}
+        return dict(_NO_LAUNCHES)
+
+    def launch_path_counts() -> dict[str, int]:
+        """No Triton: counts nothing reads."""
+        return _NO_LAUNCHES
 
     def reset_launch_paths() -> None:
         """No Triton: nothing to reset."""
@@ -63,5 +69,5 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
         raise RuntimeError("checking a tune cache needs Triton (the fingerprints hash the kernels' sources)")
 
 __all__ = ["NUM_SCALARS", "TileConfig", "count_current_tune_cache_entries", "describe_tuned_configs",
-           "fused_wgrad_update", "grouped_wgrad_update", "launch_paths", "reference_wgrad_update", "rekey_tune_cache_entries",
+           "fused_wgrad_update", "grouped_wgrad_update", "launch_path_counts", "launch_paths", "reference_wgrad_update", "rekey_tune_cache_entries",
            "reset_launch_paths", "triton_available", "tuned_configs"]

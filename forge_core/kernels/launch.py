@@ -134,22 +134,29 @@ def make_plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: t
 _NO_SCALARS = (0.0,) * NUM_SCALARS
 
 
-LAUNCH_PATHS = {"direct": 0, "jit": 0}
+LAUNCH_PATHS = {"direct": 0, "jit": 0, "graph": 0}
 """Fused-kernel launches by path since the last ``reset_launch_paths`` (the factored rules' passes,
 ``kernels.factored``, count here too): ``direct`` (a kept plan's or ``LaunchCache``'s launcher, ~20 us
 of host time) or ``jit`` (through Triton's JIT: ~100-240 us; a first launch, or a direct launcher
-that declined). Why: an eager step is host-bound at batch 1, and a layer whose
+that declined), and ``graph``: an eager update replayed from its recorded CUDA graph (``forge_core.update_graphs``:
+a graph launch). Why: an eager step is host-bound at batch 1, and a layer whose
 launches stay on the JIT costs it ~0.2 ms a step; the harness records the counts per timed step."""
 
 
 def reset_launch_paths() -> None:
     """Zero ``LAUNCH_PATHS`` (the harness, at the timed window's start)."""
-    LAUNCH_PATHS["direct"] = LAUNCH_PATHS["jit"] = 0
+    for path in LAUNCH_PATHS:
+        LAUNCH_PATHS[path] = 0
 
 
 def launch_paths() -> dict[str, int]:
     """A copy of ``LAUNCH_PATHS``."""
     return dict(LAUNCH_PATHS)
+
+
+def launch_path_counts() -> dict[str, int]:
+    """``LAUNCH_PATHS`` itself, for a caller that counts launches of its own (``forge_core.update_graphs``)."""
+    return LAUNCH_PATHS
 
 
 def run_plan(plan: LaunchPlan, x2: torch.Tensor, dy2: torch.Tensor, scalars: tuple[float, ...] | torch.Tensor,

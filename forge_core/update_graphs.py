@@ -1,0 +1,159 @@
+"""An eager fused update replayed from a CUDA graph of itself (``FORGE_UPDATE_GRAPHS=0`` turns it off).
+
+Why: an eager step at batch 1 is bound by the host, and each fused layer's update costs it the Python
+from the backward hook down to Triton's launcher (``ForgeOptimizer.fused_backward``, the plan lookup, the
+arguments, the launch): ~80 us a layer inside real ViT-L/16 steps on the H200, where torch's own dW
+GEMM costs its C++ node a few. Once a layer's update has been seen twice with its inputs at the same
+addresses (the caching allocator hands a steady training loop the same blocks every step), the
+update is recorded into a one-layer CUDA graph and every later update with the same inputs replays
+it: one graph launch, nothing else.
+
+What makes a replay the same update: the graph holds the inputs' addresses, shapes and strides (the
+key), the weight's address (also in the key) and its states', the launch plan (its tile, its kernel)
+and the address of the group's device scalars, which the kernel reads at every replay: the optimizer
+runs in device mode once it records (``TracedUpdates.enter_device_mode``: the step count and the rule's
+scalars in device tensors, rewritten by ``step()`` and when a hyper-parameter changes), so an lr
+schedule reaches a replayed update as it reaches a launched one. Everything else (gradient
+accumulation, data parallel, the side stream, stochastic rounding, a whole-step graph being captured
+around it) keeps the launched path; ``ForgeOptimizer.fused_backward`` decides.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+UPDATE_GRAPHS = os.environ.get("FORGE_UPDATE_GRAPHS", "1") != "0"
+"""Whether eager fused updates may replay recorded graphs; read once at import (a test may set it)."""
+GRAPHS_PER_WEIGHT = 2
+"""Recorded graphs kept per weight (two input placements that alternate, e.g. two sequence lengths);
+a third placement that repeats replaces the oldest."""
+RECORDINGS_WITHOUT_REPLAY = 8
+"""Recordings of one weight that found no replay before it stops recording: inputs whose addresses
+repeat once and then move (a loop whose allocations drift) would otherwise pay a recording per step."""
+
+
+class Replay(Protocol):
+    """A recorded update: ``replay()`` enqueues it on the current stream."""
+
+    def replay(self) -> None: ...
+
+
+Recorder = Callable[[Callable[[], None], torch.device], Optional[Replay]]
+"""Records ``update()`` (GPU work only) on ``device``; None where it cannot be recorded."""
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def record_cuda_graph(update: Callable[[], None], device: torch.device) -> Optional[Replay]:
+    """``update`` recorded as a CUDA graph (not run), or None when its work cannot be captured (it then
+    runs launched, as it would have). Captured on a stream of its own, in thread-local mode: the
+    autograd engine's thread records while the main thread waits in ``backward()``."""
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            update()
+        except BaseException as error:
+            _end_capture_quietly(graph)
+            if isinstance(error, RuntimeError):     # work a graph cannot hold (a sync, a host read)
+                return None
+            raise
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            return None
+    return graph
+
+
+def _end_capture_quietly(graph: torch.cuda.CUDAGraph) -> None:
+    """End a capture whose work failed, so the stream records nothing more (its own error is the update's)."""
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        pass
+
+
+class UpdateGraphs:
+    """One fused weight's recorded updates, by where their inputs lie (see the module docstring)."""
+
+    def __init__(self, counts: dict[str, int], recorder: Recorder = record_cuda_graph) -> None:
+        self.counts = counts
+        """Launch counts by path, shared (``kernels.launch_path_counts``): a replay counts as ``graph``."""
+        self.recorder = recorder
+        self.graphs: dict[tuple, Replay] = {}
+        self.last_key: Optional[tuple] = None
+        self.recordings_unreplayed = 0
+        self.stopped = False
+
+    @staticmethod
+    def key(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> tuple:
+        """Where an update's inputs and weight lie and how they are laid out: what a graph holds fixed."""
+        return (x.data_ptr(), grad_output.data_ptr(), weight.data_ptr(), x.shape, x.stride(), grad_output.shape,
+                grad_output.stride(), x.dtype, grad_output.dtype)
+
+    def replay(self, key: tuple) -> bool:
+        """Replay the graph recorded for ``key``; False when there is none."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            return False
+        graph.replay()
+        self.counts["graph"] += 1
+        self.recordings_unreplayed = 0
+        return True
+
+    def wants_recording(self, key: tuple) -> bool:
+        """Whether to record this update: its key repeats the weight's previous update's (else it is
+        remembered, and the update runs launched)."""
+        if self.stopped:
+            return False
+        if key != self.last_key:
+            self.last_key = key
+            return False
+        return True
+
+    def record_and_replay(self, key: tuple, update: Callable[[], None], device: torch.device) -> bool:
+        """Record ``update`` for ``key`` and replay it once (the update of this call); False, with nothing
+        run, when it cannot be recorded (recording then stops for this weight)."""
+        graph = self.recorder(update, device)
+        if graph is None:
+            self.stopped = True
+            return False
+        self.recordings_unreplayed += 1
+        if self.recordings_unreplayed > RECORDINGS_WITHOUT_REPLAY:
+            self.stopped = True
+        if len(self.graphs) >= GRAPHS_PER_WEIGHT:
+            del self.graphs[next(iter(self.graphs))]
+        self.graphs[key] = graph
+        graph.replay()
+        self.counts["graph"] += 1
+        return True
+
+    def clear(self) -> None:
+        """Forget every recording (the states were replaced, or the weight's plan may change)."""
+        self.graphs.clear()
+        self.last_key = None
+        self.recordings_unreplayed = 0
+        self.stopped = False
+
+
+def replay_problem(enabled: bool, backend: str, device_scalars_problem: Optional[str],
+                   devices: set[Any]) -> Optional[str]:
+    """Why an optimizer's eager updates cannot replay recorded graphs, in one line; None when they can."""
+    if not enabled:
+        return "FORGE_UPDATE_GRAPHS=0"
+    if device_scalars_problem is not None:
+        return device_scalars_problem
+    if backend != "triton":
+        return f"backend {backend!r} launches no kernel to record"
+    if any(getattr(device, "type", None) != "cuda" for device in devices):
+        return "CUDA graphs need the fused weights on a CUDA device"
+    return None
+
+
+__all__ = ["UPDATE_GRAPHS", "GRAPHS_PER_WEIGHT", "RECORDINGS_WITHOUT_REPLAY", "UpdateGraphs", "record_cuda_graph",
+           "replay_problem", "Replay", "Recorder"]

@@ -1,0 +1,242 @@
+"""Eager fused updates replayed from recorded CUDA graphs (``forge_core.update_graphs``): recorded once a
+weight's inputs repeat their placement, replayed after, the same weights and states bit for bit as
+launched updates, under an lr schedule. On the CPU a recorder that re-runs the recorded update stands in
+for the graph (the tests call the bindings with the same input tensors every step, which is what a
+graph's fixed addresses hold); the GPU tests record real graphs in real backward passes."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import forge_core
+from forge_core import optimizer as optimizer_module
+from forge_core import update_graphs
+from forge_core.kernels import launch_path_counts, launch_paths, reset_launch_paths
+from forge_core.update_graphs import UpdateGraphs, replay_problem
+
+HP = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs exist on CUDA only")
+
+
+class Rerun:
+    """A recording that runs the recorded update again at each replay, as a capture would have seen it
+    (``graph_capturing()`` true: the optimizer writes no device scalar there, so a replay reads what the
+    host wrote before it): the CPU's stand-in for a graph."""
+
+    def __init__(self, update) -> None:
+        self.update = update
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        with mock.patch.object(optimizer_module, "graph_capturing", lambda: True):
+            self.update()
+
+
+def rerun_recorder(update, device):
+    return Rerun(update)
+
+
+def _counts() -> dict[str, int]:
+    return {"direct": 0, "jit": 0, "graph": 0}
+
+
+def _key(address: int) -> tuple:
+    return (address,)
+
+
+def test_a_placement_seen_twice_is_recorded_and_replayed_after() -> None:
+    runs: list[int] = []
+    graphs = UpdateGraphs(_counts(), rerun_recorder)
+    assert not graphs.replay(_key(1)) and not graphs.wants_recording(_key(1))      # first sight: launched
+    assert graphs.wants_recording(_key(1))                                          # seen before: record
+    assert graphs.record_and_replay(_key(1), lambda: runs.append(1), torch.device("cpu"))
+    assert runs == [1] and graphs.counts["graph"] == 1
+    assert graphs.replay(_key(1)) and runs == [1, 1] and graphs.counts["graph"] == 2
+    assert not graphs.replay(_key(2)) and not graphs.wants_recording(_key(2))      # a new placement: launched
+
+
+def test_at_most_two_placements_are_kept_per_weight() -> None:
+    graphs = UpdateGraphs(_counts(), rerun_recorder)
+    for address in (1, 2, 3):
+        graphs.wants_recording(_key(address))
+        assert graphs.wants_recording(_key(address))
+        graphs.record_and_replay(_key(address), lambda: None, torch.device("cpu"))
+    assert list(graphs.graphs) == [_key(2), _key(3)]
+    assert len(graphs.graphs) == update_graphs.GRAPHS_PER_WEIGHT
+
+
+def test_recording_stops_when_placements_never_settle() -> None:
+    """Each placement repeats once and then moves: after RECORDINGS_WITHOUT_REPLAY recordings without a
+    replay the weight records no more (each recording costs more host time than a launch)."""
+    graphs = UpdateGraphs(_counts(), rerun_recorder)
+    recorded = 0
+    for address in range(3 * update_graphs.RECORDINGS_WITHOUT_REPLAY):
+        graphs.wants_recording(_key(address))
+        if graphs.wants_recording(_key(address)):
+            recorded += graphs.record_and_replay(_key(address), lambda: None, torch.device("cpu"))
+    assert recorded == update_graphs.RECORDINGS_WITHOUT_REPLAY + 1 and graphs.stopped
+    graphs.clear()
+    assert not graphs.stopped and not graphs.graphs
+
+
+def test_an_update_that_cannot_be_recorded_stays_launched() -> None:
+    graphs = UpdateGraphs(_counts(), lambda update, device: None)
+    graphs.wants_recording(_key(1))
+    assert graphs.wants_recording(_key(1))
+    assert not graphs.record_and_replay(_key(1), lambda: None, torch.device("cpu"))
+    assert graphs.stopped and not graphs.wants_recording(_key(1)) and graphs.counts["graph"] == 0
+
+
+def test_replay_problem_names_why_in_one_line() -> None:
+    cuda = {torch.device("cuda", 0)}
+    assert replay_problem(True, "triton", None, cuda) is None
+    assert replay_problem(False, "triton", None, cuda) == "FORGE_UPDATE_GRAPHS=0"
+    assert replay_problem(True, "reference", None, cuda) == "backend 'reference' launches no kernel to record"
+    assert replay_problem(True, "triton", "stochastic_rounding is not supported", cuda) == \
+        "stochastic_rounding is not supported"
+    assert replay_problem(True, "triton", None, {torch.device("cpu")}) == \
+        "CUDA graphs need the fused weights on a CUDA device"
+
+
+def _mlp(dtype: torch.dtype, seed: int = 0, width: int = 48, depth: int = 3) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers).to(DEVICE, dtype)
+
+
+def _fuse(model: nn.Module, **kwargs) -> forge_core.ForgeOptimizer:
+    dtype = next(model.parameters()).dtype
+    probe = torch.zeros(2, model[0].in_features, device=DEVICE, dtype=dtype)
+    return forge_core.fuse(model, "adamw", backend="triton", probe_inputs=probe, **HP, **kwargs)
+
+
+def test_optimizers_say_why_their_updates_are_not_replayed() -> None:
+    if DEVICE == "cpu":
+        assert _fuse(_mlp(torch.bfloat16)).update_replay_problem == "CUDA graphs need the fused weights on a CUDA device"
+    assert "accumulate_steps" in _fuse(_mlp(torch.bfloat16), accumulate_steps=2).update_replay_problem
+    assert "stochastic_rounding" in _fuse(_mlp(torch.bfloat16), stochastic_rounding=True).update_replay_problem
+    assert all(b.update_graphs is None for b in _fuse(_mlp(torch.bfloat16), accumulate_steps=2).fused_weights())
+
+
+def _attach_rerun_recordings(opt: forge_core.ForgeOptimizer) -> None:
+    for binding in opt.fused_weights():
+        binding.update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
+
+
+def test_replayed_updates_equal_launched_ones_under_an_lr_schedule() -> None:
+    """Each weight's update is launched at step 1, recorded at step 2 (its inputs lie where they lay), and
+    replayed at steps 3-5, with a cosine schedule moving lr every step: the same weights and moments bit
+    for bit as an optimizer that launches every update, and the step counts advance alike."""
+    replayed_model, launched_model = _mlp(torch.bfloat16), _mlp(torch.bfloat16)
+    replayed, launched = _fuse(replayed_model), _fuse(launched_model)
+    if DEVICE == "cpu":
+        _attach_rerun_recordings(replayed)
+    for binding in launched.fused_weights():
+        binding.update_graphs = None
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5) for opt in (replayed, launched)]
+    generator = torch.Generator().manual_seed(7)
+    inputs = [(torch.empty(3, 5, b.matrix.shape[1], dtype=torch.bfloat16, device=DEVICE),
+               torch.empty(3, 5, b.matrix.shape[0], dtype=torch.bfloat16, device=DEVICE)) for b in replayed.fused_weights()]
+    reset_launch_paths()
+    for _ in range(5):
+        for x, dy in inputs:        # new values where the last step's lay: what a graph replays
+            x.copy_(torch.randn(x.shape, generator=generator))
+            dy.copy_(torch.randn(dy.shape, generator=generator))
+        with torch.no_grad():
+            for opt in (replayed, launched):
+                for binding, (x, dy) in zip(opt.fused_weights(), inputs):
+                    binding(x, dy)
+        for opt, schedule in zip((replayed, launched), schedules):
+            opt.step()
+            schedule.step()
+    assert launch_paths()["graph"] == 4 * len(inputs)           # steps 2-5 of each weight
+    for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
+        assert torch.equal(a.matrix, b.matrix), a.name
+        assert a.steps_done == b.steps_done == 5
+        for name in a.state.state_names:
+            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+
+
+def test_fp32_inputs_and_a_traced_or_captured_update_stay_launched() -> None:
+    model = _mlp(torch.float32)
+    opt = _fuse(model)
+    _attach_rerun_recordings(opt)
+    binding = opt.fused_weights()[0]
+    x = torch.randn(4, binding.matrix.shape[1], device=DEVICE)
+    dy = torch.randn(4, binding.matrix.shape[0], device=DEVICE)
+    reset_launch_paths()
+    with torch.no_grad():
+        for _ in range(3):
+            binding(x, dy)
+            opt.step()
+    assert launch_paths()["graph"] == 0 and not binding.update_graphs.graphs
+
+
+def _static_batches(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randn(shape, generator=generator).to(DEVICE, dtype) for _ in range(count)]
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_eager_steps_replay_recorded_graphs_bit_for_bit() -> None:
+    """A bf16 MLP trained eagerly (the hooked Linear's backward hook calls the update) with and without
+    recorded graphs under a cosine schedule: every weight and moment equal after each step, and the
+    updates of steps 3 on are replays (one static batch buffer: its address repeats, as a steady loop's
+    allocations do)."""
+    replayed_model, launched_model = _mlp(torch.bfloat16, width=256, depth=4), _mlp(torch.bfloat16, width=256, depth=4)
+    replayed, launched = _fuse(replayed_model), _fuse(launched_model)
+    assert replayed.update_replay_problem is None
+    for binding in launched.fused_weights():
+        binding.update_graphs = None
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8) for opt in (replayed, launched)]
+    static = torch.empty(2, 24, 256, device=DEVICE, dtype=torch.bfloat16)
+    reset_launch_paths()
+    for batch in _static_batches(8, (2, 24, 256), torch.bfloat16):
+        static.copy_(batch)
+        for model, opt, schedule in zip((replayed_model, launched_model), (replayed, launched), schedules):
+            (model(static).float() - static.float()).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            schedule.step()
+        for (name, a), b in zip(replayed_model.named_parameters(), launched_model.parameters()):
+            assert torch.equal(a, b), name
+    assert launch_paths()["graph"] >= 5 * len(replayed.fused_weights())
+    for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
+        for name in a.state.state_names:
+            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_a_gpt2_conv1d_model_replays_its_updates_bit_for_bit() -> None:
+    """GPT-2's Conv1D (transposed weights: the update takes (dY, x)) through transformers' own forward."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=2, vocab_size=256, n_positions=64,
+                                     attn_implementation="eager")
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.GPT2LMHeadModel(config).to(DEVICE, torch.bfloat16).train())
+    replayed, launched = (forge_core.fuse(m, "adamw", backend="triton", **HP) for m in models)
+    for binding in launched.fused_weights():
+        binding.update_graphs = None
+    ids = torch.empty(2, 48, dtype=torch.long, device=DEVICE)
+    generator = torch.Generator().manual_seed(3)
+    reset_launch_paths()
+    for _ in range(6):
+        ids.copy_(torch.randint(0, 256, (2, 48), generator=generator))
+        for model, opt in zip(models, (replayed, launched)):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert launch_paths()["graph"] > 0
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
