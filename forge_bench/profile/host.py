@@ -62,14 +62,17 @@ class CallTimer:
 
 def time_forge_internals(timer: CallTimer) -> None:
     """Wrap, in this process, what a fused layer's backward calls: the whole update of a weight
-    (``FusedWeight.__call__``: the optimizer's bookkeeping, the plan lookup, the launch) and the two
-    launches it ends in (the Triton tile plan's, the Gluon plan's)."""
+    (``FusedWeight.__call__``: the optimizer's bookkeeping, the plan lookup, the launch), the two
+    launches it may end in (the Triton tile plan's, the Gluon plan's) and the replay of its recorded
+    graph (``forge_core.update_graphs``) that takes their place once recorded."""
     from forge_core.fused_weight import FusedWeight
     from forge_core.kernels import dispatch, launch
+    from forge_core.update_graphs import UpdateGraphs
 
     FusedWeight.__call__ = timer.wrap("update (whole)", FusedWeight.__call__)
     launch.run_plan = timer.wrap("launch: Triton tile plan", launch.run_plan)
     dispatch.WsPlan.run = timer.wrap("launch: Gluon plan", dispatch.WsPlan.run)
+    UpdateGraphs.replay = timer.wrap("replay: recorded graph", UpdateGraphs.replay)
 
 
 def linear_layers(model: torch.nn.Module) -> int:
