@@ -164,7 +164,7 @@ def test_replayed_updates_equal_launched_ones_under_an_lr_schedule() -> None:
             assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
 
 
-def test_fp32_inputs_and_a_traced_or_captured_update_stay_launched() -> None:
+def test_fp32_inputs_stay_launched_their_plan_following_the_tf32_switch() -> None:
     model = _mlp(torch.float32)
     opt = _fuse(model)
     _attach_rerun_recordings(opt)
