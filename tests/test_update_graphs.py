@@ -240,3 +240,71 @@ def test_a_gpt2_conv1d_model_replays_its_updates_bit_for_bit() -> None:
     assert launch_paths()["graph"] > 0
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_rule_that_steps_whole_layers_says_so() -> None:
+    model = _mlp(torch.bfloat16)
+    probe = torch.zeros(2, model[0].in_features, device=DEVICE, dtype=torch.bfloat16)
+    opt = forge_core.fuse(model, "muon", backend="triton", probe_inputs=probe, lr=1e-3)
+    assert opt.update_replay_problem == "the rule steps whole layers (forge_core.layer_step)"
+    assert all(b.update_graphs is None for b in opt.fused_weights())
+
+
+def _fixed_inputs(opt: forge_core.ForgeOptimizer, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(3, 5, b.matrix.shape[1], generator=generator).to(DEVICE, torch.bfloat16),
+             torch.randn(3, 5, b.matrix.shape[0], generator=generator).to(DEVICE, torch.bfloat16))
+            for b in opt.fused_weights()]
+
+
+def _update_all(opt: forge_core.ForgeOptimizer, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for binding, (x, dy) in zip(opt.fused_weights(), inputs):
+            binding(x, dy)
+    opt.step()
+
+
+def test_a_loaded_state_drops_the_recordings_and_trains_on_alike() -> None:
+    """``load_state_dict`` forgets every recorded update; the next updates (launched, then recorded again)
+    equal those of an optimizer that never recorded, loaded from the same dict."""
+    replayed_model, launched_model = _mlp(torch.bfloat16), _mlp(torch.bfloat16)
+    replayed, launched = _fuse(replayed_model), _fuse(launched_model)
+    if DEVICE == "cpu":
+        _attach_rerun_recordings(replayed)
+    for binding in launched.fused_weights():
+        binding.update_graphs = None
+    inputs = _fixed_inputs(replayed, torch.Generator().manual_seed(2))
+    for _ in range(3):
+        _update_all(replayed, inputs)
+    assert all(b.update_graphs.graphs for b in replayed.fused_weights())
+    saved = replayed.state_dict()
+    launched_model.load_state_dict(replayed_model.state_dict())
+    launched.load_state_dict(saved)
+    replayed.load_state_dict(saved)
+    assert not any(b.update_graphs.graphs for b in replayed.fused_weights())
+    reset_launch_paths()
+    for _ in range(4):
+        _update_all(replayed, inputs)
+        _update_all(launched, inputs)
+    assert launch_paths()["graph"] == 3 * len(inputs)
+    for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
+        assert torch.equal(a.matrix, b.matrix), a.name
+        assert a.steps_done == b.steps_done == 7
+
+
+def test_weights_with_different_step_counts_keep_their_updates_launched() -> None:
+    """Device mode keeps one step count per param group: where the group's weights were updated a different
+    number of times, no update is recorded (each launched one uses its own count)."""
+    opt = _fuse(_mlp(torch.bfloat16))
+    if DEVICE == "cpu":
+        _attach_rerun_recordings(opt)
+    first, *others = opt.fused_weights()
+    inputs = _fixed_inputs(opt, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        first(*inputs[0])           # only the first weight is updated at step 1
+    opt.step()
+    reset_launch_paths()
+    for _ in range(3):
+        _update_all(opt, inputs)
+    assert launch_paths()["graph"] == 0
+    assert all(b.update_graphs.stopped for b in opt.fused_weights())
+    assert [b.steps_done for b in opt.fused_weights()] == [4] + [3] * len(others)
