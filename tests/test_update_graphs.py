@@ -130,16 +130,23 @@ def _attach_rerun_recordings(opt: forge_core.ForgeOptimizer) -> None:
         binding.update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
 
 
-def test_replayed_updates_equal_launched_ones_under_an_lr_schedule() -> None:
-    """Each weight's update is launched at step 1, recorded at step 2 (its inputs lie where they lay), and
-    replayed at steps 3-5, with a cosine schedule moving lr every step: the same weights and moments bit
-    for bit as an optimizer that launches every update, and the step counts advance alike."""
+def _replayed_and_launched() -> tuple[nn.Module, forge_core.ForgeOptimizer, nn.Module, forge_core.ForgeOptimizer]:
+    """Two equal bf16 MLPs fused: the first's updates recorded and replayed (on the CPU by ``Rerun``), the
+    second's all launched."""
     replayed_model, launched_model = _mlp(torch.bfloat16), _mlp(torch.bfloat16)
     replayed, launched = _fuse(replayed_model), _fuse(launched_model)
     if DEVICE == "cpu":
         _attach_rerun_recordings(replayed)
     for binding in launched.fused_weights():
         binding.update_graphs = None
+    return replayed_model, replayed, launched_model, launched
+
+
+def test_replayed_updates_equal_launched_ones_under_an_lr_schedule() -> None:
+    """Each weight's update is launched at step 1, recorded at step 2 (its inputs lie where they lay), and
+    replayed at steps 3-5, with a cosine schedule moving lr every step: the same weights and moments bit
+    for bit as an optimizer that launches every update, and the step counts advance alike."""
+    replayed_model, replayed, launched_model, launched = _replayed_and_launched()
     schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5) for opt in (replayed, launched)]
     generator = torch.Generator().manual_seed(7)
     inputs = [(torch.empty(3, 5, b.matrix.shape[1], dtype=torch.bfloat16, device=DEVICE),
@@ -266,12 +273,7 @@ def _update_all(opt: forge_core.ForgeOptimizer, inputs: list[tuple[torch.Tensor,
 def test_a_loaded_state_drops_the_recordings_and_trains_on_alike() -> None:
     """``load_state_dict`` forgets every recorded update; the next updates (launched, then recorded again)
     equal those of an optimizer that never recorded, loaded from the same dict."""
-    replayed_model, launched_model = _mlp(torch.bfloat16), _mlp(torch.bfloat16)
-    replayed, launched = _fuse(replayed_model), _fuse(launched_model)
-    if DEVICE == "cpu":
-        _attach_rerun_recordings(replayed)
-    for binding in launched.fused_weights():
-        binding.update_graphs = None
+    replayed_model, replayed, launched_model, launched = _replayed_and_launched()
     inputs = _fixed_inputs(replayed, torch.Generator().manual_seed(2))
     for _ in range(3):
         _update_all(replayed, inputs)
