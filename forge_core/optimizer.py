@@ -320,8 +320,8 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             return False
         key = graphs.key(x, grad_output, binding.matrix)
         group = binding.group_index
-        if key in graphs.graphs:
-            self._keep_device_scalars_current(group)
+        if key in graphs.graphs:                    # not capturing (checked above): no second check per layer
+            self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
             return graphs.replay(key)
         if not graphs.wants_recording(key):
             return False
@@ -331,7 +331,8 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             except ValueError:                      # one step count per group is what device mode keeps
                 graphs.stopped = True
                 return False
-        self._keep_device_scalars_current(group)    # before the recording: a recorded write would replay
+        # before the recording (a recorded write would put these values back at every replay)
+        self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
         return graphs.record_and_replay(key, lambda: self.apply_update(binding, x, grad_output), x.device)
 
     def begin_row_updates_of(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
@@ -443,6 +444,10 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         stale = self._scalars_stale[group] and not on_change_only
         if not stale and graph_capturing():
             return
+        self._rewrite_changed_device_scalars(group, stale)
+
+    def _rewrite_changed_device_scalars(self, group: int, stale: bool) -> None:
+        """``_keep_device_scalars_current`` for a caller that knows no capture is running (it checked)."""
         written_from = self._scalars_written_from[group]
         if stale or written_from is None or written_from != self._kernel_hyperparameters(group):
             self._write_device_scalars(group)
