@@ -16,6 +16,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[dev,peers-cpu]"
+	$(BIN)/python -c "import forge_core.native_hooks as n; n.load() or print('make: the C++ update hook was not built:', n.problem())"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -7,13 +7,15 @@ the binding only routes a backward's (x, dY), whole or in row blocks, to that op
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Protocol
+import weakref
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
 from . import kernels
 from .dtensors import local_shard
+from .overlap import run_update_outside_autograd
 from .state import ParamState
 from .update_graphs import UpdateGraphs
 
@@ -59,8 +61,10 @@ class FusedWeight:
         self.grad_accum: Optional[torch.Tensor] = None
         self.steps_done = 0
         """Optimizer steps in which this weight was updated; the next update uses steps_done + 1."""
-        self.micro_batches = 0
-        """Backward passes seen since the last ``opt.step()``."""
+        self.native_slot: Optional[Any] = None
+        """Its C++ backward hook's side (``forge_core.native_hooks``), where its optimizer uses one: its recorded
+        updates and the backward count, which the C++ hook advances when it replays."""
+        self._micro_batches = 0
         self.probing = False
         self.probe_backward_calls = 0
         self.overlap_updates = False
@@ -69,6 +73,18 @@ class FusedWeight:
         """Its eager updates' recorded CUDA graphs, where its optimizer replays them (``forge_core.update_graphs``);
         a ``tile_config`` set after an update was recorded reaches only the launched updates."""
         self._row_parts: dict[tuple[int, int], RowPart] = {}
+
+    @property
+    def micro_batches(self) -> int:
+        """Backward passes seen since the last ``opt.step()``."""
+        return self._micro_batches if self.native_slot is None else self.native_slot.count
+
+    @micro_batches.setter
+    def micro_batches(self, value: int) -> None:
+        if self.native_slot is None:
+            self._micro_batches = value
+        else:
+            self.native_slot.count = value
 
     def begin_probe(self) -> None:
         self.probing, self.probe_backward_calls = True, 0
@@ -123,6 +139,20 @@ class FusedWeight:
 
     def __repr__(self) -> str:
         return f"FusedWeight({self.name!r}, shape={tuple(self.weight.shape)}, steps={self.steps_done})"
+
+
+def weakly_bound_update(binding: FusedWeight) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``binding``'s update run outside autograd (``run_update_outside_autograd``) for its C++ hook's slot,
+    holding ``binding`` weakly: the slot is the binding's own, and a strong reference back would make a
+    cycle through C++ that Python's garbage collector cannot see (the optimizer and its states would leak)."""
+    reference = weakref.ref(binding)
+
+    def update(first: torch.Tensor, second: torch.Tensor) -> None:
+        target = reference()
+        if target is None:
+            raise RuntimeError("a fused weight's backward ran after its FusedWeight was deleted")
+        run_update_outside_autograd(target, first, second)
+    return update
 
 
 @dataclasses.dataclass
@@ -180,4 +210,4 @@ class RowSliceUpdate:
                                             seed_offset=int(block_index) * BLOCK_SEED_STRIDE)
 
 
-__all__ = ["FusedWeight", "RowPart", "RowSliceUpdate", "UpdateOwner", "BLOCK_SEED_STRIDE"]
+__all__ = ["FusedWeight", "RowPart", "RowSliceUpdate", "UpdateOwner", "BLOCK_SEED_STRIDE", "weakly_bound_update"]

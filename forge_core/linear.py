@@ -34,7 +34,8 @@ from torch import nn
 
 from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
-from .overlap import run_beside, wants_overlap
+from .native_hooks import attach_update_hook
+from .overlap import run_update, run_update_outside_autograd
 from .traced import traced, update_weight_, written_tensors
 
 
@@ -76,7 +77,7 @@ class FusedLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         grad_x, grad_bias, first, second = linear_backward(ctx, x, weight, grad_output)
-        _update_without_grad(ctx.updater, first, second)
+        run_update_outside_autograd(ctx.updater, first, second)
         # None for the weight: autograd then never creates (or accumulates into) W.grad.
         return grad_x, None, grad_bias, None, None
 
@@ -179,7 +180,8 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     before this layer's update) and the bias gradient and never dW; a post-hook on that node then
     runs the update with the node's dY and the input. The input is held by the hook until it runs
     once (as the Function's saved tensor is until its backward): a second backward through the same
-    graph (``retain_graph=True``) is refused in one line.
+    graph (``retain_graph=True``) is refused in one line. Where the updater has a native slot
+    (``forge_core.native_hooks``) the post-hook is the C++ one: it replays a recorded update without Python.
 
     Applies only where it is exact: no saved-tensor hooks (activation checkpointing, lean
     activations: they manage saved tensors, which this path has none of), no autocast (its casts
@@ -200,19 +202,21 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if transposed or unflattened:     # transposed: transformers' Conv1D, x W + b, as its own forward computes it
         x2 = held = x.reshape(-1, x.shape[-1])
         if transposed and bias is not None:
-            output = torch.addmm(bias, x2, alias)
+            gemm = output = torch.addmm(bias, x2, alias)
         else:
-            output = torch.mm(x2, alias if transposed else alias.t())
-        node = output.grad_fn
+            gemm = output = torch.mm(x2, alias if transposed else alias.t())
         if x.dim() != 2:
             output = output.view(*x.shape[:-1], output.shape[-1])
         if unflattened and bias is not None:
             output = output + bias
     else:
-        output = F.linear(x, alias, bias)
-        node = output.grad_fn         # a (..., Din) input: a view of the GEMM of its 2-D view
-        if node is not None and type(node).__name__ in _VIEW_NODES:
-            node = node.next_functions[0][0]
+        gemm = output = F.linear(x, alias, bias)   # a (..., Din) input: a view of the GEMM of its 2-D view
+    slot = getattr(updater, "native_slot", None)
+    if slot is not None:              # the C++ hook (forge_core.native_hooks)
+        return output if attach_update_hook(gemm, held, slot, transposed) else None
+    node = gemm.grad_fn
+    if node is not None and type(node).__name__ in _VIEW_NODES:
+        node = node.next_functions[0][0]
     if node is None or type(node).__name__ not in _GEMM_NODES:
         return None                   # a layout torch computes with another node
     pending, outputs = [held], output.shape[-1]
@@ -226,28 +230,10 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if grad_output is None:
             grad_output = torch.zeros(*x_saved.shape[:-1], outputs, dtype=dtype, device=x_saved.device)
         first, second = (grad_output, x_saved) if transposed else (x_saved, grad_output)
-        _update_without_grad(updater, first, second)
+        run_update_outside_autograd(updater, first, second)
 
     node.register_hook(update_after_gradients)
     return output
-
-
-def _update_without_grad(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """``_update`` outside autograd: a backward with ``create_graph=True`` runs with grad mode on, and the
-    update is not differentiable; a plain backward has it off already (no context to enter)."""
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            _update(updater, x, grad_output)
-    else:
-        _update(updater, x, grad_output)
-
-
-def _update(updater: WeightUpdater, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-    if wants_overlap(updater, grad_output):
-        # The update streams W and the moments once; the rest of the backward need not wait.
-        run_beside(lambda: updater(x, grad_output), grad_output.device, (x, grad_output))
-    else:
-        updater(x, grad_output)
 
 
 class ShardedLinearFunction(torch.autograd.Function):
@@ -332,7 +318,7 @@ class ShardedLinearFunction(torch.autograd.Function):
                                                       shape=ctx.bias_shape, stride=(1,))
         x_for_update = x if x.dtype == dtype else x.to(dtype)
         with torch.no_grad():
-            _update(ctx.updater, x_for_update, grad_output)
+            run_update(ctx.updater, x_for_update, grad_output)
         return grad_x, None, grad_bias, None
 
 

@@ -38,7 +38,8 @@ from . import kernels
 from .backends import BACKENDS, capturable_problem, check_capturable, resolve_backend
 from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
-from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate
+from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate, weakly_bound_update
+from . import native_hooks
 from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
@@ -163,6 +164,38 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         if self.update_replay_problem is None:
             for binding in bindings:
                 binding.update_graphs = UpdateGraphs(kernels.launch_path_counts())
+        self._native_gate: Optional[Any] = None
+        if self.update_replay_problem is None and native_hooks.wanted({b.weight.device for b in bindings}):
+            self.attach_native_hooks()
+
+    def attach_native_hooks(self) -> bool:
+        """Give every fused weight with recorded updates the C++ backward hook (``forge_core.native_hooks``),
+        which replays them without Python; False (the Python hook stays) where the extension is unavailable."""
+        gate = native_hooks.new_gate()
+        if gate is None:
+            return False
+        self._native_gate = gate
+        for binding in self._bindings:
+            if binding.update_graphs is not None:
+                count = binding.micro_batches
+                binding.native_slot = native_hooks.new_slot(gate, binding.matrix, weakly_bound_update(binding))
+                binding.native_slot.count = count
+                binding.update_graphs.native = binding.native_slot
+        return True
+
+    def _open_native_gate(self) -> None:
+        """Let the C++ hooks replay the rest of this step's recorded updates: every group's device scalars are
+        brought up to date first (a Python update does this once a step; ``step()`` closes the gate again)."""
+        gate = self._native_gate
+        if gate is None or gate.open:
+            return
+        for group in range(len(self._device_scalars)):
+            self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
+        gate.open = True
+
+    def _close_native_gate(self) -> None:
+        if self._native_gate is not None:
+            self._native_gate.open = False
 
     # -- what is fused ----------------------------------------------------------------------
 
@@ -205,6 +238,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
 
     def _forget_update_graphs(self) -> None:
         """Drop every recorded update (``forge_core.update_graphs``): their weights or states changed."""
+        self._close_native_gate()
         for binding in self._bindings:
             if binding.update_graphs is not None:
                 binding.update_graphs.clear()
@@ -322,6 +356,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         group = binding.group_index
         if key in graphs.graphs:                    # not capturing (checked above): no second check per layer
             self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
+            self._open_native_gate()
             return graphs.replay(key)
         if not graphs.wants_recording(key):
             return False
@@ -333,7 +368,11 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 return False
         # before the recording (a recorded write would put these values back at every replay)
         self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
-        return graphs.record_and_replay(key, lambda: self.apply_update(binding, x, grad_output), x.device)
+        if not graphs.record_and_replay(key, lambda: self.apply_update(binding, x, grad_output), x.device):
+            return False
+        graphs.list_natively(key, x, grad_output)
+        self._open_native_gate()
+        return True
 
     def begin_row_updates_of(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
@@ -474,6 +513,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         In device mode the device scalars follow a changed hyper-parameter here (an lr scheduler steps
         between ``step()`` and the next ``zero_grad()``), outside any graph the next backward replays."""
         super().zero_grad(set_to_none)
+        self._close_native_gate()
         for dense in self._dense:
             dense.recorded_rows = []
         if self._device_mode:
@@ -523,6 +563,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             binding.micro_batches = 0
             binding.end_step()
         self._steps_taken += 1
+        self._close_native_gate()
         if self._device_mode:
             for group, count in enumerate(self._device_steps):
                 count.add_(1.0)

@@ -84,6 +84,27 @@ def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[
     _hold_until_join(main, side, used)
 
 
+def run_update(updater: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor,
+               grad_output: torch.Tensor) -> None:
+    """``updater(x, grad_output)``, on the side stream where the updater asks for it (``wants_overlap``)."""
+    if wants_overlap(updater, grad_output):
+        # The update streams W and the moments once; the rest of the backward need not wait.
+        run_beside(lambda: updater(x, grad_output), grad_output.device, (x, grad_output))
+    else:
+        updater(x, grad_output)
+
+
+def run_update_outside_autograd(updater: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor,
+                                grad_output: torch.Tensor) -> None:
+    """``run_update`` outside autograd: a backward with ``create_graph=True`` runs with grad mode on, and the
+    update is not differentiable; a plain backward has it off already (no context to enter)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            run_update(updater, x, grad_output)
+    else:
+        run_update(updater, x, grad_output)
+
+
 def _cache_stream(ids: tuple[int, int, int]) -> torch.cuda.Stream:
     """The Stream object of ``ids`` (what ``torch.cuda.current_stream`` would build), kept: a process
     uses a bounded set of streams (the pools' and the default one)."""

@@ -81,11 +81,17 @@ def _end_capture_quietly(graph: torch.cuda.CUDAGraph) -> None:
 class UpdateGraphs:
     """One fused weight's recorded updates, by where their inputs lie (see the module docstring)."""
 
-    def __init__(self, counts: dict[str, int], recorder: Recorder = record_cuda_graph) -> None:
+    def __init__(self, counts: dict[str, int], recorder: Recorder = record_cuda_graph,
+                 native: Optional[Any] = None) -> None:
         self.counts = counts
         """Launch counts by path, shared (``kernels.launch_path_counts``): a replay counts as ``graph``."""
         self.recorder = recorder
+        self.native = native
+        """The weight's C++ hook side (``forge_core.native_hooks``), which replays the recordings listed here
+        without Python; None where the Python hook runs."""
         self.graphs: dict[tuple, Replay] = {}
+        self._native_ids: dict[tuple, int] = {}
+        self._next_native_id = 1
         self.last_key: Optional[tuple] = None
         self.recordings_unreplayed = 0
         self.stopped = False
@@ -127,15 +133,38 @@ class UpdateGraphs:
         if self.recordings_unreplayed > RECORDINGS_WITHOUT_REPLAY:
             self.stopped = True
         if len(self.graphs) >= GRAPHS_PER_WEIGHT:
-            del self.graphs[next(iter(self.graphs))]
+            self._forget(next(iter(self.graphs)))
         self.graphs[key] = graph
         graph.replay()
         self.counts["graph"] += 1
         return True
 
+    def _forget(self, key: tuple) -> None:
+        del self.graphs[key]
+        native_id = self._native_ids.pop(key, None)
+        if native_id is not None:
+            self.native.remove(native_id)
+
+    def list_natively(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Hand the recording of ``key`` (the update of ``x``, ``grad_output``) to the C++ hook, where there is
+        one: a CUDA graph by its exec handle, anything else (a test's stand-in) as its Python ``replay``."""
+        graph = self.graphs.get(key)
+        if self.native is None or graph is None or key in self._native_ids:
+            return
+        native_id = self._next_native_id
+        self._next_native_id += 1
+        if isinstance(graph, torch.cuda.CUDAGraph):
+            self.native.add(native_id, x, grad_output, graph.raw_cuda_graph_exec(), None)
+        else:
+            self.native.add(native_id, x, grad_output, 0, graph.replay)
+        self._native_ids[key] = native_id
+
     def clear(self) -> None:
         """Forget every recording (the states were replaced, or the weight's plan may change)."""
         self.graphs.clear()
+        self._native_ids.clear()
+        if self.native is not None:
+            self.native.clear()
         self.last_key = None
         self.recordings_unreplayed = 0
         self.stopped = False

@@ -7,3 +7,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export FORGE_BENCH_GIT_COMMIT="${1:-unknown}"
 fb() { python3 -m forge_bench.cli "$@"; }
+# The C++ update hook (forge_core.native_hooks), built once before any cell needs it.
+python3 -c "import forge_core.native_hooks as n; n.load() or print('device_setup: no C++ update hook:', n.problem())"

@@ -15,6 +15,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..native_hooks import native_replays, reset_native_replays
 from ..rules.base import KERNEL_SCALARS, MAX_STATES, Rule, check_scalar_count
 from ..state import QBLOCK, ParamState
 from .device import interpreting
@@ -139,7 +140,7 @@ LAUNCH_PATHS = {"direct": 0, "jit": 0, "graph": 0}
 ``kernels.factored``, count here too): ``direct`` (a kept plan's or ``LaunchCache``'s launcher, ~20 us
 of host time) or ``jit`` (through Triton's JIT: ~100-240 us; a first launch, or a direct launcher
 that declined), and ``graph``: an eager update replayed from its recorded CUDA graph (``forge_core.update_graphs``:
-a graph launch). Why: an eager step is host-bound at batch 1, and a layer whose
+a graph launch; the C++ hook's replays, ``forge_core.native_hooks``, are added by ``launch_paths``). Why: an eager step is host-bound at batch 1, and a layer whose
 launches stay on the JIT costs it ~0.2 ms a step; the harness records the counts per timed step."""
 
 
@@ -147,11 +148,14 @@ def reset_launch_paths() -> None:
     """Zero ``LAUNCH_PATHS`` (the harness, at the timed window's start)."""
     for path in LAUNCH_PATHS:
         LAUNCH_PATHS[path] = 0
+    reset_native_replays()
 
 
 def launch_paths() -> dict[str, int]:
-    """A copy of ``LAUNCH_PATHS``."""
-    return dict(LAUNCH_PATHS)
+    """A copy of ``LAUNCH_PATHS``, with the C++ hook's replays in ``graph``."""
+    paths = dict(LAUNCH_PATHS)
+    paths["graph"] += native_replays()
+    return paths
 
 
 def launch_path_counts() -> dict[str, int]:

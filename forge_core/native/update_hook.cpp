@@ -1,0 +1,302 @@
+// The eager fused Linear's backward hook in C++ (forge_core.native_hooks): where a weight's update was
+// recorded as a CUDA graph (forge_core.update_graphs) and its inputs lie where the recording's did, the
+// hook replays the graph from the autograd thread without taking the GIL; every other update calls the
+// Python update it was given, as the Python hook would.
+//
+// Why: an eager step at batch 1 is bound by the host, and a Python hook costs each fused layer the
+// interpreter's entry, the optimizer's bookkeeping and the key check (~40 us a layer inside real steps on
+// an H200 host) where torch's own weight-gradient GEMM costs its C++ node a few.
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/utils/pybind.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::variable_list;
+
+namespace {
+
+// The CUDA driver's graph launch and capture query, looked up in the driver torch loaded (no CUDA
+// headers, no link to a CUDA runtime: the extension builds against a CPU torch too).
+using GraphLaunch = int (*)(void* graph_exec, void* stream);
+using StreamIsCapturing = int (*)(void* stream, int* status);
+
+struct Driver {
+  GraphLaunch launch = nullptr;
+  StreamIsCapturing capturing = nullptr;
+};
+
+Driver& driver() {
+  static Driver found;
+  if (found.launch == nullptr) {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (library != nullptr) {
+      found.capturing = reinterpret_cast<StreamIsCapturing>(dlsym(library, "cuStreamIsCapturing"));
+      found.launch = reinterpret_cast<GraphLaunch>(dlsym(library, "cuGraphLaunch"));
+    }
+  }
+  return found;
+}
+
+std::atomic<int64_t> replays_since_reset{0};
+
+// Whether recorded updates may replay without Python: the optimizer opens it once its device scalars are
+// current for the step (a Python update checked them) and closes it at step(), zero_grad() and whenever
+// its recordings or states change.
+struct Gate {
+  std::atomic<bool> open{false};
+};
+
+// Where a recorded update's inputs lay (addresses, shapes, strides, dtypes) and the weight's address.
+struct Entry {
+  int64_t id = 0;
+  const void* first = nullptr;
+  const void* second = nullptr;
+  const void* weight = nullptr;
+  std::vector<int64_t> first_sizes, first_strides, second_sizes, second_strides;
+  at::ScalarType first_dtype = at::kFloat, second_dtype = at::kFloat;
+  void* graph_exec = nullptr;  // cudaGraphExec_t of a torch.cuda.CUDAGraph, or null: stand_in replays it
+  py::object stand_in;         // a Python replay (a test's stand-in for a graph); held with the GIL
+
+  bool matches(const at::Tensor& a, const at::Tensor& b, const void* weight_now) const {
+    return a.data_ptr() == first && b.data_ptr() == second && weight_now == weight &&
+           a.scalar_type() == first_dtype && b.scalar_type() == second_dtype &&
+           a.sizes().equals(first_sizes) && a.strides().equals(first_strides) &&
+           b.sizes().equals(second_sizes) && b.strides().equals(second_strides);
+  }
+};
+
+std::vector<int64_t> as_vector(at::IntArrayRef values) { return std::vector<int64_t>(values.begin(), values.end()); }
+
+// One fused weight's native side: its recorded updates, its backward count since the last step (what
+// FusedWeight.micro_batches reads) and the Python update every other call runs.
+struct Slot {
+  std::shared_ptr<Gate> gate;
+  at::Tensor weight;
+  py::object update;
+  std::mutex lock;
+  std::vector<Entry> entries;
+  std::atomic<int64_t> count{0};
+
+  Slot(std::shared_ptr<Gate> gate_, at::Tensor weight_, py::object update_)
+      : gate(std::move(gate_)), weight(std::move(weight_)), update(std::move(update_)) {}
+
+  ~Slot() {
+    // The last reference can go on the autograd thread (a hook outliving the optimizer): Python objects
+    // are released with the GIL.
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      entries.clear();
+      update = py::object();
+    }
+  }
+
+  void add(int64_t id, const at::Tensor& first, const at::Tensor& second, int64_t graph_exec, py::object stand_in) {
+    Entry entry;
+    entry.id = id;
+    entry.first = first.data_ptr();
+    entry.second = second.data_ptr();
+    entry.weight = weight.data_ptr();
+    entry.first_sizes = as_vector(first.sizes());
+    entry.first_strides = as_vector(first.strides());
+    entry.second_sizes = as_vector(second.sizes());
+    entry.second_strides = as_vector(second.strides());
+    entry.first_dtype = first.scalar_type();
+    entry.second_dtype = second.scalar_type();
+    entry.graph_exec = reinterpret_cast<void*>(graph_exec);
+    entry.stand_in = std::move(stand_in);
+    TORCH_CHECK(id != 0, "a recorded update's id is nonzero");
+    TORCH_CHECK(entry.graph_exec != nullptr || !entry.stand_in.is_none(),
+                "a recorded update needs a CUDA graph exec handle or a Python replay");
+    if (entry.graph_exec != nullptr) {
+      TORCH_CHECK(driver().launch != nullptr, "the CUDA driver's cuGraphLaunch was not found in this process");
+    }
+    std::lock_guard<std::mutex> guard(lock);
+    entries.push_back(std::move(entry));
+  }
+
+  void remove(int64_t id) {
+    std::lock_guard<std::mutex> guard(lock);
+    for (auto it = entries.begin(); it != entries.end(); ++it) {
+      if (it->id == id) {
+        entries.erase(it);
+        return;
+      }
+    }
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> guard(lock);
+    entries.clear();
+  }
+
+  size_t size() {
+    std::lock_guard<std::mutex> guard(lock);
+    return entries.size();
+  }
+
+  // Replay the recording of (first, second) where the gate is open, this is the step's first backward of
+  // the weight and no capture runs on the current stream; false (nothing run) otherwise.
+  bool try_replay(const at::Tensor& first, const at::Tensor& second) {
+    if (!gate->open.load(std::memory_order_acquire) || count.load() != 0) {
+      return false;
+    }
+    int64_t stand_in_id = 0;
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      const Entry* found = nullptr;
+      const void* weight_now = weight.data_ptr();
+      for (const Entry& entry : entries) {
+        if (entry.matches(first, second, weight_now)) {
+          found = &entry;
+          break;
+        }
+      }
+      if (found == nullptr) {
+        return false;
+      }
+      if (found->graph_exec == nullptr) {
+        stand_in_id = found->id;
+      } else {
+        const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+        void* stream = impl->getStream(first.device()).native_handle();
+        Driver& cuda = driver();
+        int capture_status = 0;
+        if (cuda.capturing == nullptr || cuda.capturing(stream, &capture_status) != 0 || capture_status != 0) {
+          return false;  // a capture around the backward: the Python update launches into it
+        }
+        int error = cuda.launch(found->graph_exec, stream);
+        TORCH_CHECK(error == 0, "cuGraphLaunch of a recorded FORGE update failed with CUDA error ", error);
+      }
+    }
+    if (stand_in_id != 0 && !replay_stand_in(stand_in_id)) {
+      return false;
+    }
+    count.fetch_add(1);
+    replays_since_reset.fetch_add(1);
+    return true;
+  }
+
+  // A Python replay runs with the GIL and without the lock (Python takes the GIL, then the lock).
+  bool replay_stand_in(int64_t id) {
+    py::gil_scoped_acquire gil;
+    py::object stand_in;
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      for (const Entry& entry : entries) {
+        if (entry.id == id) {
+          stand_in = entry.stand_in;
+        }
+      }
+    }
+    if (!stand_in || stand_in.is_none()) {
+      return false;
+    }
+    try {
+      stand_in();
+    } catch (py::error_already_set& error) {
+      rethrow(error);
+    }
+    return true;
+  }
+
+  static void rethrow(py::error_already_set& error) {
+    error.restore();
+    python_error raised;
+    raised.persist();
+    throw raised;
+  }
+
+  void run_in_python(const at::Tensor& first, const at::Tensor& second) {
+    py::gil_scoped_acquire gil;
+    try {
+      update(first, second);
+    } catch (py::error_already_set& error) {
+      rethrow(error);
+    }
+  }
+};
+
+// Runs once, after the GEMM node has computed dX (and the bias gradient) from the pre-update weight.
+struct UpdateHook : torch::autograd::FunctionPostHook {
+  at::Tensor held;  // the layer's input (or the 2-D copy its GEMM read), released when the hook runs
+  std::shared_ptr<Slot> slot;
+  bool transposed;
+  int64_t outputs;
+  bool ran = false;
+
+  UpdateHook(at::Tensor held_, std::shared_ptr<Slot> slot_, bool transposed_, int64_t outputs_)
+      : held(std::move(held_)), slot(std::move(slot_)), transposed(transposed_), outputs(outputs_) {}
+
+  variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
+    TORCH_CHECK(!ran, "a fused Linear's graph was run backward twice (retain_graph=True): FORGE updates the weight "
+                      "once per forward; run the forward again for another backward");
+    ran = true;
+    at::Tensor x = std::move(held);
+    at::Tensor grad_output = grad_outputs.empty() ? at::Tensor() : grad_outputs[0];
+    if (!grad_output.defined()) {
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+      shape.push_back(outputs);
+      grad_output = at::zeros(shape, x.options());
+    }
+    const at::Tensor& first = transposed ? grad_output : x;
+    const at::Tensor& second = transposed ? x : grad_output;
+    if (!slot->try_replay(first, second)) {
+      slot->run_in_python(first, second);
+    }
+    return grad_inputs;
+  }
+};
+
+bool is_gemm(const std::string& name) { return name == "AddmmBackward0" || name == "MmBackward0"; }
+
+bool is_view(const std::string& name) { return name == "ViewBackward0" || name == "UnsafeViewBackward0"; }
+
+// Hook the GEMM node that produced `output` (or the view of it F.linear returns for a (..., Din) input);
+// false, with nothing hooked, where another node produced it.
+bool attach(const at::Tensor& output, at::Tensor held, std::shared_ptr<Slot> slot, bool transposed) {
+  auto node = output.grad_fn();  // a shared_ptr or an intrusive_ptr, by torch version
+  if (node && is_view(node->name())) {
+    node = node->next_edge(0).function;
+  }
+  if (!node || !is_gemm(node->name())) {
+    return false;
+  }
+  node->add_post_hook(std::make_unique<UpdateHook>(std::move(held), std::move(slot), transposed, output.size(-1)));
+  return true;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "FORGE's eager update hook in C++ (forge_core.native_hooks)";
+  py::class_<Gate, std::shared_ptr<Gate>>(module, "Gate")
+      .def(py::init<>())
+      .def_property(
+          "open", [](const Gate& gate) { return gate.open.load(); },
+          [](Gate& gate, bool value) { gate.open.store(value, std::memory_order_release); });
+  py::class_<Slot, std::shared_ptr<Slot>>(module, "Slot")
+      .def(py::init<std::shared_ptr<Gate>, at::Tensor, py::object>(), py::arg("gate"), py::arg("weight"),
+           py::arg("update"))
+      .def("add", &Slot::add, py::arg("id"), py::arg("first"), py::arg("second"), py::arg("graph_exec"),
+           py::arg("stand_in"))
+      .def("remove", &Slot::remove, py::arg("id"))
+      .def("clear", &Slot::clear)
+      .def("__len__", &Slot::size)
+      .def_property(
+          "count", [](const Slot& slot) { return slot.count.load(); },
+          [](Slot& slot, int64_t value) { slot.count.store(value); });
+  module.def("attach", &attach, py::arg("output"), py::arg("held"), py::arg("slot"), py::arg("transposed"));
+  module.def("replays", []() { return replays_since_reset.load(); });
+  module.def("reset_replays", []() { replays_since_reset.store(0); });
+}

@@ -1,0 +1,101 @@
+"""The eager fused Linear's backward hook in C++ (``forge_core/native/update_hook.cpp``).
+
+Why: an eager step at batch 1 is bound by the host. With a Python hook every fused layer's backward
+enters the interpreter, runs the optimizer's bookkeeping and checks its recorded update's key before one
+graph launch (``forge_core.update_graphs``). The C++ hook checks the key itself and launches the
+recorded graph from the autograd thread, without the GIL; whatever it cannot replay (no recording yet,
+another placement, a capture around the backward, the step's scalars not yet checked) it hands to the
+Python update, so the results are the Python path's, bit for bit.
+
+The extension is built by torch's C++ extension loader at its first use and cached (``make install``
+and the GPU machine's setup build it ahead). Where it cannot be built or loaded (no compiler, no
+ninja) FORGE says so in one warning and keeps the Python hook. ``FORGE_NATIVE_HOOKS=0`` turns it off.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import torch
+
+NATIVE_HOOKS = os.environ.get("FORGE_NATIVE_HOOKS", "1") != "0"
+"""Whether eager fused updates may run through the C++ hook; read once at import (a test may set it)."""
+ON_CPU_TOO = False
+"""Whether weights on the CPU get the C++ hook too (nothing to replay there: tests set it)."""
+SOURCE = Path(__file__).parent / "native" / "update_hook.cpp"
+EXTENSION_NAME = "forge_update_hook"
+
+_extension: Optional[ModuleType] = None
+_problem: Optional[str] = None
+
+
+def load() -> Optional[ModuleType]:
+    """The extension, built on first use (torch's cache keeps it for later processes); None, with
+    ``problem()`` saying why and one warning, where it cannot be built or loaded."""
+    global _extension, _problem
+    if _extension is not None or _problem is not None:
+        return _extension
+    if not NATIVE_HOOKS:
+        _problem = "FORGE_NATIVE_HOOKS=0"
+        return None
+    try:
+        from torch.utils import cpp_extension
+        _extension = cpp_extension.load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"],
+                                        verbose=False)
+    except Exception as error:  # no compiler, no ninja, headers that do not match: the Python hook stays
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        _problem = f"the C++ update hook could not be built or loaded ({type(error).__name__}: {first_line})"
+        warnings.warn(f"FORGE: {_problem}; eager fused updates use the Python hook", RuntimeWarning, stacklevel=2)
+    return _extension
+
+
+def problem() -> Optional[str]:
+    """Why the C++ hook is not in use (after ``load``), or None."""
+    return _problem
+
+
+def wanted(devices: set[torch.device]) -> bool:
+    """Whether weights on ``devices`` get the C++ hook: CUDA weights (their recorded updates replay), and
+    CPU ones where ``ON_CPU_TOO`` (tests)."""
+    if not NATIVE_HOOKS or not devices:
+        return False
+    return all(device.type == "cuda" or (ON_CPU_TOO and device.type == "cpu") for device in devices)
+
+
+def new_gate() -> Any:
+    """The switch an optimizer opens once its step's device scalars are current (``Slot``s read it)."""
+    extension = load()
+    return None if extension is None else extension.Gate()
+
+
+def new_slot(gate: Any, weight: torch.Tensor, update: Callable[[torch.Tensor, torch.Tensor], None]) -> Any:
+    """One fused weight's native side: its recorded updates (``add``/``remove``/``clear``), its backward
+    count since the last step (``count``) and the Python ``update(first, second)`` everything else runs."""
+    extension = load()
+    if extension is None:
+        raise RuntimeError(f"FORGE's C++ update hook is not available: {_problem}")
+    return extension.Slot(gate, weight, update)
+
+
+def attach_update_hook(output: torch.Tensor, held: torch.Tensor, slot: Any, transposed: bool) -> bool:
+    """Hook the GEMM node that produced ``output`` (or the view of it a (..., Din) input gets): once it has
+    computed dX it replays or runs ``slot``'s update with (x, dY) (``transposed``: (dY, x)), ``held`` being
+    x. False, with nothing hooked, where another node produced ``output``."""
+    return _extension.attach(output, held, slot, transposed)
+
+
+def native_replays() -> int:
+    """Updates the C++ hook replayed since the last ``reset_native_replays`` (0 when it is not loaded)."""
+    return _extension.replays() if _extension is not None else 0
+
+
+def reset_native_replays() -> None:
+    if _extension is not None:
+        _extension.reset_replays()
+
+
+__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "problem", "wanted", "new_gate", "new_slot", "attach_update_hook",
+           "native_replays", "reset_native_replays"]
