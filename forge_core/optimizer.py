@@ -357,6 +357,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         if key in graphs.graphs:                    # not capturing (checked above): no second check per layer
             self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
             self._open_native_gate()
+            graphs.list_natively(key, x, grad_output)   # a recording the C++ hook has not seen (a no-op after)
             return graphs.replay(key)
         if not graphs.wants_recording(key):
             return False
