@@ -23,11 +23,14 @@ from typing import Any, Callable
 
 import torch
 
+from forge_core import native_hooks
+
 from forge_bench.profile.common import StepOptions, run_and_report, warmed_up_arm
 
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
 COMMAND = ["profile", "host"]
 PHASES = ("forward", "backward", "optimizer")
+NATIVE_REPLAYS = "replay: C++ hook (forge_core.native_hooks)"
 
 
 class CallTimer:
@@ -100,6 +103,7 @@ def profile_one(options: StepOptions, method_name: str) -> dict:
     walls = []
     torch.cuda.synchronize()
     timer.reset()
+    native_hooks.reset_native_replays()
     for i in range(options.steps):
         batch = batches[i % len(batches)]
         started = time.perf_counter()
@@ -115,10 +119,13 @@ def profile_one(options: StepOptions, method_name: str) -> dict:
                                           step_done - backward_done)):
             phases[name].append(seconds)
     layers = linear_layers(arm.model)
+    calls = timer.per_step(options.steps)
+    if native_hooks.native_replays():     # replayed from C++, no Python to time: counted only
+        calls[NATIVE_REPLAYS] = {"calls_per_step": native_hooks.native_replays() / options.steps, "us_per_call": None}
     return {"method": method_name, "linear_layers": layers, "steps": options.steps,
             "wall_ms": 1e3 * statistics.median(walls),
             "host_ms": {name: 1e3 * statistics.median(values) for name, values in phases.items()},
-            "calls": timer.per_step(options.steps)}
+            "calls": calls}
 
 
 def to_markdown(results: list[dict], options: StepOptions, device: str) -> str:
@@ -140,6 +147,9 @@ def to_markdown(results: list[dict], options: StepOptions, device: str) -> str:
         lines += ["", f"## {res['method']}: calls inside the steps", "",
                   "| call | calls / step | us / call | ms / step |", "|---|---:|---:|---:|"]
         for label, call in res["calls"].items():
+            if call["us_per_call"] is None:
+                lines.append(f"| {label} | {call['calls_per_step']:.0f} | not timed | not timed |")
+                continue
             lines.append(f"| {label} | {call['calls_per_step']:.0f} | {call['us_per_call']:.1f} | "
                          f"{call['calls_per_step'] * call['us_per_call'] / 1e3:.2f} |")
     return "\n".join(lines) + "\n"
