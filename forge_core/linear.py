@@ -34,7 +34,7 @@ from torch import nn
 
 from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
-from .native_hooks import attach_update_hook
+from .native_hooks import hooked_forward
 from .overlap import run_update, run_update_outside_autograd
 from .traced import traced, update_weight_, written_tensors
 
@@ -181,7 +181,8 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     runs the update with the node's dY and the input. The input is held by the hook until it runs
     once (as the Function's saved tensor is until its backward): a second backward through the same
     graph (``retain_graph=True``) is refused in one line. Where the updater has a native slot
-    (``forge_core.native_hooks``) the post-hook is the C++ one: it replays a recorded update without Python.
+    (``forge_core.native_hooks``) all of this after the first checks runs in C++, the post-hook too, which
+    replays a recorded update without Python.
 
     Applies only where it is exact: no saved-tensor hooks (activation checkpointing, lean
     activations: they manage saved tensors, which this path has none of), no autocast (its casts
@@ -189,6 +190,9 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     an autograd node to hook (x or the bias requires grad)."""
     if not HOOKED_LINEAR or _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
         return None
+    slot = getattr(updater, "native_slot", None)
+    if slot is not None:              # the rest in C++, the hook too (forge_core.native_hooks)
+        return hooked_forward(x, weight, bias, slot, transposed)
     dtype = weight.dtype
     if x.dtype != dtype or (bias is not None and bias.dtype != dtype) or x.dim() < 2:
         return None
@@ -211,9 +215,6 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             output = output + bias
     else:
         gemm = output = F.linear(x, alias, bias)   # a (..., Din) input: a view of the GEMM of its 2-D view
-    slot = getattr(updater, "native_slot", None)
-    if slot is not None:              # the C++ hook (forge_core.native_hooks)
-        return output if attach_update_hook(gemm, held, slot, transposed) else None
     node = gemm.grad_fn
     if node is not None and type(node).__name__ in _VIEW_NODES:
         node = node.next_functions[0][0]

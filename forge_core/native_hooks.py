@@ -80,11 +80,12 @@ def new_slot(gate: Any, weight: torch.Tensor, update: Callable[[torch.Tensor, to
     return extension.Slot(gate, weight, update)
 
 
-def attach_update_hook(output: torch.Tensor, held: torch.Tensor, slot: Any, transposed: bool) -> bool:
-    """Hook the GEMM node that produced ``output`` (or the view of it a (..., Din) input gets): once it has
-    computed dX it replays or runs ``slot``'s update with (x, dY) (``transposed``: (dY, x)), ``held`` being
-    x. False, with nothing hooked, where another node produced ``output``."""
-    return _extension.attach(output, held, slot, transposed)
+def hooked_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slot: Any,
+                   transposed: bool) -> Optional[torch.Tensor]:
+    """``forge_core.linear.hooked_linear`` after its global checks, in C++: the GEMM on a detached alias of
+    the weight, and the C++ hook on its node, which replays or runs ``slot``'s update with (x, dY)
+    (``transposed``: (dY, x)) once the node has computed dX. None where that path does not apply."""
+    return _extension.hooked_forward(x, weight, bias, slot, transposed)
 
 
 def native_replays() -> int:
@@ -97,5 +98,5 @@ def reset_native_replays() -> None:
         _extension.reset_replays()
 
 
-__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "problem", "wanted", "new_gate", "new_slot", "attach_update_hook",
+__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "problem", "wanted", "new_gate", "new_slot", "hooked_forward",
            "native_replays", "reset_native_replays"]

@@ -185,3 +185,67 @@ def test_only_cuda_weights_want_the_cpp_hook_unless_asked(monkeypatch: pytest.Mo
     assert native_hooks.wanted({torch.device("cpu")}) == native_hooks.NATIVE_HOOKS
     monkeypatch.setattr(native_hooks, "NATIVE_HOOKS", False)
     assert not native_hooks.wanted({torch.device("cuda", 0)})
+
+
+def _node_names(tensor: torch.Tensor) -> list[str]:
+    names, node = [], tensor.grad_fn
+    while node is not None:
+        names.append(type(node).__name__)
+        node = node.next_functions[0][0] if node.next_functions else None
+    return names
+
+
+@needs_extension
+@pytest.mark.parametrize("layout", ["2d", "3d", "3d_transposed_input", "no_bias", "conv1d"])
+def test_the_cpp_forward_builds_the_python_forward_graph(layout: str) -> None:
+    """The same output, the same autograd nodes, the same dX, bias gradient and updated weight as the Python
+    hooked forward, for each input layout it takes (a 3-D view, MLP-Mixer's transposed token input, no bias,
+    GPT-2's Conv1D with its (Din, Dout) weight)."""
+    results = []
+    for native in (True, False):
+        torch.manual_seed(3)
+        if layout == "conv1d":
+            transformers = pytest.importorskip("transformers")
+            model = nn.Sequential(transformers.pytorch_utils.Conv1D(24, WIDTH))
+        else:
+            model = nn.Sequential(nn.Linear(WIDTH, 24, bias=layout != "no_bias"))
+        model = model.to(DEVICE, torch.bfloat16)
+        probe = torch.zeros(2, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+        opt = forge_core.fuse(model, "adamw", backend="triton", probe_inputs=probe, **HP)
+        binding = opt.fused_weights()[0]
+        if DEVICE == "cpu":
+            binding.update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
+        if native:
+            assert opt.attach_native_hooks() and binding.native_slot is not None
+        else:
+            binding.native_slot = None
+        shape = {"2d": (6, WIDTH), "3d_transposed_input": (WIDTH, 3, 5)}.get(layout, (3, 5, WIDTH))
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+        if layout == "3d_transposed_input":
+            x = x.permute(1, 2, 0)            # (3, 5, WIDTH), not contiguous: multiplied as a flattened copy
+        x.requires_grad_(True)
+        output = model(x)
+        output.float().square().sum().backward()
+        bias = model[0].bias
+        results.append((output.detach(), _node_names(output), x.grad, None if bias is None else bias.grad,
+                        binding.matrix.detach().clone()))
+    for native_value, python_value in zip(*results):
+        if isinstance(native_value, torch.Tensor):
+            assert torch.equal(native_value, python_value)
+        else:
+            assert native_value == python_value
+
+
+@needs_extension
+def test_the_cpp_forward_declines_what_the_function_computes() -> None:
+    """Mixed dtypes, a 1-D input, an input and bias that need no gradient: None, so the Function runs."""
+    layers = _layers()
+    opt = _fuse(layers, native=True)
+    slot, weight = opt.fused_weights()[0].native_slot, layers[0].weight
+    bias = layers[0].bias
+    assert native_hooks.hooked_forward(torch.randn(4, WIDTH, device=DEVICE, requires_grad=True), weight, bias, slot,
+                                       False) is None
+    assert native_hooks.hooked_forward(torch.randn(WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True),
+                                       weight, bias, slot, False) is None
+    frozen = torch.randn(4, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+    assert native_hooks.hooked_forward(frozen, weight, bias.detach(), slot, False) is None

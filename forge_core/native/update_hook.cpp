@@ -17,6 +17,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -276,6 +277,54 @@ bool attach(const at::Tensor& output, at::Tensor held, std::shared_ptr<Slot> slo
   return true;
 }
 
+// forge_core.linear.hooked_linear's forward after its global checks (saved-tensor hooks, functorch,
+// autocast: the caller's), the same ATen calls in the same order, so the same autograd graph: the GEMM
+// on a detached alias of the weight (x W^T + b; x W + b when `transposed`, transformers' Conv1D), the
+// update hooked on its node. nullopt where that path does not apply (the caller runs the Function).
+std::optional<at::Tensor> hooked_forward(const at::Tensor& x, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, std::shared_ptr<Slot> slot,
+                                         bool transposed) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::ScalarType dtype = weight.scalar_type();
+  if (x.scalar_type() != dtype || (has_bias && bias->scalar_type() != dtype) || x.dim() < 2) {
+    return std::nullopt;
+  }
+  if (!(x.requires_grad() || (has_bias && bias->requires_grad()))) {
+    return std::nullopt;
+  }
+  at::Tensor alias = weight.detach();
+  // An input at::linear cannot flatten as a view (MLP-Mixer's token mixing reads a transposed one) it
+  // multiplies as a flattened copy, adding the bias after the GEMM: the same here.
+  const bool unflattened = !transposed && x.dim() > 2 && !x.is_contiguous();
+  at::Tensor held = x;
+  at::Tensor gemm;
+  at::Tensor output;
+  if (transposed || unflattened) {
+    at::Tensor flat = x.reshape({-1, x.size(-1)});
+    held = flat;
+    if (transposed && has_bias) {
+      gemm = at::addmm(*bias, flat, alias);
+    } else {
+      gemm = at::mm(flat, transposed ? alias : alias.t());
+    }
+    output = gemm;
+    if (x.dim() != 2) {
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+      shape.push_back(gemm.size(-1));
+      output = gemm.view(shape);
+    }
+    if (unflattened && has_bias) {
+      output = at::add(output, *bias);
+    }
+  } else {
+    gemm = output = at::linear(x, alias, bias);
+  }
+  if (!attach(gemm, held, std::move(slot), transposed)) {
+    return std::nullopt;
+  }
+  return output;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -296,7 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_property(
           "count", [](const Slot& slot) { return slot.count.load(); },
           [](Slot& slot, int64_t value) { slot.count.store(value); });
-  module.def("attach", &attach, py::arg("output"), py::arg("held"), py::arg("slot"), py::arg("transposed"));
+  module.def("hooked_forward", &hooked_forward, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("slot"),
+             py::arg("transposed"));
   module.def("replays", []() { return replays_since_reset.load(); });
   module.def("reset_replays", []() { replays_since_reset.store(0); });
 }
