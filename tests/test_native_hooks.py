@@ -60,6 +60,17 @@ def _backward(layers: nn.ModuleList, inputs: list[torch.Tensor], grads: list[tor
         x.grad = None
 
 
+def _replaying() -> tuple[nn.ModuleList, forge_core.ForgeOptimizer, list[torch.Tensor], list[torch.Tensor]]:
+    """Fused layers on the C++ hook after three steps on fixed roots: launched, recorded, replayed."""
+    layers = _layers()
+    opt = _fuse(layers, native=True)
+    inputs, grads = _static_roots()
+    for _ in range(3):
+        _backward(layers, inputs, grads)
+        opt.step()
+    return layers, opt, inputs, grads
+
+
 @needs_extension
 def test_the_cpp_hook_trains_as_the_python_hook_under_an_lr_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 1 launches, step 2 records, steps 3-6 replay: the first replay of each step through Python (it
@@ -90,12 +101,7 @@ def test_the_cpp_hook_trains_as_the_python_hook_under_an_lr_schedule(monkeypatch
 
 @needs_extension
 def test_a_second_backward_before_step_is_refused_by_the_python_update() -> None:
-    layers = _layers()
-    opt = _fuse(layers, native=True)
-    inputs, grads = _static_roots()
-    for _ in range(3):
-        _backward(layers, inputs, grads)
-        opt.step()
+    layers, opt, inputs, grads = _replaying()
     assert native_hooks.native_replays() > 0
     with pytest.raises(RuntimeError, match="received backward number 2 since the last opt.step"):
         _backward(layers, inputs, grads)
@@ -116,12 +122,7 @@ def test_a_graph_run_backward_twice_is_refused_in_one_line() -> None:
 @needs_extension
 def test_a_replay_needs_its_inputs_where_they_lay() -> None:
     """A new input tensor (another address) or another layout goes through Python: recorded again there."""
-    layers = _layers()
-    opt = _fuse(layers, native=True)
-    inputs, grads = _static_roots()
-    for _ in range(3):
-        _backward(layers, inputs, grads)
-        opt.step()
+    layers, opt, inputs, grads = _replaying()
     before = native_hooks.native_replays()
     moved = [torch.zeros_like(x, requires_grad=True) for x in inputs]
     _backward(layers, moved, grads)
@@ -131,12 +132,7 @@ def test_a_replay_needs_its_inputs_where_they_lay() -> None:
 
 @needs_extension
 def test_load_state_dict_closes_the_gate_and_drops_the_native_recordings() -> None:
-    layers = _layers()
-    opt = _fuse(layers, native=True)
-    inputs, grads = _static_roots()
-    for _ in range(3):
-        _backward(layers, inputs, grads)
-        opt.step()
+    layers, opt, inputs, grads = _replaying()
     assert all(len(b.native_slot) == 1 for b in opt.fused_weights())
     opt.load_state_dict(opt.state_dict())
     assert all(len(b.native_slot) == 0 and b.micro_batches == 0 for b in opt.fused_weights())
@@ -145,12 +141,7 @@ def test_load_state_dict_closes_the_gate_and_drops_the_native_recordings() -> No
 @needs_extension
 def test_an_optimizer_with_cpp_hooks_is_collected_when_dropped() -> None:
     """The slot holds its weight's update weakly: no cycle through C++ keeps the optimizer's states alive."""
-    layers = _layers()
-    opt = _fuse(layers, native=True)
-    inputs, grads = _static_roots()
-    for _ in range(3):
-        _backward(layers, inputs, grads)
-        opt.step()
+    layers, opt, inputs, grads = _replaying()
     watched = weakref.ref(opt)
     forge_core.unfuse(nn.Sequential(*layers))
     del opt
