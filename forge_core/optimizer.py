@@ -180,7 +180,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 count = binding.micro_batches
                 binding.native_slot = native_hooks.new_slot(gate, binding.matrix, weakly_bound_update(binding))
                 binding.native_slot.count = count
-                binding.update_graphs.native = binding.native_slot
+                binding.update_graphs.use_native(binding.native_slot)
         return True
 
     def _open_native_gate(self) -> None:

@@ -15,7 +15,9 @@ runs in device mode once it records (``TracedUpdates.enter_device_mode``: the st
 scalars in device tensors, rewritten by ``step()`` and when a hyper-parameter changes), so an lr
 schedule reaches a replayed update as it reaches a launched one. Everything else (gradient
 accumulation, data parallel, the side stream, stochastic rounding, a whole-step graph being captured
-around it) keeps the launched path; ``ForgeOptimizer.fused_backward`` decides.
+around it) keeps the launched path; ``ForgeOptimizer.fused_backward`` decides. On CUDA weights the C++
+backward hook (``forge_core.native_hooks``) replays the recordings itself, without Python; ``list_natively``
+hands each one to it.
 """
 from __future__ import annotations
 
@@ -138,6 +140,12 @@ class UpdateGraphs:
         graph.replay()
         self.counts["graph"] += 1
         return True
+
+    def use_native(self, slot: Any) -> None:
+        """Hand this weight's recordings to ``slot`` (a C++ hook's side) from now on: each is listed there at its
+        next Python replay (``list_natively``), those listed on an earlier slot too."""
+        self.native = slot
+        self._native_ids.clear()
 
     def _forget(self, key: tuple) -> None:
         del self.graphs[key]

@@ -240,3 +240,17 @@ def test_the_cpp_forward_declines_what_the_function_computes() -> None:
                                        weight, bias, slot, False) is None
     frozen = torch.randn(4, WIDTH, device=DEVICE, dtype=torch.bfloat16)
     assert native_hooks.hooked_forward(frozen, weight, bias.detach(), slot, False) is None
+
+
+@needs_extension
+def test_hooks_attached_again_take_over_the_recordings_already_made() -> None:
+    """A second ``attach_native_hooks`` (new slots) lists each earlier recording at its next Python replay, so
+    the C++ hooks replay them again from the step after."""
+    layers, opt, inputs, grads = _replaying()
+    assert opt.attach_native_hooks()
+    _backward(layers, inputs, grads)           # the gate opens at the first replay; the rest are listed one by one
+    opt.step()
+    before = native_hooks.native_replays()
+    _backward(layers, inputs, grads)
+    opt.step()
+    assert native_hooks.native_replays() - before == LAYERS - 1
