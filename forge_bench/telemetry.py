@@ -115,6 +115,14 @@ def boot_id(path: Path = BOOT_ID_FILE) -> str | None:
     return text or None
 
 
+def forge_switches(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``FORGE_*`` variables the cell's process ran with (a fixed tile, the Python hook, no replays, ...),
+    the harness's own ``FORGE_BENCH_*`` left out: a row's speed depends on them, and nothing else records them."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in sorted(environ)
+            if name.startswith("FORGE_") and not name.startswith("FORGE_BENCH_")}
+
+
 def nvml_handle(pynvml: Any, cuda_index: int) -> Any:
     """The NVML handle of CUDA device ``cuda_index`` of this process. NVML numbers every GPU of the
     host and ignores CUDA_VISIBLE_DEVICES, so a cell given GPU 2 (``forge-bench sweep --gpus``, or

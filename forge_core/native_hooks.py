@@ -52,6 +52,11 @@ def load() -> Optional[ModuleType]:
     return _extension
 
 
+def status() -> Optional[str]:
+    """"loaded", or why the C++ hook is not in use; None where nothing asked for it yet (no CUDA weights fused)."""
+    return "loaded" if _extension is not None else _problem
+
+
 def problem() -> Optional[str]:
     """Why the C++ hook is not in use (after ``load``), or None."""
     return _problem
@@ -98,5 +103,5 @@ def reset_native_replays() -> None:
         _extension.reset_replays()
 
 
-__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "problem", "wanted", "new_gate", "new_slot", "hooked_forward",
+__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "status", "problem", "wanted", "new_gate", "new_slot", "hooked_forward",
            "native_replays", "reset_native_replays"]

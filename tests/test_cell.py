@@ -221,3 +221,16 @@ def test_lean_cell_row_says_so_and_passes_the_parity_gate(tmp_path):
 def test_hf_cell_row_says_hf(suite, tmp_path):
     code, row = run(suite, "no_optimizer", tmp_path / "r")
     assert code == 0 and row.activations == "hf"
+
+
+
+def test_a_row_records_the_forge_switches_it_ran_with_but_not_the_harness_own(suite, tmp_path, monkeypatch):
+    """A fixed tile or the Python hook changes a row's speed: the row says so (``extra.forge_env``)."""
+    monkeypatch.setenv("FORGE_AUTOTUNE", "0")
+    monkeypatch.setenv("FORGE_NATIVE_HOOKS", "0")
+    monkeypatch.setenv("FORGE_BENCH_GIT_COMMIT", "abc")
+    _, row = run(suite, "adamw_foreach", tmp_path / "r")
+    extra = json.loads(row.extra)
+    assert {k: v for k, v in extra["forge_env"].items() if k in ("FORGE_AUTOTUNE", "FORGE_NATIVE_HOOKS")} == \
+        {"FORGE_AUTOTUNE": "0", "FORGE_NATIVE_HOOKS": "0"}
+    assert not any(name.startswith("FORGE_BENCH_") for name in extra["forge_env"])

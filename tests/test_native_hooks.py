@@ -112,6 +112,7 @@ def test_a_second_backward_before_step_is_refused_by_the_python_update() -> None
 def test_a_graph_run_backward_twice_is_refused_in_one_line() -> None:
     layers = _layers()
     _fuse(layers, native=True)
+    assert native_hooks.status() == "loaded"
     x = torch.randn(4, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     output = layers[0](x)
     output.sum().backward(retain_graph=True)
@@ -163,6 +164,7 @@ def test_a_missing_compiler_leaves_the_python_hook_with_one_warning(monkeypatch:
                                             r"\(RuntimeError: Ninja is required to load C\+\+ extensions\); "
                                             r"eager fused updates use the Python hook$"):
         assert native_hooks.load() is None
+    assert native_hooks.status() == native_hooks.problem() and native_hooks.status().startswith("the C++ update hook")
     assert native_hooks.new_gate() is None
     layers = _layers()
     opt = _fuse(layers, native=False)
