@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import datetime as dt
 import gc
-import json
 import math
 import os
 import statistics

@@ -6,7 +6,6 @@ nothing already written is touched by a refused command.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 

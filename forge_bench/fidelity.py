@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forge_bench import telemetry
-from forge_bench.run_rows import KIND_COLUMN, write_rows
+from forge_bench.run_rows import KIND_COLUMN
 
 PAPER_SHAPE = (1024, 4096, 2048)          # V, H, BT of App. E
 INIT_STD = 0.02

@@ -14,8 +14,6 @@ GPU rows never loads torch.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import pandas as pd
 
 from .coverage import largest_fit_tables
