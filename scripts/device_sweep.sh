@@ -7,13 +7,15 @@
 # stops starting cells 110 s before the box ends. ONLY may hold several --only selections separated
 # by ';': they run one after the other (the cells that matter most first; within one selection the
 # suite's order decides), all into OUT_DIR under one run id. GPUS=0,1,2,3 in the environment runs the
-# cells side by side on those GPUs (`sweep --gpus`), one cell per GPU at a time.
+# cells side by side on those GPUs (`sweep --gpus`), one cell per GPU at a time. The tests run on a fixed tile
+# (FORGE_AUTOTUNE=0, set here for them alone); a FORGE_* variable in the caller's environment reaches the cells,
+# and each row records it (extra.forge_env).
 set -u
 commit=$1 suite=$2 out_dir=$3 only=$4 box=$5; shift 5
 source scripts/device_setup.sh "$commit" >/dev/null || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ $# -gt 0 ]; then
-  timeout $((box / 3)) python3 -m pytest -q -rs -n 8 -p no:cacheprovider "$@" > "$OUT/pytest_gpu.log" 2>&1
+  FORGE_AUTOTUNE=0 timeout $((box / 3)) python3 -m pytest -q -rs -n 8 -p no:cacheprovider "$@" > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -n 25 "$OUT/pytest_gpu.log"
 fi
 IFS=';' read -ra selections <<< "$only"
