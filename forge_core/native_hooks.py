@@ -13,11 +13,13 @@ ninja) FORGE says so in one warning and keeps the Python hook. ``FORGE_NATIVE_HO
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -43,13 +45,31 @@ def load() -> Optional[ModuleType]:
         return None
     try:
         from torch.utils import cpp_extension
-        _extension = cpp_extension.load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"],
-                                        verbose=False)
+        with _ninja_on_path():
+            _extension = cpp_extension.load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=["-O2"],
+                                            verbose=False)
     except Exception as error:  # no compiler, no ninja, headers that do not match: the Python hook stays
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         _problem = f"the C++ update hook could not be built or loaded ({type(error).__name__}: {first_line})"
         warnings.warn(f"FORGE: {_problem}; eager fused updates use the Python hook", RuntimeWarning, stacklevel=2)
     return _extension
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's loader runs ``ninja`` from PATH; the ``ninja`` package FORGE depends on installs it beside the
+    interpreter, which a venv's python run by its path does not put on PATH."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+        except ImportError:         # the loader then says ninja is missing, and load() warns with that
+            pass
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def status() -> Optional[str]:

@@ -6,6 +6,8 @@ backward), which is what a graph's fixed addresses hold."""
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import weakref
 
 import pytest
@@ -256,3 +258,23 @@ def test_hooks_attached_again_take_over_the_recordings_already_made() -> None:
     _backward(layers, inputs, grads)
     opt.step()
     assert native_hooks.native_replays() - before == LAYERS - 1
+
+
+def test_the_ninja_package_is_found_where_path_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A venv's python run by its path has no ninja on PATH: the loader is given the ninja package's."""
+    ninja = pytest.importorskip("ninja")
+    seen = []
+
+    def loader(**kwargs):
+        seen.append(shutil.which("ninja"))
+        raise RuntimeError("stop here")
+
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(native_hooks, "_extension", None)
+    monkeypatch.setattr(native_hooks, "_problem", None)
+    monkeypatch.setattr(native_hooks, "NATIVE_HOOKS", True)
+    monkeypatch.setattr(cpp_extension, "load", loader)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.warns(RuntimeWarning, match="stop here"):
+        native_hooks.load()
+    assert seen and seen[0].startswith(ninja.BIN_DIR) and os.environ["PATH"] == "/nonexistent"
