@@ -310,3 +310,39 @@ def test_weights_with_different_step_counts_keep_their_updates_launched() -> Non
     assert launch_paths()["graph"] == 0
     assert all(b.update_graphs.stopped for b in opt.fused_weights())
     assert [b.steps_done for b in opt.fused_weights()] == [4] + [3] * len(others)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_tuned_gluon_updates_replay_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tuning on, Hopper's Gluon kernel takes the shapes it wins; its recorded updates, replayed (by the C++
+    hook where it is built), equal the same updates launched, both optimizers in device mode from the first step
+    (``capturable=True``: one kernel choice for both, the one timed in graphs), bit for bit."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper")
+    from forge_core.kernels import dispatch
+
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")
+    models = [_mlp(torch.bfloat16, width=2048, depth=2) for _ in range(2)]
+    replayed, launched = (_fuse(model, capturable=True) for model in models)
+    assert replayed.update_replay_problem is None
+    for binding in launched.fused_weights():
+        binding.update_graphs = None
+        binding.native_slot = None
+    static = torch.empty(512, 2048, device=DEVICE, dtype=torch.bfloat16)
+    reset_launch_paths()
+    for batch in _static_batches(5, (512, 2048), torch.bfloat16):
+        static.copy_(batch)
+        for model, opt in zip(models, (replayed, launched)):
+            (model(static).float() - static.float()).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    plans = [plan for b in replayed.fused_weights() for plan in dispatch.PLANS.get(b.state, {}).values()]
+    if not any(isinstance(plan, dispatch.WsPlan) for plan in plans):
+        pytest.skip("the tuner gave these shapes to the Triton kernel on this GPU")
+    assert launch_paths()["graph"] >= 3 * len(replayed.fused_weights())
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
+        for name in a.state.state_names:
+            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
