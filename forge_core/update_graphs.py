@@ -148,10 +148,10 @@ class UpdateGraphs:
         self._native_ids.clear()
 
     def _forget(self, key: tuple) -> None:
-        del self.graphs[key]
         native_id = self._native_ids.pop(key, None)
-        if native_id is not None:
+        if native_id is not None:           # before the graph (and its exec handle) can be freed
             self.native.remove(native_id)
+        del self.graphs[key]
 
     def list_natively(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Hand the recording of ``key`` (the update of ``x``, ``grad_output``) to the C++ hook, where there is
@@ -169,10 +169,10 @@ class UpdateGraphs:
 
     def clear(self) -> None:
         """Forget every recording (the states were replaced, or the weight's plan may change)."""
-        self.graphs.clear()
-        self._native_ids.clear()
-        if self.native is not None:
+        if self.native is not None:         # before the graphs (and their exec handles) can be freed
             self.native.clear()
+        self._native_ids.clear()
+        self.graphs.clear()
         self.last_key = None
         self.recordings_unreplayed = 0
         self.stopped = False
