@@ -144,6 +144,8 @@ class UpdateGraphs:
     def use_native(self, slot: Any) -> None:
         """Hand this weight's recordings to ``slot`` (a C++ hook's side) from now on: each is listed there at its
         next Python replay (``list_natively``), those listed on an earlier slot too."""
+        if self.native is not None and self.native is not slot:
+            self.native.clear()             # a hook still holding the old slot launches nothing this may free
         self.native = slot
         self._native_ids.clear()
 
