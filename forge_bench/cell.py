@@ -522,8 +522,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         phases["startup"] = max(0.0, t_start - spawned)
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         extra["cuda_alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    if telemetry.forge_switches():
-        extra["forge_env"] = telemetry.forge_switches()
+    switches = telemetry.forge_switches()
+    if switches:
+        extra["forge_env"] = switches
     if cell.activation_checkpointing:
         extra["activation_checkpointing"] = True
     machine_boot = telemetry.boot_id()
@@ -621,8 +622,9 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         extra["floor_terms"] = timing.floor_terms
     if timing.launches_per_step is not None:
         extra["fused_launches_per_step"] = timing.launches_per_step
-    if native_hooks.status() is not None:
-        extra["native_hooks"] = native_hooks.status()
+    native_status = native_hooks.status()
+    if native_status is not None:
+        extra["native_hooks"] = native_status
     kernel_configs, tune_cache_file = _tuned_kernel_configs()
     if kernel_configs:
         extra["kernel_configs"] = kernel_configs

@@ -156,16 +156,17 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 self._scalars_written_from.append(None)
         self._device_mode = self.capturable and bool(self._device_steps)
         self._scalars_override: Optional[torch.Tensor] = None
+        devices = {b.weight.device for b in bindings}
         self.update_replay_problem: Optional[str] = "the rule steps whole layers (forge_core.layer_step)" \
-            if self._layer_path is not None else replay_problem(
-                UPDATE_GRAPHS, backend, self.device_scalars_problem, {b.weight.device for b in bindings})
+            if self._layer_path is not None else replay_problem(UPDATE_GRAPHS, backend, self.device_scalars_problem,
+                                                                devices)
         """Why this optimizer's eager updates do not replay recorded CUDA graphs (``forge_core.update_graphs``),
         or None when a fused weight's update is recorded once its inputs' placement repeats."""
         if self.update_replay_problem is None:
             for binding in bindings:
                 binding.update_graphs = UpdateGraphs(kernels.launch_path_counts())
         self._native_gate: Optional[Any] = None
-        if self.update_replay_problem is None and native_hooks.wanted({b.weight.device for b in bindings}):
+        if self.update_replay_problem is None and native_hooks.wanted(devices):
             self.attach_native_hooks()
 
     def attach_native_hooks(self) -> bool:

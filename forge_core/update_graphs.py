@@ -83,14 +83,13 @@ def _end_capture_quietly(graph: torch.cuda.CUDAGraph) -> None:
 class UpdateGraphs:
     """One fused weight's recorded updates, by where their inputs lie (see the module docstring)."""
 
-    def __init__(self, counts: dict[str, int], recorder: Recorder = record_cuda_graph,
-                 native: Optional[Any] = None) -> None:
+    def __init__(self, counts: dict[str, int], recorder: Recorder = record_cuda_graph) -> None:
         self.counts = counts
         """Launch counts by path, shared (``kernels.launch_path_counts``): a replay counts as ``graph``."""
         self.recorder = recorder
-        self.native = native
-        """The weight's C++ hook side (``forge_core.native_hooks``), which replays the recordings listed here
-        without Python; None where the Python hook runs."""
+        self.native: Optional[Any] = None
+        """The weight's C++ hook side (``forge_core.native_hooks``, set by ``use_native``), which replays the
+        recordings listed here without Python; None where the Python hook runs."""
         self.graphs: dict[tuple, Replay] = {}
         self._native_ids: dict[tuple, int] = {}
         self._next_native_id = 1

@@ -120,8 +120,9 @@ def profile_one(options: StepOptions, method_name: str) -> dict:
             phases[name].append(seconds)
     layers = linear_layers(arm.model)
     calls = timer.per_step(options.steps)
-    if native_hooks.native_replays():     # replayed from C++, no Python to time: counted only
-        calls[NATIVE_REPLAYS] = {"calls_per_step": native_hooks.native_replays() / options.steps, "us_per_call": None}
+    native_replays = native_hooks.native_replays()
+    if native_replays:                    # replayed from C++, no Python to time: counted only
+        calls[NATIVE_REPLAYS] = {"calls_per_step": native_replays / options.steps, "us_per_call": None}
     return {"method": method_name, "linear_layers": layers, "steps": options.steps,
             "wall_ms": 1e3 * statistics.median(walls),
             "host_ms": {name: 1e3 * statistics.median(values) for name, values in phases.items()},
