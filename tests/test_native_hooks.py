@@ -16,9 +16,8 @@ from torch import nn
 
 import forge_core
 from forge_core import native_hooks
-from forge_core.kernels import launch_paths, reset_launch_paths
+from forge_core.kernels import launch_path_counts, launch_paths, reset_launch_paths
 from forge_core.update_graphs import UpdateGraphs
-from forge_core.kernels import launch_path_counts
 
 from test_update_graphs import HP, rerun_recorder
 
@@ -40,7 +39,7 @@ def _fuse(layers: nn.ModuleList, native: bool) -> forge_core.ForgeOptimizer:
         for binding in opt.fused_weights():
             binding.update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
     if native:
-        assert opt.attach_native_hooks() or DEVICE == "cuda"
+        assert opt.attach_native_hooks()
         assert all(b.native_slot is not None for b in opt.fused_weights())
     else:
         for binding in opt.fused_weights():
