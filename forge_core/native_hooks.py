@@ -7,6 +7,11 @@ recorded graph from the autograd thread, without the GIL; whatever it cannot rep
 another placement, a capture around the backward, the step's scalars not yet checked) it hands to the
 Python update, so the results are the Python path's, bit for bit.
 
+Under ``torch.compile`` the backward calls the operator ``forge::update_weight_`` instead of a hook; the
+extension registers that operator's kernel for CUDA tensors (``serve_traced_updates``), which replays the
+same recordings where the compiled graph hands the operator its owner's own tensors and runs the operator's
+Python body otherwise.
+
 The extension is built by torch's C++ extension loader at its first use and cached (``make install``
 and the GPU machine's setup build it ahead). Where it cannot be built or loaded (no compiler, no
 ninja) FORGE says so in one warning and keeps the Python hook. ``FORGE_NATIVE_HOOKS=0`` turns it off.
@@ -32,6 +37,8 @@ EXTENSION_NAME = "forge_update_hook"
 
 _extension: Optional[ModuleType] = None
 _problem: Optional[str] = None
+_traced_kernels: dict[str, Any] = {}
+"""The registrations of the ``forge::update_weight_`` kernel, by dispatch key (each lives as long as it is held)."""
 
 
 def load() -> Optional[ModuleType]:
@@ -105,6 +112,23 @@ def new_slot(gate: Any, weight: torch.Tensor, update: Callable[[torch.Tensor, to
     return extension.Slot(gate, weight, update)
 
 
+def name_slot(key: int, slot: Any) -> None:
+    """Let the compiled backward's ``forge::update_weight_`` calls for the weight ``key`` names
+    (``forge_core.traced.trace_key``) replay ``slot``'s recordings (held weakly)."""
+    _extension.name_slot(key, slot)
+
+
+def serve_traced_updates(devices: set[torch.device], body: Callable[..., None]) -> None:
+    """Register the C++ kernel of ``forge::update_weight_`` for the device types of ``devices`` (CUDA; the CPU
+    where ``ON_CPU_TOO``), once per process: it replays a named slot's recording (``name_slot``) and calls
+    ``body``, the operator's Python body, for everything else."""
+    for device_type in sorted({device.type for device in devices}):
+        if device_type == "cuda" or (ON_CPU_TOO and device_type == "cpu"):
+            key = device_type.upper()
+            if key not in _traced_kernels:
+                _traced_kernels[key] = _extension.register_traced_kernel(key, body)
+
+
 def hooked_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], slot: Any,
                    transposed: bool) -> Optional[torch.Tensor]:
     """``forge_core.linear.hooked_linear`` after its global checks, in C++: the GEMM on a detached alias of
@@ -123,5 +147,5 @@ def reset_native_replays() -> None:
         _extension.reset_replays()
 
 
-__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "status", "problem", "wanted", "new_gate", "new_slot", "hooked_forward",
+__all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "status", "problem", "wanted", "new_gate", "new_slot", "name_slot", "serve_traced_updates", "hooked_forward",
            "native_replays", "reset_native_replays"]

@@ -44,7 +44,7 @@ from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
-from .traced import graph_capturing, in_traced_update, trace_key
+from .traced import graph_capturing, run_traced_update, trace_key, written_tensors
 from .traced_updates import TracedUpdates
 from .update_graphs import UPDATE_GRAPHS, UpdateGraphs, replay_problem
 
@@ -156,6 +156,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 self._scalars_written_from.append(None)
         self._device_mode = self.capturable and bool(self._device_steps)
         self._scalars_override: Optional[torch.Tensor] = None
+        self._updating_copies = False       # a traced update runs on copies of its owner's tensors (updating_on)
         devices = {b.weight.device for b in bindings}
         self.update_replay_problem: Optional[str] = "the rule steps whole layers (forge_core.layer_step)" \
             if self._layer_path is not None else replay_problem(UPDATE_GRAPHS, backend, self.device_scalars_problem,
@@ -182,6 +183,8 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 binding.native_slot = native_hooks.new_slot(gate, binding.matrix, weakly_bound_update(binding))
                 binding.native_slot.count = count
                 binding.update_graphs.use_native(binding.native_slot)
+                native_hooks.name_slot(binding.trace_key, binding.native_slot)
+        native_hooks.serve_traced_updates({b.weight.device for b in self._bindings}, run_traced_update)
         return True
 
     def _open_native_gate(self) -> None:
@@ -349,16 +352,17 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                          grad_output: torch.Tensor) -> bool:
         """``binding``'s update replayed from its recorded graph, or recorded now and replayed when its inputs
         lie where they lay at its previous update (``forge_core.update_graphs``); False where it must be
-        launched: fp32 inputs (their plan follows the TF32 switch), the side stream, a traced update, a graph
-        capture around it, or device mode out of reach (the weights' step counts differ)."""
-        if x.dtype == torch.float32 or binding.overlap_updates or in_traced_update() or graph_capturing():
+        launched: fp32 inputs (their plan follows the TF32 switch), the side stream, a traced update on copies
+        of the weight's tensors, a graph capture around it, or device mode out of reach (the weights' step counts
+        differ)."""
+        if x.dtype == torch.float32 or binding.overlap_updates or self._updating_copies or graph_capturing():
             return False
         key = graphs.key(x, grad_output, binding.matrix)
         group = binding.group_index
         if key in graphs.graphs:                    # not capturing (checked above): no second check per layer
             self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
             self._open_native_gate()
-            graphs.list_natively(key, x, grad_output)   # a recording the C++ hook has not seen (a no-op after)
+            self._list_natively(graphs, key, binding, x, grad_output)   # (a no-op once listed)
             return graphs.replay(key)
         if not graphs.wants_recording(key):
             return False
@@ -372,9 +376,15 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
         if not graphs.record_and_replay(key, lambda: self.apply_update(binding, x, grad_output), x.device):
             return False
-        graphs.list_natively(key, x, grad_output)
+        self._list_natively(graphs, key, binding, x, grad_output)
         self._open_native_gate()
         return True
+
+    def _list_natively(self, graphs: UpdateGraphs, key: tuple, binding: FusedWeight, x: torch.Tensor,
+                       grad_output: torch.Tensor) -> None:
+        """Hand a recording the C++ hook has not seen to it, with the tensors it writes and reads (what a compiled
+        backward's operator call must hand it for a replay)."""
+        graphs.list_natively(key, x, grad_output, written_tensors(binding), self.device_scalars_of(binding))
 
     def begin_row_updates_of(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""

@@ -174,10 +174,12 @@ WEIGHT = "Tensor(a!) weight" if DECLARES_WEIGHT_MUTATION else "Tensor weight"
 """The weight argument of the update operators' schemas (``MUTATED``)."""
 
 
-def _update_weight(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
-                   scalars: Optional[torch.Tensor], after: list[torch.Tensor], key: int) -> None:
+def run_traced_update(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, written: list[torch.Tensor],
+                      scalars: Optional[torch.Tensor], after: list[torch.Tensor], key: int) -> None:
     """One fused update of the weight ``key`` names from ``(x, grad_output)`` (its kernel's ``dY^T X``),
-    once ``after`` exist."""
+    once ``after`` exist: the body of ``forge::update_weight_``. On CUDA tensors, where the C++ hook is loaded,
+    the operator's kernel is ``forge_core.native_hooks``', which replays the weight's recorded update where
+    it was given its owner's tensors and calls this otherwise."""
     owner = owner_of(key)
     with traced_update_scope():
         owner.optimizer.traced_update(owner, x, grad_output, weight, written, scalars)
@@ -185,7 +187,7 @@ def _update_weight(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Ten
 
 update_weight_ = mutating_operator(
     "update_weight_", f"Tensor x, Tensor grad_output, {WEIGHT}, Tensor(b!)[] written, Tensor(c!)? scalars, "
-    "Tensor[] after, int key", _update_weight)
+    "Tensor[] after, int key", run_traced_update)
 
 
 def _update_embedding_rows(ids: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor,
@@ -201,5 +203,5 @@ update_embedding_rows_ = mutating_operator(
     "Tensor(c!)? scalars, int key", _update_embedding_rows)
 
 
-__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "same_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "run_traced_update", "same_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]

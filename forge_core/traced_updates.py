@@ -130,9 +130,11 @@ class TracedUpdates:
         for name, tensor in zip(extras, written[len(own_written) - len(extras):]):
             setattr(owner, name, tensor)
         self._scalars_override = scalars if scalars is not None and own_scalars is not None else None
+        self._updating_copies = True        # no recorded update replays (it holds the owner's addresses)
         try:
             yield
         finally:
+            self._updating_copies = False
             self._scalars_override = None
             for name, value in saved.items():
                 setattr(owner, name, value)

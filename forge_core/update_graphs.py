@@ -154,18 +154,20 @@ class UpdateGraphs:
             self.native.remove(native_id)
         del self.graphs[key]
 
-    def list_natively(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-        """Hand the recording of ``key`` (the update of ``x``, ``grad_output``) to the C++ hook, where there is
-        one: a CUDA graph by its exec handle, anything else (a test's stand-in) as its Python ``replay``."""
+    def list_natively(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor, written: list[torch.Tensor],
+                      scalars: Optional[torch.Tensor]) -> None:
+        """Hand the recording of ``key`` (the update of ``x``, ``grad_output``, writing ``written`` and reading
+        ``scalars``) to the C++ hook, where there is one: a CUDA graph by its exec handle, anything else (a
+        test's stand-in) as its Python ``replay``."""
         graph = self.graphs.get(key)
         if self.native is None or graph is None or key in self._native_ids:
             return
         native_id = self._next_native_id
         self._next_native_id += 1
         if isinstance(graph, torch.cuda.CUDAGraph):
-            self.native.add(native_id, x, grad_output, graph.raw_cuda_graph_exec(), None)
+            self.native.add(native_id, x, grad_output, graph.raw_cuda_graph_exec(), None, written, scalars)
         else:
-            self.native.add(native_id, x, grad_output, 0, graph.replay)
+            self.native.add(native_id, x, grad_output, 0, graph.replay, written, scalars)
         self._native_ids[key] = native_id
 
     def clear(self) -> None:

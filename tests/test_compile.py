@@ -15,9 +15,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRACED_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-gpt2", "tiny-vit", "tiny-mixer", "tiny-mamba2")
 
 
-def _model(name: str, seed: int = 0, num_layers: int | None = None) -> torch.nn.Module:
-    """A tiny model of the zoo in fp32, without dropout (its masks differ between eager and compiled runs)."""
-    model = build_model(name, "float32", DEVICE, seed=seed, num_layers=num_layers)
+def _model(name: str, seed: int = 0, num_layers: int | None = None, dtype: str = "float32") -> torch.nn.Module:
+    """A tiny model of the zoo (fp32 by default), without dropout (its masks differ between eager and compiled runs)."""
+    model = build_model(name, dtype, DEVICE, seed=seed, num_layers=num_layers)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -182,6 +182,32 @@ def test_reduce_overhead_replays_match_eager_forge(state_dtype: str) -> None:
     assert compiled_opt.steps_taken == 8
     assert _largest_difference(eager, compiled) <= 1e-4
     assert _largest_difference(eager, _model("tiny-llama")) > 1e-2     # it trained
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="recorded updates replay from CUDA graphs")
+def test_compiled_updates_replay_from_cpp_and_train_as_launched_ones() -> None:
+    """Under ``torch.compile`` (Inductor, no whole-step graph) the backward's ``forge::update_weight_`` calls,
+    given their owners' own tensors, record and then replay each layer's update from the C++ kernel
+    (``forge_core.native_hooks``); the weights equal those of a compiled twin whose updates all launch."""
+    from forge_core import native_hooks
+    if native_hooks.load() is None:
+        pytest.skip(f"no C++ hook: {native_hooks.problem()}")
+    models = [_model("tiny-llama", dtype="bfloat16") for _ in range(2)]
+    optimizers = [forge_core.fuse(model, "adamw", lr=1e-2) for model in models]
+    for binding in optimizers[1].fused_weights():
+        binding.update_graphs = None                # the twin: every update launched
+    batches = _batches("tiny-llama", 1) * 6
+    native_hooks.reset_native_replays()
+    for model, optimizer in zip(models, optimizers):
+        _train(torch.compile(model), optimizer, batches)
+        if optimizer is optimizers[0]:
+            replayed = native_hooks.native_replays()
+    assert sum(counters["graph_break"].values()) == 0
+    fused = len(optimizers[0].fused_weights())
+    assert replayed >= 3 * (fused - 1), (replayed, fused)     # steps 3-6: all but each step's first update
+    assert native_hooks.native_replays() == replayed
+    assert _largest_difference(*models) == 0.0
 
 
 def test_the_update_operators_are_plain_dispatcher_operators() -> None:

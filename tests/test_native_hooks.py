@@ -277,3 +277,55 @@ def test_the_ninja_package_is_found_where_path_lacks_it(monkeypatch: pytest.Monk
     with pytest.warns(RuntimeWarning, match="stop here"):
         native_hooks.load()
     assert seen and seen[0].startswith(ninja.BIN_DIR) and os.environ["PATH"] == "/nonexistent"
+
+
+def _random_fill(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+
+
+@needs_extension
+def test_the_compiled_backwards_operator_replays_as_the_hook_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``forge::update_weight_``, which a compiled backward calls once per fused layer, has the extension's kernel:
+    given its owner's own tensors (Inductor re-inplaces it) it replays the recordings as the C++ hook does, and
+    trains bit for bit as the Python hook; given copies of them (functionalization, ``opcheck``) it runs the
+    Python body, which writes the copies and replays nothing."""
+    monkeypatch.setattr(native_hooks, "ON_CPU_TOO", True)
+    monkeypatch.setattr(native_hooks, "_traced_kernels", {})    # this test's registration, dropped after it
+    operated, hooked = _layers(), _layers()
+    opt, reference = _fuse(operated, native=True), _fuse(hooked, native=False)
+    assert set(native_hooks._traced_kernels) == {"CPU"}
+    inputs, grads = _static_roots()
+    generator = torch.Generator().manual_seed(3)
+
+    def operator_calls(weights: list[torch.Tensor], written: list[list[torch.Tensor]]) -> None:
+        for binding, weight, states, x, dy in zip(opt.fused_weights(), weights, written, inputs, grads):
+            torch.ops.forge.update_weight_.default(x.detach(), dy, weight, states, opt.device_scalars_of(binding), [],
+                                                   binding.trace_key)
+
+    own_weights = [binding.weight for binding in opt.fused_weights()]
+    own_written = [forge_core.traced.written_tensors(binding) for binding in opt.fused_weights()]
+    before = native_hooks.native_replays()
+    for _ in range(5):
+        _random_fill([*inputs, *grads], generator)
+        operator_calls(own_weights, own_written)
+        opt.step()
+        _backward(hooked, inputs, grads)
+        reference.step()
+    assert native_hooks.native_replays() - before == 3 * (LAYERS - 1)  # launched, recorded, then replayed
+    for a, b in zip(opt.fused_weights(), reference.fused_weights()):
+        assert torch.equal(a.matrix, b.matrix) and a.steps_done == b.steps_done == 5, a.name
+        for name in a.state.state_names:
+            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+
+    copied = [[tensor.clone() for tensor in states] for states in own_written]
+    weights = [w.detach().clone() for w in own_weights] if forge_core.traced.DECLARES_WEIGHT_MUTATION else own_weights
+    kept = [[tensor.clone() for tensor in states] for states in own_written]
+    replays = native_hooks.native_replays()
+    operator_calls(weights, copied)
+    opt.step()
+    assert native_hooks.native_replays() == replays
+    for states, copies, originals in zip(own_written, copied, kept):
+        assert all(torch.equal(state, original) for state, original in zip(states, originals))
+        assert not all(torch.equal(copy, original) for copy, original in zip(copies, originals))

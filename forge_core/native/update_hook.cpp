@@ -6,10 +6,16 @@
 // Why: an eager step at batch 1 is bound by the host, and a Python hook costs each fused layer the
 // interpreter's entry, the optimizer's bookkeeping and the key check (~40 us a layer inside real steps on
 // an H200 host) where torch's own weight-gradient GEMM costs its C++ node a few.
+//
+// The same replay serves torch.compile's backward: a kernel of the operator forge::update_weight_
+// (forge_core.traced) registered here for CUDA tensors replays the recording where the operator was given
+// its owner's own tensors, and runs the operator's Python body otherwise.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+#include <ATen/core/stack.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <dlfcn.h>
@@ -19,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -66,6 +73,8 @@ struct Entry {
   const void* weight = nullptr;
   std::vector<int64_t> first_sizes, first_strides, second_sizes, second_strides;
   at::ScalarType first_dtype = at::kFloat, second_dtype = at::kFloat;
+  std::vector<const void*> written;  // the owner's states (traced.written_tensors) the recording writes
+  const void* scalars = nullptr;      // the group's device scalars it reads (null: none)
   void* graph_exec = nullptr;  // cudaGraphExec_t of a torch.cuda.CUDAGraph, or null: stand_in replays it
   py::object stand_in;         // a Python replay (a test's stand-in for a graph); held with the GIL
 
@@ -74,6 +83,28 @@ struct Entry {
            a.scalar_type() == first_dtype && b.scalar_type() == second_dtype &&
            a.sizes().equals(first_sizes) && a.strides().equals(first_strides) &&
            b.sizes().equals(second_sizes) && b.strides().equals(second_strides);
+  }
+};
+
+// What a compiled backward's operator call hands its update besides (x, dY): the weight, the states and the
+// scalars buffer. A recording replays for it only where these are the ones it recorded (the compiler
+// re-inplaced the operator); functionalization's copies of them go to the Python body.
+struct TracedArguments {
+  const at::Tensor& weight;
+  const c10::List<at::Tensor>& written;
+  const std::optional<at::Tensor>& scalars;
+
+  bool recorded_by(const Entry& entry) const {
+    if (weight.data_ptr() != entry.weight || written.size() != entry.written.size()) {
+      return false;
+    }
+    for (size_t i = 0; i < entry.written.size(); ++i) {
+      if (written.get(i).data_ptr() != entry.written[i]) {
+        return false;
+      }
+    }
+    const void* given = (scalars.has_value() && scalars->defined()) ? scalars->data_ptr() : nullptr;
+    return given == entry.scalars;
   }
 };
 
@@ -102,7 +133,8 @@ struct Slot {
     }
   }
 
-  void add(int64_t id, const at::Tensor& first, const at::Tensor& second, int64_t graph_exec, py::object stand_in) {
+  void add(int64_t id, const at::Tensor& first, const at::Tensor& second, int64_t graph_exec, py::object stand_in,
+           const std::vector<at::Tensor>& written, const std::optional<at::Tensor>& scalars) {
     Entry entry;
     entry.id = id;
     entry.first = first.data_ptr();
@@ -114,6 +146,10 @@ struct Slot {
     entry.second_strides = as_vector(second.strides());
     entry.first_dtype = first.scalar_type();
     entry.second_dtype = second.scalar_type();
+    for (const at::Tensor& tensor : written) {
+      entry.written.push_back(tensor.data_ptr());
+    }
+    entry.scalars = (scalars.has_value() && scalars->defined()) ? scalars->data_ptr() : nullptr;
     entry.graph_exec = reinterpret_cast<void*>(graph_exec);
     entry.stand_in = std::move(stand_in);
     TORCH_CHECK(id != 0, "a recorded update's id is nonzero");
@@ -147,8 +183,9 @@ struct Slot {
   }
 
   // Replay the recording of (first, second) where the gate is open, this is the step's first backward of
-  // the weight and no capture runs on the current stream; false (nothing run) otherwise.
-  bool try_replay(const at::Tensor& first, const at::Tensor& second) {
+  // the weight and no capture runs on the current stream (and, for a compiled backward's call, `traced`
+  // names the recorded tensors); false (nothing run) otherwise.
+  bool try_replay(const at::Tensor& first, const at::Tensor& second, const TracedArguments* traced = nullptr) {
     if (!gate->open.load(std::memory_order_acquire) || count.load() != 0) {
       return false;
     }
@@ -158,7 +195,7 @@ struct Slot {
       const Entry* found = nullptr;
       const void* weight_now = weight.data_ptr();
       for (const Entry& entry : entries) {
-        if (entry.matches(first, second, weight_now)) {
+        if (entry.matches(first, second, weight_now) && (traced == nullptr || traced->recorded_by(entry))) {
           found = &entry;
           break;
         }
@@ -325,6 +362,86 @@ std::optional<at::Tensor> hooked_forward(const at::Tensor& x, const at::Tensor& 
   return output;
 }
 
+// The slots of the weights a compiled graph names by integer (forge_core.traced.trace_key).
+std::mutex traced_slots_lock;
+std::unordered_map<int64_t, std::weak_ptr<Slot>> traced_slots;
+
+void name_slot(int64_t key, const std::shared_ptr<Slot>& slot) {
+  std::lock_guard<std::mutex> guard(traced_slots_lock);
+  for (auto it = traced_slots.begin(); it != traced_slots.end();) {  // the slots of dropped optimizers
+    it = it->second.expired() ? traced_slots.erase(it) : std::next(it);
+  }
+  traced_slots[key] = slot;
+}
+
+std::shared_ptr<Slot> named_slot(int64_t key) {
+  std::lock_guard<std::mutex> guard(traced_slots_lock);
+  auto found = traced_slots.find(key);
+  return found == traced_slots.end() ? nullptr : found->second.lock();
+}
+
+// forge::update_weight_(x, grad_output, weight, written, scalars, after, key) for one dispatch key: the
+// recorded update replayed where it applies, else the operator's Python body (`body`), as before.
+struct TracedUpdateKernel final : c10::OperatorKernel {
+  py::object body;
+
+  explicit TracedUpdateKernel(py::object body_) : body(std::move(body_)) {}
+
+  ~TracedUpdateKernel() override {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      body = py::object();
+    } else {
+      body.release();  // the interpreter is gone: nothing to release it to
+    }
+  }
+
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    constexpr size_t kArguments = 7;
+    auto arguments = torch::jit::last(*stack, kArguments);
+    const at::Tensor& first = arguments[0].toTensor();
+    const at::Tensor& second = arguments[1].toTensor();
+    const at::Tensor& weight = arguments[2].toTensor();
+    c10::List<at::Tensor> written = arguments[3].toTensorList();
+    std::optional<at::Tensor> scalars = arguments[4].toOptional<at::Tensor>();
+    const int64_t key = arguments[6].toInt();
+    std::shared_ptr<Slot> slot = named_slot(key);
+    TracedArguments traced{weight, written, scalars};
+    if (slot == nullptr || !slot->try_replay(first, second, &traced)) {
+      py::gil_scoped_acquire gil;
+      py::list written_list;
+      for (const at::Tensor& tensor : written) {
+        written_list.append(py::cast(tensor));
+      }
+      py::list after;
+      for (const at::Tensor& tensor : arguments[5].toTensorList()) {
+        after.append(py::cast(tensor));
+      }
+      py::object scalars_object = scalars.has_value() ? py::cast(*scalars) : py::none();
+      try {
+        body(first, second, weight, written_list, scalars_object, after, key);
+      } catch (py::error_already_set& error) {
+        Slot::rethrow(error);
+      }
+    }
+    torch::jit::drop(*stack, kArguments);
+  }
+};
+
+// Registers TracedUpdateKernel for `dispatch_key` ("CUDA"; "CPU" in tests) while the returned object lives.
+struct TracedKernelRegistration {
+  std::unique_ptr<torch::Library> library;
+};
+
+std::shared_ptr<TracedKernelRegistration> register_traced_kernel(const std::string& dispatch_key, py::object body) {
+  auto registration = std::make_shared<TracedKernelRegistration>();
+  registration->library = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "forge", c10::parseDispatchKey(dispatch_key), __FILE__, __LINE__);
+  registration->library->impl(
+      "update_weight_", torch::CppFunction::makeFromBoxedFunctor(std::make_unique<TracedUpdateKernel>(std::move(body))));
+  return registration;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -338,7 +455,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(py::init<std::shared_ptr<Gate>, at::Tensor, py::object>(), py::arg("gate"), py::arg("weight"),
            py::arg("update"))
       .def("add", &Slot::add, py::arg("id"), py::arg("first"), py::arg("second"), py::arg("graph_exec"),
-           py::arg("stand_in"))
+           py::arg("stand_in"), py::arg("written"), py::arg("scalars"))
       .def("remove", &Slot::remove, py::arg("id"))
       .def("clear", &Slot::clear)
       .def("__len__", &Slot::size)
@@ -347,6 +464,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
           [](Slot& slot, int64_t value) { slot.count.store(value); });
   module.def("hooked_forward", &hooked_forward, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("slot"),
              py::arg("transposed"));
+  py::class_<TracedKernelRegistration, std::shared_ptr<TracedKernelRegistration>>(module, "TracedKernelRegistration");
+  module.def("register_traced_kernel", &register_traced_kernel, py::arg("dispatch_key"), py::arg("body"));
+  module.def("name_slot", &name_slot, py::arg("key"), py::arg("slot"));
   module.def("replays", []() { return replays_since_reset.load(); });
   module.def("reset_replays", []() { replays_since_reset.store(0); });
 }
