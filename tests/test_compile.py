@@ -131,6 +131,8 @@ def test_the_update_operator_declares_what_it_writes(check: str, accumulate_step
     ``ForgeOptimizer.updating_on``). Each check on an optimizer of its own: a check calls the operator more
     than once, which is a second backward before ``step()`` unless the optimizer accumulates micro-batches
     (the AOT check: each call adds into the fp32 accumulator, a declared mutation)."""
+    if check == "test_schema" and not forge_core.traced.DECLARES_WEIGHT_MUTATION:
+        pytest.skip("this torch's variant writes the weight undeclared (traced._declares_weight_mutation)")
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
     optimizer = forge_core.fuse(model, "adamw", lr=1e-2, state_dtype="int8", probe_inputs=False,
                                 accumulate_steps=accumulate_steps)
