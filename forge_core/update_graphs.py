@@ -16,8 +16,8 @@ scalars in device tensors, rewritten by ``step()`` and when a hyper-parameter ch
 schedule reaches a replayed update as it reaches a launched one. Everything else (gradient
 accumulation, data parallel, the side stream, stochastic rounding, a whole-step graph being captured
 around it) keeps the launched path; ``ForgeOptimizer.fused_backward`` decides. On CUDA weights the C++
-backward hook (``forge_core.native_hooks``) replays the recordings itself, without Python; ``list_natively``
-hands each one to it.
+backward hook (``forge_core.native_hooks``), and under ``torch.compile`` the update operator's C++ kernel, replay
+the recordings themselves, without Python; ``list_natively`` hands each one to them.
 """
 from __future__ import annotations
 
