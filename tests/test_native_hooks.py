@@ -61,6 +61,21 @@ def _backward(layers: nn.ModuleList, inputs: list[torch.Tensor], grads: list[tor
         x.grad = None
 
 
+def _random_fill(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+
+
+def _assert_trained_alike(a_opt: forge_core.ForgeOptimizer, b_opt: forge_core.ForgeOptimizer, steps: int) -> None:
+    """The same weights, moments and step counts, bit for bit."""
+    for a, b in zip(a_opt.fused_weights(), b_opt.fused_weights()):
+        assert torch.equal(a.matrix, b.matrix), a.name
+        assert a.steps_done == b.steps_done == steps
+        for name in a.state.state_names:
+            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+
+
 def _replaying() -> tuple[nn.ModuleList, forge_core.ForgeOptimizer, list[torch.Tensor], list[torch.Tensor]]:
     """Fused layers on the C++ hook after three steps on fixed roots: launched, recorded, replayed."""
     layers = _layers()
@@ -84,20 +99,14 @@ def test_the_cpp_hook_trains_as_the_python_hook_under_an_lr_schedule(monkeypatch
     generator = torch.Generator().manual_seed(5)
     reset_launch_paths()
     for _ in range(6):
-        for tensor in (*inputs, *grads):
-            with torch.no_grad():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        _random_fill([*inputs, *grads], generator)
         for layers, opt, schedule in zip((native_layers, python_layers), (native, python), schedules):
             _backward(layers, inputs, grads)
             opt.step()
             schedule.step()
     assert native_hooks.native_replays() == 4 * (LAYERS - 1)
     assert launch_paths()["graph"] == 5 * LAYERS * 2        # both optimizers record at step 2, replay after
-    for a, b in zip(native.fused_weights(), python.fused_weights()):
-        assert torch.equal(a.matrix, b.matrix), a.name
-        assert a.steps_done == b.steps_done == 6
-        for name in a.state.state_names:
-            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+    _assert_trained_alike(native, python, steps=6)
 
 
 @needs_extension
@@ -279,12 +288,6 @@ def test_the_ninja_package_is_found_where_path_lacks_it(monkeypatch: pytest.Monk
     assert seen and seen[0].startswith(ninja.BIN_DIR) and os.environ["PATH"] == "/nonexistent"
 
 
-def _random_fill(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
-    with torch.no_grad():
-        for tensor in tensors:
-            tensor.copy_(torch.randn(tensor.shape, generator=generator))
-
-
 @needs_extension
 def test_the_compiled_backwards_operator_replays_as_the_hook_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """``forge::update_weight_``, which a compiled backward calls once per fused layer, has the extension's kernel:
@@ -314,10 +317,7 @@ def test_the_compiled_backwards_operator_replays_as_the_hook_does(monkeypatch: p
         _backward(hooked, inputs, grads)
         reference.step()
     assert native_hooks.native_replays() - before == 3 * (LAYERS - 1)  # launched, recorded, then replayed
-    for a, b in zip(opt.fused_weights(), reference.fused_weights()):
-        assert torch.equal(a.matrix, b.matrix) and a.steps_done == b.steps_done == 5, a.name
-        for name in a.state.state_names:
-            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+    _assert_trained_alike(opt, reference, steps=5)
 
     copied = [[tensor.clone() for tensor in states] for states in own_written]
     weights = [w.detach().clone() for w in own_weights] if forge_core.traced.DECLARES_WEIGHT_MUTATION else own_weights
