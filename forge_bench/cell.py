@@ -37,7 +37,7 @@ from forge_bench import families
 from forge_bench import lanes
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
-from forge_bench import memory_model, results, telemetry
+from forge_bench import memory_model, results, telemetry, turns
 from forge_bench.arm import Arm, ArmUnavailable, TrainConfig
 from forge_bench.peer_probes import hide_peer_packages_except
 from forge_bench.suite import Cell, Suite, load_suite
@@ -223,6 +223,7 @@ class Timing:
     first_step_s: float | None = None       # the first training step's wall time: tile tuning and compiles included
     build_to_first_step_s: float | None = None   # from the model's build to the first step's end
     launches_per_step: dict[str, float] | None = None   # fused-kernel launches per eager timed step, by path
+    turns: dict[str, Any] | None = None     # the group's other cells and this cell's turns (``--interleave``)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -356,10 +357,9 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     if on_cuda and not graphed and not replayed:
         before_window = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    run_ms: list[list[float]] = []
-    host_ms: list[float] = []
-    losses: list[torch.Tensor] = []
-    step_index = 0
+    gate = turns.TurnGate.from_env()
+    counted = gate is not None and on_cuda and nvml_before.get("energy_j") is not None
+    energy = telemetry.EnergyCounter(torch.device(device).index or 0).read_j if counted else None
     # Python's cyclic GC pauses land inside steps at random: on the H100 they widen the IQR of a
     # Llama-8B step by ~40%. Collect once, then keep it off for the timed window only.
     gc.collect()
@@ -369,37 +369,19 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
         kernels.reset_launch_paths()
     window_start = time.perf_counter()
     try:
-        for _ in range(spec.repeats):
-            if on_cuda:
-                starts = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
-                ends = [torch.cuda.Event(enable_timing=True) for _ in range(spec.timed_steps)]
-                for i in range(spec.timed_steps):
-                    t0 = time.perf_counter()
-                    starts[i].record()
-                    losses.append(step(batches[step_index % BATCH_POOL]))
-                    ends[i].record()
-                    host_ms.append((time.perf_counter() - t0) * 1000.0)
-                    step_index += 1
-                torch.cuda.synchronize()
-                run_ms.append([s.elapsed_time(e) for s, e in zip(starts, ends)])
-            else:
-                times = []
-                for _ in range(spec.timed_steps):
-                    t0 = time.perf_counter()
-                    losses.append(arm.step(batches[step_index % BATCH_POOL]))
-                    times.append((time.perf_counter() - t0) * 1000.0)
-                    step_index += 1
-                run_ms.append(times)
+        window = turns.timed_repeats(step, batches, spec.repeats, spec.timed_steps, on_cuda, gate, energy)
     finally:
         gc.enable()
+    run_ms, host_ms, losses, step_index = window.run_ms, window.host_ms, window.losses, window.steps
     if on_cuda:
         peak_alloc = torch.cuda.max_memory_allocated() / GIB
         peak_reserved = torch.cuda.max_memory_reserved() / GIB
         peak_process = max(before_window / GIB, peak_alloc)
         peak_reason = None
         nvml_after = telemetry.nvml_snapshot(torch.device(device).index or 0)
-        energy = telemetry.window_energy(nvml_before, nvml_after, time.perf_counter() - window_start,
-                                         spec.repeats * spec.timed_steps)
+        energy = (telemetry.window_energy(nvml_before, nvml_after, time.perf_counter() - window_start, step_index)
+                  if window.energy_j is None else
+                  telemetry.window_energy({"energy_j": 0.0}, {"energy_j": window.energy_j}, window.seconds, step_index))
         nvml = telemetry.nvml_columns(nvml_before, nvml_after)
     else:
         energy = {}
@@ -425,7 +407,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
                   peak_process_gib=peak_process,
                   first_step_s=first_ended - first_started if eager_warmup else None,
                   build_to_first_step_s=first_ended - build_started if eager_warmup else None,
-                  launches_per_step=launches_per_step)
+                  launches_per_step=launches_per_step, turns=gate.extra() if gate is not None else None)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -548,6 +530,10 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
     row["torch_threads"] = torch.get_num_threads()
     try:
         predicted = oom_prediction(cell, method, device)
+        if predicted and turns.TurnGate.from_env() is not None:
+            print(f"forge_bench.cell: does not fit beside the other cells of its group ({predicted}); "
+                  "to be run alone", file=sys.stderr)
+            return EXIT_OOM_RETRY
         if predicted:
             row.update(status="oom_predicted", reason=predicted)
             results.write_row(out_dir, _finish(row, t_start, extra))
@@ -587,7 +573,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         del exc
         _free_memory(device)
-        if attempt < MAX_ATTEMPTS:
+        if attempt < MAX_ATTEMPTS or turns.TurnGate.from_env() is not None:     # taking turns: run alone next
             print(f"forge_bench.cell: out of memory on attempt {attempt}: {message}", file=sys.stderr)
             return EXIT_OOM_RETRY
         row.update(status="oom", reason=f"out of memory on attempt {attempt} of {MAX_ATTEMPTS} "
@@ -620,6 +606,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
             extra["compile_s"] = max(0.0, timing.first_step_s - row["step_ms_median"] / 1000.0)
     if timing.floor_terms is not None:
         extra["floor_terms"] = timing.floor_terms
+    if timing.turns is not None:
+        extra["turns"] = timing.turns
     if timing.launches_per_step is not None:
         extra["fused_launches_per_step"] = timing.launches_per_step
     native_status = native_hooks.status()

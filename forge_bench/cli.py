@@ -48,7 +48,7 @@ def flag(*names: str, help: str) -> Any:
 
 # what a user may write after a flag, taking it for an option with a value (`--resume true`)
 BOOLEAN_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
-SWEEP_FLAGS = "--resume, --retry-failed, --dry-run and --allow-mixed"
+SWEEP_FLAGS = "--resume, --retry-failed, --dry-run, --allow-mixed and --interleave"
 
 
 def _fail(message: str) -> typer.Exit:
@@ -125,6 +125,7 @@ def sweep(
     tune_cache: Annotated[Optional[str], typer.Option("--tune-cache", help="file where the cells share the fused kernel's tile choices (default: OUT/tune_cache.json, or an exported FORGE_TUNE_CACHE); 'off': every cell tunes on its own")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads of each CPU cell (default: the suite's cpu_threads, 1); recorded in each row's torch_threads")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="run cells side by side on these GPUs, e.g. 0,1,2,3: each cell (its own process) gets world-size of them as CUDA_VISIBLE_DEVICES, in the suite's order; rows record extra.gpus and extra.cells_beside (default: one cell at a time)")] = None,
+    interleave: Annotated[bool, flag("--interleave", help="the cells of one model and shape (grid, model, batch, seq, dtype, activations) stay resident together, each in its own process, and their timed repeats take turns on one GPU, so host drift falls on every arm alike; rows record extra.turns")] = False,
 ) -> None:
     """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
     from forge_bench import lanes
@@ -150,7 +151,8 @@ def sweep(
     try:
         _sweep_planned(loaded, cells, out_dir, baseline, resume=resume, retry_failed=retry_failed,
                        allow_mixed=allow_mixed, dry_run=dry_run, stop_after=stop_after, tune_cache=tune_cache,
-                       threads=threads, gpu_list=gpu_list, tolerance=tolerance, eager_tolerance=eager_tolerance)
+                       threads=threads, gpu_list=gpu_list, tolerance=tolerance, eager_tolerance=eager_tolerance,
+                       interleave=interleave)
     finally:
         if lock is not None:
             lock.release()
@@ -158,7 +160,8 @@ def sweep(
 
 def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retry_failed: bool, allow_mixed: bool,
                    dry_run: bool, stop_after: Optional[float], tune_cache: Optional[str], threads: Optional[int],
-                   gpu_list: Optional[list[str]], tolerance: float, eager_tolerance: Optional[float]) -> None:
+                   gpu_list: Optional[list[str]], tolerance: float, eager_tolerance: Optional[float],
+                   interleave: bool = False) -> None:
     """``sweep`` once its input is checked (and its folder locked): plan, run, summarise, check."""
     from forge_bench import results as results_mod
     from forge_bench import runner
@@ -207,7 +210,7 @@ def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retr
                                                 plan=plan, stop_after_s=stop_after,
                                                 tune_cache=runner.default_tune_cache(out_dir, tune_cache),
                                                 retry_failed=retry_failed, threads=threads, on_set_aside=on_set_aside,
-                                                gpus=gpu_list)
+                                                gpus=gpu_list, interleave=interleave)
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")

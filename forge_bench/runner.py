@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from forge_bench import methods as methods_mod
-from forge_bench import lanes, results
+from forge_bench import lanes, results, turns
 from forge_bench.cell import EXIT_OOM_RETRY, MAX_ATTEMPTS, SPAWNED_AT_ENV, base_row, run_cell
 from forge_bench.dist_cell import launch_command, oom_markers
 from forge_bench.suite import Cell, Suite
@@ -207,12 +207,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, timeout_s: float,
-               tick: Callable[[], None] | None = None, tune_cache: str | None = None,
-               threads: int | None = None, lane: Mapping[str, str] | None = None) -> tuple[int | None, Path]:
-    """Run the cell process; returns (exit code or None when killed at the timeout, stderr file).
-    ``threads``: the CPU cell's torch threads (None: the suite's ``cpu_threads``); ``lane``: its GPUs
-    when it runs beside other cells. ``tick`` may raise to stop the cell (its process group dies)."""
+def start_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, tune_cache: str | None = None,
+               threads: int | None = None, lane: Mapping[str, str] | None = None,
+               turn: turns.TurnPipe | None = None, peers: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start the cell process (its own session, stdout and stderr to ``logs/``); returns it and its
+    stderr file. ``threads``: the CPU cell's torch threads (None: the suite's ``cpu_threads``);
+    ``lane``: its GPUs when it runs beside other cells; ``turn``: its pipes when it takes turns with
+    ``peers`` (``--interleave``)."""
     log_dir = out_dir / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path = log_dir / f"{cell.cell_id}.attempt{attempt}.out"
@@ -226,23 +227,40 @@ def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: in
             cmd += ["--threads", str(threads)]
     env = _child_env(cell, tune_cache, lane)
     env[SPAWNED_AT_ENV] = repr(time.time())
+    if turn is not None:
+        env.update(turn.child_env(peers or []))
     with open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=env,
-                                cwd=os.getcwd(), start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    return proc.wait(timeout=min(0.25, max(0.0, deadline - time.monotonic()))), err_path
-                except subprocess.TimeoutExpired:
-                    if tick:
-                        tick()
-                    if time.monotonic() >= deadline:
-                        _kill_group(proc)
-                        return None, err_path
-        except BaseException:
-            _kill_group(proc)   # Ctrl-C or an error here: never leave a cell running
-            raise
+        proc = subprocess.Popen(cmd, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL, env=env, cwd=os.getcwd(),
+                                start_new_session=True, pass_fds=turn.child_fds if turn is not None else ())
+    if turn is not None:
+        turn.close_child_ends()
+    return proc, err_path
+
+
+def wait_cell(proc: subprocess.Popen, deadline: float, tick: Callable[[], None] | None = None) -> int | None:
+    """The cell process's exit code, or None when it was killed at ``deadline`` (``time.monotonic``).
+    ``tick`` may raise to stop the cell (its process group dies)."""
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if tick:
+                    tick()
+                if time.monotonic() >= deadline:
+                    _kill_group(proc)
+                    return None
+    except BaseException:
+        _kill_group(proc)   # Ctrl-C or an error here: never leave a cell running
+        raise
+
+
+def spawn_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, timeout_s: float,
+               tick: Callable[[], None] | None = None, tune_cache: str | None = None,
+               threads: int | None = None, lane: Mapping[str, str] | None = None) -> tuple[int | None, Path]:
+    """Run the cell process; returns (exit code or None when killed at the timeout, stderr file)."""
+    proc, err_path = start_cell(suite, cell, out_dir, run_id, attempt, tune_cache, threads, lane)
+    return wait_cell(proc, time.monotonic() + timeout_s, tick), err_path
 
 
 def _load_row(out_dir: Path, cell_id: str) -> dict[str, Any] | None:
@@ -259,42 +277,125 @@ def _runner_row(suite: Suite, cell: Cell, run_id: str, attempt: int, status: str
     return row
 
 
+def settle(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, rc: int | None, err_path: Path,
+           started: float, limit_s: float) -> dict[str, Any] | None:
+    """The row of an attempt that ended with ``rc`` (None: killed after ``limit_s``), writing the
+    runner's own row where the cell wrote none; None when the cell asks for another attempt (out of
+    memory) and ``attempt`` is not the last."""
+    if rc is None:
+        row = _runner_row(suite, cell, run_id, attempt, "timeout", f"killed after the per-cell timeout of {limit_s:g} s",
+                          stderr_tail(err_path), time.monotonic() - started)
+        results.write_row(out_dir, row)
+        return row
+    out_of_memory = oom_markers(out_dir, cell.cell_id, attempt) if cell.distributed else []
+    if (rc == EXIT_OOM_RETRY or out_of_memory) and attempt < MAX_ATTEMPTS:
+        return None
+    row = _load_row(out_dir, cell.cell_id)
+    if row is not None:
+        return row
+    if out_of_memory:                  # a rank of the last attempt ran out of memory
+        why = out_of_memory[0].read_text(errors="replace").strip()
+        row = _runner_row(suite, cell, run_id, attempt, "oom", f"out of memory on attempt {attempt} of "
+                          f"{MAX_ATTEMPTS} (each in a fresh process tree): {why}"[:1000], None,
+                          time.monotonic() - started)
+        results.write_row(out_dir, row)
+        return row
+    how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+    row = _runner_row(suite, cell, run_id, attempt, "crashed", f"cell process died ({how}) without a row",
+                      stderr_tail(err_path), time.monotonic() - started)
+    results.write_row(out_dir, row)
+    return row
+
+
 def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
             tune_cache: str | None = None, threads: int | None = None,
-            lane: Mapping[str, str] | None = None) -> dict[str, Any]:
+            lane: Mapping[str, str] | None = None, first_attempt: int = 1) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
     method = methods_mod.METHODS.get(cell.method)
     if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph, cell.world_size) is not None:
         run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+    for attempt in range(first_attempt, MAX_ATTEMPTS + 1):
         rc, err_path = spawn_cell(suite, cell, out_dir, run_id, attempt, cell.timeout_s, tick, tune_cache, threads, lane)
-        if rc is None:
-            row = _runner_row(suite, cell, run_id, attempt, "timeout",
-                              f"killed after the per-cell timeout of {cell.timeout_s:g} s",
-                              stderr_tail(err_path), time.monotonic() - t0)
-            results.write_row(out_dir, row)
-            return row
-        out_of_memory = oom_markers(out_dir, cell.cell_id, attempt) if cell.distributed else []
-        if (rc == EXIT_OOM_RETRY or out_of_memory) and attempt < MAX_ATTEMPTS:
-            continue
-        row = _load_row(out_dir, cell.cell_id)
+        row = settle(suite, cell, out_dir, run_id, attempt, rc, err_path, t0, cell.timeout_s)
         if row is not None:
             return row
-        if out_of_memory:                  # a rank of the last attempt ran out of memory
-            why = out_of_memory[0].read_text(errors="replace").strip()
-            row = _runner_row(suite, cell, run_id, attempt, "oom", f"out of memory on attempt {attempt} of "
-                              f"{MAX_ATTEMPTS} (each in a fresh process tree): {why}"[:1000], None,
-                              time.monotonic() - t0)
-            results.write_row(out_dir, row)
-            return row
-        how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-        row = _runner_row(suite, cell, run_id, attempt, "crashed", f"cell process died ({how}) without a row",
-                          stderr_tail(err_path), time.monotonic() - t0)
-        results.write_row(out_dir, row)
-        return row
     raise AssertionError("unreachable")
+
+
+@dataclass
+class _TurnTaker:
+    """A cell process of a group that takes turns, and its end of the pipes."""
+    cell: Cell
+    proc: subprocess.Popen
+    err_path: Path
+    pipe: turns.TurnPipe
+    deadline: float
+    killed: bool = False       # at its deadline
+
+    def alive(self) -> bool:
+        """Whether the process still runs; past the deadline its process group is killed first."""
+        if self.proc.poll() is not None:
+            return False
+        if time.monotonic() >= self.deadline:
+            _kill_group(self.proc)
+            self.killed = True
+            return False
+        return True
+
+    def until(self, token: bytes, tick: Callable[[], None] | None) -> bool:
+        return self.pipe.until(token, self.alive, tick)
+
+
+def run_group(suite: Suite, cells: list[Cell], out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
+              tune_cache: str | None = None, threads: int | None = None,
+              lane: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run ``cells`` (one group, ``turns``) resident together, their timed repeats taking turns; one row each.
+
+    The cells start one after the other, each once the one before is ready (its warm-up over); then
+    each ready cell in turn gets the GPU for one repeat. A cell that ran out of memory beside the
+    others runs again alone (attempt 2), after the group. A cell's time limit is the group's timeouts
+    summed (it waits through the others' turns)."""
+    limit_s = sum(cell.timeout_s for cell in cells)
+    t0 = time.monotonic()
+    takers: list[_TurnTaker] = []
+    try:
+        for cell in cells:
+            pipe = turns.TurnPipe()
+            peers = [other.cell_id for other in cells if other is not cell]
+            proc, err_path = start_cell(suite, cell, out_dir, run_id, 1, tune_cache, threads, lane, pipe, peers)
+            takers.append(_TurnTaker(cell, proc, err_path, pipe, time.monotonic() + limit_s))
+            pipe.ready = takers[-1].until(turns.READY, tick)
+        while any(taker.pipe.ready for taker in takers):
+            for taker in takers:
+                if taker.pipe.ready:
+                    taker.pipe.give()
+                    taker.pipe.ready = taker.until(turns.DONE, tick) and taker.until(turns.READY, tick)
+        rows = []
+        for taker in takers:
+            rc = None if taker.killed else wait_cell(taker.proc, taker.deadline, tick)
+            rows.append(settle(suite, taker.cell, out_dir, run_id, 1, rc, taker.err_path, t0, limit_s))
+    except BaseException:
+        for taker in takers:
+            _kill_group(taker.proc)
+        raise
+    finally:
+        for taker in takers:
+            taker.pipe.close()
+    return [row if row is not None else run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads, lane, 2)
+            for cell, row in zip(cells, rows)]
+
+
+def turn_groups(cells: list[Cell]) -> list[list[Cell]]:
+    """``cells`` in groups that take turns (``--interleave``): one-GPU cells of one grid, model, batch, seq,
+    dtype and activations, in the order of their first cell; any other cell is a group of its own."""
+    groups: dict[tuple, list[Cell]] = {}
+    for index, cell in enumerate(cells):
+        key = (index,) if cell.distributed or cell.world_size != 1 else (
+            cell.grid, cell.model, cell.batch, cell.seq, cell.dtype, cell.activations, cell.activation_checkpointing)
+        groups.setdefault(key, []).append(cell)
+    return list(groups.values())
 
 
 def check_gpus(suite: Suite, gpus: list[str] | None) -> None:
@@ -312,7 +413,7 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               stop_after_s: float | None = None, tune_cache: str | None = None,
               retry_failed: bool = False, threads: int | None = None,
               on_set_aside: Callable[[Path, Path, str], None] | None = None,
-              gpus: list[str] | None = None) -> tuple[str, list[CellOutcome]]:
+              gpus: list[str] | None = None, interleave: bool = False) -> tuple[str, list[CellOutcome]]:
     """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
 
     ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
@@ -326,6 +427,8 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
     suite's). Every row file that does not read is moved aside first (``results.set_aside``) and
     reported to ``on_set_aside(file, moved_to, why)``: its cell is not done and runs again.
     ``gpus``: run cells side by side on these GPUs (``forge_bench.lanes``); None: one at a time.
+    ``interleave``: the cells of one group (``turn_groups``) not yet done run resident together, their
+    timed repeats taking turns on one GPU (``run_group``); a group takes one lane of ``gpus``.
     """
     out_dir = Path(out_dir)
     check_gpus(suite, gpus)
@@ -357,13 +460,17 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
             with report_lock:
                 tick()
 
-    def run_and_finish(index: int, cell: Cell, lane: Mapping[str, str] | None) -> None:
-        row = run_one(suite, cell, out_dir, run_id, lane_tick, tune_cache, threads, lane)
-        finish(index, CellOutcome(cell, row.get("status", "?"), row))
+    def run_and_finish(unit: list[tuple[int, Cell]], lane: Mapping[str, str] | None) -> None:
+        if len(unit) == 1:
+            rows = [run_one(suite, unit[0][1], out_dir, run_id, lane_tick, tune_cache, threads, lane)]
+        else:
+            rows = run_group(suite, [cell for _, cell in unit], out_dir, run_id, lane_tick, tune_cache, threads, lane)
+        for (index, cell), row in zip(unit, rows):
+            finish(index, CellOutcome(cell, row.get("status", "?"), row))
 
-    def run_in_lane(index: int, cell: Cell, taken: list[str], beside: int) -> None:
+    def run_in_lane(unit: list[tuple[int, Cell]], taken: list[str], beside: int) -> None:
         try:
-            run_and_finish(index, cell, lanes.child_env(taken, beside))
+            run_and_finish(unit, lanes.child_env(taken, beside))
         finally:
             pool.give_back(taken)
 
@@ -374,30 +481,38 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
 
     futures = []
     executor = ThreadPoolExecutor(max_workers=len(gpus)) if pool else None
+    position = {id(cell): index for index, cell in enumerate(cells)}
     try:
-        for index, cell in enumerate(cells):
-            if cell.cell_id in done:
-                kept = _load_row(out_dir, cell.cell_id) or {}
-                finish(index, CellOutcome(cell, kept.get("status", "?"), kept, skipped=True))
+        for group in (turn_groups(cells) if interleave else [[cell] for cell in cells]):
+            unit = []
+            for cell in group:
+                index = position[id(cell)]
+                if cell.cell_id in done:
+                    kept = _load_row(out_dir, cell.cell_id) or {}
+                    finish(index, CellOutcome(cell, kept.get("status", "?"), kept, skipped=True))
+                else:
+                    unit.append((index, cell))
+            if not unit:
                 continue
             if over_time():
                 break
             if pool is not None:
-                lane = pool.take(pool.share_of(cell.world_size), give_up=over_time)
+                lane = pool.take(pool.share_of(unit[0][1].world_size), give_up=over_time)
                 if lane is None:
                     break
                 taken, beside = lane
                 if over_time():
                     pool.give_back(taken)
                     break
-            if on_start:
-                with report_lock:
-                    on_start(cell, index, len(cells))
-            results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
+            for index, cell in unit:
+                if on_start:
+                    with report_lock:
+                        on_start(cell, index, len(cells))
+                results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
             if pool is None:
-                run_and_finish(index, cell, None)
+                run_and_finish(unit, None)
             else:
-                futures.append(executor.submit(run_in_lane, index, cell, taken, beside))
+                futures.append(executor.submit(run_in_lane, unit, taken, beside))
     except BaseException:
         stop.set()          # Ctrl-C or an error: the running cells are killed, nothing keeps running
         raise

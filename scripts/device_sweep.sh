@@ -7,7 +7,8 @@
 # stops starting cells 110 s before the box ends. ONLY may hold several --only selections separated
 # by ';': they run one after the other (the cells that matter most first; within one selection the
 # suite's order decides), all into OUT_DIR under one run id. GPUS=0,1,2,3 in the environment runs the
-# cells side by side on those GPUs (`sweep --gpus`), one cell per GPU at a time. The tests run on a fixed tile
+# cells side by side on those GPUs (`sweep --gpus`), one cell per GPU at a time; INTERLEAVE=1 keeps each
+# model's cells resident together with their timed repeats taking turns (`sweep --interleave`). The tests run on a fixed tile
 # (FORGE_AUTOTUNE=0, set here for them alone); a FORGE_* variable in the caller's environment reaches the cells,
 # and each row records it (extra.forge_env).
 set -u
@@ -23,7 +24,7 @@ for selection in "${selections[@]}"; do
   resume=""; [ -f "$out_dir/manifest.json" ] && resume="--resume"
   left=$((box - SECONDS - 110)); [ $left -le 0 ] && break
   timeout $((box - SECONDS - 15)) python3 -m forge_bench.cli sweep "$suite" --out "$out_dir" --only "$selection" \
-    $resume --stop-after $left ${GPUS:+--gpus "$GPUS"} >> "$OUT/sweep.log" 2>&1
+    $resume --stop-after $left ${GPUS:+--gpus "$GPUS"} ${INTERLEAVE:+--interleave} >> "$OUT/sweep.log" 2>&1
   echo "sweep '$selection' rc=$?"
 done
 grep -hE "^  [A-Za-z0-9_.-]+/" "$OUT/sweep.log" | tail -n 60

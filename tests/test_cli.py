@@ -240,7 +240,8 @@ def test_a_value_after_a_flag_is_not_taken_for_the_suite(tmp_path):
     """`--resume true` (as if --resume took a value): a one-line error saying the flags take none."""
     res = cli.invoke(app, ["sweep", "--resume", "true", "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert ("true: no such suite file; --resume, --retry-failed, --dry-run and --allow-mixed are flags and take no "
+    assert ("true: no such suite file; --resume, --retry-failed, --dry-run, --allow-mixed and --interleave are flags "
+            "and take no "
             "value (write --resume, not --resume true)") in " ".join(res.stderr.split())
     assert not (tmp_path / "o").exists()
 

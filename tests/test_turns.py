@@ -1,0 +1,67 @@
+"""``forge-bench sweep --interleave``: the cells of one model and shape stay resident together and their
+timed repeats take turns (forge_bench/turns.py, runner.run_group)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from forge_bench import methods, results, runner, turns
+from forge_bench.suite import load_suite
+from test_runner import REPO, TESTS
+
+TURNS = """
+device: cpu
+dtype: float32
+warmup_steps: 1
+timed_steps: 2
+repeats: 3
+timeout_s: 600
+parity: {enabled: false}
+grids:
+  - {name: pair, models: [tiny-llama], batch: [1], seq: [8], methods: [sgd, test_oom_once, adamw_foreach]}
+  - {name: alone, models: [tiny-llama], batch: [1], seq: [12], methods: [sgd]}
+"""
+
+
+@pytest.fixture()
+def turns_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(TESTS), *inherited]))
+    monkeypatch.setenv("FORGE_BENCH_TEST_OOM_FLAG", str(tmp_path / "oom-once.flag"))
+    return tmp_path
+
+
+def test_a_groups_repeats_alternate_and_a_cell_out_of_memory_beside_others_runs_again_alone(turns_env):
+    path = turns_env / "turns.yaml"
+    path.write_text(TURNS)
+    suite = load_suite(path)
+    assert [[c.method for c in g] for g in runner.turn_groups(list(suite.cells))] == [
+        ["sgd", "test_oom_once", "adamw_foreach"], ["sgd"]]
+    out = turns_env / "out"
+    _run_id, outcomes = runner.run_sweep(suite, list(suite.cells), out, interleave=True)
+    assert [o.status for o in outcomes] == ["ok"] * 4
+    df = results.load_results(out).set_index("cell_id")
+    extra = {cell_id: json.loads(text) for cell_id, text in df["extra"].items()}
+    sgd, oom, adamw, alone = (c.cell_id for c in suite.cells)
+    # the two cells that fit took turns: each names the whole group, 3 windows each, A B A B A B, none overlapping
+    assert extra[sgd]["turns"]["peers"] == [oom, adamw] and extra[adamw]["turns"]["peers"] == [sgd, oom]
+    windows = sorted([(a, b, sgd) for a, b in extra[sgd]["turns"]["windows"]]
+                     + [(a, b, adamw) for a, b in extra[adamw]["turns"]["windows"]])
+    assert [owner for _, _, owner in windows] == [sgd, adamw] * 3
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(windows, windows[1:]))
+    # out of memory beside the others (attempt 1), then alone (attempt 2): no turns
+    assert df.loc[oom, "attempts"] == 2 and "turns" not in extra[oom]
+    assert df.loc[sgd, "attempts"] == 1 and "turns" not in extra[alone]
+    assert len(df.loc[sgd, "step_ms_run_medians"]) == 3
+
+
+def test_a_gate_refuses_a_malformed_descriptor_pair_in_one_line(monkeypatch):
+    monkeypatch.setenv(turns.TURN_FDS_ENV, "7")
+    with pytest.raises(ValueError, match=r"^FORGE_BENCH_TURN_FDS='7': expected '<read fd>,<write fd>'$"):
+        turns.TurnGate.from_env()
+    monkeypatch.delenv(turns.TURN_FDS_ENV)
+    assert turns.TurnGate.from_env() is None
