@@ -16,6 +16,9 @@ MODES = FIXTURES / "h200_modes"
 LLAMA8B = "Where users train, NVIDIA H200 · llama-3.1-8b · bfloat16 · batch 1 × seq 512"
 LLAMA1B = "Where users train, NVIDIA H200 · llama-3.2-1b · bfloat16 · batch 1 × seq 512"
 COMPILE_RUN, LEAN_RUN, EAGER_RUN, GRAPH_RUN = "0945e6", "4473b0", "cdf67b", "88edbb"
+TURNS_RUN = "5929b8"
+"""7f3cdbe's compile pairs of both models, each pair's repeats taking turns (``sweep --interleave``): the
+newest, quoted for torch.compile and reduce-overhead."""
 FIRST_COMPILE_RUN = "9c9ba9"
 """The first 8B compile run (35228bc, before the update operators went to the dispatcher: D103); the
 2d597bf runs (0945e6, and 4473b0 with the lean pair) are newer, and the table quotes them."""
@@ -37,47 +40,56 @@ def test_llama8b_every_mode_side_by_side() -> None:
     assert table.header == HEADER
     assert [line[:3] for line in table.rows] == [
         ["eager", "`adamw_fused` / `forge_bf16`", EAGER_RUN],
-        ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", COMPILE_RUN],
-        ["torch.compile reduce-overhead", "`adamw_fused_compile_ro` / `forge_bf16_compile_ro`", COMPILE_RUN],
+        ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", TURNS_RUN],
+        ["torch.compile reduce-overhead", "`adamw_fused_compile_ro` / `forge_bf16_compile_ro`", TURNS_RUN],
         ["torch.compile reduce-overhead, lean + chunked loss", "`adamw_fused_compile_ro` / `forge_bf16_cce_compile_ro`",
          LEAN_RUN],
         ["hand-captured CUDA graph, lean + chunked loss", "`adamw_fused` / `forge_bf16_cce`", GRAPH_RUN]]
     assert [line[3:] for line in table.rows] == [
         ["122.2", "59.90", "92.64", "48.75", "~1.32×", "—"],
-        ["87.76", "61.85", "66.29", "47.38", "≥1.32×", "48.1 / 71.7"],
-        ["86.74", "61.82", "63.80", "49.66†", "≥1.36×", "52.4 / 66.8"],
+        ["87.81", "61.85", "64.63", "47.39", "1.36×", "76.6 / 100.9"],
+        ["86.31", "61.82", "62.83", "47.35", "≥1.37×", "67.8 / 90.8"],
         ["86.95", "61.82", "64.53", "49.66†", "≥1.35×", "51.7 / 75.7"],
         ["90.35", "60.09", "67.22", "46.90", "≥1.34×", "—"]]
     # the printed numbers are the rows' own
-    compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", COMPILE_RUN),
-                                             _row("forge_bf16_compile", COMPILE_RUN))))
+    compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", TURNS_RUN),
+                                             _row("forge_bf16_compile", TURNS_RUN))))
     record = table.records[1]
     assert record["adamw_step_ms"] == compiled["adamw"]["step_ms_median"]
     assert record["forge_peak_gib"] == compiled["forge"]["peak_allocated_gib"]
     assert record["speedup"] == pytest.approx(compiled["adamw"]["step_ms_median"] / compiled["forge"]["step_ms_median"])
     assert close_to_printed(table.rows[1][8].split(" / ")[1], compile_s(compiled["forge"]))
-    first = _tables(load_rows(MODES).query("git_commit != '2d597bf'"))[LLAMA8B]
+    before = _tables(load_rows(MODES).query("git_commit != '7f3cdbe'"))[LLAMA8B]
+    assert [line[2:8] for line in before.rows[1:3]] == [
+        [COMPILE_RUN, "87.76", "61.85", "66.29", "47.38", "≥1.32×"], [COMPILE_RUN, "86.74", "61.82", "63.80", "49.66†", "≥1.36×"]]
+    first = _tables(load_rows(MODES).query("git_commit not in ('2d597bf', '7f3cdbe')"))[LLAMA8B]
     assert [line[2] for line in first.rows[1:4]] == [FIRST_COMPILE_RUN, FIRST_COMPILE_RUN, EAGER_RUN]
     assert [line[5] for line in first.rows[1:4]] == ["64.64", "63.62", "64.30"]
 
 
 def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
-    """Each mode quotes the newest run that paired both its arms: the torch.compile pair of 1e0f3b4 (d128a5),
-    the rest of 74ca3d5 (9e172b), after the compiled updates replayed from C++ (D110); before it, 7bde30a's
-    (636d74) and 85b1088's (cdf67b)."""
+    """Each mode quotes the newest run that paired both its arms: the compiled pairs of 7f3cdbe (5929b8, taking
+    turns), eager of 74ca3d5 (9e172b); before 7f3cdbe, the torch.compile pair of 1e0f3b4 (d128a5) and the rest of
+    74ca3d5, after the compiled updates replayed from C++ (D110); before those, 7bde30a's (636d74) and 85b1088's
+    (cdf67b)."""
     table = _tables()[LLAMA1B]
     assert [line[0] for line in table.rows] == ["eager", "torch.compile", "torch.compile reduce-overhead"]
-    assert [line[2] for line in table.rows] == ["9e172b", "d128a5", "9e172b"]
-    assert [line[7] for line in table.rows] == ["~1.05×", "~0.91×", "1.22×"]
-    assert [line[3] for line in table.rows] == ["55.66", "30.50", "16.27"]
-    assert [line[5] for line in table.rows] == ["52.82", "33.52", "13.36"]
-    before = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4')"))[LLAMA1B]
+    assert [line[2] for line in table.rows] == ["9e172b", TURNS_RUN, TURNS_RUN]
+    assert [line[7] for line in table.rows] == ["~1.05×", "~0.88×", "1.23×"]
+    assert [line[3] for line in table.rows] == ["55.66", "16.96", "16.12"]
+    assert [line[5] for line in table.rows] == ["52.82", "19.29", "13.15"]
+    earlier = _tables(load_rows(MODES).query("git_commit != '7f3cdbe'"))[LLAMA1B]
+    assert [line[2] for line in earlier.rows] == ["9e172b", "d128a5", "9e172b"]
+    assert [line[7] for line in earlier.rows] == ["~1.05×", "~0.91×", "1.22×"]
+    assert [line[3] for line in earlier.rows] == ["55.66", "30.50", "16.27"]
+    assert [line[5] for line in earlier.rows] == ["52.82", "33.52", "13.36"]
+    before = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7f3cdbe')"))[LLAMA1B]
     assert before.rows[0][2:] == ["not measured", "—", "—", "—", "—", "—", "—"]
     assert [line[2] for line in before.rows[1:]] == ["636d74", "636d74"]
     assert [line[7] for line in before.rows[1:]] == ["0.66×", "1.23×"]
     assert [line[3] for line in before.rows[1:]] == ["22.57", "16.24"]
     assert [line[5] for line in before.rows[1:]] == ["34.10", "13.22"]
-    older = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7bde30a')"))[LLAMA1B]
+    older = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7bde30a', '7f3cdbe')"))[LLAMA1B]
     assert [line[7] for line in older.rows[1:]] == ["0.52×", "1.23×"]
 
 
@@ -131,7 +143,7 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     h100, h200 = summary.split("## H200")
     assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
     tables = parse_markdown_tables(h200)
-    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.36×" and tables[LLAMA1B][1]["Speed-up"] == "~0.91×"
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.88×"
     index = (out / "index.md").read_text()
     assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
     with (out / "tables" / "modes.csv").open() as fh:
@@ -157,7 +169,7 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert quoted["FORGE bf16 ms"] == [line[5] for line in shown]
     assert quoted["speed-up"] == [line[7].replace("×", "x") for line in shown]
     assert quoted["FORGE peak GiB"] == [line[6].rstrip("†") for line in shown]
-    for folder, method, run in (("compile8b_2d597bf", "forge_bf16_compile", COMPILE_RUN),
+    for folder, method, run in (("compile_7f3cdbe", "forge_bf16_compile", TURNS_RUN),
                                 ("compile_85b1088", "forge_bf16", EAGER_RUN)):
         assert f"`results/h200/{folder}` (" in intro and folder.endswith(_row(method, run)["git_commit"])
     lean = report["torch.compile reduce-overhead, lean + chunked loss"]
