@@ -93,6 +93,19 @@ def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
     assert [line[7] for line in older.rows[1:]] == ["0.52×", "1.23×"]
 
 
+def test_a_pair_that_took_turns_says_so_and_one_run_apart_does_not() -> None:
+    """7f3cdbe's pairs ran with ``--interleave``: each row names the other's cell; the 2d597bf pairs ran one after
+    the other. Only the tables quoting the former carry the note."""
+    turns_note = ("The pairs of run 5929b8 took turns on one GPU (`forge-bench sweep --interleave`): both cells "
+                  "resident, their timed repeats alternating, so the host's drift fell on both arms alike.")
+    assert ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile", TURNS_RUN))
+    assert not ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile_ro", TURNS_RUN))
+    assert not ratios.took_turns(_row("adamw_fused_compile", COMPILE_RUN), _row("forge_bf16_compile", COMPILE_RUN))
+    assert turns_note in _tables()[LLAMA8B].footnotes and turns_note in _tables()[LLAMA1B].footnotes
+    earlier = _tables(load_rows(MODES).query("git_commit != '7f3cdbe'"))
+    assert not any("took turns" in note for table in earlier.values() for note in table.footnotes)
+
+
 def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
     """The 35228bc rows' window peak (44.87 GiB) misses the CUDA graphs' pool, recorded in the warm-up: the
     table quotes the process peak, marked, and says so; a default-mode row keeps its window peak."""

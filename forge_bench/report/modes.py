@@ -191,6 +191,12 @@ def modes_tables(frame: pd.DataFrame) -> list[Table]:
                          " / ".join(line.runs()) or "not measured", _step_text(line.adamw), _peak_text(line.adamw),
                          _step_text(line.forge), _peak_text(line.forge), speed, _compile_text(line)])
             recs.append(_record(keys, line, speed))
+        alternated = sorted({run_label(line.forge["run_id"]) for line in lines if line.adamw is not None
+                             and line.forge is not None and ratios.took_turns(line.adamw, line.forge)})
+        if alternated:
+            notes.append(f"The pairs of run {', '.join(alternated)} took turns on one GPU (`forge-bench sweep "
+                         "--interleave`): both cells resident, their timed repeats alternating, so the host's "
+                         "drift fell on both arms alike.")
         if any(PROCESS_PEAK_MARK in cell for row in body for cell in row):
             notes.append(f"{PROCESS_PEAK_MARK} the process peak (`peak_process_gib`), larger than the timed "
                          "window's: see the caption.")

@@ -134,6 +134,16 @@ def different_host_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) ->
     return None
 
 
+def took_turns(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> bool:
+    """Whether the two rows' cells were resident together and their timed repeats alternated on one GPU
+    (``forge-bench sweep --interleave``: each row names the other's cell in ``extra.turns.peers``), so
+    that the host's drift fell on both alike."""
+    def peers(row: Mapping[str, Any]) -> list:
+        turns = json_field(row.get("extra")).get("turns")
+        return turns.get("peers", []) if isinstance(turns, dict) else []
+    return row_b.get("cell_id") in peers(row_a) and row_a.get("cell_id") in peers(row_b)
+
+
 def comparable(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> bool:
     """Whether both a time and a memory ratio between the two rows are allowed."""
     return incomparable_reason(row_a, row_b) is None and time_incomparable_reason(row_a, row_b) is None
