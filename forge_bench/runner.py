@@ -369,8 +369,7 @@ def run_group(suite: Suite, cells: list[Cell], out_dir: Path, run_id: str, tick:
             pipe.ready = takers[-1].until(turns.READY, tick)
         while any(taker.pipe.ready for taker in takers):
             for taker in takers:
-                if taker.pipe.ready:
-                    taker.pipe.give()
+                if taker.pipe.ready and taker.pipe.give():
                     taker.pipe.ready = taker.until(turns.DONE, tick) and taker.until(turns.READY, tick)
         rows = []
         for taker in takers:

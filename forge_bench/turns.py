@@ -114,9 +114,14 @@ class TurnPipe:
             if not alive():
                 return False
 
-    def give(self) -> None:
-        os.write(self._to_child_w, GO)
+    def give(self) -> bool:
+        """Send ``GO``; False when the cell process has already closed its end (it died after ``READY``)."""
         self.ready = False
+        try:
+            os.write(self._to_child_w, GO)
+        except BrokenPipeError:
+            return False
+        return True
 
     def close(self) -> None:
         for fd in (self._to_child_w, self._from_child_r):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +67,20 @@ def test_a_gate_refuses_a_malformed_descriptor_pair_in_one_line(monkeypatch):
         turns.TurnGate.from_env()
     monkeypatch.delenv(turns.TURN_FDS_ENV)
     assert turns.TurnGate.from_env() is None
+
+
+def test_the_sweeps_end_sees_a_cell_that_died_after_saying_ready():
+    """A cell process that writes READY and exits: the sweep's ``until`` reads the token, then ``give`` reports
+    the closed pipe instead of raising, and waiting for DONE ends at the pipe's EOF."""
+    pipe = turns.TurnPipe()
+    read_fd, write_fd = pipe.child_fds
+    proc = subprocess.Popen([sys.executable, "-c", f"import os; os.write({write_fd}, {turns.READY!r})"],
+                            pass_fds=pipe.child_fds)
+    pipe.close_child_ends()
+    try:
+        assert pipe.until(turns.READY, lambda: True)
+        proc.wait(timeout=60)
+        assert pipe.give() is False
+        assert pipe.until(turns.DONE, lambda: proc.poll() is None) is False
+    finally:
+        pipe.close()
