@@ -3,15 +3,14 @@ timed repeats take turns (forge_bench/turns.py, runner.run_group)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from forge_bench import methods, results, runner, turns
+from forge_bench import results, runner, turns
 from forge_bench.suite import load_suite
-from test_runner import REPO, TESTS
+from test_runner import plugin_env  # noqa: F401  (the plugin arms on the cells' path)
 
 TURNS = """
 device: cpu
@@ -27,23 +26,13 @@ grids:
 """
 
 
-@pytest.fixture()
-def turns_env(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv(methods.PLUGINS_ENV, "forge_bench_test_arms")
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(TESTS), *inherited]))
-    monkeypatch.setenv("FORGE_BENCH_TEST_OOM_FLAG", str(tmp_path / "oom-once.flag"))
-    return tmp_path
-
-
-def test_a_groups_repeats_alternate_and_a_cell_out_of_memory_beside_others_runs_again_alone(turns_env):
-    path = turns_env / "turns.yaml"
+def test_a_groups_repeats_alternate_and_a_cell_out_of_memory_beside_others_runs_again_alone(plugin_env):
+    path = plugin_env / "turns.yaml"
     path.write_text(TURNS)
     suite = load_suite(path)
     assert [[c.method for c in g] for g in runner.turn_groups(list(suite.cells))] == [
         ["sgd", "test_oom_once", "adamw_foreach"], ["sgd"]]
-    out = turns_env / "out"
+    out = plugin_env / "out"
     _run_id, outcomes = runner.run_sweep(suite, list(suite.cells), out, interleave=True)
     assert [o.status for o in outcomes] == ["ok"] * 4
     df = results.load_results(out).set_index("cell_id")
