@@ -307,12 +307,18 @@ def settle(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, r
     return row
 
 
+def _unavailable(suite: Suite, cell: Cell) -> bool:
+    """Whether the cell's arm says it cannot run here (its row is written without a process)."""
+    method = methods_mod.METHODS.get(cell.method)
+    return method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph,
+                                                            cell.world_size) is not None
+
+
 def run_one(suite: Suite, cell: Cell, out_dir: Path, run_id: str, tick: Callable[[], None] | None = None,
             tune_cache: str | None = None, threads: int | None = None,
             lane: Mapping[str, str] | None = None, first_attempt: int = 1) -> dict[str, Any]:
     """Run a cell to exactly one row (spawning, retrying after OOM once, recording deaths)."""
-    method = methods_mod.METHODS.get(cell.method)
-    if method is not None and method.unavailable_reason(suite.spec.device, cell.cuda_graph, cell.world_size) is not None:
+    if _unavailable(suite, cell):
         run_cell(suite, cell, out_dir, run_id)     # writes the `unavailable` row; builds nothing
         return _load_row(out_dir, cell.cell_id) or {}
     t0 = time.monotonic()
@@ -356,14 +362,20 @@ def run_group(suite: Suite, cells: list[Cell], out_dir: Path, run_id: str, tick:
     The cells start one after the other, each once the one before is ready (its warm-up over); then
     each ready cell in turn gets the GPU for one repeat. A cell that ran out of memory beside the
     others runs again alone (attempt 2), after the group. A cell's time limit is the group's timeouts
-    summed (it waits through the others' turns)."""
-    limit_s = sum(cell.timeout_s for cell in cells)
+    summed (it waits through the others' turns). A cell whose arm cannot run here gets its row without a
+    process, as ``run_one`` writes it."""
+    taking_turns = [cell for cell in cells if not _unavailable(suite, cell)]
+    if len(taking_turns) < 2:
+        return [run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads, lane) for cell in cells]
+    rows: dict[str, dict[str, Any] | None] = {cell.cell_id: run_one(suite, cell, out_dir, run_id)
+                                              for cell in cells if cell not in taking_turns}
+    limit_s = sum(cell.timeout_s for cell in taking_turns)
     t0 = time.monotonic()
     takers: list[_TurnTaker] = []
     try:
-        for cell in cells:
+        for cell in taking_turns:
             pipe = turns.TurnPipe()
-            peers = [other.cell_id for other in cells if other is not cell]
+            peers = [other.cell_id for other in taking_turns if other is not cell]
             proc, err_path = start_cell(suite, cell, out_dir, run_id, 1, tune_cache, threads, lane, pipe, peers)
             takers.append(_TurnTaker(cell, proc, err_path, pipe, time.monotonic() + limit_s))
             pipe.ready = takers[-1].until(turns.READY, tick)
@@ -371,10 +383,9 @@ def run_group(suite: Suite, cells: list[Cell], out_dir: Path, run_id: str, tick:
             for taker in takers:
                 if taker.pipe.ready and taker.pipe.give():
                     taker.pipe.ready = taker.until(turns.DONE, tick) and taker.until(turns.READY, tick)
-        rows = []
         for taker in takers:
             rc = None if taker.killed else wait_cell(taker.proc, taker.deadline, tick)
-            rows.append(settle(suite, taker.cell, out_dir, run_id, 1, rc, taker.err_path, t0, limit_s))
+            rows[taker.cell.cell_id] = settle(suite, taker.cell, out_dir, run_id, 1, rc, taker.err_path, t0, limit_s)
     except BaseException:
         for taker in takers:
             _kill_group(taker.proc)
@@ -382,8 +393,8 @@ def run_group(suite: Suite, cells: list[Cell], out_dir: Path, run_id: str, tick:
     finally:
         for taker in takers:
             taker.pipe.close()
-    return [row if row is not None else run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads, lane, 2)
-            for cell, row in zip(cells, rows)]
+    return [row if (row := rows[cell.cell_id]) is not None
+            else run_one(suite, cell, out_dir, run_id, tick, tune_cache, threads, lane, 2) for cell in cells]
 
 
 def turn_groups(cells: list[Cell]) -> list[list[Cell]]:

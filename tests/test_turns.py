@@ -21,7 +21,7 @@ repeats: 3
 timeout_s: 600
 parity: {enabled: false}
 grids:
-  - {name: pair, models: [tiny-llama], batch: [1], seq: [8], methods: [sgd, test_oom_once, adamw_foreach]}
+  - {name: pair, models: [tiny-llama], batch: [1], seq: [8], methods: [sgd, test_oom_once, test_unavailable, adamw_foreach]}
   - {name: alone, models: [tiny-llama], batch: [1], seq: [12], methods: [sgd]}
 """
 
@@ -31,13 +31,13 @@ def test_a_groups_repeats_alternate_and_a_cell_out_of_memory_beside_others_runs_
     path.write_text(TURNS)
     suite = load_suite(path)
     assert [[c.method for c in g] for g in runner.turn_groups(list(suite.cells))] == [
-        ["sgd", "test_oom_once", "adamw_foreach"], ["sgd"]]
+        ["sgd", "test_oom_once", "test_unavailable", "adamw_foreach"], ["sgd"]]
     out = plugin_env / "out"
     _run_id, outcomes = runner.run_sweep(suite, list(suite.cells), out, interleave=True)
-    assert [o.status for o in outcomes] == ["ok"] * 4
+    assert [o.status for o in outcomes] == ["ok", "ok", "unavailable", "ok", "ok"]
     df = results.load_results(out).set_index("cell_id")
     extra = {cell_id: json.loads(text) for cell_id, text in df["extra"].items()}
-    sgd, oom, adamw, alone = (c.cell_id for c in suite.cells)
+    sgd, oom, unavailable, adamw, alone = (c.cell_id for c in suite.cells)
     # the two cells that fit took turns: each names the whole group, 3 windows each, A B A B A B, none overlapping
     assert extra[sgd]["turns"]["peers"] == [oom, adamw] and extra[adamw]["turns"]["peers"] == [sgd, oom]
     windows = sorted([(a, b, sgd) for a, b in extra[sgd]["turns"]["windows"]]
@@ -47,6 +47,8 @@ def test_a_groups_repeats_alternate_and_a_cell_out_of_memory_beside_others_runs_
     # out of memory beside the others (attempt 1), then alone (attempt 2): no turns
     assert df.loc[oom, "attempts"] == 2 and "turns" not in extra[oom]
     assert df.loc[sgd, "attempts"] == 1 and "turns" not in extra[alone]
+    # an arm that cannot run here takes no turn and starts no process
+    assert not list((out / runner.LOG_DIR).glob(f"{unavailable}*"))
     assert len(df.loc[sgd, "step_ms_run_medians"]) == 3
 
 
