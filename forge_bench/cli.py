@@ -181,7 +181,7 @@ def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retr
         for path, why in unreadable.items():
             err_console.print(f"{path}: {why}; a run moves it to {path.name}{results_mod.CORRUPT_SUFFIX} "
                               f"and runs its cell again", highlight=False, soft_wrap=True)
-        _print_plan(loaded, cells, done, _median_wall_s(out_dir))
+        _print_plan(loaded, cells, done, _median_wall_s(out_dir), interleave)
         return
 
     def on_set_aside(path: Path, moved: Path, why: str) -> None:
@@ -263,10 +263,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-def _print_plan(loaded, cells, done, wall: Optional[tuple[float, int]] = None) -> None:
-    """One line per cell, then the run settings, then the plan's size and time: how many cells run,
-    the bound their timeouts put on the sweep, and the estimate from the folder's rows where it has some."""
+def _print_plan(loaded, cells, done, wall: Optional[tuple[float, int]] = None, interleave: bool = False) -> None:
+    """One line per cell, with ``interleave`` one per group of cells to run that take turns (resident together),
+    then the run settings, then the plan's size and time: how many cells run, the bound their timeouts put on
+    the sweep, and the estimate from the folder's rows where it has some."""
     from forge_bench.methods import METHODS
+    from forge_bench.runner import turn_groups
 
     # plain lines, one per cell (greppable, and the ids can be pasted into `forge-bench cell`)
     out_console.print(f"{loaded.name}: plan (dry run): label  cell_id  plan", highlight=False)
@@ -279,6 +281,12 @@ def _print_plan(loaded, cells, done, wall: Optional[tuple[float, int]] = None) -
             to_run.append(c)
         unavailable += plan.startswith("unavailable")
         out_console.print(f"{c.label}  {c.cell_id}  {plan}", highlight=False, soft_wrap=True)
+    for group in (turn_groups(to_run) if interleave else []):
+        if len(group) > 1:
+            first = group[0]
+            out_console.print(f"turns: {first.grid}/{first.model}/b{first.batch}/s{first.seq}: "
+                              f"{', '.join(c.method for c in group)} (resident together, repeats alternating)",
+                              highlight=False, soft_wrap=True)
     s = loaded.spec
     out_console.print(f"device {s.device}, dtype {s.dtype}, warm-up {s.warmup_steps}, {s.repeats} x {s.timed_steps} "
                       f"timed steps, parity {'on' if s.parity.enabled else 'off'} ({s.parity.steps} steps, tolerance "

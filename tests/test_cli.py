@@ -59,6 +59,20 @@ def test_dry_run_lists_cells_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_a_dry_run_with_interleave_names_the_cells_that_take_turns(tmp_path):
+    """Each group of cells to run that would stay resident together gets a line; a cell alone gets none."""
+    suite = tmp_path / "pairs.yaml"
+    suite.write_text("device: cpu\ndtype: float32\nmodels: [tiny-llama]\nbatch: [1]\nseq: [8, 12]\n"
+                     "methods: [sgd, adamw_foreach]\n")
+    res = cli.invoke(app, ["sweep", str(suite), "--dry-run", "--interleave", "--out", str(tmp_path / "o"),
+                           "--only", "*/s8/*,*/s12/sgd"])
+    assert res.exit_code == 0, res.stderr
+    turns = [line for line in res.output.splitlines() if line.startswith("turns:")]
+    assert turns == ["turns: main/tiny-llama/b1/s8: sgd, adamw_foreach (resident together, repeats alternating)"]
+    res = cli.invoke(app, ["sweep", str(suite), "--dry-run", "--out", str(tmp_path / "o")])
+    assert not [line for line in res.output.splitlines() if line.startswith("turns:")]
+
+
 THOUSAND = """
 name: thousand
 device: cpu
@@ -229,7 +243,8 @@ def test_boolean_options_are_flags_without_a_value_in_the_help(command):
         [line] = [line for line in res.output.splitlines() if line.lstrip("│ ").startswith(f"{name} ")]
         return line
 
-    flags = {"sweep": ("--resume", "--retry-failed", "--dry-run", "--allow-mixed"), "kernel": ("--quick",)}[command[0]]
+    flags = {"sweep": ("--resume", "--retry-failed", "--dry-run", "--allow-mixed", "--interleave"),
+             "kernel": ("--quick",)}[command[0]]
     for name in flags:
         assert "bool" not in option_line(name), option_line(name)
     if command == ["sweep"]:
