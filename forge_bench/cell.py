@@ -296,7 +296,7 @@ def eager_steps(arm: Arm, batches: list, count: int, side_stream: bool) -> list[
     return losses
 
 
-def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
+def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method, gate: turns.TurnGate | None = None) -> Timing:
     spec, device = suite.spec, suite.spec.device
     on_cuda = device.startswith("cuda")
     graphed = on_cuda and cell.cuda_graph
@@ -357,7 +357,6 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method) -> Timing:
     if on_cuda and not graphed and not replayed:
         before_window = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    gate = turns.TurnGate.from_env()
     counted = gate is not None and on_cuda and nvml_before.get("energy_j") is not None
     energy = telemetry.EnergyCounter(torch.device(device).index or 0).read_j if counted else None
     # Python's cyclic GC pauses land inside steps at random: on the H100 they widen the IQR of a
@@ -528,9 +527,10 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         return 0
 
     row["torch_threads"] = torch.get_num_threads()
+    gate = turns.TurnGate.from_env()     # the sweep's pipes when this cell takes turns with others (--interleave)
     try:
         predicted = oom_prediction(cell, method, device)
-        if predicted and turns.TurnGate.from_env() is not None:
+        if predicted and gate is not None:
             print(f"forge_bench.cell: does not fit beside the other cells of its group ({predicted}); "
                   "to be run alone", file=sys.stderr)
             return EXIT_OOM_RETRY
@@ -555,7 +555,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
                 return 0
 
         timing_started = time.perf_counter()
-        timing = run_timing(suite, cell, method)
+        timing = run_timing(suite, cell, method, gate)
         measured = time.perf_counter()
         phases["timing"] = measured - timing_started
     except ArmUnavailable as exc:
@@ -573,7 +573,7 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         del exc
         _free_memory(device)
-        if attempt < MAX_ATTEMPTS or turns.TurnGate.from_env() is not None:     # taking turns: run alone next
+        if attempt < MAX_ATTEMPTS or gate is not None:     # taking turns: run alone next
             print(f"forge_bench.cell: out of memory on attempt {attempt}: {message}", file=sys.stderr)
             return EXIT_OOM_RETRY
         row.update(status="oom", reason=f"out of memory on attempt {attempt} of {MAX_ATTEMPTS} "

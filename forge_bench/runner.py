@@ -210,7 +210,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def start_cell(suite: Suite, cell: Cell, out_dir: Path, run_id: str, attempt: int, tune_cache: str | None = None,
                threads: int | None = None, lane: Mapping[str, str] | None = None,
                turn: turns.TurnPipe | None = None, peers: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
-    """Start the cell process (its own session, stdout and stderr to ``logs/``); returns it and its
+    """Start the cell process (its own process group, stdout and stderr to ``logs/``); returns it and its
     stderr file. ``threads``: the CPU cell's torch threads (None: the suite's ``cpu_threads``);
     ``lane``: its GPUs when it runs beside other cells; ``turn``: its pipes when it takes turns with
     ``peers`` (``--interleave``)."""
@@ -339,6 +339,7 @@ class _TurnTaker:
     pipe: turns.TurnPipe
     deadline: float
     killed: bool = False       # at its deadline
+    ready: bool = False        # it has written READY and waits for GO
 
     def alive(self) -> bool:
         """Whether the process still runs; past the deadline its process group is killed first."""
@@ -378,11 +379,12 @@ def run_group(suite: Suite, cells: list[Cell], out_dir: Path, run_id: str, tick:
             peers = [other.cell_id for other in taking_turns if other is not cell]
             proc, err_path = start_cell(suite, cell, out_dir, run_id, 1, tune_cache, threads, lane, pipe, peers)
             takers.append(_TurnTaker(cell, proc, err_path, pipe, time.monotonic() + limit_s))
-            pipe.ready = takers[-1].until(turns.READY, tick)
-        while any(taker.pipe.ready for taker in takers):
+            takers[-1].ready = takers[-1].until(turns.READY, tick)
+        while any(taker.ready for taker in takers):
             for taker in takers:
-                if taker.pipe.ready and taker.pipe.give():
-                    taker.pipe.ready = taker.until(turns.DONE, tick) and taker.until(turns.READY, tick)
+                if taker.ready:
+                    taker.ready = (taker.pipe.give() and taker.until(turns.DONE, tick)
+                                   and taker.until(turns.READY, tick))
         for taker in takers:
             rc = None if taker.killed else wait_cell(taker.proc, taker.deadline, tick)
             rows[taker.cell.cell_id] = settle(suite, taker.cell, out_dir, run_id, 1, rc, taker.err_path, t0, limit_s)

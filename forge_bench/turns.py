@@ -82,7 +82,6 @@ class TurnPipe:
     def __init__(self) -> None:
         self._to_child_r, self._to_child_w = os.pipe()
         self._from_child_r, self._from_child_w = os.pipe()
-        self.ready = False           # the cell has written READY and waits for GO
 
     @property
     def child_fds(self) -> tuple[int, int]:
@@ -116,7 +115,6 @@ class TurnPipe:
 
     def give(self) -> bool:
         """Send ``GO``; False when the cell process has already closed its end (it died after ``READY``)."""
-        self.ready = False
         try:
             os.write(self._to_child_w, GO)
         except BrokenPipeError:
