@@ -47,6 +47,25 @@ def test_a_candidate_that_fails_is_skipped_with_a_warning():
         assert ws_choice.choose(lambda: "triton", {B: broken}, time_ms) == (None, {})
 
 
+def test_the_warning_names_the_cause_of_a_long_cuda_error_before_the_config():
+    def cuda_failure():
+        raise RuntimeError("CUDA error: too many resources requested for launch\n"
+                           "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+                           "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+    time_ms, _ = _clock({"triton": 1.0})
+    with pytest.warns(RuntimeWarning) as caught:
+        ws_choice.choose(lambda: "triton", {B: cuda_failure}, time_ms)
+    message = str(caught[0].message)
+    assert "(RuntimeError: CUDA error: too many resources requested for launch) and is skipped: " in message
+    assert message.endswith(str(B)) and "\n" not in message and "asynchronously" not in message
+
+
+def test_a_failure_line_is_cut_at_its_limit():
+    line = ws_choice.failure_line(ValueError("x" * 500), limit=40)
+    assert line == "ValueError: " + "x" * 25 + "..." and len(line) == 40
+    assert ws_choice.failure_line(KeyError()) == "KeyError"
+
+
 def _stored_or_measured(key, candidates, run_triton, run_ws, time_ms, identity, note):
     """The choice as ``dispatch.ws_plan`` reaches it: looked up (``stored``), else timed (``measure``)."""
     known, config = ws_choice.stored(key, candidates, identity, note.get("device", ""))

@@ -114,6 +114,15 @@ def disk_fingerprint(identity: str, candidates: list[WsConfig]) -> str:
     return tune_cache.fingerprint(identity, "", "", [candidates, ROUNDS])
 
 
+def failure_line(error: BaseException, limit: int = 200) -> str:
+    """``error``'s type and the first line of its message, at most ``limit`` characters: a CUDA error's text
+    runs to several lines of advice, and the cause is the first."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    line = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def choose(run_triton: Callable[[], None], run_ws: Mapping[WsConfig, Callable[[], None]],
            time_ms: Callable[[Callable[[], None]], float], rounds: int = ROUNDS
            ) -> tuple[WsConfig | None, dict[str, float]]:
@@ -125,8 +134,8 @@ def choose(run_triton: Callable[[], None], run_ws: Mapping[WsConfig, Callable[[]
         try:
             timings[config] = float(time_ms(run))
         except Exception as error:   # noqa: BLE001 - compile / resource errors differ between Triton versions
-            warnings.warn(f"{ENV}: Gluon candidate {config} did not run ({type(error).__name__}: {error}"[:300]
-                          + ")", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{ENV}: a Gluon candidate did not run ({failure_line(error)}) and is skipped: {config}",
+                          RuntimeWarning, stacklevel=2)
     if not timings:
         return None, {}
     best = min(timings, key=timings.get)
