@@ -346,3 +346,35 @@ def test_tuned_gluon_updates_replay_bit_for_bit(monkeypatch: pytest.MonkeyPatch)
     for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
         for name in a.state.state_names:
             assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_a_weight_tuned_as_it_trains_eagerly_keeps_its_recording(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """With tuning on and nothing stored, a weight's first (launched) update times the kernels with host scalars;
+    its recording at the next step reads device scalars, a mode not yet timed. Timing inside that capture
+    failed every Gluon candidate, lost the recording and left the weight launched from Python for good (the
+    first weight of each such shape). Now every weight records and replays, with no failed candidate."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper")
+    import warnings
+    from forge_core.kernels import tune_cache, ws_choice
+
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")
+    monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tune_cache.json"))
+    monkeypatch.setattr(tune_cache, "shipped_path", lambda device: None)
+    monkeypatch.setattr(ws_choice, "CHOSEN", {})
+    model = _mlp(torch.bfloat16, width=1536, depth=2)
+    opt = _fuse(model)
+    static = torch.empty(320, 1536, device=DEVICE, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in _static_batches(4, (320, 1536), torch.bfloat16):
+            static.copy_(batch)
+            (model(static).float() - static.float()).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert not [str(w.message) for w in caught if "did not run" in str(w.message)]
+    assert any(key[0] == (1536, 1536) and key[-1] == "eager" for key in ws_choice.CHOSEN)
+    for binding in opt.fused_weights():
+        assert binding.update_graphs.graphs and not binding.update_graphs.stopped, binding.name

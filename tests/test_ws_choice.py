@@ -188,3 +188,29 @@ def test_a_stored_choice_is_looked_up_before_any_scratch_copy(fresh, monkeypatch
     assert dispatch.ws_plan(key, "bf16", x, x, w, [w, w], [None, None], None, False, (0.0,) * 8, 0, meta,
                             tile) is None
     assert ws_choice.CHOSEN[key + ("eager",)] is None
+
+
+@pytest.mark.parametrize("eager_choice", [A, None])
+def test_no_timing_inside_a_capture_the_eager_choice_stands_in(fresh, monkeypatch, eager_choice):
+    """An eager update recorded as a graph of itself (forge_core.update_graphs) reads its scalars from the device,
+    a choice mode the weight's earlier launched update did not time. Timing there synchronized inside the
+    capture: every candidate failed, the recording was lost and the weight never replayed. Now the eager choice
+    (or the Triton tile) is used, nothing is timed or copied, and the graph mode's choice stays open."""
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "graph_capturing", lambda: True)
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(ws_choice, "candidates_for", lambda *args: [A, B])
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed inside a capture")
+    monkeypatch.setattr(ws_choice, "measure", no_timing)
+    w = torch.zeros(256, 256, dtype=torch.bfloat16).as_subclass(_NoCopies)
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    meta = {"NUM_SUMS": 0, "S0_SQRT": False, "S1_SQRT": False, "EPILOGUE": "adamw"}
+    key = ((256, 256), 64, "bf16")
+    ws_choice.CHOSEN[key + ("eager",)] = eager_choice
+    device_scalars = torch.zeros(8)
+    plan = dispatch.ws_plan(key, "bf16", x, x, w, [w, w], [None, None], None, False, device_scalars, 0, meta,
+                            TileConfig(64, 64, 32, 8, 4, 1))
+    assert (plan.config if plan is not None else None) == eager_choice
+    assert key + ("graph",) not in ws_choice.CHOSEN

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ..state import ParamState
+from ..traced import graph_capturing
 from . import hopper_ws, launch, layer_apply, tuning, ws_choice
 from .device import interpreting, triton_available
 from .direct_launch import direct_launch_enabled
@@ -173,6 +174,11 @@ def ws_plan(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tensor, w
     known, config = ws_choice.stored(choice_key, candidates, identity, gpu)
     if known:                                   # chosen before, or kept on disk: no scratch copies
         return plan_on(config, weight, states, scales)
+    if graph_capturing():
+        # Timing synchronizes, which a capture cannot hold: an eager update recorded as a graph of itself
+        # (forge_core.update_graphs) would lose its recording and the kernels timed after it their capture.
+        # The eager call's choice stands in (the Triton tile where there is none), and is not kept as this mode's.
+        return plan_on(ws_choice.CHOSEN.get(key + ("eager",)), weight, states, scales)
     scratch = tuning.scratch_copies(weight, states, scales)
     if scratch is None:
         return None
