@@ -350,6 +350,7 @@ def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch,
     """fused_wgrad_update with tuning on: whichever kernel ws_choice picks, the step matches the
     reference, and the choice is recorded (tune cache entry, describe_tuned_configs)."""
     import json
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")          # (the GPU machine's test runs set it to 0)
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
     monkeypatch.setattr(tuning, "TUNED", {})
     monkeypatch.setattr(ws_choice, "CHOSEN", {})
@@ -372,6 +373,7 @@ def test_the_tuner_keeps_the_faster_kernel_and_the_step_stays_right(monkeypatch,
 def test_a_capturable_call_is_decided_on_graph_timings(monkeypatch, tmp_path):
     """Scalars in device memory (a step made to be captured): both kernels are timed in CUDA graphs,
     and the step still matches the reference."""
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")          # (the GPU machine's test runs set it to 0)
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
     monkeypatch.setattr(tuning, "TUNED", {})
     monkeypatch.setattr(ws_choice, "CHOSEN", {})
@@ -445,6 +447,7 @@ def test_an_eager_choice_times_both_kernels_through_direct_launches(monkeypatch,
 
     if not triton.__version__.startswith("3.6."):
         pytest.skip("the direct launches need Triton 3.6's launcher layout")
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")          # (the GPU machine's test runs set it to 0)
     monkeypatch.setenv("FORGE_TUNE_CACHE", str(tmp_path / "tc.json"))
     monkeypatch.setattr(tuning, "TUNED", {})
     monkeypatch.setattr(ws_choice, "CHOSEN", {})

@@ -324,7 +324,7 @@ def test_tuned_gluon_updates_replay_bit_for_bit(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setenv("FORGE_AUTOTUNE", "1")
     models = [_mlp(torch.bfloat16, width=2048, depth=2) for _ in range(2)]
-    replayed, launched = (_fuse(model, capturable=True) for model in models)
+    replayed, launched = (_fuse(model, capturable=True, state_dtype="bf16") for model in models)
     assert replayed.update_replay_problem is None
     for binding in launched.fused_weights():
         binding.update_graphs = None
@@ -365,7 +365,7 @@ def test_a_weight_tuned_as_it_trains_eagerly_keeps_its_recording(monkeypatch: py
     monkeypatch.setattr(tune_cache, "shipped_path", lambda device: None)
     monkeypatch.setattr(ws_choice, "CHOSEN", {})
     model = _mlp(torch.bfloat16, width=1536, depth=2)
-    opt = _fuse(model)
+    opt = _fuse(model, state_dtype="bf16")            # (fp32 states run on the Triton kernel alone)
     static = torch.empty(320, 1536, device=DEVICE, dtype=torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
