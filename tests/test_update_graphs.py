@@ -369,7 +369,7 @@ def test_a_weight_tuned_as_it_trains_eagerly_keeps_its_recording(monkeypatch: py
     static = torch.empty(320, 1536, device=DEVICE, dtype=torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for batch in _static_batches(4, (320, 1536), torch.bfloat16):
+        for batch in _static_batches(6, (320, 1536), torch.bfloat16):
             static.copy_(batch)
             (model(static).float() - static.float()).square().mean().backward()
             opt.step()
