@@ -82,6 +82,32 @@ def test_tuning_runs_on_scratch_and_applies_the_update_once(monkeypatch):
     assert len(timed) == 11
 
 
+def test_a_first_call_inside_a_capture_is_refused_in_one_line_before_any_launch(monkeypatch):
+    """Tuning times launches, which a CUDA graph capture cannot hold: a weight's first call made inside one gets
+    a line naming what to do, raised before anything is launched or copied (not a CUDA error later)."""
+    x, dy = make_inputs(70, 90, (100,))
+    (weight, state), _ = state_pair(torch.randn(70, 90), "adamw", "bf16")
+    before = weight.clone()
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched inside the capture")
+    monkeypatch.setattr(launch, "run_plan", no_launch)
+    monkeypatch.setattr(tuning, "scratch_copies", no_launch)
+    monkeypatch.setattr(tuning, "graph_capturing", lambda: True)
+    monkeypatch.setattr(tuning, "use_fixed_config", lambda: False)
+    monkeypatch.setattr(tuning, "TUNED", {})
+    monkeypatch.setenv("FORGE_AUTOTUNE", "1")
+    monkeypatch.delenv("FORGE_TUNE_CACHE", raising=False)
+    monkeypatch.setattr(tuning.tune_cache, "shipped_path", lambda device: None)
+    with pytest.raises(RuntimeError) as raised:
+        fused_wgrad_update(x, dy, weight, state, HP["adamw"], 1)
+    assert str(raised.value) == (
+        "forge_core: the fused kernel for a 70x90 weight at 100 tokens is tuned at its first call, which cannot run "
+        "inside a CUDA graph capture: run one step before capturing, keep the choices in FORGE_TUNE_CACHE, or set "
+        "FORGE_AUTOTUNE=0")
+    assert torch.equal(weight, before) and not tuning.TUNED
+
+
 def test_register_cap_keeps_sixteen_warps_per_sm():
     config = TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2)
     assert tuning.sixteen_warps_per_sm(config) == TileConfig(64, 128, 64, 8, 8, 4, prefetch=True, split_n=2,

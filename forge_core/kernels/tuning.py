@@ -25,6 +25,7 @@ import triton
 
 from ..rules import get_rule
 from ..rules.base import parse_kernel_name
+from ..traced import graph_capturing
 from . import tune_cache, ws_choice
 from .device import interpreting
 from .direct_launch import direct_launch_enabled
@@ -209,6 +210,8 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
             warnings.warn(f"{tune_cache.ENV}: {disk_path} holds a tile for {m}x{n} at {k} tokens made for another "
                           f"kernel source, Triton, GPU or candidate list (fingerprint {', '.join(stale)}, this one "
                           f"{fingerprint}); tuning again", RuntimeWarning, stacklevel=3)
+    if graph_capturing():
+        raise RuntimeError(capture_refusal(m, n, k))
     announce_tuning(m, n, k, state_dtype, len(candidates))
     tuned = False
     scratch = scratch_copies(weight, states, scales)
@@ -233,6 +236,14 @@ def tuned_config(key: tuple, state_dtype: str, x2: torch.Tensor, dy2: torch.Tens
         tune_cache.store(disk_path, disk_key, config, {
             "shape": f"{m}x{n}", "tokens": k, "device": gpu, "triton": triton.__version__})
     return config
+
+
+def capture_refusal(m: int, n: int, k: int) -> str:
+    """The one line a first call inside a CUDA graph capture gets: tuning times launches, which a capture cannot
+    hold (it would fail later with a CUDA error naming no cause)."""
+    return (f"forge_core: the fused kernel for a {m}x{n} weight at {k} tokens is tuned at its first call, which cannot "
+            "run inside a CUDA graph capture: run one step before capturing, keep the choices in FORGE_TUNE_CACHE, or "
+            "set FORGE_AUTOTUNE=0")
 
 
 def scratch_copies(weight: torch.Tensor, states: list[torch.Tensor], scales: list[torch.Tensor | None]
