@@ -473,10 +473,8 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
                 tick()
 
     def run_and_finish(unit: list[tuple[int, Cell]], lane: Mapping[str, str] | None) -> None:
-        if len(unit) == 1:
-            rows = [run_one(suite, unit[0][1], out_dir, run_id, lane_tick, tune_cache, threads, lane)]
-        else:
-            rows = run_group(suite, [cell for _, cell in unit], out_dir, run_id, lane_tick, tune_cache, threads, lane)
+        # (a unit of one cell, or of fewer than two that can run here, is run_one's: run_group hands it on)
+        rows = run_group(suite, [cell for _, cell in unit], out_dir, run_id, lane_tick, tune_cache, threads, lane)
         for (index, cell), row in zip(unit, rows):
             finish(index, CellOutcome(cell, row.get("status", "?"), row))
 
