@@ -224,6 +224,7 @@ class Timing:
     build_to_first_step_s: float | None = None   # from the model's build to the first step's end
     launches_per_step: dict[str, float] | None = None   # fused-kernel launches per eager timed step, by path
     turns: dict[str, Any] | None = None     # the group's other cells and this cell's turns (``--interleave``)
+    cpus: list[int] = field(default_factory=list)   # the CPUs the timed window ran on (``lanes.pin_threads``)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -359,6 +360,8 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method, gate: turns
         torch.cuda.reset_peak_memory_stats()
     counted = gate is not None and on_cuda and nvml_before.get("energy_j") is not None
     energy = telemetry.EnergyCounter(torch.device(device).index or 0).read_j if counted else None
+    # The window runs on the CPUs the sweep gave this cell's lane, the same for every cell compared (D114).
+    cpus = lanes.pin_threads(lanes.cpus_from_env()) if on_cuda else []
     # Python's cyclic GC pauses land inside steps at random: on the H100 they widen the IQR of a
     # Llama-8B step by ~40%. Collect once, then keep it off for the timed window only.
     gc.collect()
@@ -406,7 +409,8 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method, gate: turns
                   peak_process_gib=peak_process,
                   first_step_s=first_ended - first_started if eager_warmup else None,
                   build_to_first_step_s=first_ended - build_started if eager_warmup else None,
-                  launches_per_step=launches_per_step, turns=gate.extra() if gate is not None else None)
+                  launches_per_step=launches_per_step, turns=gate.extra() if gate is not None else None,
+                  cpus=cpus)
 
 
 # --- memory prediction ---------------------------------------------------------------------
@@ -608,6 +612,8 @@ def run_cell(suite: Suite, cell: Cell, out_dir: str | Path, run_id: str, attempt
         extra["floor_terms"] = timing.floor_terms
     if timing.turns is not None:
         extra["turns"] = timing.turns
+    if timing.cpus:
+        extra["cpus"] = timing.cpus
     if timing.launches_per_step is not None:
         extra["fused_launches_per_step"] = timing.launches_per_step
     native_status = native_hooks.status()

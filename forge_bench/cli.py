@@ -126,6 +126,7 @@ def sweep(
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="torch threads of each CPU cell (default: the suite's cpu_threads, 1); recorded in each row's torch_threads")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="run cells side by side on these GPUs, e.g. 0,1,2,3: each cell (its own process) gets world-size of them as CUDA_VISIBLE_DEVICES, in the suite's order; rows record extra.gpus and extra.cells_beside (default: one cell at a time)")] = None,
     interleave: Annotated[bool, flag("--interleave", help="the cells of one model and shape (grid, model, batch, seq, dtype, activations) stay resident together, each in its own process, and their timed repeats take turns on one GPU, so host drift falls on every arm alike; rows record extra.turns")] = False,
+    cpus_per_cell: Annotated[int, typer.Option("--cpus-per-cell", min=0, help="CUDA cells run their timed windows on this many CPUs of their lane's own (the highest-numbered; disjoint per GPU with --gpus), so compared cells run on the same CPUs; rows record extra.cpus; 0: wherever the OS puts them")] = 2,
 ) -> None:
     """Run a suite: one process per cell, one parquet row per cell, a summary table at the end."""
     from forge_bench import lanes
@@ -152,7 +153,7 @@ def sweep(
         _sweep_planned(loaded, cells, out_dir, baseline, resume=resume, retry_failed=retry_failed,
                        allow_mixed=allow_mixed, dry_run=dry_run, stop_after=stop_after, tune_cache=tune_cache,
                        threads=threads, gpu_list=gpu_list, tolerance=tolerance, eager_tolerance=eager_tolerance,
-                       interleave=interleave)
+                       interleave=interleave, cpus_per_cell=cpus_per_cell)
     finally:
         if lock is not None:
             lock.release()
@@ -161,8 +162,9 @@ def sweep(
 def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retry_failed: bool, allow_mixed: bool,
                    dry_run: bool, stop_after: Optional[float], tune_cache: Optional[str], threads: Optional[int],
                    gpu_list: Optional[list[str]], tolerance: float, eager_tolerance: Optional[float],
-                   interleave: bool = False) -> None:
+                   interleave: bool = False, cpus_per_cell: int = 0) -> None:
     """``sweep`` once its input is checked (and its folder locked): plan, run, summarise, check."""
+    from forge_bench import lanes
     from forge_bench import results as results_mod
     from forge_bench import runner
 
@@ -177,6 +179,11 @@ def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retr
     err_console.print(f"suite [bold]{loaded.name}[/] ({loaded.path}, hash {loaded.sha256}): {len(cells)} of "
                       f"{len(loaded.cells)} cells selected, {len(cells) - len(todo)} already done; "
                       f"out {out_dir}; run {run_id}", highlight=False)
+    if cpus_per_cell and loaded.spec.device_type == "cuda":
+        sets = lanes.cpu_sets(len(gpu_list) if gpu_list else 1, cpus_per_cell)
+        err_console.print("timed windows on CPUs " + " | ".join(",".join(map(str, cpus)) for cpus in sets)
+                          if sets else f"--cpus-per-cell {cpus_per_cell}: this host has too few CPUs for "
+                          f"{cpus_per_cell} per lane and one over; timed windows run unpinned", highlight=False)
     if dry_run:
         for path, why in unreadable.items():
             err_console.print(f"{path}: {why}; a run moves it to {path.name}{results_mod.CORRUPT_SUFFIX} "
@@ -210,7 +217,7 @@ def _sweep_planned(loaded, cells, out_dir: Path, baseline, *, resume: bool, retr
                                                 plan=plan, stop_after_s=stop_after,
                                                 tune_cache=runner.default_tune_cache(out_dir, tune_cache),
                                                 retry_failed=retry_failed, threads=threads, on_set_aside=on_set_aside,
-                                                gpus=gpu_list, interleave=interleave)
+                                                gpus=gpu_list, interleave=interleave, cpus_per_cell=cpus_per_cell)
         except _user_errors() as exc:
             raise _fail(str(exc)) from None
         progress.update(task, description="done")

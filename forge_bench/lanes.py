@@ -41,6 +41,10 @@ CELLS_BESIDE = "FORGE_BENCH_CELLS_BESIDE"
 """Set by the sweep for a cell started beside others: how many were running at its start."""
 LOCK_DIR = "FORGE_BENCH_GPU_LOCK_DIR"
 """Where the sweeps of one host claim GPUs (one lock file per GPU name)."""
+CPUS = "FORGE_BENCH_CPUS"
+"""Set by the sweep for a CUDA cell: the CPUs (comma-separated) its timed window runs on (``pin_threads``)."""
+CPUS_PER_CELL = 2
+"""``sweep --cpus-per-cell``'s default: the main thread and autograd's device thread, which take turns."""
 
 
 class LaneError(ValueError):
@@ -171,6 +175,51 @@ def child_env(gpus: list[str], beside: int) -> dict[str, str]:
     nvidia-smi and NVML number them (PCI bus order; CUDA's default order may differ), so that the
     cell's telemetry reads the GPUs it runs on (``telemetry.nvml_handle``)."""
     return {VISIBLE: ",".join(gpus), ORDER: "PCI_BUS_ID", CELLS_BESIDE: str(beside)}
+
+
+def cpu_sets(lanes: int, per_cell: int, available: Optional[list[int]] = None) -> list[list[int]]:
+    """The CPUs each of ``lanes`` lanes (one sweep: one lane; ``--gpus``: one per GPU) runs its cells'
+    timed windows on: ``per_cell`` of the sweep's own CPUs each, disjoint, the highest-numbered first (the
+    lowest keep the sweep and the system); [] (no pinning) for ``per_cell`` 0, or when that would leave
+    fewer than one CPU over.
+
+    Why: a virtual machine's CPUs do not run alike (on one H200 boot, GPT-2 XL's eager pair taking turns
+    read 0.83x, 1.15x and 0.84x unpinned, and 1.11x, 1.21x and 1.09x with both processes on the same
+    two CPUs: each process keeps to the CPU it first landed on, and an eager batch-1 step is the host's
+    time). Cells whose times are compared must run on the same CPUs (D114)."""
+    if per_cell <= 0 or lanes <= 0:
+        return []
+    if available is None:
+        available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    available = sorted(available)
+    if len(available) < lanes * per_cell + 1:
+        return []
+    return [available[len(available) - (lane + 1) * per_cell:len(available) - lane * per_cell]
+            for lane in range(lanes)]
+
+
+def pin_threads(cpus: list[int]) -> list[int]:
+    """Move every thread of this process (the main one, autograd's, the CUDA driver's, torch's pool)
+    onto ``cpus``; threads started later inherit it from the thread that starts them. Returns the CPUs,
+    or [] where this OS has no per-thread affinity. Called just before a cell's timed window, so the
+    build, the compiles and the warm-up keep every CPU."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return []
+    for name in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(name), cpus)
+        except ProcessLookupError:
+            continue                    # a thread that ended while the list was read
+    return list(cpus)
+
+
+def cpus_from_env() -> list[int]:
+    """The CPUs the sweep gave this cell (``CPUS``); [] when it gave none."""
+    text = os.environ.get(CPUS, "").strip()
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise LaneError(f"{CPUS}={text!r}: expected comma-separated CPU numbers, e.g. 14,15") from None
 
 
 def lane_extra() -> dict[str, Any]:

@@ -176,6 +176,7 @@ def _child_env(cell: Cell | None = None, tune_cache: str | None = None,
     ``lane``: the GPUs of a cell run beside others (``lanes.child_env``)."""
     env = dict(os.environ)
     env.pop(lanes.CELLS_BESIDE, None)
+    env.pop(lanes.CPUS, None)
     env.update(lane or {})
     if tune_cache is not None:
         env[TUNE_CACHE_ENV] = tune_cache
@@ -425,7 +426,8 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
               stop_after_s: float | None = None, tune_cache: str | None = None,
               retry_failed: bool = False, threads: int | None = None,
               on_set_aside: Callable[[Path, Path, str], None] | None = None,
-              gpus: list[str] | None = None, interleave: bool = False) -> tuple[str, list[CellOutcome]]:
+              gpus: list[str] | None = None, interleave: bool = False,
+              cpus_per_cell: int = 0) -> tuple[str, list[CellOutcome]]:
     """Run ``cells`` (a selection of ``suite``) into ``out_dir``; the sweep goes on whatever a cell does.
 
     ``plan`` is ``plan_run``'s answer when the caller already asked (so the run id it showed is
@@ -441,6 +443,8 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
     ``gpus``: run cells side by side on these GPUs (``forge_bench.lanes``); None: one at a time.
     ``interleave``: the cells of one group (``turn_groups``) not yet done run resident together, their
     timed repeats taking turns on one GPU (``run_group``); a group takes one lane of ``gpus``.
+    ``cpus_per_cell``: on a CUDA suite, each lane's cells run their timed windows on that many CPUs of
+    their own (``lanes.cpu_sets``; 0: wherever the OS puts them).
     """
     out_dir = Path(out_dir)
     check_gpus(suite, gpus)
@@ -464,6 +468,14 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
 
     pool = lanes.GpuPool(gpus) if gpus else None
     stop = threading.Event()
+    on_cuda = suite.spec.device_type == "cuda"
+    cpu_sets = lanes.cpu_sets(len(gpus) if gpus else 1, cpus_per_cell if on_cuda else 0)
+
+    def pinned(lane: dict[str, str], first_gpu: str | None) -> dict[str, str]:
+        if cpu_sets:        # a lane's CPUs follow its first GPU: its cells take turns or follow one another there
+            cpus = cpu_sets[gpus.index(first_gpu) if gpus and first_gpu in gpus else 0]
+            lane[lanes.CPUS] = ",".join(str(cpu) for cpu in cpus)
+        return lane
 
     def lane_tick() -> None:
         if stop.is_set():
@@ -480,7 +492,7 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
 
     def run_in_lane(unit: list[tuple[int, Cell]], taken: list[str], beside: int) -> None:
         try:
-            run_and_finish(unit, lanes.child_env(taken, beside))
+            run_and_finish(unit, pinned(lanes.child_env(taken, beside), taken[0]))
         finally:
             pool.give_back(taken)
 
@@ -520,7 +532,7 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
                         on_start(cell, index, len(cells))
                 results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
             if pool is None:
-                run_and_finish(unit, None)
+                run_and_finish(unit, pinned({}, None) or None)
             else:
                 futures.append(executor.submit(run_in_lane, unit, taken, beside))
     except BaseException:

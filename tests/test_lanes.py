@@ -224,3 +224,75 @@ def test_gpu_names_become_lock_file_names(tmp_path):
     assert claims.claim("GPU-1a2b/3c")
     assert [p.name for p in tmp_path.iterdir()] == ["GPU-1a2b_3c.lock"]
     claims.release("GPU-1a2b/3c")
+
+
+@pytest.mark.parametrize("lane_count, per_cell, available, expected", [
+    (1, 2, list(range(16)), [[14, 15]]),
+    (4, 2, list(range(16)), [[14, 15], [12, 13], [10, 11], [8, 9]]),
+    (2, 3, [9, 1, 5, 3, 7, 11, 13], [[9, 11, 13], [3, 5, 7]]),   # the sweep's own CPUs, in order
+    (1, 2, [0, 1], []),              # no CPU would be left over for the sweep and the system
+    (2, 2, [0, 1, 2, 3], []),
+    (1, 0, list(range(16)), []),     # --cpus-per-cell 0: unpinned
+])
+def test_each_lane_gets_cpus_of_its_own_the_highest_first(lane_count, per_cell, available, expected):
+    assert lanes.cpu_sets(lane_count, per_cell, available) == expected
+
+
+def test_every_thread_of_the_process_moves_onto_the_given_cpus():
+    if not hasattr(lanes.os, "sched_setaffinity"):
+        pytest.skip("this OS has no per-thread CPU affinity")
+    before = sorted(lanes.os.sched_getaffinity(0))
+    waiting = threading.Event()
+    worker = threading.Thread(target=waiting.wait, daemon=True)
+    worker.start()
+    try:
+        assert lanes.pin_threads([before[-1]]) == [before[-1]]
+        tids = [int(name) for name in lanes.os.listdir("/proc/self/task")]
+        assert len(tids) >= 2
+        assert all(lanes.os.sched_getaffinity(tid) == {before[-1]} for tid in tids)
+    finally:
+        for name in lanes.os.listdir("/proc/self/task"):
+            lanes.os.sched_setaffinity(int(name), before)
+        waiting.set()
+        worker.join()
+    assert lanes.pin_threads([]) == []
+
+
+def test_a_malformed_cpu_list_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv(lanes.CPUS, "14,x")
+    with pytest.raises(lanes.LaneError, match=r"FORGE_BENCH_CPUS='14,x': expected comma-separated CPU numbers"):
+        lanes.cpus_from_env()
+    monkeypatch.setenv(lanes.CPUS, "14, 15")
+    assert lanes.cpus_from_env() == [14, 15]
+    monkeypatch.delenv(lanes.CPUS)
+    assert lanes.cpus_from_env() == []
+
+
+def test_the_cells_of_a_lane_share_its_cpus_and_lanes_never_share(tmp_path, monkeypatch):
+    suite = cuda_suite(tmp_path)
+    monkeypatch.setattr(lanes, "cpu_sets", lambda count, per_cell, available=None:
+                        [[15 - 2 * i - 1, 15 - 2 * i] for i in range(count)] if per_cell else [])
+    recorder = Recorder(hold_s=0.05)
+    monkeypatch.setattr(runner, "run_one", recorder)
+    runner.run_sweep(suite, suite.cells, tmp_path / "out", gpus=["0", "1"], cpus_per_cell=2)
+    by_gpu = {call["lane"][lanes.VISIBLE].split(",")[0]: call["lane"][lanes.CPUS] for call in recorder.calls}
+    assert by_gpu == {"0": "14,15", "1": "12,13"}
+    recorder.calls.clear()
+    runner.run_sweep(suite, suite.cells[:1], tmp_path / "alone", cpus_per_cell=2)     # one lane: no --gpus
+    assert recorder.calls[0]["lane"] == {lanes.CPUS: "14,15"}
+    recorder.calls.clear()
+    runner.run_sweep(suite, suite.cells[:1], tmp_path / "unpinned", cpus_per_cell=0)
+    assert recorder.calls[0]["lane"] == {}
+
+
+def test_a_cpu_suite_is_never_pinned_and_an_inherited_cpu_list_does_not_leak(tmp_path, monkeypatch):
+    path = tmp_path / "cpu.yaml"
+    path.write_text(CUDA_SUITE.replace("device: cuda", "device: cpu").replace("dtype: bfloat16", "dtype: float32")
+                    .split("  - {name: two")[0])
+    suite = load_suite(path)
+    recorder = Recorder(hold_s=0.0)
+    monkeypatch.setattr(runner, "run_one", recorder)
+    runner.run_sweep(suite, suite.cells[:1], tmp_path / "out", cpus_per_cell=2)
+    assert recorder.calls[0]["lane"] == {}
+    monkeypatch.setenv(lanes.CPUS, "3")
+    assert lanes.CPUS not in runner._child_env(suite.cells[0])
