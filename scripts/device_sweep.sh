@@ -10,7 +10,7 @@
 # cells side by side on those GPUs (`sweep --gpus`), one cell per GPU at a time; INTERLEAVE=1 keeps each
 # model's cells resident together with their timed repeats taking turns (`sweep --interleave`). The tests run on a fixed tile
 # (FORGE_AUTOTUNE=0, set here for them alone); a FORGE_* variable in the caller's environment reaches the cells,
-# and each row records it (extra.forge_env).
+# and each row records it (extra.forge_env). Each lane's timed windows run on two CPUs of its own (`sweep --cpus-per-cell`, D114).
 set -u
 commit=$1 suite=$2 out_dir=$3 only=$4 box=$5; shift 5
 source scripts/device_setup.sh "$commit" >/dev/null || exit 1
