@@ -1,5 +1,6 @@
 """``forge-bench sweep --gpus``: cells side by side on disjoint GPUs, in the suite's order, each
-recording its lane; bad values and CPU suites refused in one line; a stopped sweep stops its lanes.
+recording its lane; bad values and CPU suites refused in one line; a stopped sweep stops its lanes;
+each lane's CUDA cells (and each profiled arm) timed on CPUs of its own (``--cpus-per-cell``, D114).
 
 The scheduling tests replace ``runner.run_one`` (which would start a CUDA cell process) with a
 recorder: the CPU machine has no GPU, and what is pinned here is which GPUs each cell is given
@@ -296,3 +297,21 @@ def test_a_cpu_suite_is_never_pinned_and_an_inherited_cpu_list_does_not_leak(tmp
     assert recorder.calls[0]["lane"] == {}
     monkeypatch.setenv(lanes.CPUS, "3")
     assert lanes.CPUS not in runner._child_env(suite.cells[0])
+
+
+def test_a_profiled_arm_measures_on_the_cpus_every_arm_gets_and_none_are_spared_on_a_small_host(monkeypatch):
+    from forge_bench.profile import common
+
+    if not hasattr(lanes.os, "sched_setaffinity"):
+        pytest.skip("this OS has no per-thread CPU affinity")
+    before = sorted(lanes.os.sched_getaffinity(0))
+    monkeypatch.setattr(lanes, "cpu_sets", lambda count, per_cell, available=None: [])
+    assert common.pin_measured_threads() == []
+    assert sorted(lanes.os.sched_getaffinity(0)) == before, "a host without CPUs to spare is left as it is"
+    monkeypatch.setattr(lanes, "cpu_sets", lambda count, per_cell, available=None: [[before[0]]])
+    try:
+        assert common.pin_measured_threads() == [before[0]]
+        assert all(lanes.os.sched_getaffinity(int(t)) == {before[0]} for t in lanes.os.listdir("/proc/self/task"))
+    finally:
+        for name in lanes.os.listdir("/proc/self/task"):
+            lanes.os.sched_setaffinity(int(name), before)

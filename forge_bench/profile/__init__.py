@@ -7,5 +7,6 @@
   AdamW and against its roofline.
 
 Each profiler runs every arm in its own process (``common.run_each_method``), as a sweep cell does:
-autotuners and the caching allocator keep state for the process life.
+autotuners and the caching allocator keep state for the process life. Once warm, every arm's process
+measures on the same two CPUs (``common.pin_measured_threads``, D114).
 """

@@ -1,5 +1,6 @@
 """What the per-arm profilers share: their options, one process per arm, an arm built and warmed
-up as a sweep cell builds it, and interval arithmetic on trace events."""
+up as a sweep cell builds it and then measured on the same CPUs as every other arm, and interval
+arithmetic on trace events."""
 from __future__ import annotations
 
 import gzip
@@ -14,6 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from forge_bench import lanes
 from forge_bench import methods as methods_mod
 from forge_bench import models as models_mod
 from forge_bench.arm import TrainConfig
@@ -110,7 +112,17 @@ def warmed_up_arm(tool: str, options: StepOptions, method_name: str, warmup: int
     warm = eager_steps(arm, batches, options.warmup if warmup is None else warmup, side_stream=capturable)
     del warm
     torch.cuda.synchronize()
+    pin_measured_threads()
     return arm, batches
+
+
+def pin_measured_threads() -> list[int]:
+    """Put this arm process's threads on the CPUs every arm of the profile measures on, as a sweep's lane
+    does (D114: a virtual machine's CPUs do not run alike, and the arms' processes run one after the
+    other); called once the arm is warm, so its build and compiles keep every CPU. Returns the CPUs ([]:
+    too few to spare, or no per-thread affinity here)."""
+    sets = lanes.cpu_sets(1, lanes.CPUS_PER_CELL)
+    return lanes.pin_threads(sets[0]) if sets else []
 
 
 def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

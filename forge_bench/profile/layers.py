@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from forge_bench.profile.common import run_each_method
+from forge_bench.profile.common import pin_measured_threads, run_each_method
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ def time_depth(variant: Variant, depth: int, options: ChainOptions) -> dict[str,
         torch.cuda.synchronize()
         if i == 0:
             compile_s = time.perf_counter() - start
+    pin_measured_threads()
     backward_host, backward_synced, step_host, whole = [], [], [], []
     for _ in range(options.steps):
         loss = loss_of()
