@@ -359,7 +359,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method, gate: turns
         before_window = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     counted = gate is not None and on_cuda and nvml_before.get("energy_j") is not None
-    energy = telemetry.EnergyCounter(torch.device(device).index or 0).read_j if counted else None
+    counter = telemetry.EnergyCounter(torch.device(device).index or 0) if counted else None
     # The window runs on the CPUs the sweep gave this cell's lane, the same for every cell compared (D114).
     cpus = lanes.pin_threads(lanes.cpus_from_env()) if on_cuda else []
     # Python's cyclic GC pauses land inside steps at random: on the H100 they widen the IQR of a
@@ -371,9 +371,12 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method, gate: turns
         kernels.reset_launch_paths()
     window_start = time.perf_counter()
     try:
-        window = turns.timed_repeats(step, batches, spec.repeats, spec.timed_steps, on_cuda, gate, energy)
+        window = turns.timed_repeats(step, batches, spec.repeats, spec.timed_steps, on_cuda, gate,
+                                     counter.read_j if counter is not None else None)
     finally:
         gc.enable()
+        if counter is not None:
+            counter.close()
     run_ms, host_ms, losses, step_index = window.run_ms, window.host_ms, window.losses, window.steps
     if on_cuda:
         peak_alloc = torch.cuda.max_memory_allocated() / GIB
