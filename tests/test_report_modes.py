@@ -17,6 +17,8 @@ LLAMA8B = "Where users train, NVIDIA H200 · llama-3.1-8b · bfloat16 · batch 1
 LLAMA1B = "Where users train, NVIDIA H200 · llama-3.2-1b · bfloat16 · batch 1 × seq 512"
 COMPILE_RUN, LEAN_RUN, EAGER_RUN, GRAPH_RUN = "0945e6", "4473b0", "cdf67b", "88edbb"
 TURNS_RUN = "5929b8"
+PINNED_RUN = "a6e8e6"
+"""3a2f7f7's Llama-3.2-1B group: its six cells taking turns on the same two CPUs (D114); the newest 1B run."""
 """7f3cdbe's compile pairs of both models, each pair's repeats taking turns (``sweep --interleave``): the
 newest, quoted for torch.compile and reduce-overhead."""
 FIRST_COMPILE_RUN = "9c9ba9"
@@ -68,28 +70,34 @@ def test_llama8b_every_mode_side_by_side() -> None:
 
 
 def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
-    """Each mode quotes the newest run that paired both its arms: the compiled pairs of 7f3cdbe (5929b8, taking
-    turns), eager of 74ca3d5 (9e172b); before 7f3cdbe, the torch.compile pair of 1e0f3b4 (d128a5) and the rest of
-    74ca3d5, after the compiled updates replayed from C++ (D110); before those, 7bde30a's (636d74) and 85b1088's
-    (cdf67b)."""
+    """Each mode quotes the newest run that paired both its arms: every mode of 3a2f7f7 (a6e8e6, six cells taking
+    turns on the same CPUs); before it, the compiled pairs of 7f3cdbe (5929b8, taking turns), eager of 74ca3d5
+    (9e172b); before 7f3cdbe, the torch.compile pair of 1e0f3b4 (d128a5) and the rest of 74ca3d5, after the
+    compiled updates replayed from C++ (D110); before those, 7bde30a's (636d74) and 85b1088's (cdf67b)."""
     table = _tables()[LLAMA1B]
     assert [line[0] for line in table.rows] == ["eager", "torch.compile", "torch.compile reduce-overhead"]
-    assert [line[2] for line in table.rows] == ["9e172b", TURNS_RUN, TURNS_RUN]
-    assert [line[7] for line in table.rows] == ["~1.05×", "~0.88×", "1.23×"]
-    assert [line[3] for line in table.rows] == ["55.66", "16.96", "16.12"]
-    assert [line[5] for line in table.rows] == ["52.82", "19.29", "13.15"]
-    earlier = _tables(load_rows(MODES).query("git_commit != '7f3cdbe'"))[LLAMA1B]
+    assert [line[2] for line in table.rows] == [PINNED_RUN] * 3
+    assert [line[7] for line in table.rows] == ["~1.08×", "~0.94×", "1.22×"]
+    assert [line[3] for line in table.rows] == ["62.76", "24.89", "16.03"]
+    assert [line[5] for line in table.rows] == ["58.26", "26.59", "13.19"]
+    turns = _tables(load_rows(MODES).query("git_commit != '3a2f7f7'"))[LLAMA1B]
+    assert [line[2] for line in turns.rows] == ["9e172b", TURNS_RUN, TURNS_RUN]
+    assert [line[7] for line in turns.rows] == ["~1.05×", "~0.88×", "1.23×"]
+    assert [line[3] for line in turns.rows] == ["55.66", "16.96", "16.12"]
+    assert [line[5] for line in turns.rows] == ["52.82", "19.29", "13.15"]
+    earlier = _tables(load_rows(MODES).query("git_commit not in ('7f3cdbe', '3a2f7f7')"))[LLAMA1B]
     assert [line[2] for line in earlier.rows] == ["9e172b", "d128a5", "9e172b"]
     assert [line[7] for line in earlier.rows] == ["~1.05×", "~0.91×", "1.22×"]
     assert [line[3] for line in earlier.rows] == ["55.66", "30.50", "16.27"]
     assert [line[5] for line in earlier.rows] == ["52.82", "33.52", "13.36"]
-    before = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7f3cdbe')"))[LLAMA1B]
+    before = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7f3cdbe', '3a2f7f7')"))[LLAMA1B]
     assert before.rows[0][2:] == ["not measured", "—", "—", "—", "—", "—", "—"]
     assert [line[2] for line in before.rows[1:]] == ["636d74", "636d74"]
     assert [line[7] for line in before.rows[1:]] == ["0.66×", "1.23×"]
     assert [line[3] for line in before.rows[1:]] == ["22.57", "16.24"]
     assert [line[5] for line in before.rows[1:]] == ["34.10", "13.22"]
-    older = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7bde30a', '7f3cdbe')"))[LLAMA1B]
+    older = _tables(load_rows(MODES).query(
+        "git_commit not in ('74ca3d5', '1e0f3b4', '7bde30a', '7f3cdbe', '3a2f7f7')"))[LLAMA1B]
     assert [line[7] for line in older.rows[1:]] == ["0.52×", "1.23×"]
 
 
@@ -101,9 +109,19 @@ def test_a_pair_that_took_turns_says_so_and_one_run_apart_does_not() -> None:
     assert ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile", TURNS_RUN))
     assert not ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile_ro", TURNS_RUN))
     assert not ratios.took_turns(_row("adamw_fused_compile", COMPILE_RUN), _row("forge_bf16_compile", COMPILE_RUN))
-    assert turns_note in _tables()[LLAMA8B].footnotes and turns_note in _tables()[LLAMA1B].footnotes
-    earlier = _tables(load_rows(MODES).query("git_commit != '7f3cdbe'"))
+    assert turns_note in _tables()[LLAMA8B].footnotes
+    assert turns_note in _tables(load_rows(MODES).query("git_commit != '3a2f7f7'"))[LLAMA1B].footnotes
+    earlier = _tables(load_rows(MODES).query("git_commit not in ('7f3cdbe', '3a2f7f7')"))
     assert not any("took turns" in note for table in earlier.values() for note in table.footnotes)
+
+
+def test_pairs_that_took_turns_on_the_same_cpus_say_so() -> None:
+    """A row timed on its lane's CPUs records them (``extra.cpus``, D114); the turns note then names them."""
+    assert all(ratios.json_field(_row(m, PINNED_RUN)["extra"])["cpus"] == [14, 15]
+               for m in ("adamw_fused_compile", "forge_bf16_compile"))
+    assert ("The pairs of run a6e8e6 took turns on one GPU (`forge-bench sweep --interleave`): both cells resident, "
+            "their timed repeats alternating, so the host's drift fell on both arms alike; those of run a6e8e6 on the "
+            "same CPUs (`--cpus-per-cell`, D114).") in _tables()[LLAMA1B].footnotes
 
 
 def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
@@ -156,7 +174,7 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     h100, h200 = summary.split("## H200")
     assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
     tables = parse_markdown_tables(h200)
-    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.88×"
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.94×"
     index = (out / "index.md").read_text()
     assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
     with (out / "tables" / "modes.csv").open() as fh:
@@ -194,5 +212,5 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert (f"FORGE int8: {int8['forge_int8_compile']} ms compiled, {int8['forge_int8_compile_ro']} "
             f"reduce-overhead") in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
-    assert (f"torch.compile {small['torch.compile']} (a miss, host-bound launches), reduce-overhead "
-            f"{small['torch.compile reduce-overhead']}.") in text
+    assert (f"torch.compile {small['torch.compile'].lstrip('~')} (a\nmiss, host-bound), reduce-overhead "
+            f"{small['torch.compile reduce-overhead']}.").replace("\n", " ") in text

@@ -118,6 +118,19 @@ def test_time_ratio_needs_one_machine_boot_but_memory_does_not():
     assert ratios.speedup(cand, base).is_number
 
 
+def test_time_ratio_needs_the_same_cpus_where_both_rows_recorded_them():
+    cand, base = _real_pair()
+    base["extra"] = json.dumps({**ratios.json_field(base.get("extra")), "cpus": [30, 31]})
+    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "cpus": [31, 30]})
+    assert ratios.speedup(cand, base).is_number
+    cand["extra"] = json.dumps({**ratios.json_field(cand.get("extra")), "cpus": [28, 29]})
+    refused = ratios.speedup(cand, base)
+    assert refused.text == ratios.DIFFERENT_RUN
+    assert refused.refusal == "timed on different CPUs (28,29 vs 30,31): a virtual machine's CPUs do not run alike"
+    cand["extra"] = json.dumps({k: v for k, v in ratios.json_field(cand.get("extra")).items() if k != "cpus"})
+    assert ratios.speedup(cand, base).is_number         # unpinned on one side (an older row): no evidence
+
+
 def test_noise_flag():
     cand, base = _real_pair()
     for row, ms in ((cand, 100.0), (base, 101.0)):

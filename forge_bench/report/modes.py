@@ -194,9 +194,14 @@ def modes_tables(frame: pd.DataFrame) -> list[Table]:
         alternated = sorted({run_label(line.forge["run_id"]) for line in lines if line.adamw is not None
                              and line.forge is not None and ratios.took_turns(line.adamw, line.forge)})
         if alternated:
+            pinned = sorted({run_label(line.forge["run_id"]) for line in lines if line.forge is not None
+                             and ratios.json_field(line.forge.get("extra")).get("cpus")
+                             and run_label(line.forge["run_id"]) in alternated})
             notes.append(f"The pairs of run {', '.join(alternated)} took turns on one GPU (`forge-bench sweep "
                          "--interleave`): both cells resident, their timed repeats alternating, so the host's "
-                         "drift fell on both arms alike.")
+                         "drift fell on both arms alike"
+                         + (f"; those of run {', '.join(pinned)} on the same CPUs (`--cpus-per-cell`, D114)."
+                            if pinned else "."))
         if any(PROCESS_PEAK_MARK in cell for row in body for cell in row):
             notes.append(f"{PROCESS_PEAK_MARK} the process peak (`peak_process_gib`), larger than the timed "
                          "window's: see the caption.")

@@ -6,7 +6,7 @@ CUDA versions. A time ratio (not a memory one) also needs SM clocks (``sm_clock_
 within ``CLOCK_TOLERANCE`` of each other and one machine boot where both rows recorded one
 (``extra.boot_id``): a sweep resumed on another machine (a rented GPU comes as a fresh virtual
 machine) keeps its run id, but an eager step is bound by the host's launch speed, which changes
-from one machine to the next.
+from one machine to the next; likewise the same CPUs where both recorded them (``extra.cpus``, D114).
 Anything else is printed as ``DIFFERENT_RUN`` instead of a number, because a ratio of two times
 taken under different software, silicon or clocks measures those differences, not the method.
 
@@ -126,11 +126,17 @@ def json_field(value: Any) -> dict[str, Any]:
 
 
 def different_host_reason(row_a: Mapping[str, Any], row_b: Mapping[str, Any]) -> str | None:
-    """Why two step times come from different machine boots, or None (same boot, or unrecorded)."""
-    boot_a = json_field(row_a.get("extra")).get("boot_id")
-    boot_b = json_field(row_b.get("extra")).get("boot_id")
+    """Why two step times come from different machine boots or CPUs, or None (the same, or unrecorded).
+    CPUs: a sweep lane's timed windows run on CPUs of its own (``extra.cpus``), and a virtual machine's
+    CPUs do not run alike (D114), so cells of two lanes are two hosts for an eager step."""
+    extra_a, extra_b = json_field(row_a.get("extra")), json_field(row_b.get("extra"))
+    boot_a, boot_b = extra_a.get("boot_id"), extra_b.get("boot_id")
     if boot_a and boot_b and boot_a != boot_b:
         return f"measured on different machine boots ({str(boot_a)[:8]} vs {str(boot_b)[:8]}): host speed differs"
+    cpus_a, cpus_b = extra_a.get("cpus"), extra_b.get("cpus")
+    if cpus_a and cpus_b and sorted(cpus_a) != sorted(cpus_b):
+        return (f"timed on different CPUs ({','.join(map(str, cpus_a))} vs {','.join(map(str, cpus_b))}): "
+                f"a virtual machine's CPUs do not run alike")
     return None
 
 
