@@ -21,6 +21,7 @@ module imports neither torch nor Triton: the sweep process stays light.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -28,6 +29,7 @@ import signal
 import tempfile
 import threading
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 try:
@@ -205,11 +207,23 @@ def pin_threads(cpus: list[int]) -> list[int]:
     build, the compiles and the warm-up keep every CPU."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return []
-    for name in os.listdir("/proc/self/task"):
+    try:
+        threads = [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return []                       # no per-thread listing here: the window runs unpinned
+    every = os.sched_getaffinity(0)
+    for thread in threads:
         try:
-            os.sched_setaffinity(int(name), cpus)
+            os.sched_setaffinity(thread, cpus)
         except ProcessLookupError:
             continue                    # a thread that ended while the list was read
+        except OSError as exc:          # CPUs outside this process's cpuset (a container changed it)
+            warnings.warn(f"timed window left unpinned: CPUs {','.join(map(str, cpus))} refused ({exc})",
+                          stacklevel=2)
+            for undo in threads:
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(undo, every)
+            return []
     return list(cpus)
 
 

@@ -315,3 +315,22 @@ def test_a_profiled_arm_measures_on_the_cpus_every_arm_gets_and_none_are_spared_
     finally:
         for name in lanes.os.listdir("/proc/self/task"):
             lanes.os.sched_setaffinity(int(name), before)
+
+
+def test_cpus_the_os_refuses_leave_the_window_unpinned_with_a_warning(monkeypatch):
+    if not hasattr(lanes.os, "sched_setaffinity"):
+        pytest.skip("this OS has no per-thread CPU affinity")
+    before = lanes.os.sched_getaffinity(0)
+    real = lanes.os.sched_setaffinity
+    calls = []
+
+    def refuse_once(tid, cpus):
+        calls.append(set(cpus))
+        if len(calls) == 1:
+            raise OSError(22, "Invalid argument")
+        real(tid, cpus)
+
+    monkeypatch.setattr(lanes.os, "sched_setaffinity", refuse_once)
+    with pytest.warns(UserWarning, match=r"timed window left unpinned: CPUs 999 refused"):
+        assert lanes.pin_threads([999]) == []
+    assert lanes.os.sched_getaffinity(0) == before and all(c == set(before) for c in calls[1:])
