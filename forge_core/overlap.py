@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .traced import graph_capturing, in_traced_update
+from .traced import in_traced_update
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _JOINS_QUEUED: set[tuple[int, int]] = set()        # (graph task id, backward stream id)
@@ -63,7 +63,7 @@ def run_beside(update: Callable[[], None], device: torch.device, used: Iterable[
     the current stream comes from its ids through a cache, and the fork re-records one event per
     backward stream (a stream's wait orders after the event's record at the time of the wait, so a
     later record does not disturb an earlier wait). A graph capture runs the public API (it runs once)."""
-    if _get_current_stream_ids is None or _set_current_stream is None or graph_capturing():
+    if _get_current_stream_ids is None or _set_current_stream is None or torch.cuda.is_current_stream_capturing():
         _run_beside_public(update, device, used)
         return
     ids = _get_current_stream_ids(device.index if device.index is not None else torch.cuda.current_device())
