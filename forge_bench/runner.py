@@ -532,7 +532,7 @@ def run_sweep(suite: Suite, cells: list[Cell], out_dir: str | Path, *, resume: b
                         on_start(cell, index, len(cells))
                 results.row_path(out_dir, cell.cell_id).unlink(missing_ok=True)   # a failed row --retry-failed replaces
             if pool is None:
-                run_and_finish(unit, pinned({}, None) or None)
+                run_and_finish(unit, pinned({}, None))
             else:
                 futures.append(executor.submit(run_in_lane, unit, taken, beside))
     except BaseException:
