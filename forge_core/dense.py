@@ -19,6 +19,7 @@ from .kernels.row_gradient import row_gradient, row_gradient_reference
 from .kernels.row_update import row_update
 from .rules.base import Rule
 from .state import QBLOCK, ParamState
+from .traced import remember_traced_arguments
 
 LaunchUpdate = Callable[..., None]
 """``ForgeOptimizer``'s update launch: (owner, x, grad_output, weight, state, grad_accum)."""
@@ -106,6 +107,7 @@ class DenseWeight:
             raise RuntimeError(f"{self.name!r}: make_embedding_state() got hyper-parameters for the states "
                                f"{list(state.state_names)}, the weight holds {list(self.state.state_names)}")
         self.state = state
+        remember_traced_arguments(self)
 
     def record_rows(self, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
         """The ForgeEmbedding backward: keep this use's ids and output gradient for ``step()``."""
@@ -116,6 +118,7 @@ class DenseWeight:
         replays the same buffer, and no step allocates a row-sized tensor."""
         if self.slots is None:
             self.slots = torch.empty(self.weight.shape[0], dtype=torch.int32, device=self.weight.device)
+            remember_traced_arguments(self)
         return self.slots
 
     def slot_table_bytes(self, backend: str) -> int:

@@ -36,7 +36,7 @@ from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
 from .native_hooks import hooked_forward
 from .overlap import run_update, run_update_outside_autograd
-from .traced import traced, update_weight_, written_tensors
+from .traced import traced, update_weight_
 
 
 class WeightUpdater(Protocol):
@@ -132,8 +132,8 @@ class TracedLinearFunction(torch.autograd.Function):
     writes (``written``) and its group's device scalars, named by the binding's integer key."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                scalars: Optional[torch.Tensor], key: int, transposed: bool, *written: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool,
+                scalars: Optional[torch.Tensor], key: int, *written: torch.Tensor) -> torch.Tensor:
         output, x = linear_forward(ctx, x, weight, bias, transposed)
         ctx.save_for_backward(x, weight, scalars, *written)
         ctx.key = key
@@ -151,9 +151,9 @@ class TracedLinearFunction(torch.autograd.Function):
 def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], updater: Any,
                   transposed: bool = False) -> torch.Tensor:
     """The fused Linear under ``torch.compile`` (``TracedLinearFunction``): what the compiler sees of a
-    ForgeLinear's or ForgeConv1D's forward and backward."""
-    return TracedLinearFunction.apply(x, weight, bias, updater.optimizer.device_scalars_of(updater),
-                                      updater.trace_key, transposed, *written_tensors(updater))
+    ForgeLinear's or ForgeConv1D's forward and backward. Its operator's arguments come as one tuple
+    (``traced.remember_traced_arguments``: fewer guards for Dynamo to re-check at every call)."""
+    return TracedLinearFunction.apply(x, weight, bias, transposed, *updater.traced_arguments)
 
 
 HOOKED_LINEAR = os.environ.get("FORGE_HOOKED_LINEAR", "1") != "0"

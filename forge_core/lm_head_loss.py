@@ -59,7 +59,7 @@ from torch import nn
 from .kernels import cross_entropy as chunk_kernels
 from .linear import ForgeLinear, autocast_dtype
 from .overlap import run_beside, wants_overlap
-from .traced import MUTATED, owner_of, traced, traced_update_scope, written_tensors
+from .traced import MUTATED, owner_of, traced, traced_update_scope
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 """Upper bound on one chunk's fp32 logits (tokens x chunk x 4 bytes) when no chunk_size is given."""
@@ -429,11 +429,9 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
     chunk = min(chunk, vocab)
     updater = _fused_updater(lm_head) if weight.requires_grad else None
     if torch.compiler.is_compiling() and (updater is None or traced(updater)):
-        scalars = updater.optimizer.device_scalars_of(updater) if updater is not None else None
-        written = written_tensors(updater) if updater is not None else []
+        arguments = updater.traced_arguments if updater is not None else (None, -1)
         return _TracedChunkedLMHeadCrossEntropy.apply(hidden2, weight, bias, targets, denominator, chunk, ignore_index,
-                                                      compute_dtype, scalars,
-                                                      updater.trace_key if updater is not None else -1, *written)
+                                                      compute_dtype, *arguments)
     return _ChunkedLMHeadCrossEntropy.apply(hidden2, weight, bias, targets, denominator, chunk, ignore_index,
                                             updater, compute_dtype,
                                             keeps_logits(tokens, vocab, compute_dtype, keep_logits_bytes))

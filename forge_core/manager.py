@@ -526,7 +526,7 @@ def fuse(model: nn.Module, optimizer: str = "adamw", *, lr: Optional[float] = No
         if embedding_rows:
             _install_row_embeddings(model, forge_optimizer)
         mark_gradientless_weights(forge_optimizer)
-        forge_optimizer.keep_addresses_static()
+        forge_optimizer.prepare_for_compiler()
         install_clipping_guard()
         install_conversion_guard()
         return forge_optimizer

@@ -14,7 +14,7 @@ import torch
 from .dense import DenseWeight
 from .fused_weight import FusedWeight
 from .state import ParamState
-from .traced import graph_capturing, keep_static, same_tensors, written_tensors
+from .traced import graph_capturing, keep_static, remember_traced_arguments, same_tensors, written_tensors
 
 
 def _update_target(owner: Any) -> torch.Tensor:
@@ -43,11 +43,13 @@ def _state_on(state: ParamState, tensors: list[torch.Tensor]) -> ParamState:
 class TracedUpdates:
     """The compiled path's side of a ``ForgeOptimizer`` (a mixin: every attribute it reads is the optimizer's)."""
 
-    def keep_addresses_static(self) -> None:
-        """Mark every tensor a traced update writes, and the device scalars, as static for the compiler
-        (``traced.keep_static``); ``fuse`` calls it once the states are final."""
+    def prepare_for_compiler(self) -> None:
+        """Give each fused and kernel-stepped weight its traced arguments (``remember_traced_arguments``) and
+        mark every tensor a traced update writes, and the device scalars, as static for the compiler
+        (``traced.keep_static``); ``fuse`` calls it once the states are final, a data-parallel wrap again."""
         tensors = [*self._device_steps, *self._device_scalars]
         for owner in (*self._bindings, *self._dense):
+            remember_traced_arguments(owner)
             tensors.extend(written_tensors(owner))
         keep_static(tensors)
 

@@ -119,6 +119,7 @@ def fuse_data_parallel(model: nn.Module, optimizer: str = "adamw", *, process_gr
     forge_optimizer.distributed = DataParallelUpdates(
         forge_optimizer, fused, process_group, int(bucket_cap_mb * 1024 * 1024), buckets_in_flight,
         state_reduction=reduce != "gradient" and problem is None)
+    forge_optimizer.prepare_for_compiler()      # its layers' updates now stay eager under torch.compile
     return forge_optimizer
 
 
