@@ -371,7 +371,7 @@ def run_timing(suite: Suite, cell: Cell, method: methods_mod.Method, gate: turns
         kernels.reset_launch_paths()
     window_start = time.perf_counter()
     try:
-        window = turns.timed_repeats(step, batches, spec.repeats, spec.timed_steps, on_cuda, gate,
+        window = turns.timed_repeats(step, batches, cell.timed_repeats(spec), spec.timed_steps, on_cuda, gate,
                                      counter.read_j if counter is not None else None)
     finally:
         gc.enable()
@@ -447,7 +447,7 @@ def base_row(suite: Suite, cell: Cell, method: methods_mod.Method | None, run_id
         "method_settings": dict(method.settings) if method else None,
         "batch": cell.batch, "seq": cell.seq, "dtype": cell.dtype, "device_type": spec.device_type,
         "attempts": attempt, "warmup_steps": spec.warmup_steps, "timed_steps": spec.timed_steps,
-        "repeats": spec.repeats,
+        "repeats": cell.timed_repeats(spec),
         "parity_steps": spec.parity.steps if (spec.parity.enabled and method and method.parity_reference) else 0,
         "parity_tolerance": (method.parity_tolerance or spec.parity.tolerance) if method else None,
         "timing_method": ("cuda_graph_replay" if cell.cuda_graph else "cuda_events") if spec.device_type == "cuda"

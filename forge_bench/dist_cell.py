@@ -140,7 +140,7 @@ def measure_rank(suite: Suite, cell: Cell, method: methods_mod.Method, device: s
     gc.collect()
     gc.disable()            # as in a one-process cell: no collector pause inside the timed window
     try:
-        run_ms, host_ms, losses = timed_runs(arm, batches, spec.repeats, spec.timed_steps, on_cuda)
+        run_ms, host_ms, losses = timed_runs(arm, batches, cell.timed_repeats(spec), spec.timed_steps, on_cuda)
     finally:
         gc.enable()
     values = warm + [float(loss) for loss in losses]

@@ -79,7 +79,7 @@ COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("bucket_cap_mb", _F, "a data-parallel arm's gradient bucket, MB (null: not data parallel)"),
     ("warmup_steps", _I, "untimed steps before the timed window"),
     ("timed_steps", _I, "steps per timed run"),
-    ("repeats", _I, "timed runs"),
+    ("repeats", _I, "timed runs (the cell's grid's where it sets them, else the suite's)"),
     ("step_ms_median", _F, "median over runs of each run's median step time, ms"),
     ("step_ms_run_medians", pa.list_(_F), "each run's median step time, ms"),
     ("step_ms_run_spreads", pa.list_(_F), "each run's IQR / median (fraction)"),

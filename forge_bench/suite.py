@@ -102,6 +102,8 @@ class Grid(_Strict):
     seq: list[int] = Field(min_length=1)
     methods: list[str] = Field(min_length=1)
     timeout_s: float | None = Field(None, gt=0, description="per-cell limit for this grid (default: the suite's)")
+    repeats: int | None = Field(None, ge=1, description="timed repeats of each cell of this grid (default: the "
+                                "suite's): more of them for a step bound by the host, whose speed drifts")
     cuda_graph: bool = Field(False, description="time each step as a replay of the whole step captured in one "
                                                 "CUDA graph (no per-kernel launch cost); arms that cannot be "
                                                 "captured get an 'unavailable' row")
@@ -267,6 +269,11 @@ class Cell:
     activation_checkpointing: bool = False   # transformers' gradient checkpointing before the arm is built
     world_size: int = 1          # ranks (a distributed arm's torchrun process tree)
     bucket_cap_mb: float | None = None   # a data-parallel arm's gradient bucket (None: 25 MB, DDP's default)
+    repeats: int | None = None   # timed repeats (None: the suite's; ``timed_repeats``)
+
+    def timed_repeats(self, spec: "SuiteSpec") -> int:
+        """The cell's timed repeats: its grid's where it sets them, else the suite's."""
+        return self.repeats if self.repeats is not None else spec.repeats
 
     @property
     def label(self) -> str:
@@ -359,7 +366,7 @@ def expand(spec: SuiteSpec, suite_hash: str) -> tuple[Cell, ...]:
                                     cid, grid.name, model, batch, seq, method, dtype, spec.device,
                                     grid.timeout_s or spec.timeout_s, grid.cuda_graph, grid.activations,
                                     activation_checkpointing=grid.activation_checkpointing,
-                                    world_size=world_size, bucket_cap_mb=bucket))
+                                    world_size=world_size, bucket_cap_mb=bucket, repeats=grid.repeats))
     return tuple(cells.values())
 
 

@@ -218,6 +218,17 @@ def test_lean_cell_row_says_so_and_passes_the_parity_gate(tmp_path):
     assert row.activations == "lean" and row.parity_rms_rel < 1e-5
 
 
+def test_a_grid_that_sets_its_repeats_times_that_many(tmp_path):
+    """A grid's ``repeats`` replaces the suite's for its cells: the window's runs and the row say so."""
+    path = tmp_path / "repeats.yaml"
+    path.write_text(SUITE.split("models:")[0] + "grids:\n  - {name: more, models: [tiny-llama], batch: [2], "
+                    "seq: [16], repeats: 4, methods: [no_optimizer]}\n")
+    suite = load_suite(path)
+    code, row = run(suite, "no_optimizer", tmp_path / "r")
+    assert code == 0 and row.status == "ok", row.reason
+    assert row.repeats == 4 and len(row.step_ms_run_medians) == 4 and len(row.step_ms_all) == 4 * 3
+
+
 def test_hf_cell_row_says_hf(suite, tmp_path):
     code, row = run(suite, "no_optimizer", tmp_path / "r")
     assert code == 0 and row.activations == "hf"

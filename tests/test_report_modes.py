@@ -18,7 +18,12 @@ LLAMA1B = "Where users train, NVIDIA H200 · llama-3.2-1b · bfloat16 · batch 1
 COMPILE_RUN, LEAN_RUN, EAGER_RUN, GRAPH_RUN = "0945e6", "4473b0", "cdf67b", "88edbb"
 TURNS_RUN = "5929b8"
 PINNED_RUN = "a6e8e6"
-"""3a2f7f7's Llama-3.2-1B group: its six cells taking turns on the same two CPUs (D114); the newest 1B run."""
+"""3a2f7f7's Llama-3.2-1B group: its six cells taking turns on the same two CPUs (D114)."""
+TUPLE_RUN = "c45fca"
+"""cdb7620's Llama-3.2-1B torch.compile pair (the traced arguments of D115), taking turns on the same CPUs: the
+newest 1B run, quoted for torch.compile; 3a2f7f7's for the other modes."""
+PINNED = ('3a2f7f7', 'cdb7620')
+"""The commits of the pinned 1B runs, left out to read the tables before them."""
 """7f3cdbe's compile pairs of both models, each pair's repeats taking turns (``sweep --interleave``): the
 newest, quoted for torch.compile and reduce-overhead."""
 FIRST_COMPILE_RUN = "9c9ba9"
@@ -70,34 +75,39 @@ def test_llama8b_every_mode_side_by_side() -> None:
 
 
 def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
-    """Each mode quotes the newest run that paired both its arms: every mode of 3a2f7f7 (a6e8e6, six cells taking
-    turns on the same CPUs); before it, the compiled pairs of 7f3cdbe (5929b8, taking turns), eager of 74ca3d5
+    """Each mode quotes the newest run that paired both its arms: torch.compile cdb7620's pair (c45fca), the other
+    modes 3a2f7f7's (a6e8e6, six cells taking turns on the same CPUs, every mode before cdb7620); before it, the compiled pairs of 7f3cdbe (5929b8, taking turns), eager of 74ca3d5
     (9e172b); before 7f3cdbe, the torch.compile pair of 1e0f3b4 (d128a5) and the rest of 74ca3d5, after the
     compiled updates replayed from C++ (D110); before those, 7bde30a's (636d74) and 85b1088's (cdf67b)."""
     table = _tables()[LLAMA1B]
     assert [line[0] for line in table.rows] == ["eager", "torch.compile", "torch.compile reduce-overhead"]
-    assert [line[2] for line in table.rows] == [PINNED_RUN] * 3
-    assert [line[7] for line in table.rows] == ["~1.08×", "~0.94×", "1.22×"]
-    assert [line[3] for line in table.rows] == ["62.76", "24.89", "16.03"]
-    assert [line[5] for line in table.rows] == ["58.26", "26.59", "13.19"]
-    turns = _tables(load_rows(MODES).query("git_commit != '3a2f7f7'"))[LLAMA1B]
+    assert [line[2] for line in table.rows] == [PINNED_RUN, TUPLE_RUN, PINNED_RUN]
+    assert [line[7] for line in table.rows] == ["~1.08×", "~0.87×", "1.22×"]
+    assert [line[3] for line in table.rows] == ["62.76", "22.99", "16.03"]
+    assert [line[5] for line in table.rows] == ["58.26", "26.46", "13.19"]
+    pinned = _tables(load_rows(MODES).query("git_commit != 'cdb7620'"))[LLAMA1B]
+    assert [line[2] for line in pinned.rows] == [PINNED_RUN] * 3
+    assert [line[7] for line in pinned.rows] == ["~1.08×", "~0.94×", "1.22×"]
+    assert [line[3] for line in pinned.rows] == ["62.76", "24.89", "16.03"]
+    assert [line[5] for line in pinned.rows] == ["58.26", "26.59", "13.19"]
+    turns = _tables(load_rows(MODES).query(f"git_commit not in {PINNED}"))[LLAMA1B]
     assert [line[2] for line in turns.rows] == ["9e172b", TURNS_RUN, TURNS_RUN]
     assert [line[7] for line in turns.rows] == ["~1.05×", "~0.88×", "1.23×"]
     assert [line[3] for line in turns.rows] == ["55.66", "16.96", "16.12"]
     assert [line[5] for line in turns.rows] == ["52.82", "19.29", "13.15"]
-    earlier = _tables(load_rows(MODES).query("git_commit not in ('7f3cdbe', '3a2f7f7')"))[LLAMA1B]
+    earlier = _tables(load_rows(MODES).query(f"git_commit not in {('7f3cdbe', *PINNED)}"))[LLAMA1B]
     assert [line[2] for line in earlier.rows] == ["9e172b", "d128a5", "9e172b"]
     assert [line[7] for line in earlier.rows] == ["~1.05×", "~0.91×", "1.22×"]
     assert [line[3] for line in earlier.rows] == ["55.66", "30.50", "16.27"]
     assert [line[5] for line in earlier.rows] == ["52.82", "33.52", "13.36"]
-    before = _tables(load_rows(MODES).query("git_commit not in ('74ca3d5', '1e0f3b4', '7f3cdbe', '3a2f7f7')"))[LLAMA1B]
+    before = _tables(load_rows(MODES).query(f"git_commit not in {('74ca3d5', '1e0f3b4', '7f3cdbe', *PINNED)}"))[LLAMA1B]
     assert before.rows[0][2:] == ["not measured", "—", "—", "—", "—", "—", "—"]
     assert [line[2] for line in before.rows[1:]] == ["636d74", "636d74"]
     assert [line[7] for line in before.rows[1:]] == ["0.66×", "1.23×"]
     assert [line[3] for line in before.rows[1:]] == ["22.57", "16.24"]
     assert [line[5] for line in before.rows[1:]] == ["34.10", "13.22"]
     older = _tables(load_rows(MODES).query(
-        "git_commit not in ('74ca3d5', '1e0f3b4', '7bde30a', '7f3cdbe', '3a2f7f7')"))[LLAMA1B]
+        f"git_commit not in {('74ca3d5', '1e0f3b4', '7bde30a', '7f3cdbe', *PINNED)}"))[LLAMA1B]
     assert [line[7] for line in older.rows[1:]] == ["0.52×", "1.23×"]
 
 
@@ -110,18 +120,18 @@ def test_a_pair_that_took_turns_says_so_and_one_run_apart_does_not() -> None:
     assert not ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile_ro", TURNS_RUN))
     assert not ratios.took_turns(_row("adamw_fused_compile", COMPILE_RUN), _row("forge_bf16_compile", COMPILE_RUN))
     assert turns_note in _tables()[LLAMA8B].footnotes
-    assert turns_note in _tables(load_rows(MODES).query("git_commit != '3a2f7f7'"))[LLAMA1B].footnotes
-    earlier = _tables(load_rows(MODES).query("git_commit not in ('7f3cdbe', '3a2f7f7')"))
+    assert turns_note in _tables(load_rows(MODES).query(f"git_commit not in {PINNED}"))[LLAMA1B].footnotes
+    earlier = _tables(load_rows(MODES).query(f"git_commit not in {('7f3cdbe', *PINNED)}"))
     assert not any("took turns" in note for table in earlier.values() for note in table.footnotes)
 
 
 def test_pairs_that_took_turns_on_the_same_cpus_say_so() -> None:
     """A row timed on its lane's CPUs records them (``extra.cpus``, D114); the turns note then names them."""
-    assert all(ratios.json_field(_row(m, PINNED_RUN)["extra"])["cpus"] == [14, 15]
-               for m in ("adamw_fused_compile", "forge_bf16_compile"))
-    assert ("The pairs of run a6e8e6 took turns on one GPU (`forge-bench sweep --interleave`): both cells resident, "
-            "their timed repeats alternating, so the host's drift fell on both arms alike; those of run a6e8e6 on the "
-            "same CPUs (`--cpus-per-cell`, D114).") in _tables()[LLAMA1B].footnotes
+    assert all(ratios.json_field(_row(m, run)["extra"])["cpus"] == [14, 15]
+               for m in ("adamw_fused_compile", "forge_bf16_compile") for run in (PINNED_RUN, TUPLE_RUN))
+    assert ("The pairs of run a6e8e6, c45fca took turns on one GPU (`forge-bench sweep --interleave`): both cells "
+            "resident, their timed repeats alternating, so the host's drift fell on both arms alike; those of run "
+            "a6e8e6, c45fca on the same CPUs (`--cpus-per-cell`, D114).") in _tables()[LLAMA1B].footnotes
 
 
 def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
@@ -174,7 +184,7 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     h100, h200 = summary.split("## H200")
     assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
     tables = parse_markdown_tables(h200)
-    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.94×"
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.87×"
     index = (out / "index.md").read_text()
     assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
     with (out / "tables" / "modes.csv").open() as fh:
@@ -212,5 +222,6 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert (f"FORGE int8: {int8['forge_int8_compile']} ms compiled, {int8['forge_int8_compile_ro']} "
             f"reduce-overhead") in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
-    assert (f"torch.compile {small['torch.compile'].lstrip('~')} (a\nmiss, host-bound), reduce-overhead "
-            f"{small['torch.compile reduce-overhead']}.").replace("\n", " ") in text
+    assert (f"Llama-3.2-1B (`compile1b_cdb7620`, turns): torch.compile {small['torch.compile'].lstrip('~')} (a miss, "
+            f"host-bound), reduce-overhead {small['torch.compile reduce-overhead']} (`compile1b_3a2f7f7`).") in text
+    assert _row("forge_bf16_compile", TUPLE_RUN)["git_commit"] == "cdb7620"

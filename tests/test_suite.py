@@ -52,6 +52,20 @@ def test_one_grid_shorthand_expands_in_documented_order(tmp_path):
     assert not {c.cell_id for c in other.cells} & {c.cell_id for c in s.cells}
 
 
+def test_a_grid_sets_its_cells_repeats_and_the_others_keep_the_suites(tmp_path):
+    s = load_suite(write(tmp_path, """
+device: cuda
+repeats: 3
+grids:
+  - {name: host_bound, models: [llama-3.2-1b], batch: [1], seq: [512], repeats: 9, methods: [adamw_fused]}
+  - {name: plain, models: [llama-3.1-8b], batch: [1], seq: [512], methods: [adamw_fused]}
+"""))
+    assert {c.grid: c.timed_repeats(s.spec) for c in s.cells} == {"host_bound": 9, "plain": 3}
+    message = error_of(tmp_path, "device: cpu\ngrids:\n  - {name: g, models: [tiny-llama], batch: [1], seq: [16], "
+                                 "repeats: 0, methods: [sgd]}\n")
+    assert "repeats" in message and "greater than or equal to 1" in message
+
+
 def test_grids_dedupe_shared_cells_and_only_selects(tmp_path):
     text = """
 device: cuda
