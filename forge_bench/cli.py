@@ -297,8 +297,8 @@ def _print_plan(loaded, cells, done, wall: Optional[tuple[float, int]] = None, i
     s = loaded.spec
     own_repeats = "".join(f" (grid {g.name}: {g.repeats})" for g in s.grids or [] if g.repeats is not None)
     out_console.print(f"device {s.device}, dtype {s.dtype}, warm-up {s.warmup_steps}, {s.repeats}{own_repeats} x "
-                      f"{s.timed_steps} timed steps, parity {'on' if s.parity.enabled else 'off'} ({s.parity.steps} steps, tolerance "
-                      f"{s.parity.tolerance}), timeout {s.timeout_s:g} s per cell", highlight=False)
+                      f"{s.timed_steps} timed steps, parity {'on' if s.parity.enabled else 'off'} ({s.parity.steps} "
+                      f"steps, tolerance {s.parity.tolerance}), timeout {s.timeout_s:g} s per cell", highlight=False)
     kept = sum(c.cell_id in done for c in cells)
     bound = sum(c.timeout_s for c in to_run)
     estimate = (f"; at the median {wall[0]:.0f} s of the {wall[1]:,} ok cells in the folder, about "

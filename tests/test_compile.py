@@ -231,6 +231,30 @@ def test_the_update_operators_are_plain_dispatcher_operators() -> None:
     assert torch.Tag.cudagraph_unsafe in torch.ops.forge.update_experts_.default.tags
 
 
+def test_the_traced_arguments_follow_what_an_update_writes() -> None:
+    """A compiled forward reads each owner's operator arguments as one tuple (D115): made at ``fuse`` from the
+    owner's device scalars, key and written tensors, made again when an embedding's slot table is made and
+    when data parallelism takes the updates (then None: they stay eager)."""
+    model = _model("tiny-llama")
+    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, backend=_backend("tiny-llama"))
+    owners = [*optimizer.fused_weights(), *optimizer.dense_weights()]
+    for owner in owners:
+        scalars, key, *written = owner.traced_arguments
+        assert key == owner.trace_key and scalars is optimizer.device_scalars_of(owner)
+        assert forge_core.traced.same_tensors(written, forge_core.traced.written_tensors(owner))
+    embedding = next(dense for dense in optimizer.dense_weights() if dense.records_rows)
+    assert embedding.traced_arguments[-1] is embedding.slots        # fuse made it: a row step's table
+    embedding.slots = None                                          # one made at its first use instead
+    forge_core.traced.remember_traced_arguments(embedding)
+    before = len(embedding.traced_arguments)
+    slots = embedding.slot_table()
+    assert len(embedding.traced_arguments) == before + 1 and embedding.traced_arguments[-1] is slots
+    optimizer.distributed = object()          # what fuse_data_parallel sets before it prepares again
+    optimizer.prepare_for_compiler()
+    assert all(owner.traced_arguments is None for owner in owners)
+    assert not any(forge_core.traced.traced(owner) for owner in owners)
+
+
 def test_fuse_runs_the_updates_in_line_by_default() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
     optimizer = forge_core.fuse(model, "adamw", lr=1e-2, probe_inputs=False)
