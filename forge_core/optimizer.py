@@ -44,6 +44,7 @@ from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
+from .state_arena import StateArena
 from .traced import graph_capturing, run_traced_update, trace_key, written_tensors
 from .traced_updates import TracedUpdates
 from .update_graphs import UPDATE_GRAPHS, UpdateGraphs, replay_problem
@@ -100,14 +101,19 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             self._kernel_hyperparameters(b.group_index),
             self._device_steps[b.group_index] + 1 if self._device_mode else b.steps_done + 1)) \
             if takes_layer_path(rule) else None
+        # Every fused weight's states in one buffer per device and dtype (forge_core.state_arena): the operators
+        # of a compiled backward are handed the buffers, not two tensors a weight.
+        arena = StateArena(request for binding in bindings for request in ParamState.storage_requests(
+            binding.matrix, rule, state_dtype, hyperparameters)) if self._layer_path is None else None
         for index, binding in enumerate(bindings):
             binding.optimizer = self
             binding.index = index
             binding.group_index = 0
-            if self._layer_path is not None:
+            if arena is None:
                 self._layer_path.attach(binding)
                 continue
-            binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters)
+            binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters, allocate=arena.allocate)
+            binding.state_arenas = arena.holding([*binding.state.values.values(), *binding.state.scales.values()])
             if self.accumulate_steps > 1:
                 binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]

@@ -50,7 +50,7 @@ fp32 states are stored as is; bf16 states are rounded to nearest-even on every s
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -67,6 +67,14 @@ _SMALLEST_FP8_CODE = 2.0 ** -9         # the smallest positive float8_e4m3fn val
 CODES_AS_IS, CODES_SQRT, CODES_FLOORED = 0, 1, 2
 """A state's code domain as the kernels take it (``ParamState.code_domain``): coded as it is; in the sqrt
 domain (codes floored); as it is with floored codes (the rule's ``floored_states``)."""
+
+
+Allocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""Where a ``ParamState``'s tensors go: a zeroed tensor of (shape, dtype, device)."""
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def num_blocks(length: int) -> int:
@@ -144,7 +152,9 @@ class ParamState:
     """
 
     def __init__(self, weight: torch.Tensor, rule: Rule, state_dtype: str = "fp32",
-                 hp: Mapping[str, Any] | None = None) -> None:
+                 hp: Mapping[str, Any] | None = None, allocate: Allocate | None = None) -> None:
+        """``allocate(shape, dtype, device)``: where the values and scales go (zeroed; default their own
+        tensors; ``forge_core.state_arena`` hands out views of one buffer), in ``storage_requests``' order."""
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         if weight.dim() != 2:
@@ -154,19 +164,29 @@ class ParamState:
         self.shape = tuple(weight.shape)
         self.state_names: tuple[str, ...] = rule.states_for(hp)
         """The states this weight holds, in the epilogue's order."""
-        storage = _STORAGE_DTYPE[state_dtype]
-        self.values: dict[str, torch.Tensor] = {
-            name: torch.zeros(self.shape, dtype=storage, device=weight.device) for name in self.state_names}
+        requests = iter(self.storage_requests(weight, rule, state_dtype, hp))
+        make = allocate or _zeros
+        self.values: dict[str, torch.Tensor] = {name: make(*next(requests)) for name in self.state_names}
         self.scales: dict[str, torch.Tensor | None] = {
-            name: (torch.zeros((self.shape[0], num_blocks(self.shape[1])), dtype=torch.float32, device=weight.device)
-                   if state_dtype in BLOCK_SCALED else None)
-            for name in self.state_names}
+            name: (make(*next(requests)) if state_dtype in BLOCK_SCALED else None) for name in self.state_names}
         self.layer_sums: torch.Tensor | None = (
             torch.zeros(rule.layer_sums, dtype=torch.float32, device=weight.device) if rule.layer_sums else None)
         for name in self.state_names:
             initial = rule.initial_value(name, hp)
             if initial != 0.0:
                 self.store(name, torch.full(self.shape, initial, dtype=torch.float32, device=weight.device))
+
+    @staticmethod
+    def storage_requests(weight: torch.Tensor, rule: Rule, state_dtype: str,
+                         hp: Mapping[str, Any] | None = None) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        """The tensors a ``ParamState`` of ``weight`` allocates, in order: each state's values, then each
+        state's int8 / fp8 scales (a ``StateArena`` is planned from them before the states are made)."""
+        shape = tuple(weight.shape)
+        names = rule.states_for(hp)
+        requests = [(shape, _STORAGE_DTYPE[state_dtype], weight.device) for _ in names]
+        if state_dtype in BLOCK_SCALED:
+            requests += [((shape[0], num_blocks(shape[1])), torch.float32, weight.device) for _ in names]
+        return requests
 
     @property
     def epilogue(self) -> Any:

@@ -78,10 +78,9 @@ def owner_of(key: int) -> Any:
     return owner
 
 
-def written_tensors(owner: Any) -> list[torch.Tensor]:
-    """Every tensor an update of ``owner`` writes besides the weight: its state's values and scales,
-    a regime-2 rule's per-layer sums, the micro-batch accumulator and an embedding's slot table, in a
-    fixed order (the operator's ``written`` argument)."""
+def state_tensors(owner: Any) -> list[torch.Tensor]:
+    """The tensors of ``owner``'s state, in a fixed order: each state's values and scales, a regime-2 rule's
+    per-layer sums."""
     state = owner.state
     tensors: list[torch.Tensor] = []
     if state is not None:
@@ -92,6 +91,18 @@ def written_tensors(owner: Any) -> list[torch.Tensor]:
                 tensors.append(scale)
         if state.layer_sums is not None:
             tensors.append(state.layer_sums)
+    return tensors
+
+
+def written_tensors(owner: Any) -> list[torch.Tensor]:
+    """Every tensor an update of ``owner`` writes besides the weight, in a fixed order (the operator's
+    ``written`` argument): the state arena's buffers its states lie in (``owner.state_arenas``, set by
+    ``ForgeOptimizer``: ``forge_core.state_arena``), its state tensors that lie in none, the micro-batch
+    accumulator and an embedding's slot table."""
+    arenas = tuple(getattr(owner, "state_arenas", ()))
+    tensors = list(arenas)
+    own_storages = {arena.untyped_storage().data_ptr() for arena in arenas}
+    tensors += [tensor for tensor in state_tensors(owner) if tensor.untyped_storage().data_ptr() not in own_storages]
     accumulator = getattr(owner, "grad_accum", None)
     if accumulator is not None:
         tensors.append(accumulator)
@@ -220,5 +231,5 @@ update_embedding_rows_ = mutating_operator(
     "Tensor(c!)? scalars, int key", _update_embedding_rows)
 
 
-__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "remember_traced_arguments", "run_traced_update", "same_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "remember_traced_arguments", "run_traced_update", "same_tensors", "state_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]

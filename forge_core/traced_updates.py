@@ -14,6 +14,7 @@ import torch
 from .dense import DenseWeight
 from .fused_weight import FusedWeight
 from .state import ParamState
+from .state_arena import inside, view_in
 from .traced import graph_capturing, keep_static, remember_traced_arguments, same_tensors, written_tensors
 
 
@@ -25,18 +26,24 @@ def _update_target(owner: Any) -> torch.Tensor:
     return owner.weight
 
 
-def _state_on(state: ParamState, tensors: list[torch.Tensor]) -> ParamState:
-    """``state`` over ``tensors`` (``traced.written_tensors``' order: each state's values, then its scale)
-    instead of its own: what an update of copies runs on."""
+def _state_on(state: ParamState, arenas: tuple[torch.Tensor, ...], given_arenas: list[torch.Tensor],
+              others: Iterator[torch.Tensor]) -> ParamState:
+    """``state`` over the tensors a traced operator was given instead of its own (what an update of copies
+    runs on): a tensor of the state arena's buffer ``arenas[i]`` at its place in ``given_arenas[i]``, any
+    other the next of ``others`` (``traced.written_tensors``' order)."""
+    def given(tensor: torch.Tensor) -> torch.Tensor:
+        index = inside(tensor, arenas)
+        return next(others) if index is None else view_in(tensor, arenas[index], given_arenas[index])
+
     view = copy.copy(state)
-    remaining = iter(tensors)
     view.values = {}
     view.scales = {}
     for name in state.state_names:
-        view.values[name] = next(remaining)
-        view.scales[name] = next(remaining) if state.scales.get(name) is not None else None
+        view.values[name] = given(state.values[name])
+        scale = state.scales.get(name)
+        view.scales[name] = given(scale) if scale is not None else None
     if state.layer_sums is not None:
-        view.layer_sums = next(remaining)
+        view.layer_sums = given(state.layer_sums)
     return view
 
 
@@ -124,13 +131,17 @@ class TracedUpdates:
         operator was given while the block runs; the compiler copies them back where they were the owner's."""
         own_scalars = self.device_scalars_of(owner)
         own_written = written_tensors(owner)
+        arenas = tuple(getattr(owner, "state_arenas", ()))
         target = "matrix" if isinstance(owner, FusedWeight) else "weight"
         extras = [name for name in ("grad_accum", "slots") if getattr(owner, name, None) is not None]
-        saved = {name: getattr(owner, name) for name in (target, "state", *extras)}
+        kept = (target, "state", *extras, *(("state_arenas",) if arenas else ()))
+        saved = {name: getattr(owner, name) for name in kept}
         setattr(owner, target, weight if weight.dim() == 2 else weight.detach().view(-1, weight.shape[-1]))
-        owner.state = _state_on(owner.state, written)
+        owner.state = _state_on(owner.state, arenas, written[:len(arenas)], iter(written[len(arenas):]))
         for name, tensor in zip(extras, written[len(own_written) - len(extras):]):
             setattr(owner, name, tensor)
+        if arenas:
+            owner.state_arenas = tuple(written[:len(arenas)])
         self._scalars_override = scalars if scalars is not None and own_scalars is not None else None
         self._updating_copies = True        # no recorded update replays (it holds the owner's addresses)
         try:
