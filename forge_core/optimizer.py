@@ -101,8 +101,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             self._kernel_hyperparameters(b.group_index),
             self._device_steps[b.group_index] + 1 if self._device_mode else b.steps_done + 1)) \
             if takes_layer_path(rule) else None
-        # Every fused weight's states in one buffer per device and dtype (forge_core.state_arena): the operators
-        # of a compiled backward are handed the buffers, not two tensors a weight.
+        # Every fused weight's states in one buffer per device and dtype (forge_core.state_arena, D117).
         arena = StateArena(request for binding in bindings for request in ParamState.storage_requests(
             binding.matrix, rule, state_dtype, hyperparameters)) if self._layer_path is None else None
         for index, binding in enumerate(bindings):
