@@ -5,7 +5,8 @@ optimizer, its counters, a side stream) breaks the graph at every fused layer, a
 recorded by ``mode="reduce-overhead"`` replays only device work. So the compiled path of each fused
 module is an autograd Function whose backward computes ``dX`` (from the pre-update weight), then calls
 one registered mutating operator with every tensor the update writes: the weight, its optimizer state
-(moments, int8 / fp8 scales, per-layer sums, accumulator) and the group's device scalars buffer. The
+(the state arena's buffers its moments and int8 / fp8 scales lie in, per-layer sums, accumulator) and the
+group's device scalars buffer. The
 operator is opaque to the compiler (``torch.library.custom_op``, with a fake kernel that returns
 nothing): its body runs at run time, where it finds its owner (``FusedWeight`` / ``DenseWeight``)
 through an integer key the graph holds as a constant, and launches the same kernels as the eager
