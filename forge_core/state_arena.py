@@ -7,7 +7,7 @@ has 224 moments; with each weight's states views of one buffer per dtype, the op
 buffers instead (one for fp32 or bf16 states, two for int8 / fp8: codes and scales), and a compiled graph takes
 one or two inputs where it took two a weight. Each operator declares the buffers it is handed mutated, which
 they are, in the part its weight owns; the compiler keeps the operators in order and runs them on the
-buffers themselves (Inductor re-inplaces the chain: no copy of a buffer).
+buffers themselves (Inductor's code, read on the CPU, hands each operator the buffer: no copy of it).
 
 The views are what the kernels and ``state_dict`` see: contiguous, each starting on ``ALIGN`` bytes (TMA
 descriptors need 16). ``torch.save`` of a whole ``state_dict`` writes each buffer once; a view saved on its
