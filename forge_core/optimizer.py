@@ -45,7 +45,7 @@ from .reduction import DistributedUpdates, RowBlockUpdate
 from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
 from .state import ParamState, restore_entry, saved_entry
 from .state_arena import StateArena
-from .traced import graph_capturing, run_traced_update, trace_key, written_tensors
+from .traced import graph_capturing, run_traced_update, state_tensors, trace_key, written_tensors
 from .traced_updates import TracedUpdates
 from .update_graphs import UPDATE_GRAPHS, UpdateGraphs, replay_problem
 
@@ -112,7 +112,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 self._layer_path.attach(binding)
                 continue
             binding.state = ParamState(binding.matrix, rule, state_dtype, hyperparameters, allocate=arena.allocate)
-            binding.state_arenas = arena.holding([*binding.state.values.values(), *binding.state.scales.values()])
+            binding.state_arenas = arena.holding(state_tensors(binding))
             if self.accumulate_steps > 1:
                 binding.grad_accum = torch.zeros(binding.matrix.shape, dtype=torch.float32, device=binding.weight.device)
         self._fallback_params = [p for p in params if id(p) not in fused_ids]

@@ -57,9 +57,9 @@ class StateArena:
         self._next[key] = start + _aligned_numel(numel, dtype)
         return buffer[start:start + numel].view(shape)
 
-    def holding(self, tensors: Iterable[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    def holding(self, tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The buffers that hold any of ``tensors``, in the arena's order."""
-        storages = {tensor.untyped_storage().data_ptr() for tensor in tensors if tensor is not None}
+        storages = {tensor.untyped_storage().data_ptr() for tensor in tensors}
         return tuple(buffer for buffer in self.buffers.values() if buffer.untyped_storage().data_ptr() in storages)
 
 
