@@ -33,7 +33,9 @@ GRAPHS_PER_WEIGHT = 2
 a third placement that repeats replaces the oldest."""
 RECORDINGS_WITHOUT_REPLAY = 8
 """Recordings of one weight that found no replay before it stops recording: inputs whose addresses
-repeat once and then move (a loop whose allocations drift) would otherwise pay a recording per step."""
+repeat once and then move (a loop whose allocations drift) would otherwise pay a recording per step.
+A replay by the C++ side counts as one: a loop that keeps each step's loss moves a small gradient's
+block now and then (Llama-3.2-1B's k and v projections, 512 KiB), and each move costs one recording."""
 
 
 class Replay(Protocol):
@@ -95,6 +97,7 @@ class UpdateGraphs:
         self._next_native_id = 1
         self.last_key: Optional[tuple] = None
         self.recordings_unreplayed = 0
+        self._native_replays_seen = 0
         self.stopped = False
 
     @staticmethod
@@ -130,6 +133,9 @@ class UpdateGraphs:
         if graph is None:
             self.stopped = True
             return False
+        if self.native is not None and self.native.replays != self._native_replays_seen:
+            self._native_replays_seen = self.native.replays     # replayed without Python since the last recording
+            self.recordings_unreplayed = 0
         self.recordings_unreplayed += 1
         if self.recordings_unreplayed > RECORDINGS_WITHOUT_REPLAY:
             self.stopped = True
@@ -147,6 +153,7 @@ class UpdateGraphs:
             self.native.clear()             # a hook still holding the old slot launches nothing this may free
         self.native = slot
         self._native_ids.clear()
+        self._native_replays_seen = slot.replays
 
     def _forget(self, key: tuple) -> None:
         native_id = self._native_ids.pop(key, None)

@@ -142,6 +142,26 @@ def test_a_replay_needs_its_inputs_where_they_lay() -> None:
 
 
 @needs_extension
+def test_inputs_that_move_now_and_then_keep_being_recorded_while_cpp_replays_them() -> None:
+    """Inputs that move to a new place every few steps (a loop that keeps each step's loss moves a small gradient's
+    block now and then) cost one recording per move, however many moves: each recording is replayed by the C++
+    hook, and those replays count against ``RECORDINGS_WITHOUT_REPLAY`` as Python's do."""
+    from forge_core.update_graphs import RECORDINGS_WITHOUT_REPLAY
+    layers = _layers()
+    opt = _fuse(layers, native=True)
+    moves = RECORDINGS_WITHOUT_REPLAY + 3
+    for _ in range(moves):
+        inputs, grads = _static_roots()             # new tensors: another address for every layer
+        for _ in range(3):                          # seen, recorded, replayed from C++
+            before = native_hooks.native_replays()
+            _backward(layers, inputs, grads)
+            opt.step()
+        assert native_hooks.native_replays() - before == LAYERS - 1     # all but the step's first update
+    assert not any(b.update_graphs.stopped for b in opt.fused_weights())
+    assert sum(b.native_slot.replays for b in opt.fused_weights()) == moves * (LAYERS - 1)
+
+
+@needs_extension
 def test_load_state_dict_closes_the_gate_and_drops_the_native_recordings() -> None:
     layers, opt, inputs, grads = _replaying()
     assert all(len(b.native_slot) == 1 for b in opt.fused_weights())

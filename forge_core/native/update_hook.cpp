@@ -119,6 +119,7 @@ struct Slot {
   std::mutex lock;
   std::vector<Entry> entries;
   std::atomic<int64_t> count{0};
+  std::atomic<int64_t> replays{0};  // this weight's replays here, ever: UpdateGraphs reads them as replays of its own
 
   Slot(std::shared_ptr<Gate> gate_, at::Tensor weight_, py::object update_)
       : gate(std::move(gate_)), weight(std::move(weight_)), update(std::move(update_)) {}
@@ -221,6 +222,7 @@ struct Slot {
       return false;
     }
     count.fetch_add(1);
+    replays.fetch_add(1);
     replays_since_reset.fetch_add(1);
     return true;
   }
@@ -461,7 +463,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("__len__", &Slot::size)
       .def_property(
           "count", [](const Slot& slot) { return slot.count.load(); },
-          [](Slot& slot, int64_t value) { slot.count.store(value); });
+          [](Slot& slot, int64_t value) { slot.count.store(value); })
+      .def_property_readonly("replays", [](const Slot& slot) { return slot.replays.load(); });
   module.def("hooked_forward", &hooked_forward, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("slot"),
              py::arg("transposed"));
   py::class_<TracedKernelRegistration, std::shared_ptr<TracedKernelRegistration>>(module, "TracedKernelRegistration");
