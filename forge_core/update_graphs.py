@@ -31,6 +31,8 @@ UPDATE_GRAPHS = os.environ.get("FORGE_UPDATE_GRAPHS", "1") != "0"
 GRAPHS_PER_WEIGHT = 2
 """Recorded graphs kept per weight (two input placements that alternate, e.g. two sequence lengths);
 a third placement that repeats replaces the oldest."""
+RECENT_PLACEMENTS = 4
+"""Launched placements of one weight remembered: one that comes back among them is recorded."""
 RECORDINGS_WITHOUT_REPLAY = 8
 """Recordings of one weight that found no replay before it stops recording: inputs whose addresses
 repeat once and then move (a loop whose allocations drift) would otherwise pay a recording per step.
@@ -95,7 +97,7 @@ class UpdateGraphs:
         self.graphs: dict[tuple, Replay] = {}
         self._native_ids: dict[tuple, int] = {}
         self._next_native_id = 1
-        self.last_key: Optional[tuple] = None
+        self.recent_keys: list[tuple] = []
         self.recordings_unreplayed = 0
         self._native_replays_seen = 0
         self.stopped = False
@@ -117,14 +119,17 @@ class UpdateGraphs:
         return True
 
     def wants_recording(self, key: tuple) -> bool:
-        """Whether to record this update: its key repeats the weight's previous update's (else it is
-        remembered, and the update runs launched)."""
+        """Whether to record this update: its key is one of the weight's last ``RECENT_PLACEMENTS`` launched
+        updates' (else it is remembered, and the update runs launched). Not only the previous update's: inputs
+        that alternate between two places (a loop that keeps each step's loss moves a small gradient's block
+        back and forth) would never be recorded."""
         if self.stopped:
             return False
-        if key != self.last_key:
-            self.last_key = key
-            return False
-        return True
+        if key in self.recent_keys:
+            return True
+        self.recent_keys.append(key)
+        del self.recent_keys[:-RECENT_PLACEMENTS]
+        return False
 
     def record_and_replay(self, key: tuple, update: Callable[[], None], device: torch.device) -> bool:
         """Record ``update`` for ``key`` and replay it once (the update of this call); False, with nothing
@@ -183,7 +188,7 @@ class UpdateGraphs:
             self.native.clear()
         self._native_ids.clear()
         self.graphs.clear()
-        self.last_key = None
+        self.recent_keys.clear()
         self.recordings_unreplayed = 0
         self.stopped = False
 

@@ -150,8 +150,10 @@ def test_inputs_that_move_now_and_then_keep_being_recorded_while_cpp_replays_the
     layers = _layers()
     opt = _fuse(layers, native=True)
     moves = RECORDINGS_WITHOUT_REPLAY + 3
+    kept = []                                       # alive: no later move lands where an earlier one lay
     for _ in range(moves):
         inputs, grads = _static_roots()             # new tensors: another address for every layer
+        kept.append((inputs, grads))
         for _ in range(3):                          # seen, recorded, replayed from C++
             before = native_hooks.native_replays()
             _backward(layers, inputs, grads)

@@ -70,6 +70,21 @@ def test_at_most_two_placements_are_kept_per_weight() -> None:
     assert len(graphs.graphs) == update_graphs.GRAPHS_PER_WEIGHT
 
 
+def test_placements_that_alternate_are_both_recorded_and_replayed() -> None:
+    """Inputs that go back and forth between two places (a loop that keeps each step's loss moves a small
+    gradient's block so) are recorded at their second sight, not only when they repeat back to back."""
+    graphs = UpdateGraphs(_counts(), rerun_recorder)
+    launched = 0
+    for address in (1, 2) * 4:
+        if graphs.replay(_key(address)):
+            continue
+        if graphs.wants_recording(_key(address)):
+            assert graphs.record_and_replay(_key(address), lambda: None, torch.device("cpu"))
+        else:
+            launched += 1
+    assert launched == 2 and list(graphs.graphs) == [_key(1), _key(2)] and graphs.counts["graph"] == 6
+
+
 def test_recording_stops_when_placements_never_settle() -> None:
     """Each placement repeats once and then moves: after RECORDINGS_WITHOUT_REPLAY recordings without a
     replay the weight records no more (each recording costs more host time than a launch)."""
