@@ -59,8 +59,9 @@ class StateArena:
 
     def holding(self, tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The buffers that hold any of ``tensors``, in the arena's order."""
-        storages = {tensor.untyped_storage().data_ptr() for tensor in tensors}
-        return tuple(buffer for buffer in self.buffers.values() if buffer.untyped_storage().data_ptr() in storages)
+        buffers = tuple(self.buffers.values())
+        held = {inside(tensor, buffers) for tensor in tensors}
+        return tuple(buffer for index, buffer in enumerate(buffers) if index in held)
 
 
 def inside(tensor: torch.Tensor, buffers: Iterable[torch.Tensor]) -> Optional[int]:

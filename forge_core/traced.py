@@ -28,6 +28,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from forge_core import state_arena
+
 _OWNERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 _IN_TRACED_UPDATE = [0]
@@ -102,8 +104,7 @@ def written_tensors(owner: Any) -> list[torch.Tensor]:
     accumulator and an embedding's slot table."""
     arenas = tuple(getattr(owner, "state_arenas", ()))
     tensors = list(arenas)
-    own_storages = {arena.untyped_storage().data_ptr() for arena in arenas}
-    tensors += [tensor for tensor in state_tensors(owner) if tensor.untyped_storage().data_ptr() not in own_storages]
+    tensors += [tensor for tensor in state_tensors(owner) if state_arena.inside(tensor, arenas) is None]
     accumulator = getattr(owner, "grad_accum", None)
     if accumulator is not None:
         tensors.append(accumulator)
