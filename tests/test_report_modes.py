@@ -131,6 +131,20 @@ def test_llama1b_quotes_the_newest_run_of_nine_turns() -> None:
     assert [line[5] for line in arena.rows] == ["56.47", "23.92", "13.12"]
 
 
+def test_a_step_that_launches_what_it_could_replay_says_so() -> None:
+    """8475a28's compiled 1B step launched 19.4 of its 113 fused updates a step (the placements D118 and D119 record
+    again): its table says so; the runs before it launched 2.2 (under ``LAUNCHED_SHARE_NOTED``) and say nothing, and
+    a reduce-overhead step, which replays no recorded update (the whole step is torch.compile's graph), neither."""
+    launched = [note for note in _tables()[LLAMA1B].footnotes if "fused updates a step" in note]
+    assert launched == [f"FORGE's torch.compile step (run {NINE_TURNS_RUN}) launched 19.4 of its 113 fused updates a "
+                        "step and replayed the rest from their recorded CUDA graphs (`extra.fused_launches_per_step`); "
+                        "a launched update costs the host its Python."]
+    before = _tables(load_rows(MODES).query(f"git_commit not in {NINE_TURNS}"))[LLAMA1B]
+    assert not any("fused updates a step" in note for note in before.footnotes)
+    ro = _row("forge_bf16_compile_ro", NINE_TURNS_RUN)
+    assert ratios.json_field(ro["extra"])["fused_launches_per_step"]["graph"] == 0.0
+
+
 def test_a_pair_that_took_turns_says_so_and_one_run_apart_does_not() -> None:
     """7f3cdbe's pairs ran with ``--interleave``: each row names the other's cell; the 2d597bf pairs ran one after
     the other. Only the tables quoting the former carry the note."""

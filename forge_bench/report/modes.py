@@ -25,6 +25,9 @@ from .render import Table
 REDUCE_OVERHEAD = "reduce-overhead"
 CELL_KEYS = ["device_name", "model", "dtype", "batch", "seq"]
 PROCESS_PEAK_MARK = "†"
+LAUNCHED_SHARE_NOTED = 0.05
+"""The share of a FORGE step's fused updates launched (not replayed from a recorded graph) above which the
+table says so: each launched update costs a host-bound step its Python, ~20-100 us."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ def modes_tables(frame: pd.DataFrame) -> list[Table]:
                          "drift fell on both arms alike"
                          + (f"; those of run {', '.join(pinned)} on the same CPUs (`--cpus-per-cell`, D114)."
                             if pinned else "."))
+        notes += [note for line in lines if (note := launched_updates_note(line)) is not None]
         if any(PROCESS_PEAK_MARK in cell for row in body for cell in row):
             notes.append(f"{PROCESS_PEAK_MARK} the process peak (`peak_process_gib`), larger than the timed "
                          "window's: see the caption.")
@@ -218,6 +222,23 @@ def modes_tables(frame: pd.DataFrame) -> list[Table]:
                              "FORGE peak GiB", "Speed-up", "Compile s (AdamW / FORGE)"],
                             body, "lllrrrrrr", notes, recs))
     return tables
+
+
+def launched_updates_note(line: ModeLine) -> str | None:
+    """A note where FORGE's step in ``line`` replays its fused updates from recorded graphs
+    (``extra.fused_launches_per_step``) but launches more than ``LAUNCHED_SHARE_NOTED`` of them. Why: a
+    host-bound step's speed depends on it, and a run that launches what an earlier one replayed reads slower
+    for that reason alone."""
+    if line.forge is None or not _is_ok(line.forge):
+        return None
+    paths = json_field(line.forge.get("extra")).get("fused_launches_per_step") or {}
+    launched = sum(as_number(paths.get(path)) or 0.0 for path in ("direct", "jit"))
+    replayed = as_number(paths.get("graph")) or 0.0
+    if replayed <= 0 or launched <= LAUNCHED_SHARE_NOTED * (launched + replayed):
+        return None
+    return (f"FORGE's {line.mode.label} step (run {run_label(line.forge['run_id'])}) launched {launched:.1f} of its "
+            f"{launched + replayed:.0f} fused updates a step and replayed the rest from their recorded CUDA graphs "
+            "(`extra.fused_launches_per_step`); a launched update costs the host its Python.")
 
 
 def _record(keys: Mapping[str, Any], line: ModeLine, speed_text: str) -> dict[str, Any]:
@@ -242,5 +263,5 @@ def device_has_modes(frame: pd.DataFrame) -> bool:
 
 NO_COMPILE_NOTE = "_No torch.compile run on this device (`suites/compile.yaml`): no eager / compiled / graph table._"
 
-__all__ = ["GRAPH_MODE", "MODES", "Mode", "ModeLine", "NO_COMPILE_NOTE", "compile_mode", "compile_s",
-           "device_has_modes", "mode_line", "mode_lines", "modes_tables", "peak_gib"]
+__all__ = ["GRAPH_MODE", "LAUNCHED_SHARE_NOTED", "MODES", "Mode", "ModeLine", "NO_COMPILE_NOTE", "compile_mode", "compile_s",
+           "device_has_modes", "launched_updates_note", "mode_line", "mode_lines", "modes_tables", "peak_gib"]
