@@ -21,6 +21,7 @@ the recordings themselves, without Python; ``list_natively`` hands each one to t
 """
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Callable, Optional, Protocol
 
@@ -97,7 +98,7 @@ class UpdateGraphs:
         self.graphs: dict[tuple, Replay] = {}
         self._native_ids: dict[tuple, int] = {}
         self._next_native_id = 1
-        self.recent_keys: list[tuple] = []
+        self.recent_keys: collections.deque[tuple] = collections.deque(maxlen=RECENT_PLACEMENTS)
         self.recordings_unreplayed = 0
         self._native_replays_seen = 0
         self.stopped = False
@@ -128,7 +129,6 @@ class UpdateGraphs:
         if key in self.recent_keys:
             return True
         self.recent_keys.append(key)
-        del self.recent_keys[:-RECENT_PLACEMENTS]
         return False
 
     def record_and_replay(self, key: tuple, update: Callable[[], None], device: torch.device) -> bool:

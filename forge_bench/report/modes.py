@@ -263,5 +263,6 @@ def device_has_modes(frame: pd.DataFrame) -> bool:
 
 NO_COMPILE_NOTE = "_No torch.compile run on this device (`suites/compile.yaml`): no eager / compiled / graph table._"
 
-__all__ = ["GRAPH_MODE", "LAUNCHED_SHARE_NOTED", "MODES", "Mode", "ModeLine", "NO_COMPILE_NOTE", "compile_mode", "compile_s",
-           "device_has_modes", "launched_updates_note", "mode_line", "mode_lines", "modes_tables", "peak_gib"]
+__all__ = ["GRAPH_MODE", "LAUNCHED_SHARE_NOTED", "MODES", "Mode", "ModeLine", "NO_COMPILE_NOTE", "compile_mode",
+           "compile_s", "device_has_modes", "launched_updates_note", "mode_line", "mode_lines", "modes_tables",
+           "peak_gib"]
