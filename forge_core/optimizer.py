@@ -368,7 +368,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
             self._open_native_gate()
             self._list_natively(graphs, key, binding, x, grad_output)   # (a no-op once listed)
-            return graphs.replay(key)
+            return graphs.replay(key, x, grad_output)
         if not graphs.wants_recording(key):
             return False
         if not self._device_mode:
@@ -379,7 +379,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                 return False
         # before the recording (a recorded write would put these values back at every replay)
         self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
-        if not graphs.record_and_replay(key, lambda: self.apply_update(binding, x, grad_output), x.device):
+        if not graphs.record_and_replay(key, lambda *inputs: self.apply_update(binding, *inputs), x, grad_output):
             return False
         self._list_natively(graphs, key, binding, x, grad_output)
         self._open_native_gate()

@@ -18,6 +18,13 @@ accumulation, data parallel, the side stream, stochastic rounding, a whole-step 
 around it) keeps the launched path; ``ForgeOptimizer.fused_backward`` decides. On CUDA weights the C++
 backward hook (``forge_core.native_hooks``), and under ``torch.compile`` the update operator's C++ kernel, replay
 the recordings themselves, without Python; ``list_natively`` hands each one to them.
+
+Small inputs are staged: one of at most ``STAGED_BYTES`` (the caching allocator's small-pool limit) is
+copied into a staging buffer the recording reads, and its address leaves the key. The small pool's blocks
+move whenever a loop keeps a tensor per step (each step's loss, for logging without a sync), so such an
+input's address rarely repeats: without staging, 19 of Llama-3.2-1B's 32 k and v projection updates
+(512 KiB gradients) were launched at every step under ``torch.compile``. A copy costs a few microseconds where a launch costs
+~80; larger inputs come from the large pool, whose blocks a steady loop gets back every step.
 """
 from __future__ import annotations
 
@@ -39,6 +46,32 @@ RECORDINGS_WITHOUT_REPLAY = 8
 repeat once and then move (a loop whose allocations drift) would otherwise pay a recording per step.
 A replay by the C++ side counts as one: a loop that keeps each step's loss moves a small gradient's
 block now and then (Llama-3.2-1B's k and v projections, 512 KiB), and each move costs one recording."""
+
+
+STAGED_BYTES = 1 << 20
+"""Inputs of at most this many bytes (contiguous ones) are copied into a staging buffer that their recordings
+read, so their address is not part of the key (the module docstring says why); 0 stages nothing."""
+_STAGING: dict[tuple, torch.Tensor] = {}
+"""The staging buffers, by (device, stream, operand): the updates on one stream run one after the other, so
+every weight's recordings share them."""
+
+
+def staged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` reaches a recording through a staging buffer (``STAGED_BYTES``)."""
+    return tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= STAGED_BYTES
+
+
+def _stream_handle(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _staging_view(tensor: torch.Tensor, stream: int, operand: int) -> torch.Tensor:
+    """The part of the staging buffer of ``(tensor.device, stream, operand)`` laid out as ``tensor``."""
+    buffer = _STAGING.get((tensor.device, stream, operand))
+    if buffer is None:
+        buffer = _STAGING[(tensor.device, stream, operand)] = torch.empty(STAGED_BYTES, dtype=torch.uint8,
+                                                                          device=tensor.device)
+    return buffer[:tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
 
 
 class Replay(Protocol):
@@ -96,6 +129,9 @@ class UpdateGraphs:
         """The weight's C++ hook side (``forge_core.native_hooks``, set by ``use_native``), which replays the
         recordings listed here without Python; None where the Python hook runs."""
         self.graphs: dict[tuple, Replay] = {}
+        self.staging: dict[tuple, tuple[Optional[torch.Tensor], Optional[torch.Tensor], int]] = {}
+        """Per recording: the staging views it reads in place of (x, grad_output) (None: the input itself) and
+        the stream whose buffers they are."""
         self._native_ids: dict[tuple, int] = {}
         self._next_native_id = 1
         self.recent_keys: collections.deque[tuple] = collections.deque(maxlen=RECENT_PLACEMENTS)
@@ -105,15 +141,20 @@ class UpdateGraphs:
 
     @staticmethod
     def key(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor) -> tuple:
-        """Where an update's inputs and weight lie and how they are laid out: what a graph holds fixed."""
-        return (x.data_ptr(), grad_output.data_ptr(), weight.data_ptr(), x.shape, x.stride(), grad_output.shape,
-                grad_output.stride(), x.dtype, grad_output.dtype)
+        """Where an update's inputs and weight lie and how they are laid out: what a graph holds fixed. A staged
+        input's place is its stream's staging buffer: the key holds the stream instead of its address."""
+        x_staged, grad_staged = staged(x), staged(grad_output)
+        stream = _stream_handle(x.device) if x_staged or grad_staged else None
+        return (None if x_staged else x.data_ptr(), None if grad_staged else grad_output.data_ptr(),
+                weight.data_ptr(), x.shape, x.stride(), grad_output.shape, grad_output.stride(), x.dtype,
+                grad_output.dtype, stream)
 
-    def replay(self, key: tuple) -> bool:
-        """Replay the graph recorded for ``key``; False when there is none."""
+    def replay(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> bool:
+        """Replay the graph recorded for ``key`` on ``(x, grad_output)`` (their key); False when there is none."""
         graph = self.graphs.get(key)
         if graph is None:
             return False
+        self._stage(key, x, grad_output)
         graph.replay()
         self.counts["graph"] += 1
         self.recordings_unreplayed = 0
@@ -131,10 +172,16 @@ class UpdateGraphs:
         self.recent_keys.append(key)
         return False
 
-    def record_and_replay(self, key: tuple, update: Callable[[], None], device: torch.device) -> bool:
-        """Record ``update`` for ``key`` and replay it once (the update of this call); False, with nothing
-        run, when it cannot be recorded (recording then stops for this weight)."""
-        graph = self.recorder(update, device)
+    def record_and_replay(self, key: tuple, update: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor,
+                          grad_output: torch.Tensor) -> bool:
+        """Record ``update`` of ``(x, grad_output)`` (their key; staged ones read from their staging buffer) and
+        replay it once (the update of this call); False, with nothing run, when it cannot be recorded
+        (recording then stops for this weight)."""
+        stream = key[-1]
+        staging = (_staging_view(x, stream, 0) if key[0] is None else None,
+                   _staging_view(grad_output, stream, 1) if key[1] is None else None, stream)
+        read = (x if staging[0] is None else staging[0], grad_output if staging[1] is None else staging[1])
+        graph = self.recorder(lambda: update(*read), x.device)
         if graph is None:
             self.stopped = True
             return False
@@ -147,9 +194,20 @@ class UpdateGraphs:
         if len(self.graphs) >= GRAPHS_PER_WEIGHT:
             self._forget(next(iter(self.graphs)))
         self.graphs[key] = graph
+        self.staging[key] = staging
+        self._stage(key, x, grad_output)
         graph.replay()
         self.counts["graph"] += 1
         return True
+
+    def _stage(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Copy the staged ones of ``(x, grad_output)`` where the recording of ``key`` reads them."""
+        x_view, grad_view, _ = self.staging[key]
+        with torch.no_grad():
+            if x_view is not None:
+                x_view.copy_(x)
+            if grad_view is not None:
+                grad_view.copy_(grad_output)
 
     def use_native(self, slot: Any) -> None:
         """Hand this weight's recordings to ``slot`` (a C++ hook's side) from now on: each is listed there at its
@@ -165,6 +223,7 @@ class UpdateGraphs:
         if native_id is not None:           # before the graph (and its exec handle) can be freed
             self.native.remove(native_id)
         del self.graphs[key]
+        del self.staging[key]
 
     def list_natively(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor, written: list[torch.Tensor],
                       scalars: Optional[torch.Tensor]) -> None:
@@ -176,10 +235,12 @@ class UpdateGraphs:
             return
         native_id = self._next_native_id
         self._next_native_id += 1
+        x_view, grad_view, stream = self.staging[key]
+        staging = {"staged_first": x_view, "staged_second": grad_view, "stream": stream or 0}
         if isinstance(graph, torch.cuda.CUDAGraph):
-            self.native.add(native_id, x, grad_output, graph.raw_cuda_graph_exec(), None, written, scalars)
+            self.native.add(native_id, x, grad_output, graph.raw_cuda_graph_exec(), None, written, scalars, **staging)
         else:
-            self.native.add(native_id, x, grad_output, 0, graph.replay, written, scalars)
+            self.native.add(native_id, x, grad_output, 0, graph.replay, written, scalars, **staging)
         self._native_ids[key] = native_id
 
     def clear(self) -> None:
@@ -188,6 +249,7 @@ class UpdateGraphs:
             self.native.clear()
         self._native_ids.clear()
         self.graphs.clear()
+        self.staging.clear()
         self.recent_keys.clear()
         self.recordings_unreplayed = 0
         self.stopped = False
@@ -207,5 +269,5 @@ def replay_problem(enabled: bool, backend: str, device_scalars_problem: Optional
     return None
 
 
-__all__ = ["UPDATE_GRAPHS", "GRAPHS_PER_WEIGHT", "RECORDINGS_WITHOUT_REPLAY", "UpdateGraphs", "record_cuda_graph",
-           "replay_problem", "Replay", "Recorder"]
+__all__ = ["UPDATE_GRAPHS", "GRAPHS_PER_WEIGHT", "RECORDINGS_WITHOUT_REPLAY", "STAGED_BYTES", "UpdateGraphs",
+           "record_cuda_graph", "replay_problem", "staged", "Replay", "Recorder"]

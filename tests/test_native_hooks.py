@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import forge_core
-from forge_core import native_hooks
+from forge_core import native_hooks, update_graphs
 from forge_core.kernels import launch_path_counts, launch_paths, reset_launch_paths
 from forge_core.update_graphs import UpdateGraphs
 
@@ -131,8 +131,10 @@ def test_a_graph_run_backward_twice_is_refused_in_one_line() -> None:
 
 
 @needs_extension
-def test_a_replay_needs_its_inputs_where_they_lay() -> None:
-    """A new input tensor (another address) or another layout goes through Python: recorded again there."""
+def test_a_replay_needs_its_inputs_where_they_lay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new input tensor (another address) or another layout goes through Python: recorded again there
+    (inputs that are not staged, ``STAGED_BYTES``)."""
+    monkeypatch.setattr(update_graphs, "STAGED_BYTES", 0)
     layers, opt, inputs, grads = _replaying()
     before = native_hooks.native_replays()
     moved = [torch.zeros_like(x, requires_grad=True) for x in inputs]
@@ -142,11 +144,34 @@ def test_a_replay_needs_its_inputs_where_they_lay() -> None:
 
 
 @needs_extension
-def test_inputs_that_move_now_and_then_keep_being_recorded_while_cpp_replays_them() -> None:
-    """Inputs that move to a new place every few steps (a loop that keeps each step's loss moves a small gradient's
-    block now and then) cost one recording per move, however many moves: each recording is replayed by the C++
-    hook, and those replays count against ``RECORDINGS_WITHOUT_REPLAY`` as Python's do."""
+def test_small_inputs_that_move_every_step_replay_from_cpp_through_staging() -> None:
+    """New input tensors at every step: the C++ hook copies them into the staging buffers its recordings read
+    and replays all but each step's first update, training as the Python hook does bit for bit."""
+    native_layers, python_layers = _layers(), _layers()
+    native, python = _fuse(native_layers, native=True), _fuse(python_layers, native=False)
+    generator = torch.Generator().manual_seed(8)
+    kept = []                                       # alive: every step's inputs lie somewhere new
+    for _ in range(6):
+        inputs, grads = _static_roots()
+        kept.append((inputs, grads))
+        _random_fill([*inputs, *grads], generator)
+        before = native_hooks.native_replays()
+        for layers, opt in zip((native_layers, python_layers), (native, python)):
+            _backward(layers, inputs, grads)
+            opt.step()
+    assert native_hooks.native_replays() - before == LAYERS - 1
+    assert sum(b.native_slot.replays for b in native.fused_weights()) == 4 * (LAYERS - 1)
+    _assert_trained_alike(native, python, steps=6)
+
+
+@needs_extension
+def test_inputs_that_move_now_and_then_keep_being_recorded_while_cpp_replays_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs that are not staged and move to a new place every few steps cost one recording per move, however
+    many moves: each recording is replayed by the C++ hook, and those replays count against
+    ``RECORDINGS_WITHOUT_REPLAY`` as Python's do."""
     from forge_core.update_graphs import RECORDINGS_WITHOUT_REPLAY
+    monkeypatch.setattr(update_graphs, "STAGED_BYTES", 0)
     layers = _layers()
     opt = _fuse(layers, native=True)
     moves = RECORDINGS_WITHOUT_REPLAY + 3

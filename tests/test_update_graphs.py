@@ -46,18 +46,23 @@ def _counts() -> dict[str, int]:
 
 
 def _key(address: int) -> tuple:
-    return (address,)
+    """A key of inputs at ``address`` (none staged): what ``UpdateGraphs.record_and_replay`` reads of it."""
+    return (address, address, None)
+
+
+X, DY = torch.zeros(3), torch.zeros(3)
+"""The inputs these keys stand for (unread: nothing is staged)."""
 
 
 def test_a_placement_seen_twice_is_recorded_and_replayed_after() -> None:
     runs: list[int] = []
     graphs = UpdateGraphs(_counts(), rerun_recorder)
-    assert not graphs.replay(_key(1)) and not graphs.wants_recording(_key(1))      # first sight: launched
+    assert not graphs.replay(_key(1), X, DY) and not graphs.wants_recording(_key(1))      # first sight: launched
     assert graphs.wants_recording(_key(1))                                          # seen before: record
-    assert graphs.record_and_replay(_key(1), lambda: runs.append(1), torch.device("cpu"))
+    assert graphs.record_and_replay(_key(1), lambda x, dy: runs.append(1), X, DY)
     assert runs == [1] and graphs.counts["graph"] == 1
-    assert graphs.replay(_key(1)) and runs == [1, 1] and graphs.counts["graph"] == 2
-    assert not graphs.replay(_key(2)) and not graphs.wants_recording(_key(2))      # a new placement: launched
+    assert graphs.replay(_key(1), X, DY) and runs == [1, 1] and graphs.counts["graph"] == 2
+    assert not graphs.replay(_key(2), X, DY) and not graphs.wants_recording(_key(2))      # a new placement: launched
 
 
 def test_at_most_two_placements_are_kept_per_weight() -> None:
@@ -65,7 +70,7 @@ def test_at_most_two_placements_are_kept_per_weight() -> None:
     for address in (1, 2, 3):
         graphs.wants_recording(_key(address))
         assert graphs.wants_recording(_key(address))
-        graphs.record_and_replay(_key(address), lambda: None, torch.device("cpu"))
+        graphs.record_and_replay(_key(address), lambda x, dy: None, X, DY)
     assert list(graphs.graphs) == [_key(2), _key(3)]
     assert len(graphs.graphs) == update_graphs.GRAPHS_PER_WEIGHT
 
@@ -76,10 +81,10 @@ def test_placements_that_alternate_are_both_recorded_and_replayed() -> None:
     graphs = UpdateGraphs(_counts(), rerun_recorder)
     launched = 0
     for address in (1, 2) * 4:
-        if graphs.replay(_key(address)):
+        if graphs.replay(_key(address), X, DY):
             continue
         if graphs.wants_recording(_key(address)):
-            assert graphs.record_and_replay(_key(address), lambda: None, torch.device("cpu"))
+            assert graphs.record_and_replay(_key(address), lambda x, dy: None, X, DY)
         else:
             launched += 1
     assert launched == 2 and list(graphs.graphs) == [_key(1), _key(2)] and graphs.counts["graph"] == 6
@@ -93,7 +98,7 @@ def test_recording_stops_when_placements_never_settle() -> None:
     for address in range(3 * update_graphs.RECORDINGS_WITHOUT_REPLAY):
         graphs.wants_recording(_key(address))
         if graphs.wants_recording(_key(address)):
-            recorded += graphs.record_and_replay(_key(address), lambda: None, torch.device("cpu"))
+            recorded += graphs.record_and_replay(_key(address), lambda x, dy: None, X, DY)
     assert recorded == update_graphs.RECORDINGS_WITHOUT_REPLAY + 1 and graphs.stopped
     graphs.clear()
     assert not graphs.stopped and not graphs.graphs
@@ -103,7 +108,7 @@ def test_an_update_that_cannot_be_recorded_stays_launched() -> None:
     graphs = UpdateGraphs(_counts(), lambda update, device: None)
     graphs.wants_recording(_key(1))
     assert graphs.wants_recording(_key(1))
-    assert not graphs.record_and_replay(_key(1), lambda: None, torch.device("cpu"))
+    assert not graphs.record_and_replay(_key(1), lambda x, dy: None, X, DY)
     assert graphs.stopped and not graphs.wants_recording(_key(1)) and graphs.counts["graph"] == 0
 
 
@@ -182,6 +187,43 @@ def test_replayed_updates_equal_launched_ones_under_an_lr_schedule() -> None:
     for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
         assert torch.equal(a.matrix, b.matrix), a.name
         assert a.steps_done == b.steps_done == 5
+        for name in a.state.state_names:
+            assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
+
+
+def test_small_inputs_are_keyed_by_layout_and_large_ones_by_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.zeros(8, 4, dtype=torch.bfloat16, device=DEVICE)
+    x, dy = (torch.zeros(5, n, dtype=torch.bfloat16, device=DEVICE) for n in (4, 8))
+    moved_x, moved_dy = torch.zeros_like(x), torch.zeros_like(dy)
+    assert UpdateGraphs.key(x, dy, weight) == UpdateGraphs.key(moved_x, moved_dy, weight)
+    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x.t().contiguous().t(), dy, weight)    # its layout
+    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x, dy, weight.clone())                # the weight's place
+    monkeypatch.setattr(update_graphs, "STAGED_BYTES", x.numel() * x.element_size())
+    assert UpdateGraphs.key(x, dy, weight) == UpdateGraphs.key(moved_x, dy, weight)                 # x staged, dy not
+    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x, moved_dy, weight)
+
+
+def test_replays_of_inputs_that_move_every_step_read_them_through_staging() -> None:
+    """New input tensors at every step (a loop whose small allocations drift): recorded at step 2 all the
+    same, replayed at steps 3-5 from the staging buffers, the same weights and moments bit for bit as an
+    optimizer that launches every update."""
+    replayed_model, replayed, launched_model, launched = _replayed_and_launched()
+    generator = torch.Generator().manual_seed(9)
+    reset_launch_paths()
+    for _ in range(5):
+        inputs = [(torch.randn(3, 5, b.matrix.shape[1], generator=generator).to(DEVICE, torch.bfloat16),
+                   torch.randn(3, 5, b.matrix.shape[0], generator=generator).to(DEVICE, torch.bfloat16))
+                  for b in replayed.fused_weights()]
+        assert all(update_graphs.staged(x) and update_graphs.staged(dy) for x, dy in inputs)
+        with torch.no_grad():
+            for opt in (replayed, launched):
+                for binding, (x, dy) in zip(opt.fused_weights(), inputs):
+                    binding(x, dy)
+        for opt in (replayed, launched):
+            opt.step()
+    assert launch_paths()["graph"] == 4 * len(inputs)
+    for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
+        assert torch.equal(a.matrix, b.matrix), a.name
         for name in a.state.state_names:
             assert torch.equal(a.state.values[name], b.state.values[name]), (a.name, name)
 

@@ -65,7 +65,9 @@ struct Gate {
   std::atomic<bool> open{false};
 };
 
-// Where a recorded update's inputs lay (addresses, shapes, strides, dtypes) and the weight's address.
+// Where a recorded update's inputs lay (addresses, shapes, strides, dtypes) and the weight's address. A
+// staged input (forge_core.update_graphs.STAGED_BYTES) is read by the recording from its staging view, into
+// which a replay copies it first: any address of its layout matches, on the stream whose buffer it is.
 struct Entry {
   int64_t id = 0;
   const void* first = nullptr;
@@ -77,12 +79,27 @@ struct Entry {
   const void* scalars = nullptr;      // the group's device scalars it reads (null: none)
   void* graph_exec = nullptr;  // cudaGraphExec_t of a torch.cuda.CUDAGraph, or null: stand_in replays it
   py::object stand_in;         // a Python replay (a test's stand-in for a graph); held with the GIL
+  at::Tensor staged_first, staged_second;  // the staging views the recording reads (undefined: the input itself)
+  const void* stream = nullptr;             // the stream of the staging buffers (staged entries only)
 
-  bool matches(const at::Tensor& a, const at::Tensor& b, const void* weight_now) const {
-    return a.data_ptr() == first && b.data_ptr() == second && weight_now == weight &&
+  bool matches(const at::Tensor& a, const at::Tensor& b, const void* weight_now, const void* stream_now) const {
+    const bool staged = staged_first.defined() || staged_second.defined();
+    return (staged_first.defined() || a.data_ptr() == first) && (staged_second.defined() || b.data_ptr() == second) &&
+           (!staged || stream_now == stream) && weight_now == weight &&
            a.scalar_type() == first_dtype && b.scalar_type() == second_dtype &&
            a.sizes().equals(first_sizes) && a.strides().equals(first_strides) &&
            b.sizes().equals(second_sizes) && b.strides().equals(second_strides);
+  }
+
+  // Copy the staged inputs where the recording reads them, on the current stream, before its launch.
+  void stage(const at::Tensor& a, const at::Tensor& b) const {
+    at::NoGradGuard no_grad;
+    if (staged_first.defined()) {
+      const_cast<at::Tensor&>(staged_first).copy_(a);
+    }
+    if (staged_second.defined()) {
+      const_cast<at::Tensor&>(staged_second).copy_(b);
+    }
   }
 };
 
@@ -135,7 +152,9 @@ struct Slot {
   }
 
   void add(int64_t id, const at::Tensor& first, const at::Tensor& second, int64_t graph_exec, py::object stand_in,
-           const std::vector<at::Tensor>& written, const std::optional<at::Tensor>& scalars) {
+           const std::vector<at::Tensor>& written, const std::optional<at::Tensor>& scalars,
+           const std::optional<at::Tensor>& staged_first, const std::optional<at::Tensor>& staged_second,
+           int64_t stream) {
     Entry entry;
     entry.id = id;
     entry.first = first.data_ptr();
@@ -153,6 +172,9 @@ struct Slot {
     entry.scalars = (scalars.has_value() && scalars->defined()) ? scalars->data_ptr() : nullptr;
     entry.graph_exec = reinterpret_cast<void*>(graph_exec);
     entry.stand_in = std::move(stand_in);
+    entry.staged_first = staged_first.value_or(at::Tensor());
+    entry.staged_second = staged_second.value_or(at::Tensor());
+    entry.stream = reinterpret_cast<const void*>(stream);
     TORCH_CHECK(id != 0, "a recorded update's id is nonzero");
     TORCH_CHECK(entry.graph_exec != nullptr || !entry.stand_in.is_none(),
                 "a recorded update needs a CUDA graph exec handle or a Python replay");
@@ -191,12 +213,16 @@ struct Slot {
       return false;
     }
     int64_t stand_in_id = 0;
+    void* stream = nullptr;
+    if (first.is_cuda()) {
+      stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(first.device()).native_handle();
+    }
     {
       std::lock_guard<std::mutex> guard(lock);
       const Entry* found = nullptr;
       const void* weight_now = weight.data_ptr();
       for (const Entry& entry : entries) {
-        if (entry.matches(first, second, weight_now) && (traced == nullptr || traced->recorded_by(entry))) {
+        if (entry.matches(first, second, weight_now, stream) && (traced == nullptr || traced->recorded_by(entry))) {
           found = &entry;
           break;
         }
@@ -205,15 +231,15 @@ struct Slot {
         return false;
       }
       if (found->graph_exec == nullptr) {
+        found->stage(first, second);
         stand_in_id = found->id;
       } else {
-        const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-        void* stream = impl->getStream(first.device()).native_handle();
         Driver& cuda = driver();
         int capture_status = 0;
         if (cuda.capturing == nullptr || cuda.capturing(stream, &capture_status) != 0 || capture_status != 0) {
           return false;  // a capture around the backward: the Python update launches into it
         }
+        found->stage(first, second);
         int error = cuda.launch(found->graph_exec, stream);
         TORCH_CHECK(error == 0, "cuGraphLaunch of a recorded FORGE update failed with CUDA error ", error);
       }
@@ -457,7 +483,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(py::init<std::shared_ptr<Gate>, at::Tensor, py::object>(), py::arg("gate"), py::arg("weight"),
            py::arg("update"))
       .def("add", &Slot::add, py::arg("id"), py::arg("first"), py::arg("second"), py::arg("graph_exec"),
-           py::arg("stand_in"), py::arg("written"), py::arg("scalars"))
+           py::arg("stand_in"), py::arg("written"), py::arg("scalars"), py::arg("staged_first") = py::none(),
+           py::arg("staged_second") = py::none(), py::arg("stream") = 0)
       .def("remove", &Slot::remove, py::arg("id"))
       .def("clear", &Slot::clear)
       .def("__len__", &Slot::size)
