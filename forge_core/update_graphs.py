@@ -48,9 +48,10 @@ A replay by the C++ side counts as one: a loop that keeps each step's loss moves
 block now and then (Llama-3.2-1B's k and v projections, 512 KiB), and each move costs one recording."""
 
 
-STAGED_BYTES = 1 << 20
+STAGED_BYTES = int(os.environ.get("FORGE_STAGED_BYTES", 1 << 20))
 """Inputs of at most this many bytes (contiguous ones) are copied into a staging buffer that their recordings
-read, so their address is not part of the key (the module docstring says why); 0 stages nothing."""
+read, so their address is not part of the key (the module docstring says why); 0 (``FORGE_STAGED_BYTES=0``)
+stages nothing."""
 _STAGING: dict[tuple, torch.Tensor] = {}
 """The staging buffers, by (device, stream, operand): the updates on one stream run one after the other, so
 every weight's recordings share them."""
