@@ -22,9 +22,13 @@ PINNED_RUN = "a6e8e6"
 TUPLE_RUN = "c45fca"
 """cdb7620's Llama-3.2-1B torch.compile pair (the traced arguments of D115), taking turns on the same CPUs: the
 newest 1B run, quoted for torch.compile; 3a2f7f7's for the other modes."""
-NINE_TURNS = ('7887f58', '8475a28')
-"""The 1B runs of nine turns (D116), all six cells taking turns: 7887f58's (65959f, with the state arena of D117)
-and 8475a28's (5ca1f7, the newest, on the same CPUs as the pinned runs before them)."""
+STAGED = ('1536594',)
+"""The runs with staged inputs (D121): 1536594's compile pairs of both models taking turns (8bc8e3, the 8B's quoted
+for torch.compile) and its six 1B cells taking turns (51185b, the newest 1B run, quoted for every mode)."""
+STAGED_RUN, STAGED_1B_RUN = "8bc8e3", "51185b"
+NINE_TURNS = ('7887f58', '8475a28', *STAGED)
+"""The 1B runs of nine turns (D116), all six cells taking turns: 7887f58's (65959f, with the state arena of D117),
+8475a28's (5ca1f7, on the same CPUs as the pinned runs before them) and 1536594's."""
 NINE_TURNS_RUN, ARENA_RUN = "5ca1f7", "65959f"
 PINNED = ('3a2f7f7', 'cdb7620', *NINE_TURNS)
 """The commits of the pinned 1B runs, left out to read the tables before them."""
@@ -51,29 +55,31 @@ def test_llama8b_every_mode_side_by_side() -> None:
     assert table.header == HEADER
     assert [line[:3] for line in table.rows] == [
         ["eager", "`adamw_fused` / `forge_bf16`", EAGER_RUN],
-        ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", TURNS_RUN],
+        ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", STAGED_RUN],
         ["torch.compile reduce-overhead", "`adamw_fused_compile_ro` / `forge_bf16_compile_ro`", TURNS_RUN],
         ["torch.compile reduce-overhead, lean + chunked loss", "`adamw_fused_compile_ro` / `forge_bf16_cce_compile_ro`",
          LEAN_RUN],
         ["hand-captured CUDA graph, lean + chunked loss", "`adamw_fused` / `forge_bf16_cce`", GRAPH_RUN]]
     assert [line[3:] for line in table.rows] == [
         ["122.2", "59.90", "92.64", "48.75", "~1.32×", "—"],
-        ["87.81", "61.85", "64.63", "47.39", "1.36×", "76.6 / 100.9"],
+        ["88.68", "61.85", "67.47", "47.39", "≥1.31×", "69.9 / 92.5"],
         ["86.31", "61.82", "62.83", "47.35", "≥1.37×", "67.8 / 90.8"],
         ["86.95", "61.82", "64.53", "49.66†", "≥1.35×", "51.7 / 75.7"],
         ["90.35", "60.09", "67.22", "46.90", "≥1.34×", "—"]]
     # the printed numbers are the rows' own
-    compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", TURNS_RUN),
-                                             _row("forge_bf16_compile", TURNS_RUN))))
+    compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", STAGED_RUN),
+                                             _row("forge_bf16_compile", STAGED_RUN))))
     record = table.records[1]
     assert record["adamw_step_ms"] == compiled["adamw"]["step_ms_median"]
     assert record["forge_peak_gib"] == compiled["forge"]["peak_allocated_gib"]
     assert record["speedup"] == pytest.approx(compiled["adamw"]["step_ms_median"] / compiled["forge"]["step_ms_median"])
     assert close_to_printed(table.rows[1][8].split(" / ")[1], compile_s(compiled["forge"]))
-    before = _tables(load_rows(MODES).query("git_commit != '7f3cdbe'"))[LLAMA8B]
+    turns = _tables(load_rows(MODES).query(f"git_commit not in {STAGED}"))[LLAMA8B]
+    assert turns.rows[1][2:9] == [TURNS_RUN, "87.81", "61.85", "64.63", "47.39", "1.36×", "76.6 / 100.9"]
+    before = _tables(load_rows(MODES).query(f"git_commit not in {('7f3cdbe', *STAGED)}"))[LLAMA8B]
     assert [line[2:8] for line in before.rows[1:3]] == [
         [COMPILE_RUN, "87.76", "61.85", "66.29", "47.38", "≥1.32×"], [COMPILE_RUN, "86.74", "61.82", "63.80", "49.66†", "≥1.36×"]]
-    first = _tables(load_rows(MODES).query("git_commit not in ('2d597bf', '7f3cdbe')"))[LLAMA8B]
+    first = _tables(load_rows(MODES).query(f"git_commit not in {('2d597bf', '7f3cdbe', *STAGED)}"))[LLAMA8B]
     assert [line[2] for line in first.rows[1:4]] == [FIRST_COMPILE_RUN, FIRST_COMPILE_RUN, EAGER_RUN]
     assert [line[5] for line in first.rows[1:4]] == ["64.64", "63.62", "64.30"]
 
@@ -116,15 +122,21 @@ def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
 
 
 def test_llama1b_quotes_the_newest_run_of_nine_turns() -> None:
-    """Both nine-turn runs pair every mode's arms in one run: the table quotes 8475a28's (5ca1f7), whose compiled
-    pair is a miss; without it, 7887f58's (65959f), whose compiled pair lies inside its spread."""
-    table = _tables()[LLAMA1B]
+    """The nine-turn runs pair every mode's arms in one run: the table quotes 1536594's (51185b, staged inputs: D121),
+    whose compiled pair lies inside its spread; without it, 8475a28's (5ca1f7), whose compiled pair is a miss; without
+    both, 7887f58's (65959f), inside its spread."""
+    staged = _tables()[LLAMA1B]
+    assert [line[2] for line in staged.rows] == [STAGED_1B_RUN] * 3
+    assert [line[7] for line in staged.rows] == ["~1.20×", "~0.98×", "≥1.21×"]
+    assert [line[3] for line in staged.rows] == ["47.27", "23.13", "16.13"]
+    assert [line[5] for line in staged.rows] == ["39.28", "23.50", "13.37"]
+    table = _tables(load_rows(MODES).query(f"git_commit not in {STAGED}"))[LLAMA1B]
     assert [line[2] for line in table.rows] == [NINE_TURNS_RUN] * 3
     assert [line[7] for line in table.rows] == ["~1.19×", "~0.85×", "≥1.21×"]
     assert [line[3] for line in table.rows] == ["49.10", "20.62", "15.99"]
     assert [line[5] for line in table.rows] == ["41.22", "24.39", "13.23"]
     assert all(_row(m, NINE_TURNS_RUN)["repeats"] == 9 for m in ("adamw_fused_compile", "forge_bf16_compile"))
-    arena = _tables(load_rows(MODES).query("git_commit != '8475a28'"))[LLAMA1B]
+    arena = _tables(load_rows(MODES).query(f"git_commit not in {('8475a28', *STAGED)}"))[LLAMA1B]
     assert [line[2] for line in arena.rows] == [ARENA_RUN] * 3
     assert [line[7] for line in arena.rows] == ["~1.00×", "~1.06×", "1.22×"]
     assert [line[3] for line in arena.rows] == ["56.74", "25.31", "15.98"]
@@ -132,10 +144,15 @@ def test_llama1b_quotes_the_newest_run_of_nine_turns() -> None:
 
 
 def test_a_step_that_launches_what_it_could_replay_says_so() -> None:
-    """8475a28's compiled 1B step launched 19.4 of its 113 fused updates a step (the placements D118 and D119 record
-    again): its table says so; the runs before it launched 2.2 (under ``LAUNCHED_SHARE_NOTED``) and say nothing, and
-    a reduce-overhead step, which replays no recorded update (the whole step is torch.compile's graph), neither."""
-    launched = [note for note in _tables()[LLAMA1B].footnotes if "fused updates a step" in note]
+    """8475a28's compiled 1B step launched 19.4 of its 113 fused updates a step (its k and v projections' moving
+    gradients): its table says so; the runs before it launched 2.2 (under ``LAUNCHED_SHARE_NOTED``) and say nothing,
+    nor does 1536594's, whose staged inputs (D121) left 1.0 launched, nor a reduce-overhead step, which replays no
+    recorded update (the whole step is torch.compile's graph)."""
+    staged = _row("forge_bf16_compile", STAGED_1B_RUN)
+    assert ratios.json_field(staged["extra"])["fused_launches_per_step"] == {"direct": 1.0, "graph": 112.0, "jit": 0.0}
+    assert not any("fused updates a step" in note for table in _tables().values() for note in table.footnotes)
+    launched = [note for note in _tables(load_rows(MODES).query(f"git_commit not in {STAGED}"))[LLAMA1B].footnotes
+                if "fused updates a step" in note]
     assert launched == [f"FORGE's torch.compile step (run {NINE_TURNS_RUN}) launched 19.4 of its 113 fused updates a "
                         "step and replayed the rest from their recorded CUDA graphs (`extra.fused_launches_per_step`); "
                         "a launched update costs the host its Python."]
@@ -153,7 +170,7 @@ def test_a_pair_that_took_turns_says_so_and_one_run_apart_does_not() -> None:
     assert ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile", TURNS_RUN))
     assert not ratios.took_turns(_row("adamw_fused_compile", TURNS_RUN), _row("forge_bf16_compile_ro", TURNS_RUN))
     assert not ratios.took_turns(_row("adamw_fused_compile", COMPILE_RUN), _row("forge_bf16_compile", COMPILE_RUN))
-    assert turns_note in _tables()[LLAMA8B].footnotes
+    assert turns_note in _tables(load_rows(MODES).query(f"git_commit not in {STAGED}"))[LLAMA8B].footnotes
     assert turns_note in _tables(load_rows(MODES).query(f"git_commit not in {PINNED}"))[LLAMA1B].footnotes
     earlier = _tables(load_rows(MODES).query(f"git_commit not in {('7f3cdbe', *PINNED)}"))
     assert not any("took turns" in note for table in earlier.values() for note in table.footnotes)
@@ -221,7 +238,7 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     h100, h200 = summary.split("## H200")
     assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
     tables = parse_markdown_tables(h200)
-    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.85×"
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.98×"
     index = (out / "index.md").read_text()
     assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
     with (out / "tables" / "modes.csv").open() as fh:
@@ -247,7 +264,8 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert quoted["FORGE bf16 ms"] == [line[5] for line in shown]
     assert quoted["speed-up"] == [line[7].replace("×", "x") for line in shown]
     assert quoted["FORGE peak GiB"] == [line[6].rstrip("†") for line in shown]
-    for folder, method, run in (("compile_7f3cdbe", "forge_bf16_compile", TURNS_RUN),
+    for folder, method, run in (("compile_1536594", "forge_bf16_compile", STAGED_RUN),
+                                ("compile_7f3cdbe", "forge_bf16_compile_ro", TURNS_RUN),
                                 ("compile_85b1088", "forge_bf16", EAGER_RUN)):
         assert f"`results/h200/{folder}` (" in intro and folder.endswith(_row(method, run)["git_commit"])
     lean = report["torch.compile reduce-overhead, lean + chunked loss"]
@@ -259,7 +277,7 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert (f"FORGE int8: {int8['forge_int8_compile']} ms compiled, {int8['forge_int8_compile_ro']} "
             f"reduce-overhead") in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
-    assert (f"Llama-3.2-1B (`compile1b_8475a28`, six cells taking turns): torch.compile "
-            f"{small['torch.compile'].lstrip('~')} (a miss, host-bound), reduce-overhead "
+    assert (f"Llama-3.2-1B (`compile1b_1536594`, six cells taking turns): torch.compile "
+            f"{small['torch.compile'].lstrip('~')} (inside the spread: parity, host-bound), reduce-overhead "
             f"{small['torch.compile reduce-overhead'].lstrip('≥')}, eager {small['eager'].lstrip('~')}.") in text
-    assert _row("forge_bf16_compile", NINE_TURNS_RUN)["git_commit"] == "8475a28"
+    assert _row("forge_bf16_compile", STAGED_1B_RUN)["git_commit"] == "1536594"
