@@ -23,8 +23,9 @@ Small inputs are staged: one of at most ``STAGED_BYTES`` (the caching allocator'
 copied into a staging buffer the recording reads, and its address leaves the key. The small pool's blocks
 move whenever a loop keeps a tensor per step (each step's loss, for logging without a sync), so such an
 input's address rarely repeats: without staging, 19 of Llama-3.2-1B's 32 k and v projection updates
-(512 KiB gradients) were launched at every step under ``torch.compile``. A copy costs a few microseconds where a launch costs
-~80; larger inputs come from the large pool, whose blocks a steady loop gets back every step.
+(512 KiB gradients) were launched at every step under ``torch.compile`` (D121). A copy costs a few
+microseconds where a launch costs ~80; larger inputs come from the large pool, whose blocks a steady loop
+gets back every step.
 """
 from __future__ import annotations
 

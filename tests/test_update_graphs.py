@@ -196,8 +196,8 @@ def test_small_inputs_are_keyed_by_layout_and_large_ones_by_address(monkeypatch:
     x, dy = (torch.zeros(5, n, dtype=torch.bfloat16, device=DEVICE) for n in (4, 8))
     moved_x, moved_dy = torch.zeros_like(x), torch.zeros_like(dy)
     assert UpdateGraphs.key(x, dy, weight) == UpdateGraphs.key(moved_x, moved_dy, weight)
-    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x.t().contiguous().t(), dy, weight)    # its layout
-    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x, dy, weight.clone())                # the weight's place
+    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x.t().contiguous().t(), dy, weight)   # its layout
+    assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x, dy, weight.clone())              # the weight's place
     monkeypatch.setattr(update_graphs, "STAGED_BYTES", x.numel() * x.element_size())
     assert UpdateGraphs.key(x, dy, weight) == UpdateGraphs.key(moved_x, dy, weight)                 # x staged, dy not
     assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x, moved_dy, weight)
