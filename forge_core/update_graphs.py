@@ -49,7 +49,17 @@ A replay by the C++ side counts as one: a loop that keeps each step's loss moves
 block now and then (Llama-3.2-1B's k and v projections, 512 KiB), and each move costs one recording."""
 
 
-STAGED_BYTES = int(os.environ.get("FORGE_STAGED_BYTES", 1 << 20))
+def staged_bytes(setting: Optional[str]) -> int:
+    """The staging limit ``FORGE_STAGED_BYTES`` sets (1 MiB where unset); a one-line error for anything but a
+    byte count."""
+    if setting is None or setting == "":
+        return 1 << 20
+    if not setting.strip().isdigit():
+        raise ValueError(f"FORGE_STAGED_BYTES={setting!r} is not a byte count (an integer >= 0; 0 stages nothing)")
+    return int(setting)
+
+
+STAGED_BYTES = staged_bytes(os.environ.get("FORGE_STAGED_BYTES"))
 """Inputs of at most this many bytes (contiguous ones) are copied into a staging buffer that their recordings
 read, so their address is not part of the key (the module docstring says why); 0 (``FORGE_STAGED_BYTES=0``)
 stages nothing."""
@@ -272,4 +282,4 @@ def replay_problem(enabled: bool, backend: str, device_scalars_problem: Optional
 
 
 __all__ = ["UPDATE_GRAPHS", "GRAPHS_PER_WEIGHT", "RECORDINGS_WITHOUT_REPLAY", "STAGED_BYTES", "UpdateGraphs",
-           "record_cuda_graph", "replay_problem", "staged", "Replay", "Recorder"]
+           "record_cuda_graph", "replay_problem", "staged", "staged_bytes", "Replay", "Recorder"]

@@ -203,6 +203,14 @@ def test_small_inputs_are_keyed_by_layout_and_large_ones_by_address(monkeypatch:
     assert UpdateGraphs.key(x, dy, weight) != UpdateGraphs.key(x, moved_dy, weight)
 
 
+def test_the_staging_limit_is_a_byte_count_or_a_one_line_error() -> None:
+    assert update_graphs.staged_bytes(None) == update_graphs.staged_bytes("") == 1 << 20
+    assert update_graphs.staged_bytes("0") == 0 and update_graphs.staged_bytes("4096") == 4096
+    for bad in ("1MiB", "-1", "1e6"):
+        with pytest.raises(ValueError, match=f"FORGE_STAGED_BYTES='{bad}' is not a byte count"):
+            update_graphs.staged_bytes(bad)
+
+
 def test_replays_of_inputs_that_move_every_step_read_them_through_staging() -> None:
     """New input tensors at every step (a loop whose small allocations drift): recorded at step 2 all the
     same, replayed at steps 3-5 from the staging buffers, the same weights and moments bit for bit as an
