@@ -141,9 +141,9 @@ class UpdateGraphs:
         """The weight's C++ hook side (``forge_core.native_hooks``, set by ``use_native``), which replays the
         recordings listed here without Python; None where the Python hook runs."""
         self.graphs: dict[tuple, Replay] = {}
-        self.staging: dict[tuple, tuple[Optional[torch.Tensor], Optional[torch.Tensor], int]] = {}
-        """Per recording: the staging views it reads in place of (x, grad_output) (None: the input itself) and
-        the stream whose buffers they are."""
+        self.staging: dict[tuple, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = {}
+        """Per recording: the staging views it reads in place of (x, grad_output) (None: the input itself), in
+        the buffers of the stream its key ends with."""
         self._native_ids: dict[tuple, int] = {}
         self._next_native_id = 1
         self.recent_keys: collections.deque[tuple] = collections.deque(maxlen=RECENT_PLACEMENTS)
@@ -190,9 +190,9 @@ class UpdateGraphs:
         replay it once (the update of this call); False, with nothing run, when it cannot be recorded
         (recording then stops for this weight)."""
         stream = key[-1]
-        staging = (_staging_view(x, stream, 0) if key[0] is None else None,
-                   _staging_view(grad_output, stream, 1) if key[1] is None else None, stream)
-        read = (x if staging[0] is None else staging[0], grad_output if staging[1] is None else staging[1])
+        x_view = _staging_view(x, stream, 0) if key[0] is None else None
+        grad_view = _staging_view(grad_output, stream, 1) if key[1] is None else None
+        read = (x if x_view is None else x_view, grad_output if grad_view is None else grad_view)
         graph = self.recorder(lambda: update(*read), x.device)
         if graph is None:
             self.stopped = True
@@ -206,7 +206,7 @@ class UpdateGraphs:
         if len(self.graphs) >= GRAPHS_PER_WEIGHT:
             self._forget(next(iter(self.graphs)))
         self.graphs[key] = graph
-        self.staging[key] = staging
+        self.staging[key] = (x_view, grad_view)
         self._stage(key, x, grad_output)
         graph.replay()
         self.counts["graph"] += 1
@@ -214,7 +214,7 @@ class UpdateGraphs:
 
     def _stage(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Copy the staged ones of ``(x, grad_output)`` where the recording of ``key`` reads them."""
-        x_view, grad_view, _ = self.staging[key]
+        x_view, grad_view = self.staging[key]
         with torch.no_grad():
             if x_view is not None:
                 x_view.copy_(x)
@@ -247,8 +247,8 @@ class UpdateGraphs:
             return
         native_id = self._next_native_id
         self._next_native_id += 1
-        x_view, grad_view, stream = self.staging[key]
-        staging = {"staged_first": x_view, "staged_second": grad_view, "stream": stream or 0}
+        x_view, grad_view = self.staging[key]
+        staging = {"staged_first": x_view, "staged_second": grad_view, "stream": key[-1] or 0}
         if isinstance(graph, torch.cuda.CUDAGraph):
             self.native.add(native_id, x, grad_output, graph.raw_cuda_graph_exec(), None, written, scalars, **staging)
         else:

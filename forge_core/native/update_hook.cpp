@@ -95,10 +95,10 @@ struct Entry {
   void stage(const at::Tensor& a, const at::Tensor& b) const {
     at::NoGradGuard no_grad;
     if (staged_first.defined()) {
-      const_cast<at::Tensor&>(staged_first).copy_(a);
+      staged_first.copy_(a);
     }
     if (staged_second.defined()) {
-      const_cast<at::Tensor&>(staged_second).copy_(b);
+      staged_second.copy_(b);
     }
   }
 };
