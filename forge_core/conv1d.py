@@ -22,7 +22,7 @@ from torch import nn
 
 from .linear import FusedLinearFunction, WeightUpdater, hooked_linear, traced_linear
 from .module_copies import plain_module_reduction
-from .traced import traced
+from .traced import count_forward, traced
 
 
 def conv1d_class() -> Optional[type]:
@@ -43,8 +43,7 @@ def is_conv1d(module: nn.Module) -> bool:
 def _fused_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (Conv1D's name)
     """``x W + b``; through the fused Function when the module has an updater and grad is on."""
     updater = getattr(self, "forge_updater", None)
-    if getattr(self, "forge_counting_forwards", False):
-        self.forge_forward_calls += 1
+    count_forward(self)
     weight = self.weight
     if updater is None or not torch.is_grad_enabled() or not weight.requires_grad:
         return torch.nn.functional.linear(input, weight.t(), self.bias)

@@ -43,7 +43,7 @@ from torch import nn
 from .fused_weight import FusedWeight, RowSliceUpdate
 from .kernels.tile_config import default_config
 from .module_copies import plain_module_reduction
-from .traced import WEIGHT, mutating_operator, owner_of, traced, traced_update_scope
+from .traced import WEIGHT, count_forward, mutating_operator, owner_of, traced, traced_update_scope
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64
@@ -339,8 +339,7 @@ def _gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
 def _fused_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     updaters = getattr(self, "forge_expert_updaters", None)
-    if getattr(self, "forge_counting_forwards", False):
-        self.forge_forward_calls += 1
+    count_forward(self)
     if not updaters or not torch.is_grad_enabled() or not all(
             getattr(self, name).requires_grad for name in EXPERT_PARAMETERS):
         return type(self).__mro__[1].forward(self, hidden_states, top_k_index, top_k_weights)

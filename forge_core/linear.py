@@ -36,7 +36,7 @@ from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
 from .native_hooks import hooked_forward
 from .overlap import run_update, run_update_outside_autograd
-from .traced import traced, update_weight_
+from .traced import count_forward, traced, update_weight_
 
 
 class WeightUpdater(Protocol):
@@ -337,8 +337,7 @@ class ForgeLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
         updater = getattr(self, "forge_updater", None)
-        if getattr(self, "forge_counting_forwards", False):
-            self.forge_forward_calls += 1
+        count_forward(self)
         weight = self.weight             # one nn.Module.__getattr__ (a Parameter is not in __dict__)
         if updater is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return F.linear(input, weight, self.bias)

@@ -72,6 +72,14 @@ def remember_traced_arguments(owner: Any) -> None:
     owner.traced_arguments = (optimizer.device_scalars_of(owner), key, *written_tensors(owner))
 
 
+def count_forward(module: Any) -> None:
+    """Count a fused module's forward while the fuse-time probe runs (``forge_core.manager``). Under the
+    compiler the count is never taken (the probe runs eagerly), and not reading the flag there spares Dynamo
+    two guards a layer, re-checked at every call of the compiled forward."""
+    if not torch.compiler.is_compiling() and getattr(module, "forge_counting_forwards", False):
+        module.forge_forward_calls += 1
+
+
 def owner_of(key: int) -> Any:
     """The owner ``trace_key`` gave ``key``; a one-line error when it is gone (its optimizer was dropped)."""
     owner = _OWNERS.get(int(key))
@@ -233,5 +241,5 @@ update_embedding_rows_ = mutating_operator(
     "Tensor(c!)? scalars, int key", _update_embedding_rows)
 
 
-__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "remember_traced_arguments", "run_traced_update", "same_tensors", "state_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "count_forward", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "remember_traced_arguments", "run_traced_update", "same_tensors", "state_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]

@@ -255,6 +255,28 @@ def test_the_traced_arguments_follow_what_an_update_writes() -> None:
     assert not any(forge_core.traced.traced(owner) for owner in owners)
 
 
+def _loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def test_the_compiled_forward_never_guards_on_the_probe_flag() -> None:
+    """The fuse-time probe counts forwards eagerly (``traced.count_forward``); a compiled forward skips its flag,
+    so Dynamo re-checks two guards a fused layer fewer at every call. The probe still counts in eager mode."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = _model("tiny-gpt2")
+    optimizer = forge_core.fuse(model, "adamw", lr=1e-2, backend="reference")
+    batch = _batches("tiny-gpt2", 1)[0]
+    torch.compile(_loss_of, backend="aot_eager")(model, batch).backward()
+    optimizer.step()
+    guards = "".join(str(entry.guard_manager) for entry in _debug_get_cache_entry_list(_loss_of.__code__))
+    assert "forge_updater" in guards and "forge_counting_forwards" not in guards
+    module = optimizer.fused_weights()[0].module
+    module.forge_counting_forwards, module.forge_forward_calls = True, 0
+    model(**batch)
+    assert module.forge_forward_calls == 1
+
+
 def test_fuse_runs_the_updates_in_line_by_default() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.Linear(20, 8)).to(DEVICE)
     optimizer = forge_core.fuse(model, "adamw", lr=1e-2, probe_inputs=False)
