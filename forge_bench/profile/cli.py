@@ -1,6 +1,6 @@
 """``forge-bench profile``: the per-arm GPU profilers as Typer subcommands (``step``, ``timeline``, ``host``,
-``graph``, ``layers``). Each runs every ``--methods`` arm in its own child process, started as this same
-command with the hidden ``--one`` flag; the profiler modules (torch, the model zoo) load only when
+``graph``, ``layers``, ``alternate``). Each but ``alternate`` (its arms share one process by design) runs every
+``--methods`` arm in its own child process, started as this same command with the hidden ``--one`` flag; the profiler modules (torch, the model zoo) load only when
 a command runs, so ``forge-bench --help`` stays quick."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import typer
 profile_app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Profile training steps on a GPU, one process per arm: top kernels (step), host/GPU timeline "
-         "(timeline), CUDA-graph replays on both streams (graph), host time per fused Linear (layers). Each "
-         "writes a Markdown report.",
+         "(timeline), CUDA-graph replays on both streams (graph), host time per fused Linear (layers), host-bound "
+         "arms taking turns in one process (alternate). Each writes a Markdown report.",
 )
 
 ACTIVATIONS = ("hf", "lean")
@@ -154,3 +154,18 @@ def layers(out: Out,
         layers_mod.run_one(options, names[0], out)
         return
     raise typer.Exit(layers_mod.run(options, names, out))
+
+
+@profile_app.command()
+def alternate(out: Out, model: Model = "llama-3.2-1b", batch: Batch = 1, seq: Seq = 512, dtype: Dtype = "bfloat16",
+              activations: Activations = "hf", methods: Methods = None,
+              steps: Annotated[int, typer.Option("--steps", min=1, help="steps per block")] = 20,
+              blocks: Annotated[int, typer.Option("--blocks", min=2, help="blocks per arm and mode")] = 16,
+              warmup: Warmup = 10) -> None:
+    """Host-bound arms compared in one process: their steps take turns in blocks, synced and back to back.
+
+    Default arms: adamw_fused_compile, forge_bf16_compile."""
+    from forge_bench.profile import alternate as alternate_mod
+
+    options = _options(model, batch, seq, dtype, activations, steps, warmup)
+    raise typer.Exit(alternate_mod.run(options, _methods(methods, alternate_mod.DEFAULT_METHODS, False), out, blocks))
