@@ -16,8 +16,11 @@ commit=$1 suite=$2 out_dir=$3 only=$4 box=$5; shift 5
 source scripts/device_setup.sh "$commit" >/dev/null || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 if [ $# -gt 0 ]; then
-  FORGE_AUTOTUNE=0 timeout $((box / 3)) python3 -m pytest -q -rs -n 8 -p no:cacheprovider "$@" > "$OUT/pytest_gpu.log" 2>&1
-  echo "pytest rc=$?"; tail -n 25 "$OUT/pytest_gpu.log"
+  # -v: each result is logged as it comes, so a run cut by the timeout still names its failures
+  FORGE_AUTOTUNE=0 timeout $((box / 3)) python3 -m pytest -v -rfEs --tb=line -n 8 -p no:cacheprovider "$@" \
+    > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest rc=$?"; grep -E "(FAILED|ERROR) tests/" "$OUT/pytest_gpu.log" | head -n 30
+  grep -E "^SKIPPED|^=+ .*(passed|failed)" "$OUT/pytest_gpu.log" | tail -n 25
 fi
 IFS=';' read -ra selections <<< "$only"
 for selection in "${selections[@]}"; do
