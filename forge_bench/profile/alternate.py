@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from forge_bench.profile.common import StepOptions, warmed_up_arm
+from forge_bench.profile.common import StepOptions, timed_step_phases, warmed_up_arm
 
 DEFAULT_METHODS = ("adamw_fused_compile", "forge_bf16_compile")
 PHASES = ("forward", "backward", "optimizer")
@@ -40,17 +39,7 @@ def synced_block(arm: Any, batches: list, steps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in (*PHASES, "wall")}
     for i in range(steps):
         torch.cuda.synchronize()
-        started = time.perf_counter()
-        loss = arm.loss_of(batches[i % len(batches)])
-        forward_done = time.perf_counter()
-        loss.backward()
-        backward_done = time.perf_counter()
-        arm.finish_step()
-        step_done = time.perf_counter()
-        torch.cuda.synchronize()
-        ended = time.perf_counter()
-        for name, seconds in zip((*PHASES, "wall"), (forward_done - started, backward_done - forward_done,
-                                                      step_done - backward_done, ended - started)):
+        for name, seconds in zip((*PHASES, "wall"), timed_step_phases(arm, batches[i % len(batches)])):
             times[name].append(seconds)
     return times
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import tempfile
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -114,6 +115,21 @@ def warmed_up_arm(tool: str, options: StepOptions, method_name: str, warmup: int
     torch.cuda.synchronize()
     pin_measured_threads()
     return arm, batches
+
+
+def timed_step_phases(arm: Any, batch: Mapping[str, torch.Tensor]) -> tuple[float, float, float, float]:
+    """One step of ``arm`` split as the host spends it: seconds in its forward, its backward and its optimizer
+    (each phase's work queued when it returns), then the step's wall seconds up to a synchronize."""
+    started = time.perf_counter()
+    loss = arm.loss_of(batch)
+    forward_done = time.perf_counter()
+    loss.backward()
+    backward_done = time.perf_counter()
+    arm.finish_step()
+    step_done = time.perf_counter()
+    torch.cuda.synchronize()
+    return (forward_done - started, backward_done - forward_done, step_done - backward_done,
+            time.perf_counter() - started)
 
 
 def pin_measured_threads() -> list[int]:

@@ -25,7 +25,7 @@ import torch
 
 from forge_core import native_hooks
 
-from forge_bench.profile.common import StepOptions, run_and_report, warmed_up_arm
+from forge_bench.profile.common import StepOptions, run_and_report, timed_step_phases, warmed_up_arm
 
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
 COMMAND = ["profile", "host"]
@@ -105,19 +105,10 @@ def profile_one(options: StepOptions, method_name: str) -> dict:
     timer.reset()
     native_hooks.reset_native_replays()
     for i in range(options.steps):
-        batch = batches[i % len(batches)]
-        started = time.perf_counter()
-        loss = arm.loss_of(batch)
-        forward_done = time.perf_counter()
-        loss.backward()
-        backward_done = time.perf_counter()
-        arm.finish_step()
-        step_done = time.perf_counter()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - started)
-        for name, seconds in zip(PHASES, (forward_done - started, backward_done - forward_done,
-                                          step_done - backward_done)):
-            phases[name].append(seconds)
+        *seconds, wall = timed_step_phases(arm, batches[i % len(batches)])
+        walls.append(wall)
+        for name, value in zip(PHASES, seconds):
+            phases[name].append(value)
     layers = linear_layers(arm.model)
     calls = timer.per_step(options.steps)
     native_replays = native_hooks.native_replays()
