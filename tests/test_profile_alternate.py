@@ -1,6 +1,8 @@
 """``forge-bench profile alternate``: the turns its blocks take, its report, and its refusals."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -42,3 +44,53 @@ def test_it_needs_two_arms_and_a_gpu_and_writes_nothing_otherwise(tmp_path) -> N
     with pytest.raises(SystemExit, match="profile alternate: needs a CUDA device"):
         alternate.run(StepOptions(model="gpt2"), ["adamw_fused", "forge_bf16"], out, blocks=2)
     assert not out.exists()
+
+
+class _Arm:
+    """A stand-in arm that logs what it is asked to do (the order in which the arms take their turns)."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def loss_of(self, batch: dict) -> torch.Tensor:
+        self.log.append(self.name)
+        return torch.ones((), requires_grad=True) * 2.0
+
+    def finish_step(self) -> None:
+        pass
+
+    def step(self, batch: dict) -> torch.Tensor:
+        self.log.append(self.name.upper())
+        return torch.ones(())
+
+
+class _Event:
+    """``torch.cuda.Event`` on the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        import time
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return 1e3 * (end.at - self.at)
+
+
+def test_the_arms_share_one_process_and_take_turns_synced_then_back_to_back(tmp_path, monkeypatch) -> None:
+    log: list[str] = []
+    monkeypatch.setattr(alternate, "warmed_up_arm", lambda tool, options, method: (_Arm(method, log), [{}]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a stand-in GPU")
+    out = tmp_path / "reports" / "alternate.md"
+    assert alternate.run(StepOptions(model="llama-3.2-1b", steps=2), ["a", "b"], out, blocks=3) == 0
+    synced, back_to_back = log[:12], log[12:]
+    assert synced == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    assert back_to_back == ["A", "A", "B", "B", "B", "B", "A", "A", "A", "A", "B", "B"]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["methods"] == ["a", "b"] and result["blocks"] == 3 and result["steps"] == 2
+    assert set(result["synced_ms"]["b"]) == {"forward", "backward", "optimizer", "wall"}
+    assert [len(result["back_to_back_ms"][m]) for m in ("a", "b")] == [3, 3]
+    assert out.read_text().startswith("# Arms taking turns in one process: llama-3.2-1b, batch 1, seq 512 (a stand-in GPU)")
