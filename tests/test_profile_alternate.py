@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from forge_bench.cli import app
-from forge_bench.profile import alternate
+from forge_bench.profile import alternate, common
 from forge_bench.profile.common import StepOptions
 
 RESULT = {
@@ -80,7 +80,7 @@ class _Event:
 
 def test_the_arms_share_one_process_and_take_turns_synced_then_back_to_back(tmp_path, monkeypatch) -> None:
     log: list[str] = []
-    monkeypatch.setattr(alternate, "warmed_up_arm", lambda tool, options, method: (_Arm(method, log), [{}]))
+    monkeypatch.setattr(common, "warmed_up_arm", lambda tool, options, method: (_Arm(method, log), [{}]))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "a stand-in GPU")
@@ -94,3 +94,9 @@ def test_the_arms_share_one_process_and_take_turns_synced_then_back_to_back(tmp_
     assert set(result["synced_ms"]["b"]) == {"forward", "backward", "optimizer", "wall"}
     assert [len(result["back_to_back_ms"][m]) for m in ("a", "b")] == [3, 3]
     assert out.read_text().startswith("# Arms taking turns in one process: llama-3.2-1b, batch 1, seq 512 (a stand-in GPU)")
+
+
+def test_an_arm_whose_step_is_not_split_is_refused_in_one_line(monkeypatch) -> None:
+    monkeypatch.setattr(common, "warmed_up_arm", lambda tool, options, method: (object(), [{}]))
+    with pytest.raises(SystemExit, match="^profile alternate: galore does not split its step into loss_of and finish_step$"):
+        alternate.profile_arms(StepOptions(), ["galore", "forge_bf16"], blocks=2)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import forge_core
-from forge_bench.profile import host
+from forge_bench.profile import common, host
 from forge_bench.profile.common import StepOptions
 
 RESULTS = [
@@ -105,7 +105,7 @@ def test_each_arm_is_timed_phase_by_phase(monkeypatch: pytest.MonkeyPatch) -> No
                                                probe_inputs={"x": batches[0]["x"], "labels": batches[0]["labels"]}), {})
 
     for kind, method in (("torch", "adamw_fused"), ("forge", "forge_bf16")):
-        monkeypatch.setattr(host, "warmed_up_arm", lambda tool, options, name, kind=kind: (build(kind), batches))
+        monkeypatch.setattr(common, "warmed_up_arm", lambda tool, options, name, kind=kind: (build(kind), batches))
         result = host.profile_one(StepOptions(steps=4), method)
         assert result["method"] == method and result["linear_layers"] == 2 and result["steps"] == 4
         assert set(result["host_ms"]) == {"forward", "backward", "optimizer"}
@@ -127,7 +127,7 @@ def test_a_compiled_twin_is_timed_and_a_replaying_one_refused(monkeypatch: pytes
     for mode in ("default", "reduce-overhead"):
         model = _TinyRegressor()
         arm = compiled_arms.CompiledArm(TorchArm(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {}), mode)
-        monkeypatch.setattr(host, "warmed_up_arm", lambda tool, options, name, arm=arm: (arm, batches))
+        monkeypatch.setattr(common, "warmed_up_arm", lambda tool, options, name, arm=arm: (arm, batches))
         if mode == "default":
             result = host.profile_one(StepOptions(steps=3), "adamw_fused_compile")
             assert result["host_ms"]["optimizer"] > 0 and result["linear_layers"] == 2

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from forge_bench.profile.common import StepOptions, timed_step_phases, warmed_up_arm
+from forge_bench.profile.common import StepOptions, timed_step_phases, warmed_up_split_arm
 
 DEFAULT_METHODS = ("adamw_fused_compile", "forge_bf16_compile")
 PHASES = ("forward", "backward", "optimizer")
@@ -59,10 +59,7 @@ def profile_arms(options: StepOptions, methods: list[str], blocks: int) -> dict[
     """Build and warm up every arm here, then the synced blocks and the back-to-back blocks in turns."""
     arms = {}
     for method in methods:
-        arm, batches = warmed_up_arm("profile alternate", options, method)
-        if not (callable(getattr(arm, "loss_of", None)) and callable(getattr(arm, "finish_step", None))):
-            raise SystemExit(f"profile alternate: {method} does not split its step into loss_of and finish_step")
-        arms[method] = (arm, batches)
+        arms[method] = warmed_up_split_arm("profile alternate", options, method)
     synced: dict[str, dict[str, list[float]]] = {m: {name: [] for name in (*PHASES, "wall")} for m in methods}
     for order in block_orders(methods, blocks):
         for method in order:

@@ -1,7 +1,7 @@
 """``forge-bench profile``: the per-arm GPU profilers as Typer subcommands (``step``, ``timeline``, ``host``,
 ``graph``, ``layers``, ``alternate``). Each but ``alternate`` (its arms share one process by design) runs every
-``--methods`` arm in its own child process, started as this same command with the hidden ``--one`` flag; the profiler modules (torch, the model zoo) load only when
-a command runs, so ``forge-bench --help`` stays quick."""
+``--methods`` arm in its own child process, started as this same command with the hidden ``--one`` flag; the
+profiler modules (torch, the model zoo) load only when a command runs, so ``forge-bench --help`` stays quick."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -117,6 +117,15 @@ def warmed_up_arm(tool: str, options: StepOptions, method_name: str, warmup: int
     return arm, batches
 
 
+def warmed_up_split_arm(tool: str, options: StepOptions, method_name: str) -> tuple[Any, list]:
+    """``warmed_up_arm`` for the profilers that time a step's phases (``timed_step_phases``): a one-line refusal
+    for an arm whose step is not split into ``loss_of`` and ``finish_step``."""
+    arm, batches = warmed_up_arm(tool, options, method_name)
+    if not (callable(getattr(arm, "loss_of", None)) and callable(getattr(arm, "finish_step", None))):
+        raise SystemExit(f"{tool}: {method_name} does not split its step into loss_of and finish_step")
+    return arm, batches
+
+
 def timed_step_phases(arm: Any, batch: Mapping[str, torch.Tensor]) -> tuple[float, float, float, float]:
     """One step of ``arm`` split as the host spends it: seconds in its forward, its backward and its optimizer
     (each phase's work queued when it returns), then the step's wall seconds up to a synchronize."""

@@ -25,7 +25,7 @@ import torch
 
 from forge_core import native_hooks
 
-from forge_bench.profile.common import StepOptions, run_and_report, timed_step_phases, warmed_up_arm
+from forge_bench.profile.common import StepOptions, run_and_report, timed_step_phases, warmed_up_split_arm
 
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
 COMMAND = ["profile", "host"]
@@ -88,9 +88,7 @@ def linear_layers(model: torch.nn.Module) -> int:
 
 def profile_one(options: StepOptions, method_name: str) -> dict:
     """Time ``options.steps`` eager steps of one arm in this process, phase by phase."""
-    arm, batches = warmed_up_arm("profile host", options, method_name)
-    if not (callable(getattr(arm, "loss_of", None)) and callable(getattr(arm, "finish_step", None))):
-        raise SystemExit(f"profile host: {method_name} does not split its step into loss_of and finish_step")
+    arm, batches = warmed_up_split_arm("profile host", options, method_name)
     if getattr(arm, "mode", None) == "reduce-overhead":
         raise SystemExit(f"profile host: {method_name} replays CUDA graphs, whose host time is not split into "
                          "forward, backward and optimizer; profile graph times replays")
