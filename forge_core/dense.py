@@ -20,6 +20,7 @@ from .kernels.row_update import row_update
 from .rules.base import Rule
 from .state import QBLOCK, ParamState
 from .traced import remember_traced_arguments
+from .update_graphs import UpdateGraphs
 
 LaunchUpdate = Callable[..., None]
 """``ForgeOptimizer``'s update launch: (owner, x, grad_output, weight, state, grad_accum)."""
@@ -91,6 +92,9 @@ class DenseWeight:
         self.padding_idx: Optional[int] = None
         self.recorded_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(token ids, output gradient) of each backward since the last step (micro-batches add up)."""
+        self.update_graphs: Optional[UpdateGraphs] = None
+        """Its steps' recorded CUDA graphs (``forge_core.update_graphs.UpdateGraphs``), where its optimizer
+        replays them: keyed by where its gradient lies."""
         self.slots: Optional[torch.Tensor] = None
         """Row r's index in the step's gradient rows, or -1 (``kernels.row_update``); made at the first
         row step and rewritten in place by every later one."""

@@ -38,14 +38,15 @@ from . import kernels
 from .backends import BACKENDS, capturable_problem, check_capturable, resolve_backend
 from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
-from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate, weakly_bound_update
+from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate
 from . import native_hooks
 from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
 from .reduction import DistributedUpdates, RowBlockUpdate
-from .rules.base import KERNEL_SCALARS, Rule, check_scalar_count
+from .rules.base import KERNEL_SCALARS, Rule
 from .state import ParamState, restore_entry, saved_entry
 from .state_arena import StateArena
-from .traced import graph_capturing, run_traced_update, state_tensors, trace_key, written_tensors
+from .replayed_updates import ReplayedUpdates
+from .traced import state_tensors, trace_key
 from .traced_updates import TracedUpdates
 from .update_graphs import UPDATE_GRAPHS, UpdateGraphs, replay_problem
 
@@ -76,7 +77,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
+class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
     """A torch optimizer whose Linear-weight updates happen inside backward (see module docstring).
 
     Built by ``forge_core.fuse``; not meant to be constructed directly."""
@@ -145,6 +146,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         # hyper-parameters they were computed from. Allocated wherever the updates could read them (a few
         # bytes); read once ``_device_mode`` is on: capturable=True, or after a traced update.
         self._device_steps: list[torch.Tensor] = []
+        self._device_steps_on_host: list[Optional[int]] = []   # what each holds, where the host knows it
         self._device_scalars: list[torch.Tensor] = []
         self._scalars_stale: list[bool] = []
         self._scalars_written_from: list[Optional[dict[str, Any]]] = []
@@ -156,6 +158,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
             device = (bindings[0].weight if bindings else self._dense[0].weight).device
             for _ in self.param_groups:
                 self._device_steps.append(torch.zeros((), dtype=torch.float64, device=device))
+                self._device_steps_on_host.append(0)
                 self._device_scalars.append(torch.zeros(KERNEL_SCALARS, dtype=torch.float32, device=device))
                 self._scalars_stale.append(True)
                 self._scalars_written_from.append(None)
@@ -169,42 +172,11 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         """Why this optimizer's eager updates do not replay recorded CUDA graphs (``forge_core.update_graphs``),
         or None when a fused weight's update is recorded once its inputs' placement repeats."""
         if self.update_replay_problem is None:
-            for binding in bindings:
-                binding.update_graphs = UpdateGraphs(kernels.launch_path_counts())
+            for owner in (*bindings, *self._dense):
+                owner.update_graphs = UpdateGraphs(kernels.launch_path_counts())
         self._native_gate: Optional[Any] = None
         if self.update_replay_problem is None and native_hooks.wanted(devices):
             self.attach_native_hooks()
-
-    def attach_native_hooks(self) -> bool:
-        """Give every fused weight with recorded updates the C++ backward hook (``forge_core.native_hooks``),
-        which replays them without Python; False (the Python hook stays) where the extension is unavailable."""
-        gate = native_hooks.new_gate()
-        if gate is None:
-            return False
-        self._native_gate = gate
-        for binding in self._bindings:
-            if binding.update_graphs is not None:
-                count = binding.micro_batches
-                binding.native_slot = native_hooks.new_slot(gate, binding.matrix, weakly_bound_update(binding))
-                binding.native_slot.count = count
-                binding.update_graphs.use_native(binding.native_slot)
-                native_hooks.name_slot(binding.trace_key, binding.native_slot)
-        native_hooks.serve_traced_updates({b.weight.device for b in self._bindings}, run_traced_update)
-        return True
-
-    def _open_native_gate(self) -> None:
-        """Let the C++ hooks replay the rest of this step's recorded updates: every group's device scalars are
-        brought up to date first (a Python update does this once a step; ``step()`` closes the gate again)."""
-        gate = self._native_gate
-        if gate is None or gate.open:
-            return
-        for group in range(len(self._device_scalars)):
-            self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
-        gate.open = True
-
-    def _close_native_gate(self) -> None:
-        if self._native_gate is not None:
-            self._native_gate.open = False
 
     # -- what is fused ----------------------------------------------------------------------
 
@@ -245,13 +217,6 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         self._unfused = True
         self._forget_update_graphs()
 
-    def _forget_update_graphs(self) -> None:
-        """Drop every recorded update (``forge_core.update_graphs``): their weights or states changed."""
-        self._close_native_gate()
-        for binding in self._bindings:
-            if binding.update_graphs is not None:
-                binding.update_graphs.clear()
-
     @property
     def unfused(self) -> bool:
         """Whether ``forge_core.unfuse`` was called on this optimizer's model (``step()`` then raises)."""
@@ -276,6 +241,7 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         if not self._device_mode:
             return
         counts = [int(t.item()) for t in self._device_steps]
+        self._device_steps_on_host = list(counts)      # (a sync: never inside a capture)
         for binding in self._bindings:
             binding.steps_done = counts[binding.group_index]
         for dense in self._dense:
@@ -352,44 +318,6 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
         if graphs is not None and self._replayed_update(graphs, binding, x, grad_output):
             return
         self.apply_update(binding, x, grad_output)
-
-    def _replayed_update(self, graphs: UpdateGraphs, binding: FusedWeight, x: torch.Tensor,
-                         grad_output: torch.Tensor) -> bool:
-        """``binding``'s update replayed from its recorded graph, or recorded now and replayed when its inputs
-        lie where they lay at its previous update (``forge_core.update_graphs``); False where it must be
-        launched: fp32 inputs (their plan follows the TF32 switch), the side stream, a traced update on copies
-        of the weight's tensors, a graph capture around it, or device mode out of reach (the weights' step counts
-        differ)."""
-        if x.dtype == torch.float32 or binding.overlap_updates or self._updating_copies or graph_capturing():
-            return False
-        key = graphs.key(x, grad_output, binding.matrix)
-        group = binding.group_index
-        if key in graphs.graphs:                    # not capturing (checked above): no second check per layer
-            self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
-            self._open_native_gate()
-            self._list_natively(graphs, key, binding, x, grad_output)   # (a no-op once listed)
-            return graphs.replay(key, x, grad_output)
-        if not graphs.wants_recording(key):
-            return False
-        if not self._device_mode:
-            try:
-                self.enter_device_mode()
-            except ValueError:                      # one step count per group is what device mode keeps
-                graphs.stopped = True
-                return False
-        # before the recording (a recorded write would put these values back at every replay)
-        self._rewrite_changed_device_scalars(group, self._scalars_stale[group])
-        if not graphs.record_and_replay(key, lambda *inputs: self.apply_update(binding, *inputs), x, grad_output):
-            return False
-        self._list_natively(graphs, key, binding, x, grad_output)
-        self._open_native_gate()
-        return True
-
-    def _list_natively(self, graphs: UpdateGraphs, key: tuple, binding: FusedWeight, x: torch.Tensor,
-                       grad_output: torch.Tensor) -> None:
-        """Hand a recording the C++ hook has not seen to it, with the tensors it writes and reads (what a compiled
-        backward's operator call must hand it for a replay)."""
-        graphs.list_natively(key, x, grad_output, written_tensors(binding), self.device_scalars_of(binding))
 
     def begin_row_updates_of(self, binding: FusedWeight, x: Optional[torch.Tensor]) -> "RowSliceUpdate | RowBlockUpdate":
         """One backward of ``binding`` delivered in row blocks (see ``FusedWeight.begin_row_updates``)."""
@@ -470,43 +398,8 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
 
     def _step_dense(self, dense: DenseWeight) -> None:
         """``step()``'s update of one 2-D fallback parameter (``forge_core.dense.step_dense``)."""
-        step_dense(dense, rule_name=self.rule.name, backend=self.backend, launch_update=self._launch_update,
+        step_dense(dense, rule_name=self.rule.name, backend=self.backend, launch_update=self._launch_dense_update,
                    update_arguments=self._update_arguments)
-
-    def _write_device_scalars(self, group: int, buffer: Optional[torch.Tensor] = None) -> None:
-        """The group's kernel scalars for step (device count + 1), by device ops only (a fill per
-        float, a copy per tensor): in a CUDA graph they are recomputed at every replay. ``buffer``: write
-        there instead of the group's own buffer (an update of copies, ``traced_update``)."""
-        if self.rule.kernel_scalars_on_device is None:       # a per-layer rule reads the device step itself
-            return
-        hyperparameters = self._kernel_hyperparameters(group)
-        values = self.rule.kernel_scalars_on_device(hyperparameters, self._device_steps[group] + 1)
-        check_scalar_count(self.rule.name, len(values))
-        target = self._device_scalars[group] if buffer is None else buffer
-        for index, value in enumerate(values):
-            if isinstance(value, torch.Tensor):
-                target[index].copy_(value)
-            else:
-                target[index].fill_(float(value))   # a kernel argument: no host-to-device copy to capture
-        if buffer is None:
-            self._scalars_stale[group] = False
-            self._scalars_written_from[group] = hyperparameters
-
-    def _keep_device_scalars_current(self, group: int, *, on_change_only: bool = False) -> None:
-        """Rewrite the group's device scalars when a step made them stale or (outside a CUDA graph capture)
-        when its hyper-parameters changed since they were written: a scheduler's lr reaches the next
-        update, and a graph recorded after that reads it at every replay. Inside a capture nothing but a
-        stale buffer is written: a recorded fill would put back the recorded lr at every replay."""
-        stale = self._scalars_stale[group] and not on_change_only
-        if not stale and graph_capturing():
-            return
-        self._rewrite_changed_device_scalars(group, stale)
-
-    def _rewrite_changed_device_scalars(self, group: int, stale: bool) -> None:
-        """``_keep_device_scalars_current`` for a caller that knows no capture is running (it checked)."""
-        written_from = self._scalars_written_from[group]
-        if stale or written_from is None or written_from != self._kernel_hyperparameters(group):
-            self._write_device_scalars(group)
 
     def _flush_partial_accumulation(self, binding: FusedWeight) -> None:
         """``step()`` after m < k micro-batches: apply the update from the accumulator alone (as
@@ -563,28 +456,32 @@ class ForgeOptimizer(TracedUpdates, BackwardUpdateOptimizer):
                     "be ignored; re-fuse the model (the fuse-time probe excludes such weights)")
         if self.distributed is not None:
             self.distributed.before_step()
+        k = self.accumulate_steps
+        updated = []        # each count read once: a C++ hook's count is a call into the extension
         for binding in self._bindings:
-            if 0 < binding.micro_batches < self.accumulate_steps:
+            seen = binding.micro_batches
+            if 0 < seen < k:
                 self._flush_partial_accumulation(binding)
-            elif binding.micro_batches == self.accumulate_steps:
+                seen = k
+            elif seen == k:
                 for r0, r1 in binding.rows_left_out():
                     self._update_rows_without_tokens(binding, r0, r1)
+            updated.append(seen)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
         if any(group["params"] for group in self._fallback.param_groups):
             self._fallback.step()   # torch refuses to capture a non-capturable step even with no parameters
-        for binding in self._bindings:
-            if binding.micro_batches == self.accumulate_steps:
+        for binding, seen in zip(self._bindings, updated):
+            if seen == k:
                 binding.steps_done += 1
-            binding.micro_batches = 0
+            if seen:
+                binding.micro_batches = 0
             binding.end_step()
         self._steps_taken += 1
         self._close_native_gate()
         if self._device_mode:
-            for group, count in enumerate(self._device_steps):
-                count.add_(1.0)
-                self._write_device_scalars(group)      # for the next backward, outside the graph it may replay
+            self.advance_device_steps()
         return loss
 
     def _parameter_order(self) -> list[nn.Parameter]:

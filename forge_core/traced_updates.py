@@ -13,9 +13,21 @@ import torch
 
 from .dense import DenseWeight
 from .fused_weight import FusedWeight
+from .rules.base import check_scalar_count
 from .state import ParamState
 from .state_arena import inside, view_in
 from .traced import graph_capturing, keep_static, remember_traced_arguments, same_tensors, written_tensors
+
+
+def write_scalars(target: torch.Tensor, rule_name: str, values: tuple[float, ...]) -> None:
+    """Write a rule's host-computed kernel scalars into the first ``len(values)`` elements of ``target`` with one
+    copy, queued on the current stream: a CUDA target's from pinned memory, which the caching host allocator
+    keeps until the copy has run."""
+    check_scalar_count(rule_name, len(values))
+    source = torch.tensor(values, dtype=target.dtype)
+    if target.is_cuda:
+        source = source.pin_memory()
+    target[:len(values)].copy_(source, non_blocking=True)
 
 
 def _update_target(owner: Any) -> torch.Tensor:
@@ -79,8 +91,64 @@ class TracedUpdates:
         """Set each group's device step count from its weights' host counts (``_group_step_count``), its
         scalars to be rewritten: entering device mode, and ``load_state_dict`` in it."""
         for group, count in enumerate(self._device_steps):
-            count.fill_(float(self._group_step_count(group)))
+            steps = self._group_step_count(group)
+            count.fill_(float(steps))
+            self._device_steps_on_host[group] = None if graph_capturing() else steps
             self._scalars_stale[group] = True
+
+    def advance_device_steps(self) -> None:
+        """``step()`` in device mode: each group's device step count advanced, and its scalars written for the
+        next backward (outside the graph it may replay). A step captured into a CUDA graph advances the counts
+        at every replay, which the host does not see: from then on the scalars are computed on the device."""
+        capturing = graph_capturing() or torch.compiler.is_compiling()
+        for group, count in enumerate(self._device_steps):
+            count.add_(1.0)
+            known = self._device_steps_on_host[group]
+            self._device_steps_on_host[group] = None if capturing or known is None else known + 1
+            self._write_device_scalars(group)
+
+    def _write_device_scalars(self, group: int, buffer: Optional[torch.Tensor] = None) -> None:
+        """The group's kernel scalars for step (device count + 1) in its device buffer (``buffer``: there instead,
+        an update of copies, ``traced_update``). Where the host knows the count and no CUDA graph is being
+        captured, ``rule.kernel_scalars`` computes them on the host (the values a launched update passes its
+        kernel) and one copy writes them all; else device ops compute them (a fill per float, a copy per
+        tensor), so that a captured graph recomputes them at every replay. Why both: the device ops are ~12
+        kernels a group, ~400 us of an H200 host's ``step()`` for AdamW, where the step's host time is the
+        step's time (a compiled Llama-3.2-1B)."""
+        if self.rule.kernel_scalars_on_device is None:       # a per-layer rule reads the device step itself
+            return
+        hyperparameters = self._kernel_hyperparameters(group)
+        target = self._device_scalars[group] if buffer is None else buffer
+        known = self._device_steps_on_host[group]
+        if known is not None and not graph_capturing():
+            write_scalars(target, self.rule.name, self.rule.kernel_scalars(hyperparameters, known + 1))
+        else:
+            values = self.rule.kernel_scalars_on_device(hyperparameters, self._device_steps[group] + 1)
+            check_scalar_count(self.rule.name, len(values))
+            for index, value in enumerate(values):
+                if isinstance(value, torch.Tensor):
+                    target[index].copy_(value)
+                else:
+                    target[index].fill_(float(value))   # a kernel argument: no host-to-device copy to capture
+        if buffer is None:
+            self._scalars_stale[group] = False
+            self._scalars_written_from[group] = hyperparameters
+
+    def _keep_device_scalars_current(self, group: int, *, on_change_only: bool = False) -> None:
+        """Rewrite the group's device scalars when a step made them stale or (outside a CUDA graph capture)
+        when its hyper-parameters changed since they were written: a scheduler's lr reaches the next
+        update, and a graph recorded after that reads it at every replay. Inside a capture nothing but a
+        stale buffer is written: a recorded fill would put back the recorded lr at every replay."""
+        stale = self._scalars_stale[group] and not on_change_only
+        if not stale and graph_capturing():
+            return
+        self._rewrite_changed_device_scalars(group, stale)
+
+    def _rewrite_changed_device_scalars(self, group: int, stale: bool) -> None:
+        """``_keep_device_scalars_current`` for a caller that knows no capture is running (it checked)."""
+        written_from = self._scalars_written_from[group]
+        if stale or written_from is None or written_from != self._kernel_hyperparameters(group):
+            self._write_device_scalars(group)
 
     def _group_step_count(self, group: int) -> int:
         """The one step count of the group's fused and kernel-stepped weights (device mode keeps one)."""
@@ -171,4 +239,4 @@ class TracedUpdates:
                 self._step_dense(dense)
 
 
-__all__ = ["TracedUpdates"]
+__all__ = ["TracedUpdates", "write_scalars"]

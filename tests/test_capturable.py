@@ -241,6 +241,64 @@ def test_a_rule_with_too_many_device_scalars_is_a_clear_error() -> None:
 
     model = _mlp()
     opt = _fuse(model, capturable=True, **HYPERPARAMETERS["adamw"])
-    opt.rule = dataclasses.replace(opt.rule, kernel_scalars_on_device=lambda hp, step: (0.0,) * (NUM_SCALARS + 1))
+    too_many = (0.0,) * (NUM_SCALARS + 1)
+    opt.rule = dataclasses.replace(opt.rule, kernel_scalars_on_device=lambda hp, step: too_many,
+                                   kernel_scalars=lambda hp, step: too_many)
     with pytest.raises(ValueError, match=r"rule 'adamw' returned 9 kernel scalars; at most 8"):
         _loss(model, _batches(1)[0]).backward()
+    opt._device_steps_on_host[0] = None          # the device ops' values (after a captured step) are checked too
+    with pytest.raises(ValueError, match=r"rule 'adamw' returned 9 kernel scalars; at most 8"):
+        opt._write_device_scalars(0)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ATen ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rule_name", CAPTURABLE_RULES)
+def test_device_scalars_known_on_the_host_are_written_with_one_copy(rule_name: str) -> None:
+    """Where the host knows the device step count, ``step()`` writes the next step's scalars with one copy of
+    the host's values, equal to what the device ops compute (the path a captured step takes)."""
+    model = _mlp()
+    opt = _fuse(model, optimizer=rule_name, capturable=True, **HYPERPARAMETERS.get(rule_name, {}))
+    for batch in _batches(3):
+        _train_step(model, opt, batch)
+    assert opt._device_steps_on_host == [3]
+    with _Ops() as mode:
+        opt._write_device_scalars(0)
+    assert [op for op in mode.ops if op not in ("aten.lift_fresh", "aten.slice", "aten.detach")] == ["aten.copy_"]
+    from_host = opt._device_scalars[0].clone()
+    opt._device_steps_on_host[0] = None
+    opt._write_device_scalars(0)
+    assert torch.equal(opt._device_scalars[0], from_host)
+    assert float(opt._device_steps[0]) == 3.0
+
+
+def test_a_step_inside_a_capture_hands_the_scalars_to_the_device_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step captured into a CUDA graph advances the device count at every replay, unseen by the host: from
+    that step on the scalars are computed from the device count, until a load or a read of the counts."""
+    import forge_core.traced_updates as traced_updates
+
+    model = _mlp()
+    opt = _fuse(model, capturable=True, **HYPERPARAMETERS["adamw"])
+    _train_step(model, opt, _batches(1)[0])
+    assert opt._device_steps_on_host == [1]
+    _loss(model, _batches(1)[0]).backward()
+    monkeypatch.setattr(traced_updates, "graph_capturing", lambda: True)
+    opt.step()
+    monkeypatch.undo()
+    opt.zero_grad()
+    assert opt._device_steps_on_host == [None]
+    opt._device_steps[0].fill_(5.0)                 # as five replays of the captured step would leave it
+    opt._write_device_scalars(0)
+    expected = get_rule("adamw").kernel_scalars(opt._kernel_hyperparameters(0), 6)
+    assert torch.equal(opt._device_scalars[0][:len(expected)].cpu(), torch.tensor(expected, dtype=torch.float32))
+    assert opt.steps_taken == 5 and opt._device_steps_on_host == [5]

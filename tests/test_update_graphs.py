@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 import forge_core
-from forge_core import optimizer as optimizer_module
-from forge_core import update_graphs
+from forge_core import replayed_updates, traced_updates, update_graphs
 from forge_core.kernels import launch_path_counts, launch_paths, reset_launch_paths
 from forge_core.update_graphs import UpdateGraphs, replay_problem
 
@@ -33,7 +32,8 @@ class Rerun:
 
     def replay(self) -> None:
         self.replays += 1
-        with mock.patch.object(optimizer_module, "graph_capturing", lambda: True):
+        with mock.patch.object(replayed_updates, "graph_capturing", lambda: True), \
+                mock.patch.object(traced_updates, "graph_capturing", lambda: True):
             self.update()
 
 
@@ -356,6 +356,56 @@ def test_a_loaded_state_drops_the_recordings_and_trains_on_alike() -> None:
     for a, b in zip(replayed.fused_weights(), launched.fused_weights()):
         assert torch.equal(a.matrix, b.matrix), a.name
         assert a.steps_done == b.steps_done == 7
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight its head reads too: a dense weight ``step()`` updates from its ``.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Embedding(40, 48)
+        self.body = nn.Linear(48, 48)
+        self.head = nn.Linear(48, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.gelu(self.body(self.embed(ids))))
+
+
+def test_a_dense_weights_step_replays_its_recording_as_a_launched_step() -> None:
+    """A tied embedding's step from its ``.grad`` is recorded once the gradient lies where it lay and replayed
+    after (a gradient buffer kept by ``zero_grad(set_to_none=False)``), under a cosine schedule: its weight and
+    moments equal an optimizer's that launches every step, bit for bit."""
+    models = [_TiedLM().to(DEVICE, torch.bfloat16) for _ in range(2)]
+    opts = [forge_core.fuse(m, "adamw", backend="triton", probe_inputs=torch.zeros(1, 4, dtype=torch.long,
+                                                                                     device=DEVICE), **HP)
+            for m in models]
+    dense = [opt.dense_weights()[0] for opt in opts]
+    assert dense[0].weight is models[0].embed.weight
+    assert (dense[0].update_graphs is None) == (DEVICE == "cpu")        # CUDA graphs: CUDA weights only
+    if DEVICE == "cpu":
+        _attach_rerun_recordings(opts[0])
+        dense[0].update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
+    for opt in opts:
+        for binding in opt.fused_weights():
+            binding.update_graphs = None      # the fused updates launched in both: the dense step is compared
+    dense[1].update_graphs = None
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6) for opt in opts]
+    generator = torch.Generator().manual_seed(9)
+    reset_launch_paths()
+    for _ in range(6):
+        ids = torch.randint(0, 40, (2, 7), generator=generator).to(DEVICE)
+        for model, opt, schedule in zip(models, opts, schedules):
+            model(ids).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            schedule.step()
+    assert launch_paths()["graph"] == 5                     # steps 2-6: recorded at 2 (and replayed), then replayed
+    assert torch.equal(models[0].embed.weight, models[1].embed.weight)
+    for name in dense[0].state.state_names:
+        assert torch.equal(dense[0].state.values[name], dense[1].state.values[name]), name
+    assert dense[0].steps_done == dense[1].steps_done == 6
 
 
 def test_weights_with_different_step_counts_keep_their_updates_launched() -> None:
