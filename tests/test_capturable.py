@@ -210,6 +210,9 @@ def test_a_captured_training_step_replays_like_eager_steps(rule_name: str) -> No
     eager, graphed = _mlp(), _mlp()
     eager_opt = _fuse(eager, optimizer=rule_name, capturable=True, **HYPERPARAMETERS.get(rule_name, {}))
     graph_opt = _fuse(graphed, optimizer=rule_name, capturable=True, **HYPERPARAMETERS.get(rule_name, {}))
+    # The eager steps compute their scalars by the device ops a captured step replays, not on the host: CUDA's
+    # float64 pow can differ from the host's in the last bit, and NAdam's fp32 scalars then in one ulp.
+    eager_opt._device_steps_on_host = [None] * len(eager_opt._device_steps_on_host)
     batches = _batches(7)
     for batch in batches[:3]:                    # warm-up: tuning, compilation, fallback state
         _train_step(eager, eager_opt, batch)
@@ -251,15 +254,21 @@ def test_a_rule_with_too_many_device_scalars_is_a_clear_error() -> None:
         opt._write_device_scalars(0)
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the ATen ops run inside it."""
+class _Writes(TorchDispatchMode):
+    """Records the ATen ops run inside it on a view of ``target`` (besides the views themselves)."""
 
-    def __init__(self) -> None:
+    VIEWS = ("aten.slice", "aten.select", "aten.alias", "aten.detach", "aten.view")
+
+    def __init__(self, target: torch.Tensor) -> None:
         super().__init__()
+        self.storage = target.untyped_storage().data_ptr()
         self.ops: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        name = str(func.overloadpacket)
+        if first is not None and first.untyped_storage().data_ptr() == self.storage and name not in self.VIEWS:
+            self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -272,13 +281,17 @@ def test_device_scalars_known_on_the_host_are_written_with_one_copy(rule_name: s
     for batch in _batches(3):
         _train_step(model, opt, batch)
     assert opt._device_steps_on_host == [3]
-    with _Ops() as mode:
+    with _Writes(opt._device_scalars[0]) as mode:
         opt._write_device_scalars(0)
-    assert [op for op in mode.ops if op not in ("aten.lift_fresh", "aten.slice", "aten.detach")] == ["aten.copy_"]
+    assert mode.ops == ["aten.copy_"]
     from_host = opt._device_scalars[0].clone()
     opt._device_steps_on_host[0] = None
-    opt._write_device_scalars(0)
-    assert torch.equal(opt._device_scalars[0], from_host)
+    with _Writes(opt._device_scalars[0]) as mode:
+        opt._write_device_scalars(0)
+    assert len(mode.ops) > 1                # a fill or a copy per scalar
+    # equal on the CPU; CUDA's float64 pow may differ from the host's in the last bit (one fp32 ulp at most)
+    tolerance = 0.0 if DEVICE == "cpu" else 2.0 ** -23
+    torch.testing.assert_close(opt._device_scalars[0], from_host, rtol=tolerance, atol=0.0)
     assert float(opt._device_steps[0]) == 3.0
 
 
