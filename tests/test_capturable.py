@@ -315,3 +315,22 @@ def test_a_step_inside_a_capture_hands_the_scalars_to_the_device_ops(monkeypatch
     expected = get_rule("adamw").kernel_scalars(opt._kernel_hyperparameters(0), 6)
     assert torch.equal(opt._device_scalars[0][:len(expected)].cpu(), torch.tensor(expected, dtype=torch.float32))
     assert opt.steps_taken == 5 and opt._device_steps_on_host == [5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host buffers and CUDA events need a CUDA device")
+def test_scalar_uploads_never_refill_a_buffer_whose_copy_is_queued() -> None:
+    """Writes queued behind a busy stream, more of them than the uploads keep buffers: each target still receives
+    its own values (a buffer whose copy has not run is not filled again; a pinned tensor stands in)."""
+    from forge_core.traced_updates import ScalarUploads
+
+    uploads = ScalarUploads()
+    targets = [torch.zeros(NUM_SCALARS, device="cuda") for _ in range(3 * ScalarUploads.SLOTS)]
+    torch.cuda._sleep(50_000_000)             # the copies queue behind ~tens of milliseconds of GPU work
+    for index, target in enumerate(targets):
+        uploads.write(target, "adamw", tuple(float(index + i) for i in range(7)))
+    torch.cuda.synchronize()
+    for index, target in enumerate(targets):
+        assert target[:7].tolist() == [float(index + i) for i in range(7)], index
+    uploads.write(targets[0], "adamw", (9.0,) * 7)                   # a buffer whose copy has run is filled again
+    torch.cuda.synchronize()
+    assert targets[0][:7].tolist() == [9.0] * 7

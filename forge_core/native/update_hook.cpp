@@ -96,19 +96,20 @@ struct Entry {
   }
 
   // Copy the staged inputs where the recording reads them, on the current stream, before its launch: on a
-  // CUDA stream by the driver's asynchronous copy (a match has the recording's contiguous layout), a few
-  // microseconds of the host fewer than a tensor copy through the dispatcher, once or twice per replay.
-  void stage(const at::Tensor& a, const at::Tensor& b, void* cuda_stream) const {
-    stage_one(staged_first, a, cuda_stream);
-    stage_one(staged_second, b, cuda_stream);
+  // CUDA stream (`on_cuda`; the legacy default stream's handle is null) by the driver's asynchronous copy (a
+  // match has the recording's contiguous layout), a few microseconds of the host fewer than a tensor copy
+  // through the dispatcher, once or twice per replay.
+  void stage(const at::Tensor& a, const at::Tensor& b, bool on_cuda, void* cuda_stream) const {
+    stage_one(staged_first, a, on_cuda, cuda_stream);
+    stage_one(staged_second, b, on_cuda, cuda_stream);
   }
 
-  static void stage_one(const at::Tensor& staging, const at::Tensor& input, void* cuda_stream) {
+  static void stage_one(const at::Tensor& staging, const at::Tensor& input, bool on_cuda, void* cuda_stream) {
     if (!staging.defined()) {
       return;
     }
     CopyAsync copy = driver().copy;
-    if (cuda_stream != nullptr && copy != nullptr && input.is_contiguous()) {
+    if (on_cuda && copy != nullptr && input.is_contiguous()) {
       const size_t bytes = static_cast<size_t>(input.numel()) * input.element_size();
       int error = copy(reinterpret_cast<uint64_t>(staging.data_ptr()), reinterpret_cast<uint64_t>(input.data_ptr()),
                        bytes, cuda_stream);
@@ -248,7 +249,7 @@ struct Slot {
         return false;
       }
       if (found->graph_exec == nullptr) {
-        found->stage(first, second, nullptr);
+        found->stage(first, second, false, nullptr);
         stand_in_id = found->id;
       } else {
         Driver& cuda = driver();
@@ -256,7 +257,7 @@ struct Slot {
         if (cuda.capturing == nullptr || cuda.capturing(stream, &capture_status) != 0 || capture_status != 0) {
           return false;  // a capture around the backward: the Python update launches into it
         }
-        found->stage(first, second, stream);
+        found->stage(first, second, true, stream);
         int error = cuda.launch(found->graph_exec, stream);
         TORCH_CHECK(error == 0, "cuGraphLaunch of a recorded FORGE update failed with CUDA error ", error);
       }
