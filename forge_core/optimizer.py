@@ -47,7 +47,7 @@ from .state import ParamState, restore_entry, saved_entry
 from .state_arena import StateArena
 from .replayed_updates import ReplayedUpdates
 from .traced import state_tensors, trace_key
-from .traced_updates import ScalarUploads, TracedUpdates
+from .traced_updates import TracedUpdates
 from .update_graphs import UPDATE_GRAPHS, UpdateGraphs, replay_problem
 
 GUARD_GROUP_KEY = "forge_state_dict"
@@ -147,7 +147,6 @@ class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
         # bytes); read once ``_device_mode`` is on: capturable=True, or after a traced update.
         self._device_steps: list[torch.Tensor] = []
         self._device_steps_on_host: list[Optional[int]] = []   # what each holds, where the host knows it
-        self._scalar_uploads = ScalarUploads()
         self._device_scalars: list[torch.Tensor] = []
         self._scalars_stale: list[bool] = []
         self._scalars_written_from: list[Optional[dict[str, Any]]] = []

@@ -13,47 +13,21 @@ import torch
 
 from .dense import DenseWeight
 from .fused_weight import FusedWeight
-from .rules.base import KERNEL_SCALARS, check_scalar_count
+from .rules.base import check_scalar_count
 from .state import ParamState
 from .state_arena import inside, view_in
 from .traced import graph_capturing, keep_static, remember_traced_arguments, same_tensors, written_tensors
 
 
-class ScalarUploads:
-    """Host-computed kernel scalars on their way into device buffers: each write fills one of a few pinned host
-    buffers kept for it and queues one copy from it on the current stream. A buffer is filled again only once
-    the copy queued from it has run (its event says so); where none has, the write takes a pinned tensor from
-    torch's caching host allocator, which keeps it until its copy has run. Why kept buffers: a step writes them
-    once or twice, and a pinned tensor per write cost an H200 host ~190 us of a compiled Llama-3.2-1B step."""
-
-    SLOTS = 4
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.copied: list[Any] = []          # each buffer's event, recorded after the copy from it
-        self.next = 0
-
-    def write(self, target: torch.Tensor, rule_name: str, values: tuple[float, ...]) -> None:
-        """``values`` (a rule's ``kernel_scalars``) into the first ``len(values)`` elements of ``target``."""
-        check_scalar_count(rule_name, len(values))
-        if not target.is_cuda:
-            target[:len(values)].copy_(torch.tensor(values, dtype=target.dtype))
-            return
-        if not self.buffers:
-            self.buffers = [torch.zeros(KERNEL_SCALARS, dtype=target.dtype, pin_memory=True) for _ in range(self.SLOTS)]
-            self.copied = [None] * self.SLOTS
-        slot, self.next = self.next, (self.next + 1) % self.SLOTS
-        event = self.copied[slot]
-        buffer = self.buffers[slot]
-        if (event is not None and not event.query()) or buffer.dtype != target.dtype:
-            source = torch.tensor(values, dtype=target.dtype).pin_memory()
-            target[:len(values)].copy_(source, non_blocking=True)
-            return
-        buffer.numpy()[:len(values)] = values
-        target[:len(values)].copy_(buffer[:len(values)], non_blocking=True)
-        if event is None:
-            event = self.copied[slot] = torch.cuda.Event()
-        event.record()
+def write_scalars(target: torch.Tensor, rule_name: str, values: tuple[float, ...]) -> None:
+    """Write a rule's host-computed kernel scalars into the first ``len(values)`` elements of ``target`` with one
+    copy queued on the current stream: a CUDA target's from a pinned tensor, which torch's caching host allocator
+    keeps until the copy has run."""
+    check_scalar_count(rule_name, len(values))
+    source = torch.tensor(values, dtype=target.dtype)
+    if target.is_cuda:
+        source = source.pin_memory()
+    target[:len(values)].copy_(source, non_blocking=True)
 
 
 def _update_target(owner: Any) -> torch.Tensor:
@@ -147,7 +121,7 @@ class TracedUpdates:
         target = self._device_scalars[group] if buffer is None else buffer
         known = self._device_steps_on_host[group]
         if known is not None and not graph_capturing():
-            self._scalar_uploads.write(target, self.rule.name, self.rule.kernel_scalars(hyperparameters, known + 1))
+            write_scalars(target, self.rule.name, self.rule.kernel_scalars(hyperparameters, known + 1))
         else:
             values = self.rule.kernel_scalars_on_device(hyperparameters, self._device_steps[group] + 1)
             check_scalar_count(self.rule.name, len(values))
@@ -265,4 +239,4 @@ class TracedUpdates:
                 self._step_dense(dense)
 
 
-__all__ = ["ScalarUploads", "TracedUpdates"]
+__all__ = ["TracedUpdates", "write_scalars"]
