@@ -83,9 +83,11 @@ def to_markdown(result: dict[str, Any], options: StepOptions, device: str) -> st
              f"{result['blocks']} blocks of {result['steps']} steps per arm and mode, in turns (ABBA), after "
              f"{options.warmup} warm-up steps each. Synced: a synchronize before each step, host ms per phase "
              "(`time.perf_counter`) and the step's wall ms. Back to back: each block's median of CUDA-event step "
-             f"times, as a sweep cell times them. Speed-up: {first}'s ms over the arm's (above 1: the arm is faster).",
+             f"times, as a sweep cell times them. Speed-up: {first}'s ms over the arm's (above 1: the arm is faster); "
+             "per block: the speed-up within each block, where both arms ran next to each other in time (a drift of the "
+             "host's speed they share cancels), its median and range.",
              "", "| arm | synced wall ms | forward | backward | optimizer | host sum | back to back ms | speed-up, "
-             "back to back | per block (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "back to back | per block, median (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     base = result["back_to_back_ms"][first]
     for method in methods:
         synced = result["synced_ms"][method]
@@ -95,7 +97,7 @@ def to_markdown(result: dict[str, Any], options: StepOptions, device: str) -> st
         lines.append(f"| {method} | {synced['wall']:.2f} | {synced['forward']:.2f} | {synced['backward']:.2f} | "
                      f"{synced['optimizer']:.2f} | {host_sum:.2f} | {statistics.median(blocks):.2f} | "
                      f"{statistics.median(base) / statistics.median(blocks):.2f}x | "
-                     f"{min(ratios):.2f}x-{max(ratios):.2f}x |")
+                     f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}x-{max(ratios):.2f}x) |")
     return "\n".join(lines) + "\n"
 
 
