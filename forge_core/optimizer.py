@@ -457,7 +457,7 @@ class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
         if self.distributed is not None:
             self.distributed.before_step()
         k = self.accumulate_steps
-        updated = []        # each count read once: a C++ hook's count is a call into the extension
+        counts = []         # each weight's backward count, read once: a C++ hook's is a call into the extension
         for binding in self._bindings:
             seen = binding.micro_batches
             if 0 < seen < k:
@@ -466,13 +466,13 @@ class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
             elif seen == k:
                 for r0, r1 in binding.rows_left_out():
                     self._update_rows_without_tokens(binding, r0, r1)
-            updated.append(seen)
+            counts.append(seen)
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
         if any(group["params"] for group in self._fallback.param_groups):
             self._fallback.step()   # torch refuses to capture a non-capturable step even with no parameters
-        for binding, seen in zip(self._bindings, updated):
+        for binding, seen in zip(self._bindings, counts):
             if seen == k:
                 binding.steps_done += 1
             if seen:
