@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .module_copies import plain_module_reduction
-from .traced import traced, update_embedding_rows_
+from .traced import arguments_of, traced, update_embedding_rows_
 
 
 class RowGradientSink(Protocol):
@@ -96,7 +96,7 @@ class ForgeEmbedding(nn.Embedding):
         if sink is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return super().forward(input)
         if traced(sink):
-            return TracedRowGradientEmbeddingFunction.apply(input, weight, self.padding_idx, *sink.traced_arguments)
+            return TracedRowGradientEmbeddingFunction.apply(input, weight, self.padding_idx, *arguments_of(sink))
         return RowGradientEmbeddingFunction.apply(input, weight, self.padding_idx, sink)
 
     def extra_repr(self) -> str:

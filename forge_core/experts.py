@@ -43,7 +43,7 @@ from torch import nn
 from .fused_weight import FusedWeight, RowSliceUpdate
 from .kernels.tile_config import default_config
 from .module_copies import plain_module_reduction
-from .traced import WEIGHT, count_forward, mutating_operator, owner_of, traced, traced_update_scope
+from .traced import WEIGHT, arguments_of, count_forward, mutating_operator, owner_of, traced, traced_update_scope
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 TOKEN_BLOCK_CUDA = 64
@@ -319,9 +319,9 @@ def _traced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     x = hidden_states.new_zeros((pairs + experts * (block - 1), hidden), dtype=self.gate_up_proj.dtype)
     x = x.index_put((rows,), hidden_states[order // top_k].to(x.dtype))
     gate_up, down = updaters["gate_up_proj"], updaters["down_proj"]
-    h = TracedExpertsLinearFunction.apply(x, self.gate_up_proj, offsets, *gate_up.traced_arguments[1:])
+    h = TracedExpertsLinearFunction.apply(x, self.gate_up_proj, offsets, *arguments_of(gate_up)[1:])
     h = _gate(self, h)
-    out = TracedExpertsLinearFunction.apply(h, self.down_proj, offsets, *down.traced_arguments[1:])[rows]
+    out = TracedExpertsLinearFunction.apply(h, self.down_proj, offsets, *arguments_of(down)[1:])[rows]
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(pairs, device=order.device))
     return out[inverse].view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)

@@ -36,7 +36,7 @@ from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
 from .native_hooks import hooked_forward
 from .overlap import run_update, run_update_outside_autograd
-from .traced import count_forward, traced, update_weight_
+from .traced import arguments_of, count_forward, traced, update_weight_
 
 
 class WeightUpdater(Protocol):
@@ -153,7 +153,7 @@ def traced_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """The fused Linear under ``torch.compile`` (``TracedLinearFunction``): what the compiler sees of a
     ForgeLinear's or ForgeConv1D's forward and backward. Its operator's arguments come as one tuple
     (``traced.remember_traced_arguments``: fewer guards for Dynamo to re-check at every call)."""
-    return TracedLinearFunction.apply(x, weight, bias, transposed, *updater.traced_arguments)
+    return TracedLinearFunction.apply(x, weight, bias, transposed, *arguments_of(updater))
 
 
 HOOKED_LINEAR = os.environ.get("FORGE_HOOKED_LINEAR", "1") != "0"

@@ -59,7 +59,7 @@ from torch import nn
 from .kernels import cross_entropy as chunk_kernels
 from .linear import ForgeLinear, autocast_dtype
 from .overlap import run_beside, wants_overlap
-from .traced import MUTATED, owner_of, traced, traced_update_scope
+from .traced import MUTATED, arguments_of, owner_of, traced, traced_update_scope
 
 DEFAULT_CHUNK_BYTES = 64 * 2 ** 20
 """Upper bound on one chunk's fp32 logits (tokens x chunk x 4 bytes) when no chunk_size is given."""
@@ -429,7 +429,7 @@ def chunked_lm_head_cross_entropy(hidden: torch.Tensor, lm_head: nn.Linear, labe
     chunk = min(chunk, vocab)
     updater = _fused_updater(lm_head) if weight.requires_grad else None
     if torch.compiler.is_compiling() and (updater is None or traced(updater)):
-        arguments = updater.traced_arguments if updater is not None else (None, -1)
+        arguments = arguments_of(updater) if updater is not None else (None, -1)
         return _TracedChunkedLMHeadCrossEntropy.apply(hidden2, weight, bias, targets, denominator, chunk, ignore_index,
                                                       compute_dtype, *arguments)
     return _ChunkedLMHeadCrossEntropy.apply(hidden2, weight, bias, targets, denominator, chunk, ignore_index,

@@ -52,24 +52,61 @@ def traced(owner: Any) -> bool:
 
 
 def remember_traced_arguments(owner: Any) -> None:
-    """Keep on ``owner`` what its compiled forward hands the update operator, as one tuple: ``(scalars, key,
-    *written)``, its group's device scalars buffer (None without one), its key (``trace_key``) and
-    ``written_tensors``; None where its updates stay eager. The distributed entries' updates stay eager (the
-    compiler breaks the graph at each of their modules): FORGE-FSDP2's owners have no key, and FORGE-DP
-    applies a layer's update when its bucket is reduced, after the layer's backward, which an operator that
-    must have written its tensors when it returns cannot express.
+    """Keep on ``owner`` what its compiled forward hands the update operator (``arguments_of``): ``(shared, key,
+    *own)``, the number of its entry in the table of tensors many owners write (its group's device scalars and
+    the state arena's buffers, ``_SHARED``), its key (``trace_key``) and its written tensors that lie in no
+    arena; None where its updates stay eager. The distributed entries' updates stay eager (the compiler breaks
+    the graph at each of their modules): FORGE-FSDP2's owners have no key, and FORGE-DP applies a layer's
+    update when its bucket is reduced, after the layer's backward, which an operator that must have written
+    its tensors when it returns cannot express.
 
     Why one tuple: Dynamo re-checks, at every call of a compiled forward, each attribute the trace read.
     Reading the owner's state, its dicts, its optimizer, key and accumulator cost ~30 guards a fused layer
     (a 16-layer tiny Llama's guard check: 346 us a call against fused AdamW's 93, 2-core CPU); a tuple costs
-    its length check and a guard an element (216-252 us). So it is made again wherever one of its parts
-    changes: at ``fuse``, a data-parallel wrap, an embedding's new state or slot table."""
+    its length check and a guard an element. Why a shared table: a tensor that two layers' tuples both hold
+    reaches Dynamo by two paths, and it re-checks that they are one tensor with a Python guard a layer
+    (~1-2 us each, twice a layer with device scalars); read from one global entry it is one input, checked
+    once. The tuple is made again wherever one of its parts changes: at ``fuse``, a data-parallel wrap, an
+    embedding's new state or slot table."""
     optimizer = getattr(owner, "optimizer", None)
     key = getattr(owner, "trace_key", None)
     if key is None or optimizer is None or getattr(optimizer, "distributed", None) is not None:
         owner.traced_arguments = None
         return
-    owner.traced_arguments = (optimizer.device_scalars_of(owner), key, *written_tensors(owner))
+    arenas = tuple(getattr(owner, "state_arenas", ()))
+    written = written_tensors(owner)
+    shared = _share(optimizer, (optimizer.device_scalars_of(owner), *arenas))
+    owner.traced_arguments = (shared, key, *written[len(arenas):])
+
+
+_SHARED: dict[int, tuple] = {}
+"""The tensors that many owners' updates write, one entry per optimizer and (scalars, arenas) set, read by
+``arguments_of`` under the compiler; an entry lives as long as its optimizer (``_share``)."""
+_SHARED_KEYS: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+
+
+def _share(optimizer: Any, tensors: tuple) -> int:
+    """The ``_SHARED`` entry holding ``tensors`` for ``optimizer`` (made on first use, dropped with it)."""
+    entries = _SHARED_KEYS.get(optimizer)
+    if entries is None:
+        entries = _SHARED_KEYS[optimizer] = {}
+    identity = tuple(id(tensor) for tensor in tensors)
+    number = entries.get(identity)
+    if number is None or _SHARED.get(number) is None or not all(
+            a is b for a, b in zip(_SHARED[number], tensors)):
+        number = next(_KEYS)
+        entries[identity] = number
+        _SHARED[number] = tensors
+        weakref.finalize(optimizer, _SHARED.pop, number, None)
+    return number
+
+
+def arguments_of(owner: Any) -> tuple:
+    """What a compiled forward hands ``owner``'s update operator: ``(scalars, key, *written)``, its group's
+    device scalars buffer (None without one), its key and ``written_tensors(owner)`` in their order."""
+    shared, key, *own = owner.traced_arguments
+    scalars, *arenas = _SHARED[shared]
+    return (scalars, key, *arenas, *own)
 
 
 def count_forward(module: Any) -> None:
@@ -241,5 +278,5 @@ update_embedding_rows_ = mutating_operator(
     "Tensor(c!)? scalars, int key", _update_embedding_rows)
 
 
-__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "count_forward", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "remember_traced_arguments", "run_traced_update", "same_tensors", "state_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
+__all__ = ["DECLARES_WEIGHT_MUTATION", "MUTATED", "WEIGHT", "arguments_of", "count_forward", "graph_capturing", "in_traced_update", "keep_static", "mutating_operator", "owner_of", "remember_traced_arguments", "run_traced_update", "same_tensors", "state_tensors", "trace_key", "traced", "traced_update_scope", "update_embedding_rows_",
            "update_weight_", "written_tensors"]
