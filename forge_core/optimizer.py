@@ -38,6 +38,7 @@ from . import kernels
 from .backends import BACKENDS, capturable_problem, check_capturable, resolve_backend
 from .backward_update import BackwardUpdateOptimizer
 from .dense import DenseWeight, no_tokens, step_dense, steppable_by_kernel
+from .fallback_graphs import FallbackGraphs
 from .fused_weight import BLOCK_SEED_STRIDE, FusedWeight, RowPart, RowSliceUpdate
 from . import native_hooks
 from .layer_step import MATRIX_KERNELS, LayerPath, takes_layer_path
@@ -138,6 +139,7 @@ class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
                                                  matrix_kernels=MATRIX_KERNELS, **hyperparameters)
         else:
             self._fallback = rule.fallback_optimizer(fallback_groups, capturable=self.capturable, **hyperparameters)
+        self._fallback_graphs = FallbackGraphs.for_optimizer(self._fallback)
         self._steps_taken = 0
         self.distributed: Optional[DistributedUpdates] = None   # data parallel: forge_core.reduction
         self._unfused = False
@@ -470,8 +472,10 @@ class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
-        if any(group["params"] for group in self._fallback.param_groups):
-            self._fallback.step()   # torch refuses to capture a non-capturable step even with no parameters
+        if any(group["params"] for group in self._fallback.param_groups):   # (torch refuses to capture a
+            # non-capturable step even with no parameters); replayed from a recording where it can be
+            if self._fallback_graphs is None or not self._fallback_graphs.step():
+                self._fallback.step()
         for binding, seen in zip(self._bindings, counts):
             if seen == k:
                 binding.steps_done += 1

@@ -55,11 +55,14 @@ class ReplayedUpdates:
             self._native_gate.open = False
 
     def _forget_update_graphs(self) -> None:
-        """Drop every recorded update (``forge_core.update_graphs``): their weights or states changed."""
+        """Drop every recorded update (``forge_core.update_graphs``) and fallback step (``forge_core.fallback_graphs``):
+        their weights or states changed."""
         self._close_native_gate()
         for owner in (*self._bindings, *self._dense):
             if owner.update_graphs is not None:
                 owner.update_graphs.clear()
+        if self._fallback_graphs is not None:
+            self._fallback_graphs.clear()
 
     def _replayed_update(self, graphs: UpdateGraphs, binding: FusedWeight, x: torch.Tensor,
                          grad_output: torch.Tensor) -> bool:
