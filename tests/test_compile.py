@@ -257,16 +257,21 @@ def test_a_tensor_many_updates_write_reaches_the_compiler_by_one_path() -> None:
     handler = _Lines()
     torch._logging.set_logs(guards=True)
     logging.getLogger("torch._dynamo").addHandler(handler)
+    compiled = torch.compile(model, backend="aot_eager")
     try:
-        _train(torch.compile(model, backend="aot_eager"), optimizer, _batches("tiny-llama", 1))
+        _train(compiled, optimizer, _batches("tiny-llama", 1))
     finally:
         logging.getLogger("torch._dynamo").removeHandler(handler)
         torch._logging.set_logs()
     assert any("TENSOR_MATCH" in line for line in handler.lines)              # the guards were logged
     checks = [line.split("#")[0] for line in handler.lines if "LAMBDA_GUARD" in line]      # the check, not its comment
     assert checks and [check for check in checks if "traced_arguments" in check] == []
+    other = forge_core.fuse(_model("tiny-llama", seed=1), "adamw", lr=1e-2, backend=_backend("tiny-llama"))
+    _train(compiled, optimizer, _batches("tiny-llama", 1))    # another model's entries: no guard of this one fails
+    assert counters["stats"]["unique_graphs"] == 1
+    del other
     entry = owners[0].traced_arguments[0]
-    del optimizer, owners, model
+    del optimizer, owners, model, compiled
     torch._dynamo.reset()
     gc.collect()
     assert entry not in forge_core.traced._SHARED
