@@ -22,9 +22,13 @@ PINNED_RUN = "a6e8e6"
 TUPLE_RUN = "c45fca"
 """cdb7620's Llama-3.2-1B torch.compile pair (the traced arguments of D115), taking turns on the same CPUs: the
 newest 1B run, quoted for torch.compile; 3a2f7f7's for the other modes."""
-STAGED = ('1536594',)
+LATEST_1B = ('33fe8ce',)
+"""33fe8ce's Llama-3.2-1B torch.compile pair (de62d6: the fallback's AdamW replayed, D127), nine turns taking turns:
+the newest 1B run of that mode, quoted for torch.compile."""
+LATEST_1B_RUN = "de62d6"
+STAGED = ('1536594', *LATEST_1B)
 """The runs with staged inputs (D121): 1536594's compile pairs of both models taking turns (8bc8e3, the 8B's quoted
-for torch.compile) and its six 1B cells taking turns (51185b, the newest 1B run, quoted for every mode)."""
+for torch.compile) and its six 1B cells taking turns (51185b, quoted for the 1B's other modes), and the later one."""
 STAGED_RUN, STAGED_1B_RUN = "8bc8e3", "51185b"
 NINE_TURNS = ('7887f58', '8475a28', *STAGED)
 """The 1B runs of nine turns (D116), all six cells taking turns: 7887f58's (65959f, with the state arena of D117),
@@ -122,10 +126,16 @@ def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
 
 
 def test_llama1b_quotes_the_newest_run_of_nine_turns() -> None:
-    """The nine-turn runs pair every mode's arms in one run: the table quotes 1536594's (51185b, staged inputs: D121),
-    whose compiled pair lies inside its spread; without it, 8475a28's (5ca1f7), whose compiled pair is a miss; without
+    """The newest torch.compile pair, 33fe8ce's (de62d6, D127), is quoted for that mode, 1536594's for the others.
+    The nine-turn runs pair every mode's arms in one run: without 33fe8ce's the table quotes 1536594's (51185b,
+    staged inputs: D121), whose compiled pair lies inside its spread; without it, 8475a28's (5ca1f7), whose compiled pair is a miss; without
     both, 7887f58's (65959f), inside its spread."""
-    staged = _tables()[LLAMA1B]
+    latest = _tables()[LLAMA1B]
+    assert [line[2] for line in latest.rows] == [STAGED_1B_RUN, LATEST_1B_RUN, STAGED_1B_RUN]
+    assert [line[7] for line in latest.rows] == ["~1.20×", "~1.11×", "≥1.21×"]
+    assert [line[3] for line in latest.rows] == ["47.27", "19.56", "16.13"]
+    assert [line[5] for line in latest.rows] == ["39.28", "17.58", "13.37"]
+    staged = _tables(load_rows(MODES).query(f"git_commit not in {LATEST_1B}"))[LLAMA1B]
     assert [line[2] for line in staged.rows] == [STAGED_1B_RUN] * 3
     assert [line[7] for line in staged.rows] == ["~1.20×", "~0.98×", "≥1.21×"]
     assert [line[3] for line in staged.rows] == ["47.27", "23.13", "16.13"]
@@ -238,7 +248,7 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     h100, h200 = summary.split("## H200")
     assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
     tables = parse_markdown_tables(h200)
-    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~0.98×"
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~1.11×"
     index = (out / "index.md").read_text()
     assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
     with (out / "tables" / "modes.csv").open() as fh:
@@ -277,7 +287,8 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert (f"FORGE int8: {int8['forge_int8_compile']} ms compiled, {int8['forge_int8_compile_ro']} "
             f"reduce-overhead") in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
-    assert (f"Llama-3.2-1B (`compile1b_1536594`, six cells taking turns): torch.compile "
-            f"{small['torch.compile'].lstrip('~')} (inside the spread: parity, host-bound), reduce-overhead "
-            f"{small['torch.compile reduce-overhead'].lstrip('≥')}, eager {small['eager'].lstrip('~')}.") in text
-    assert _row("forge_bf16_compile", STAGED_1B_RUN)["git_commit"] == "1536594"
+    assert f"Llama-3.2-1B: torch.compile {small['torch.compile'].lstrip('~')} (`compile1b_33fe8ce`;" in text
+    assert (f"reduce-overhead {small['torch.compile reduce-overhead'].lstrip('≥')}, eager "
+            f"{small['eager'].lstrip('~')} (`compile1b_1536594`).") in text
+    assert _row("forge_bf16_compile", LATEST_1B_RUN)["git_commit"] == "33fe8ce"
+    assert _row("forge_bf16_compile_ro", STAGED_1B_RUN)["git_commit"] == "1536594"
