@@ -110,15 +110,7 @@ class FallbackGraphs:
 
     def _record(self, key: tuple) -> Optional[Replay]:
         device = self.lrs[0].device
-        groups = self.optimizer.param_groups
-        capturable = [group["capturable"] for group in groups]
-        for group in groups:            # what torch's capture check asks; its fused step is the same either way
-            group["capturable"] = True
-        try:
-            graph = self._with_device_lrs(lambda: self.recorder(self.optimizer.step, device))
-        finally:
-            for group, flag in zip(groups, capturable):
-                group["capturable"] = flag
+        graph = self._with_device_lrs(lambda: self.recorder(self.optimizer.step, device), capturing=True)
         if graph is None:
             self.stopped = True
             return None
@@ -138,17 +130,19 @@ class FallbackGraphs:
                 self.lrs[index].fill_(lr)
                 self._lrs_written[index] = lr
 
-    def _with_device_lrs(self, run: Any) -> Any:
-        """``run()`` with every group reading its lr tensor, the groups' own lr back after."""
+    def _with_device_lrs(self, run: Any, capturing: bool = False) -> Any:
+        """``run()`` with every group reading its lr tensor (and, ``capturing``, marked capturable, as torch's capture
+        check asks: its fused step is the same either way), the groups' own values back after."""
         groups = self.optimizer.param_groups
-        saved = [group["lr"] for group in groups]
+        saved = [(group["lr"], group["capturable"]) for group in groups]
         for group, lr in zip(groups, self.lrs):
             group["lr"] = lr
+            group["capturable"] = group["capturable"] or capturing
         try:
             return run()
         finally:
-            for group, lr in zip(groups, saved):
-                group["lr"] = lr
+            for group, (lr, capturable) in zip(groups, saved):
+                group["lr"], group["capturable"] = lr, capturable
 
     def clear(self) -> None:
         """Forget every recording (the states were replaced, or a number the kernel takes changed)."""

@@ -472,10 +472,10 @@ class ForgeOptimizer(ReplayedUpdates, TracedUpdates, BackwardUpdateOptimizer):
         for dense in self._dense:
             self._step_dense(dense)
         self._sync_fallback_hyperparameters()
-        if any(group["params"] for group in self._fallback.param_groups):   # (torch refuses to capture a
-            # non-capturable step even with no parameters); replayed from a recording where it can be
-            if self._fallback_graphs is None or not self._fallback_graphs.step():
-                self._fallback.step()
+        # torch refuses to capture a non-capturable step even with no parameters; where it can, a recording replays
+        if any(group["params"] for group in self._fallback.param_groups) and (
+                self._fallback_graphs is None or not self._fallback_graphs.step()):
+            self._fallback.step()
         for binding, seen in zip(self._bindings, counts):
             if seen == k:
                 binding.steps_done += 1
