@@ -22,13 +22,18 @@ PINNED_RUN = "a6e8e6"
 TUPLE_RUN = "c45fca"
 """cdb7620's Llama-3.2-1B torch.compile pair (the traced arguments of D115), taking turns on the same CPUs: the
 newest 1B run, quoted for torch.compile; 3a2f7f7's for the other modes."""
-LATEST_1B = ('33fe8ce',)
-"""33fe8ce's Llama-3.2-1B torch.compile pair (de62d6: the fallback's AdamW replayed, D127), nine turns taking turns:
-the newest 1B run of that mode, quoted for torch.compile."""
+EVERY_TARGET = ('e91d21d',)
+"""e91d21d's compile run (36edb3): every compiled pair of both models at one commit after D126 and D127, each pair
+taking turns on its lane's CPUs: the newest, quoted for every compiled mode."""
+EVERY_TARGET_RUN = "36edb3"
+LATEST_1B = ('33fe8ce', *EVERY_TARGET)
+"""33fe8ce's Llama-3.2-1B torch.compile pair (de62d6: the fallback's AdamW replayed, D127), nine turns taking turns,
+and the run after it: the 1B runs quoted for torch.compile since D127."""
 LATEST_1B_RUN = "de62d6"
 STAGED = ('1536594', *LATEST_1B)
 """The runs with staged inputs (D121): 1536594's compile pairs of both models taking turns (8bc8e3, the 8B's quoted
-for torch.compile) and its six 1B cells taking turns (51185b, quoted for the 1B's other modes), and the later one."""
+for torch.compile before e91d21d's) and its six 1B cells taking turns (51185b, quoted for the 1B's eager mode), and the
+later ones."""
 STAGED_RUN, STAGED_1B_RUN = "8bc8e3", "51185b"
 NINE_TURNS = ('7887f58', '8475a28', *STAGED)
 """The 1B runs of nine turns (D116), all six cells taking turns: 7887f58's (65959f, with the state arena of D117),
@@ -57,6 +62,22 @@ def _row(method: str, run: str, lean: bool = False, graph: bool = False) -> dict
 def test_llama8b_every_mode_side_by_side() -> None:
     table = _tables()[LLAMA8B]
     assert table.header == HEADER
+    assert [line[2] for line in table.rows] == [EAGER_RUN, *[EVERY_TARGET_RUN] * 3, GRAPH_RUN]
+    assert [line[3:] for line in table.rows] == [
+        ["122.2", "59.90", "92.64", "48.75", "~1.32×", "—"],
+        ["88.04", "61.85", "67.00", "47.39", "≥1.31×", "70.0 / 88.8"],
+        ["86.98", "61.82", "65.89", "47.35", "≥1.32×", "68.5 / 82.0"],
+        ["86.41", "61.82", "66.31", "47.31†", "1.30×", "60.6 / 79.1"],
+        ["90.35", "60.09", "67.22", "46.90", "≥1.34×", "—"]]
+    # the printed numbers are the rows' own
+    compiled = {arm: _row(method, EVERY_TARGET_RUN) for arm, method in (("adamw", "adamw_fused_compile"),
+                                                                     ("forge", "forge_bf16_compile"))}
+    record = table.records[1]
+    assert record["adamw_step_ms"] == compiled["adamw"]["step_ms_median"]
+    assert record["forge_peak_gib"] == compiled["forge"]["peak_allocated_gib"]
+    assert record["speedup"] == pytest.approx(compiled["adamw"]["step_ms_median"] / compiled["forge"]["step_ms_median"])
+    assert close_to_printed(table.rows[1][8].split(" / ")[1], compile_s(compiled["forge"]))
+    table = _tables(load_rows(MODES).query(f"git_commit not in {EVERY_TARGET}"))[LLAMA8B]
     assert [line[:3] for line in table.rows] == [
         ["eager", "`adamw_fused` / `forge_bf16`", EAGER_RUN],
         ["torch.compile", "`adamw_fused_compile` / `forge_bf16_compile`", STAGED_RUN],
@@ -70,14 +91,6 @@ def test_llama8b_every_mode_side_by_side() -> None:
         ["86.31", "61.82", "62.83", "47.35", "≥1.37×", "67.8 / 90.8"],
         ["86.95", "61.82", "64.53", "49.66†", "≥1.35×", "51.7 / 75.7"],
         ["90.35", "60.09", "67.22", "46.90", "≥1.34×", "—"]]
-    # the printed numbers are the rows' own
-    compiled = dict(zip(("adamw", "forge"), (_row("adamw_fused_compile", STAGED_RUN),
-                                             _row("forge_bf16_compile", STAGED_RUN))))
-    record = table.records[1]
-    assert record["adamw_step_ms"] == compiled["adamw"]["step_ms_median"]
-    assert record["forge_peak_gib"] == compiled["forge"]["peak_allocated_gib"]
-    assert record["speedup"] == pytest.approx(compiled["adamw"]["step_ms_median"] / compiled["forge"]["step_ms_median"])
-    assert close_to_printed(table.rows[1][8].split(" / ")[1], compile_s(compiled["forge"]))
     turns = _tables(load_rows(MODES).query(f"git_commit not in {STAGED}"))[LLAMA8B]
     assert turns.rows[1][2:9] == [TURNS_RUN, "87.81", "61.85", "64.63", "47.39", "1.36×", "76.6 / 100.9"]
     before = _tables(load_rows(MODES).query(f"git_commit not in {('7f3cdbe', *STAGED)}"))[LLAMA8B]
@@ -126,11 +139,17 @@ def test_llama1b_compile_is_a_miss_and_reduce_overhead_a_win() -> None:
 
 
 def test_llama1b_quotes_the_newest_run_of_nine_turns() -> None:
-    """The newest torch.compile pair, 33fe8ce's (de62d6, D127), is quoted for that mode, 1536594's for the others.
+    """e91d21d's run (36edb3) is quoted for both compiled modes, 1536594's for eager; without it, 33fe8ce's pair
+    (de62d6, D127) for torch.compile and 1536594's for the others.
     The nine-turn runs pair every mode's arms in one run: without 33fe8ce's the table quotes 1536594's (51185b,
     staged inputs: D121), whose compiled pair lies inside its spread; without it, 8475a28's (5ca1f7), whose compiled pair is a miss; without
     both, 7887f58's (65959f), inside its spread."""
-    latest = _tables()[LLAMA1B]
+    every = _tables()[LLAMA1B]
+    assert [line[2] for line in every.rows] == [STAGED_1B_RUN, EVERY_TARGET_RUN, EVERY_TARGET_RUN]
+    assert [line[7] for line in every.rows] == ["~1.20×", "~1.01×", "≥1.21×"]
+    assert [line[3] for line in every.rows] == ["47.27", "23.93", "16.01"]
+    assert [line[5] for line in every.rows] == ["39.28", "23.69", "13.20"]
+    latest = _tables(load_rows(MODES).query(f"git_commit not in {EVERY_TARGET}"))[LLAMA1B]
     assert [line[2] for line in latest.rows] == [STAGED_1B_RUN, LATEST_1B_RUN, STAGED_1B_RUN]
     assert [line[7] for line in latest.rows] == ["~1.20×", "~1.11×", "≥1.21×"]
     assert [line[3] for line in latest.rows] == ["47.27", "19.56", "16.13"]
@@ -208,7 +227,7 @@ def test_a_reduce_overhead_peak_is_the_larger_of_window_and_process() -> None:
     table = _tables()[LLAMA8B]
     assert "larger of that and its process peak (`peak_process_gib`)" in table.caption
     assert any(note.startswith("† the process peak") for note in table.footnotes)
-    assert "& 49.66\\textdagger{} &" in table.to_latex()
+    assert "& 47.31\\textdagger{} &" in table.to_latex()
 
 
 def test_a_pair_across_runs_shows_both_steps_and_refuses_the_ratio() -> None:
@@ -248,7 +267,7 @@ def test_the_report_and_its_summary_carry_the_table(tmp_path) -> None:
     h100, h200 = summary.split("## H200")
     assert NO_COMPILE_NOTE in h100 and NO_COMPILE_NOTE not in h200
     tables = parse_markdown_tables(h200)
-    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.37×" and tables[LLAMA1B][1]["Speed-up"] == "~1.11×"
+    assert tables[LLAMA8B][2]["Speed-up"] == "≥1.32×" and tables[LLAMA1B][1]["Speed-up"] == "~1.01×"
     index = (out / "index.md").read_text()
     assert index.index("## Table 1") < index.index("## Where users train") < index.index("## Optimizer families")
     with (out / "tables" / "modes.csv").open() as fh:
@@ -274,8 +293,8 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert quoted["FORGE bf16 ms"] == [line[5] for line in shown]
     assert quoted["speed-up"] == [line[7].replace("×", "x") for line in shown]
     assert quoted["FORGE peak GiB"] == [line[6].rstrip("†") for line in shown]
-    for folder, method, run in (("compile_1536594", "forge_bf16_compile", STAGED_RUN),
-                                ("compile_7f3cdbe", "forge_bf16_compile_ro", TURNS_RUN),
+    for folder, method, run in (("compile_e91d21d", "forge_bf16_compile", EVERY_TARGET_RUN),
+                                ("compile_e91d21d", "forge_bf16_compile_ro", EVERY_TARGET_RUN),
                                 ("compile_85b1088", "forge_bf16", EAGER_RUN)):
         assert f"`results/h200/{folder}` (" in intro and folder.endswith(_row(method, run)["git_commit"])
     lean = report["torch.compile reduce-overhead, lean + chunked loss"]
@@ -287,8 +306,9 @@ def test_the_readme_quotes_the_table_the_report_prints() -> None:
     assert (f"FORGE int8: {int8['forge_int8_compile']} ms compiled, {int8['forge_int8_compile_ro']} "
             f"reduce-overhead") in text
     small = {line[0]: line[7].replace("×", "x") for line in _tables()[LLAMA1B].rows}
-    assert f"Llama-3.2-1B: torch.compile {small['torch.compile'].lstrip('~')} (`compile1b_33fe8ce`;" in text
+    assert f"Llama-3.2-1B (`compile_e91d21d`): torch.compile {small['torch.compile'].lstrip('~')} (inside" in text
     assert (f"reduce-overhead {small['torch.compile reduce-overhead'].lstrip('≥')}, eager "
             f"{small['eager'].lstrip('~')} (`compile1b_1536594`).") in text
-    assert _row("forge_bf16_compile", LATEST_1B_RUN)["git_commit"] == "33fe8ce"
+    quoted = {_row(m, EVERY_TARGET_RUN)["git_commit"] for m in ("forge_bf16_compile", "forge_bf16_compile_ro")}
+    assert quoted == {"e91d21d"}
     assert _row("forge_bf16_compile_ro", STAGED_1B_RUN)["git_commit"] == "1536594"
