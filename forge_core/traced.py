@@ -86,14 +86,14 @@ _SHARED_KEYS: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakK
 
 
 def _share(optimizer: Any, tensors: tuple) -> int:
-    """The ``_SHARED`` entry holding ``tensors`` for ``optimizer`` (made on first use, dropped with it)."""
+    """The ``_SHARED`` entry holding ``tensors`` for ``optimizer`` (made on first use, dropped with it). Found by
+    the tensors' ids: the entry holds them for as long as ``optimizer`` lives, so no other tensor can take one."""
     entries = _SHARED_KEYS.get(optimizer)
     if entries is None:
         entries = _SHARED_KEYS[optimizer] = {}
     identity = tuple(id(tensor) for tensor in tensors)
     number = entries.get(identity)
-    if number is None or _SHARED.get(number) is None or not all(
-            a is b for a, b in zip(_SHARED[number], tensors)):
+    if number is None:
         number = next(_KEYS)
         entries[identity] = number
         _SHARED[number] = tensors
