@@ -135,7 +135,8 @@ class UpdateGraphs:
 
     def __init__(self, counts: dict[str, int], recorder: Recorder = record_cuda_graph) -> None:
         self.counts = counts
-        """Launch counts by path, shared (``kernels.launch_path_counts``): a replay counts as ``graph``."""
+        """Launch counts by path, shared (``kernels.launch_path_counts``): a replay counts as ``graph``, a
+        recording (replayed once) as ``graph`` and ``recorded``."""
         self.recorder = recorder
         self.native: Optional[Any] = None
         """The weight's C++ hook side (``forge_core.native_hooks``, set by ``use_native``), which replays the
@@ -210,6 +211,7 @@ class UpdateGraphs:
         self._stage(key, x, grad_output)
         graph.replay()
         self.counts["graph"] += 1
+        self.counts["recorded"] += 1
         return True
 
     def _stage(self, key: tuple, x: torch.Tensor, grad_output: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ def rerun_recorder(update, device):
 
 
 def _counts() -> dict[str, int]:
-    return {"direct": 0, "jit": 0, "graph": 0}
+    return {"direct": 0, "jit": 0, "graph": 0, "recorded": 0}
 
 
 def _key(address: int) -> tuple:
@@ -60,8 +60,9 @@ def test_a_placement_seen_twice_is_recorded_and_replayed_after() -> None:
     assert not graphs.replay(_key(1), X, DY) and not graphs.wants_recording(_key(1))      # first sight: launched
     assert graphs.wants_recording(_key(1))                                          # seen before: record
     assert graphs.record_and_replay(_key(1), lambda x, dy: runs.append(1), X, DY)
-    assert runs == [1] and graphs.counts["graph"] == 1
+    assert runs == [1] and graphs.counts["graph"] == graphs.counts["recorded"] == 1
     assert graphs.replay(_key(1), X, DY) and runs == [1, 1] and graphs.counts["graph"] == 2
+    assert graphs.counts["recorded"] == 1
     assert not graphs.replay(_key(2), X, DY) and not graphs.wants_recording(_key(2))      # a new placement: launched
 
 

@@ -39,11 +39,11 @@ except ImportError:  # pragma: no cover - a torch-only install without Triton
         """No Triton: the fused kernel cannot run here."""
         return False
 
-    _NO_LAUNCHES = {"direct": 0, "jit": 0, "graph": 0}
+    _NO_LAUNCHES = {"direct": 0, "jit": 0, "graph": 0, "recorded": 0}
 
     def launch_paths() -> dict[str, int]:
         """No Triton: no fused-kernel launch."""
-        return dict(_NO_LAUNCHES)
+        return {**_NO_LAUNCHES, "native": 0}
 
     def launch_path_counts() -> dict[str, int]:
         """No Triton: counts nothing reads."""

@@ -135,13 +135,16 @@ def make_plan(config: TileConfig, x2: torch.Tensor, dy2: torch.Tensor, weight: t
 _NO_SCALARS = (0.0,) * NUM_SCALARS
 
 
-LAUNCH_PATHS = {"direct": 0, "jit": 0, "graph": 0}
+LAUNCH_PATHS = {"direct": 0, "jit": 0, "graph": 0, "recorded": 0}
 """Fused-kernel launches by path since the last ``reset_launch_paths`` (the factored rules' passes,
 ``kernels.factored``, count here too): ``direct`` (a kept plan's or ``LaunchCache``'s launcher, ~20 us
 of host time) or ``jit`` (through Triton's JIT: ~100-240 us; a first launch, or a direct launcher
 that declined), and ``graph``: an eager update replayed from its recorded CUDA graph (``forge_core.update_graphs``:
-a graph launch; the C++ hook's replays, ``forge_core.native_hooks``, are added by ``launch_paths``). Why: an eager step is host-bound at batch 1, and a layer whose
-launches stay on the JIT costs it ~0.2 ms a step; the harness records the counts per timed step."""
+a graph launch; the C++ hook's replays, ``forge_core.native_hooks``, are added by ``launch_paths``). Of the
+``graph`` ones, ``recorded`` were recorded at that call (a capture: far more host time than a replay, paid
+again at every step where an input's address keeps moving). Why: an eager step is host-bound at batch 1, and a
+layer whose launches stay on the JIT, or whose update is recorded again at every step, costs it ~0.2 ms or more
+a step; the harness records the counts per timed step."""
 
 
 def reset_launch_paths() -> None:
@@ -152,9 +155,10 @@ def reset_launch_paths() -> None:
 
 
 def launch_paths() -> dict[str, int]:
-    """A copy of ``LAUNCH_PATHS``, with the C++ hook's replays in ``graph``."""
+    """A copy of ``LAUNCH_PATHS``, with the C++ hook's replays in ``graph`` and, on their own, in ``native``."""
     paths = dict(LAUNCH_PATHS)
-    paths["graph"] += native_replays()
+    paths["native"] = native_replays()
+    paths["graph"] += paths["native"]
     return paths
 
 
