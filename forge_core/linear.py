@@ -237,6 +237,26 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return output
 
 
+def native_forward(module: nn.Module, x: torch.Tensor, transposed: bool = False) -> Optional[torch.Tensor]:
+    """An eager fused module's forward (a ForgeLinear's, a ForgeConv1D's) straight to the C++ forward
+    (``hooked_forward``), or None where anything but that path may apply: no C++ slot, the fuse-time probe
+    counting forwards, a weight that is not a plain Parameter (a DTensor), grad off, or one of
+    ``hooked_linear``'s global checks failing. The caller then runs its full forward, which decides as before.
+
+    Why: an eager step at batch 1 is the host's time, and the full forward's checks (the probe's counter,
+    the DTensor and compiler tests, ``hooked_linear``'s frame) are ~15 Python calls a layer, ~2-3 us of it
+    where torch's Linear makes none; here half of them, once, in the order that rules out the most."""
+    slot = getattr(module.__dict__.get("forge_updater"), "native_slot", None)
+    if slot is None or module.__dict__.get("forge_counting_forwards") or not HOOKED_LINEAR:
+        return None
+    weight = module.weight
+    if type(weight) is not nn.Parameter or not weight.requires_grad or not torch.is_grad_enabled():
+        return None
+    if _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
+        return None
+    return hooked_forward(x, weight, module.bias, slot, transposed)
+
+
 class ShardedLinearFunction(torch.autograd.Function):
     """``FusedLinearFunction`` for a DTensor weight on a 1-D device mesh, on local shards.
 
@@ -336,6 +356,10 @@ class ForgeLinear(nn.Linear):
     """Forward calls counted while the fuse-time probe runs (see ``forge_core.manager``)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+        if not torch.compiler.is_compiling():
+            output = native_forward(self, input)
+            if output is not None:
+                return output
         updater = getattr(self, "forge_updater", None)
         count_forward(self)
         weight = self.weight             # one nn.Module.__getattr__ (a Parameter is not in __dict__)

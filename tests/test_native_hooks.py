@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 import forge_core
+from forge_core import linear as linear_module
 from forge_core import native_hooks, update_graphs
+from forge_core.linear import native_forward
 from forge_core.kernels import launch_path_counts, launch_paths, reset_launch_paths
 from forge_core.update_graphs import UpdateGraphs
 
@@ -286,6 +288,33 @@ def test_the_cpp_forward_builds_the_python_forward_graph(layout: str) -> None:
             assert torch.equal(native_value, python_value)
         else:
             assert native_value == python_value
+
+
+@needs_extension
+def test_the_short_forward_serves_only_what_the_cpp_forward_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``native_forward`` hands a C++-hooked layer's input straight to the C++ forward, and declines (None, the
+    full forward then decides) a layer without a slot, the fuse-time probe's counted forwards, grad off,
+    autocast and ``FORGE_HOOKED_LINEAR=0``; through the module, a declined forward still counts and computes."""
+    layers = _layers()
+    _fuse(layers, native=True)
+    layer = layers[0]
+    x = torch.randn(4, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    output = native_forward(layer, x)
+    assert output is not None and _node_names(output)[0] == "AddmmBackward0"
+    assert torch.equal(output, nn.functional.linear(x, layer.weight, layer.bias))
+    assert native_forward(nn.Linear(WIDTH, WIDTH).to(DEVICE, torch.bfloat16), x) is None
+    with torch.no_grad():
+        assert native_forward(layer, x) is None
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert native_forward(layer, x) is None
+    layer.forge_counting_forwards, layer.forge_forward_calls = True, 0
+    assert native_forward(layer, x) is None
+    layer(x)
+    assert layer.forge_forward_calls == 1
+    layer.forge_counting_forwards = False
+    monkeypatch.setattr(linear_module, "HOOKED_LINEAR", False)
+    assert native_forward(layer, x) is None
+    assert _node_names(layer(x))[0] == "FusedLinearFunctionBackward"
 
 
 @needs_extension
