@@ -142,10 +142,17 @@ def native_replays() -> int:
     return _extension.replays() if _extension is not None else 0
 
 
+def native_replay_seconds() -> float:
+    """Host seconds those replays took, each from its key's match to the graph launch's return (0.0 when the
+    hook is not loaded): what a profile reports per replay, where no Python runs to be timed."""
+    return _extension.replay_seconds() if _extension is not None else 0.0
+
+
 def reset_native_replays() -> None:
+    """Zero ``native_replays`` and ``native_replay_seconds``."""
     if _extension is not None:
         _extension.reset_replays()
 
 
 __all__ = ["NATIVE_HOOKS", "ON_CPU_TOO", "load", "status", "problem", "wanted", "new_gate", "new_slot", "name_slot", "serve_traced_updates", "hooked_forward",
-           "native_replays", "reset_native_replays"]
+           "native_replays", "native_replay_seconds", "reset_native_replays"]

@@ -106,10 +106,12 @@ def test_the_cpp_hook_trains_as_the_python_hook_under_an_lr_schedule(monkeypatch
             _backward(layers, inputs, grads)
             opt.step()
             schedule.step()
-    assert native_hooks.native_replays() == 4 * (LAYERS - 1)
+    assert native_hooks.native_replays() == 4 * (LAYERS - 1) and native_hooks.native_replay_seconds() > 0.0
     paths = launch_paths()
     assert paths["graph"] == 5 * LAYERS * 2                 # both optimizers record at step 2, replay after
     assert paths["recorded"] == LAYERS * 2 and paths["native"] == 4 * (LAYERS - 1)
+    reset_launch_paths()
+    assert native_hooks.native_replays() == 0 and native_hooks.native_replay_seconds() == 0.0
     _assert_trained_alike(native, python, steps=6)
 
 

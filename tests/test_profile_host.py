@@ -17,7 +17,8 @@ RESULTS = [
      "host_ms": {"forward": 11.0, "backward": 20.3, "optimizer": 2.4},
      "calls": {"launch: Triton tile plan": {"calls_per_step": 97.0, "us_per_call": 18.6},
                "update (whole)": {"calls_per_step": 3.0, "us_per_call": 42.2},
-               host.NATIVE_REPLAYS: {"calls_per_step": 142.0, "us_per_call": None}}},
+               host.NATIVE_REPLAYS: {"calls_per_step": 142.0, "us_per_call": 6.5},
+               "an older report's untimed call": {"calls_per_step": 4.0, "us_per_call": None}}},
 ]
 
 
@@ -29,7 +30,8 @@ def test_the_report_gives_each_phase_per_step_and_the_backward_per_linear_layer(
     assert "| forge_bf16 | 52.80 | 11.00 | 20.30 | 2.40 | 140.0 | 145 |" in lines
     assert "## forge_bf16: calls inside the steps" in lines and "## adamw_fused: calls inside the steps" not in lines
     assert "| update (whole) | 3 | 42.2 | 0.13 |" in lines
-    assert "| replay: C++ hook (forge_core.native_hooks) | 142 | not timed | not timed |" in lines
+    assert "| replay: C++ hook (forge_core.native_hooks, timed in C++) | 142 | 6.5 | 0.92 |" in lines
+    assert "| an older report's untimed call | 4 | not timed | not timed |" in lines
     assert "| launch: Triton tile plan | 97 | 18.6 | 1.80 |" in lines
 
 

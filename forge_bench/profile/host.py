@@ -30,7 +30,7 @@ from forge_bench.profile.common import StepOptions, run_and_report, timed_step_p
 DEFAULT_METHODS = ("adamw_fused", "forge_bf16")
 COMMAND = ["profile", "host"]
 PHASES = ("forward", "backward", "optimizer")
-NATIVE_REPLAYS = "replay: C++ hook (forge_core.native_hooks)"
+NATIVE_REPLAYS = "replay: C++ hook (forge_core.native_hooks, timed in C++)"
 
 
 class CallTimer:
@@ -110,8 +110,9 @@ def profile_one(options: StepOptions, method_name: str) -> dict:
     layers = linear_layers(arm.model)
     calls = timer.per_step(options.steps)
     native_replays = native_hooks.native_replays()
-    if native_replays:                    # replayed from C++, no Python to time: counted only
-        calls[NATIVE_REPLAYS] = {"calls_per_step": native_replays / options.steps, "us_per_call": None}
+    if native_replays:                    # replayed from C++, timed there (no Python to wrap)
+        calls[NATIVE_REPLAYS] = {"calls_per_step": native_replays / options.steps,
+                                 "us_per_call": 1e6 * native_hooks.native_replay_seconds() / native_replays}
     return {"method": method_name, "linear_layers": layers, "steps": options.steps,
             "wall_ms": 1e3 * statistics.median(walls),
             "host_ms": {name: 1e3 * statistics.median(values) for name, values in phases.items()},
