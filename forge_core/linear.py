@@ -168,6 +168,12 @@ if _saved_tensor_hooks is None or _functorch_active is None or _any_autocast is 
     HOOKED_LINEAR = False
 
 
+def hooked_path_allowed() -> bool:
+    """Whether the process-wide state lets ``hooked_linear``'s path (and its C++ twin) run: ``FORGE_HOOKED_LINEAR``
+    on, and no saved-tensor hooks, functorch transform or autocast, which only the Function serves."""
+    return HOOKED_LINEAR and _saved_tensor_hooks(False) is None and not _functorch_active() and not _any_autocast()
+
+
 def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], updater: WeightUpdater,
                   transposed: bool = False) -> Optional[torch.Tensor]:
     """``FusedLinearFunction``'s result and update without a Python autograd Function, or None where
@@ -188,7 +194,7 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     activations: they manage saved tensors, which this path has none of), no autocast (its casts
     happen in the Function's forward), no functorch transform, one dtype for x, weight and bias, and
     an autograd node to hook (x or the bias requires grad)."""
-    if not HOOKED_LINEAR or _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
+    if not hooked_path_allowed():
         return None
     slot = getattr(updater, "native_slot", None)
     if slot is not None:              # the rest in C++, the hook too (forge_core.native_hooks)
@@ -240,19 +246,19 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def native_forward(module: nn.Module, x: torch.Tensor, transposed: bool = False) -> Optional[torch.Tensor]:
     """An eager fused module's forward (a ForgeLinear's, a ForgeConv1D's) straight to the C++ forward
     (``hooked_forward``), or None where anything but that path may apply: no C++ slot, the fuse-time probe
-    counting forwards, a weight that is not a plain Parameter (a DTensor), grad off, or one of
-    ``hooked_linear``'s global checks failing. The caller then runs its full forward, which decides as before.
+    counting forwards, a weight that is not a plain Parameter (a DTensor), grad off, or
+    ``hooked_path_allowed`` false. The caller then runs its full forward, which decides as before.
 
     Why: an eager step at batch 1 is the host's time, and the full forward's checks (the probe's counter,
     the DTensor and compiler tests, ``hooked_linear``'s frame) are ~15 Python calls a layer, ~2-3 us of it
     where torch's Linear makes none; here half of them, once, in the order that rules out the most."""
     slot = getattr(module.__dict__.get("forge_updater"), "native_slot", None)
-    if slot is None or module.__dict__.get("forge_counting_forwards") or not HOOKED_LINEAR:
+    if slot is None or module.__dict__.get("forge_counting_forwards"):
         return None
     weight = module.weight
     if type(weight) is not nn.Parameter or not weight.requires_grad or not torch.is_grad_enabled():
         return None
-    if _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
+    if not hooked_path_allowed():
         return None
     return hooked_forward(x, weight, module.bias, slot, transposed)
 
