@@ -8,7 +8,10 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,6 +214,24 @@ def test_an_optimizer_with_cpp_hooks_is_collected_when_dropped() -> None:
     del opt
     gc.collect()
     assert watched() is None
+
+
+@needs_extension
+def test_a_script_that_ends_with_its_optimizer_alive_exits_cleanly() -> None:
+    """A training script's optimizer, its recordings and the last step's graph are still module globals when
+    the interpreter finalizes: the slots they hold go then, and the process exits 0 (a reference dropped
+    without the GIL there aborts it: "terminate called")."""
+    script = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+              "from test_native_hooks import _replaying, _backward\n"
+              "layers, opt, inputs, grads = _replaying()\n"
+              "assert all(len(b.native_slot) == 1 for b in opt.fused_weights())\n"
+              "outputs = [layer(x) for layer, x in zip(layers, inputs)]     # a graph never run backward\n"
+              "cycle = [opt, layers]; cycle.append(cycle)\n"
+              "print('trained')\n")
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr and "dec_ref" not in done.stderr, done.stderr[-2000:]
 
 
 def test_a_missing_compiler_leaves_the_python_hook_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,12 +165,19 @@ struct Slot {
 
   ~Slot() {
     // The last reference can go on the autograd thread (a hook outliving the optimizer): Python objects
-    // are released with the GIL.
+    // are released with the GIL. Once the interpreter is finalizing (a script that ends with its optimizer
+    // still referenced: its module globals go after Py_IsInitialized() turns false) they are let go
+    // unreleased, as the process ends: a reference dropped there would abort it.
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       entries.clear();
       update = py::object();
+      return;
     }
+    for (Entry& entry : entries) {
+      entry.stand_in.release();
+    }
+    update.release();
   }
 
   void add(int64_t id, const at::Tensor& first, const at::Tensor& second, int64_t graph_exec, py::object stand_in,
