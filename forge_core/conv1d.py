@@ -42,10 +42,9 @@ def is_conv1d(module: nn.Module) -> bool:
 
 def _fused_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (Conv1D's name)
     """``x W + b``; through the fused Function when the module has an updater and grad is on."""
-    if not torch.compiler.is_compiling():
-        output = native_forward(self, input, transposed=True)
-        if output is not None:
-            return output
+    output = native_forward(self, input, transposed=True)
+    if output is not None:
+        return output
     updater = getattr(self, "forge_updater", None)
     count_forward(self)
     weight = self.weight

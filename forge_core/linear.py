@@ -245,13 +245,15 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def native_forward(module: nn.Module, x: torch.Tensor, transposed: bool = False) -> Optional[torch.Tensor]:
     """An eager fused module's forward (a ForgeLinear's, a ForgeConv1D's) straight to the C++ forward
-    (``hooked_forward``), or None where anything but that path may apply: no C++ slot, the fuse-time probe
-    counting forwards, a weight that is not a plain Parameter (a DTensor), grad off, or
-    ``hooked_path_allowed`` false. The caller then runs its full forward, which decides as before.
+    (``hooked_forward``), or None where anything but that path may apply: ``torch.compile`` tracing, no C++
+    slot, the fuse-time probe counting forwards, a weight that is not a plain Parameter (a DTensor), grad off,
+    or ``hooked_path_allowed`` false. The caller then runs its full forward, which decides as before.
 
     Why: an eager step at batch 1 is the host's time, and the full forward's checks (the probe's counter,
     the DTensor and compiler tests, ``hooked_linear``'s frame) are ~15 Python calls a layer, ~2-3 us of it
     where torch's Linear makes none; here half of them, once, in the order that rules out the most."""
+    if torch.compiler.is_compiling():
+        return None
     slot = getattr(module.__dict__.get("forge_updater"), "native_slot", None)
     if slot is None or module.__dict__.get("forge_counting_forwards"):
         return None
@@ -362,10 +364,9 @@ class ForgeLinear(nn.Linear):
     """Forward calls counted while the fuse-time probe runs (see ``forge_core.manager``)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
-        if not torch.compiler.is_compiling():
-            output = native_forward(self, input)
-            if output is not None:
-                return output
+        output = native_forward(self, input)
+        if output is not None:
+            return output
         updater = getattr(self, "forge_updater", None)
         count_forward(self)
         weight = self.weight             # one nn.Module.__getattr__ (a Parameter is not in __dict__)

@@ -335,7 +335,8 @@ def test_the_cpp_forward_builds_the_python_forward_graph(layout: str) -> None:
 def test_the_short_forward_serves_only_what_the_cpp_forward_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``native_forward`` hands a C++-hooked layer's input straight to the C++ forward, and declines (None, the
     full forward then decides) a layer without a slot, the fuse-time probe's counted forwards, grad off,
-    autocast and ``FORGE_HOOKED_LINEAR=0``; through the module, a declined forward still counts and computes."""
+    autocast, ``torch.compile`` tracing and ``FORGE_HOOKED_LINEAR=0``; through the module, a declined forward
+    still counts and computes."""
     layers = _layers()
     _fuse(layers, native=True)
     layer = layers[0]
@@ -347,6 +348,9 @@ def test_the_short_forward_serves_only_what_the_cpp_forward_takes(monkeypatch: p
     with torch.no_grad():
         assert native_forward(layer, x) is None
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert native_forward(layer, x) is None
+    with monkeypatch.context() as compiling:
+        compiling.setattr(torch.compiler, "is_compiling", lambda: True)
         assert native_forward(layer, x) is None
     layer.forge_counting_forwards, layer.forge_forward_calls = True, 0
     assert native_forward(layer, x) is None
