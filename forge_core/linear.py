@@ -34,7 +34,7 @@ from torch import nn
 
 from .dtensors import contiguous_strides, dtensor_module, is_dtensor
 from .module_copies import plain_module_reduction
-from .native_hooks import hooked_forward
+from . import native_hooks
 from .overlap import run_update, run_update_outside_autograd
 from .traced import arguments_of, count_forward, traced, update_weight_
 
@@ -187,8 +187,9 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     runs the update with the node's dY and the input. The input is held by the hook until it runs
     once (as the Function's saved tensor is until its backward): a second backward through the same
     graph (``retain_graph=True``) is refused in one line. Where the updater has a native slot
-    (``forge_core.native_hooks``) all of this after the first checks runs in C++, the post-hook too, which
-    replays a recorded update without Python.
+    (``forge_core.native_hooks``) all of this after the first checks runs in C++ as one autograd node of
+    its own (the same values as torch's nodes, one node where torch's GEMM of an N-D input makes three and
+    the hook a fourth call), which replays a recorded update without Python.
 
     Applies only where it is exact: no saved-tensor hooks (activation checkpointing, lean
     activations: they manage saved tensors, which this path has none of), no autocast (its casts
@@ -198,7 +199,7 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return None
     slot = getattr(updater, "native_slot", None)
     if slot is not None:              # the rest in C++, the hook too (forge_core.native_hooks)
-        return hooked_forward(x, weight, bias, slot, transposed)
+        return native_hooks.hooked_forward(x, weight, bias, slot, transposed)
     dtype = weight.dtype
     if x.dtype != dtype or (bias is not None and bias.dtype != dtype) or x.dim() < 2:
         return None
@@ -246,23 +247,28 @@ def hooked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def native_forward(module: nn.Module, x: torch.Tensor, transposed: bool = False) -> Optional[torch.Tensor]:
     """An eager fused module's forward (a ForgeLinear's, a ForgeConv1D's) straight to the C++ forward
     (``hooked_forward``), or None where anything but that path may apply: ``torch.compile`` tracing, no C++
-    slot, the fuse-time probe counting forwards, a weight that is not a plain Parameter (a DTensor), grad off,
-    or ``hooked_path_allowed`` false. The caller then runs its full forward, which decides as before.
+    slot, the fuse-time probe counting forwards, a weight that is not a plain Parameter (a DTensor, a
+    parametrization), grad off, or ``hooked_path_allowed`` false. The caller then runs its full forward,
+    which decides as before.
 
-    Why: an eager step at batch 1 is the host's time, and the full forward's checks (the probe's counter,
-    the DTensor and compiler tests, ``hooked_linear``'s frame) are ~15 Python calls a layer, ~2-3 us of it
-    where torch's Linear makes none; here half of them, once, in the order that rules out the most."""
+    Why: an eager step at batch 1 is the host's time, and torch's Linear costs it one Python call and two
+    attribute lookups (``nn.Module.__getattr__``) around the GEMM. Here the same checks as the full forward's
+    in the order that rules out the most, the parameters read from the module's own table (no
+    ``__getattr__``) and ``hooked_path_allowed`` inlined: ~1 us a layer of checks on a CPU where the full
+    forward's cost ~3 (D131)."""
     if torch.compiler.is_compiling():
         return None
-    slot = getattr(module.__dict__.get("forge_updater"), "native_slot", None)
-    if slot is None or module.__dict__.get("forge_counting_forwards"):
+    attributes = module.__dict__
+    slot = getattr(attributes.get("forge_updater"), "native_slot", None)
+    if slot is None or attributes.get("forge_counting_forwards"):
         return None
-    weight = module.weight
+    parameters = attributes["_parameters"]
+    weight = parameters.get("weight")
     if type(weight) is not nn.Parameter or not weight.requires_grad or not torch.is_grad_enabled():
         return None
-    if not hooked_path_allowed():
-        return None
-    return hooked_forward(x, weight, module.bias, slot, transposed)
+    if not HOOKED_LINEAR or _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
+        return None                   # hooked_path_allowed(), inlined
+    return native_hooks.hooked_forward(x, weight, parameters.get("bias"), slot, transposed)
 
 
 class ShardedLinearFunction(torch.autograd.Function):

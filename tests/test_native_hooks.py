@@ -283,52 +283,87 @@ def test_only_cuda_weights_want_the_cpp_hook_unless_asked(monkeypatch: pytest.Mo
 
 
 def _node_names(tensor: torch.Tensor) -> list[str]:
-    names, node = [], tensor.grad_fn
-    while node is not None:
-        names.append(type(node).__name__)
-        node = node.next_functions[0][0] if node.next_functions else None
+    """The names of the autograd nodes upstream of ``tensor``, its own first, then in a depth-first walk."""
+    names, stack = [], [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.append(node.name())
+            stack.extend(next_node for next_node, _ in reversed(node.next_functions))
     return names
 
 
+LAYOUTS = ["2d", "2d_column_major", "3d", "3d_transposed_input", "no_bias", "bias_only", "conv1d"]
+
+
+def _layer_run(layout: str, native: bool, loss: str) -> tuple:
+    """One fused layer's forward and backward on ``layout``'s input: (output, node names, dX, db, weight after)."""
+    torch.manual_seed(3)
+    if layout == "conv1d":
+        transformers = pytest.importorskip("transformers")
+        model = nn.Sequential(transformers.pytorch_utils.Conv1D(24, WIDTH))
+    else:
+        model = nn.Sequential(nn.Linear(WIDTH, 24, bias=layout != "no_bias"))
+    model = model.to(DEVICE, torch.bfloat16)
+    probe = torch.zeros(2, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+    opt = forge_core.fuse(model, "adamw", backend="triton", probe_inputs=probe, **HP)
+    binding = opt.fused_weights()[0]
+    if DEVICE == "cpu":
+        binding.update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
+    if native:
+        assert opt.attach_native_hooks() and binding.native_slot is not None
+    else:
+        binding.native_slot = None
+    shape = {"2d": (6, WIDTH), "2d_column_major": (WIDTH, 6), "3d_transposed_input": (WIDTH, 3, 5)}.get(
+        layout, (3, 5, WIDTH))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    if layout == "3d_transposed_input":
+        x = x.permute(1, 2, 0)            # (3, 5, WIDTH), not contiguous: multiplied as a flattened copy
+    if layout == "2d_column_major":
+        x = x.t()                         # (6, WIDTH), column-major: torch's GEMM backward transposes
+    x.requires_grad_(layout != "bias_only")
+    output = model(x)
+    (output.float().square().sum() if loss == "square" else output.sum()).backward()
+    bias = model[0].bias
+    return (output.detach(), _node_names(output), x.grad, None if bias is None else bias.grad,
+            binding.matrix.detach().clone())
+
+
 @needs_extension
-@pytest.mark.parametrize("layout", ["2d", "3d", "3d_transposed_input", "no_bias", "conv1d"])
-def test_the_cpp_forward_builds_the_python_forward_graph(layout: str) -> None:
-    """The same output, the same autograd nodes, the same dX, bias gradient and updated weight as the Python
-    hooked forward, for each input layout it takes (a 3-D view, MLP-Mixer's transposed token input, no bias,
-    GPT-2's Conv1D with its (Din, Dout) weight)."""
-    results = []
-    for native in (True, False):
-        torch.manual_seed(3)
-        if layout == "conv1d":
-            transformers = pytest.importorskip("transformers")
-            model = nn.Sequential(transformers.pytorch_utils.Conv1D(24, WIDTH))
-        else:
-            model = nn.Sequential(nn.Linear(WIDTH, 24, bias=layout != "no_bias"))
-        model = model.to(DEVICE, torch.bfloat16)
-        probe = torch.zeros(2, WIDTH, device=DEVICE, dtype=torch.bfloat16)
-        opt = forge_core.fuse(model, "adamw", backend="triton", probe_inputs=probe, **HP)
-        binding = opt.fused_weights()[0]
-        if DEVICE == "cpu":
-            binding.update_graphs = UpdateGraphs(launch_path_counts(), rerun_recorder)
-        if native:
-            assert opt.attach_native_hooks() and binding.native_slot is not None
-        else:
-            binding.native_slot = None
-        shape = {"2d": (6, WIDTH), "3d_transposed_input": (WIDTH, 3, 5)}.get(layout, (3, 5, WIDTH))
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
-        if layout == "3d_transposed_input":
-            x = x.permute(1, 2, 0)            # (3, 5, WIDTH), not contiguous: multiplied as a flattened copy
-        x.requires_grad_(True)
-        output = model(x)
-        output.float().square().sum().backward()
-        bias = model[0].bias
-        results.append((output.detach(), _node_names(output), x.grad, None if bias is None else bias.grad,
-                        binding.matrix.detach().clone()))
-    for native_value, python_value in zip(*results):
-        if isinstance(native_value, torch.Tensor):
-            assert torch.equal(native_value, python_value)
-        else:
-            assert native_value == python_value
+@pytest.mark.parametrize("loss", ["square", "sum"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_cpp_forward_computes_what_the_python_forward_does(layout: str, loss: str) -> None:
+    """The same output, dX, bias gradient and updated weight, bit for bit, as the Python hooked forward's
+    graph of torch nodes, for each input layout it takes (a 3-D view, a column-major 2-D input, MLP-Mixer's
+    transposed token input, no bias, a bias the only input needing a gradient, GPT-2's Conv1D with its
+    (Din, Dout) weight) and for a dY that is a real tensor or an expanded one (``sum()``); its graph is one
+    node from the output to the input's (and the bias's)."""
+    native_run, python_run = _layer_run(layout, True, loss), _layer_run(layout, False, loss)
+    for native_value, python_value in zip(native_run, python_run):
+        if isinstance(native_value, torch.Tensor) or native_value is None:
+            assert (native_value is None and python_value is None) or torch.equal(native_value, python_value)
+    native_names, python_names = native_run[1], python_run[1]
+    leaves = sorted(name for name in python_names if name.endswith("AccumulateGrad"))
+    assert native_names[0] == "FusedLinearBackward" and sorted(native_names[1:]) == leaves
+    assert len(python_names) >= len(native_names)
+
+
+@needs_extension
+def test_the_cpp_node_refuses_a_second_backward() -> None:
+    """``retain_graph=True`` then a second backward: FORGE's one-line refusal (the weight updates once a
+    forward); a second backward through a released graph: torch's own error."""
+    layers = _layers()
+    opt = _fuse(layers, native=True)
+    x = torch.randn(4, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    output = layers[0](x)
+    output.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="run backward twice"):
+        output.float().sum().backward()
+    opt.step()
+    output = layers[0](x)
+    output.float().sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        output.float().sum().backward()
 
 
 @needs_extension
@@ -342,7 +377,7 @@ def test_the_short_forward_serves_only_what_the_cpp_forward_takes(monkeypatch: p
     layer = layers[0]
     x = torch.randn(4, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     output = native_forward(layer, x)
-    assert output is not None and _node_names(output)[0] == "AddmmBackward0"
+    assert output is not None and _node_names(output)[0] == "FusedLinearBackward"
     assert torch.equal(output, nn.functional.linear(x, layer.weight, layer.bias))
     assert native_forward(nn.Linear(WIDTH, WIDTH).to(DEVICE, torch.bfloat16), x) is None
     with torch.no_grad():

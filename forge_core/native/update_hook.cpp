@@ -1,7 +1,9 @@
-// The eager fused Linear's backward hook in C++ (forge_core.native_hooks): where a weight's update was
-// recorded as a CUDA graph (forge_core.update_graphs) and its inputs lie where the recording's did, the
-// hook replays the graph from the autograd thread without taking the GIL; every other update calls the
-// Python update it was given, as the Python hook would.
+// The eager fused Linear's forward and backward in C++ (forge_core.native_hooks): the GEMM below autograd
+// and one autograd node of its own (FusedLinearBackward) that computes dX and the bias gradient as torch's
+// nodes would, then the update. Where a weight's update was recorded as a CUDA graph
+// (forge_core.update_graphs) and its inputs lie where the recording's did, the node replays the graph from
+// the autograd thread without taking the GIL; every other update calls the Python update it was given, as
+// the Python hook would.
 //
 // Why: an eager step at batch 1 is bound by the host, and a Python hook costs each fused layer the
 // interpreter's entry, the optimizer's bookkeeping and the key check (~40 us a layer inside real steps on
@@ -12,7 +14,8 @@
 // its owner's own tensors, and runs the operator's Python body otherwise.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 #include <ATen/core/stack.h>
@@ -27,11 +30,18 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace py = pybind11;
+
+namespace torch::autograd {
+// torch's node deleter, where tensors hold their grad_fn by shared_ptr (older torch): declared again for the
+// branch of new_node that names it, which a torch holding nodes by intrusive_ptr never instantiates.
+TORCH_API void deleteNode(Node* function);
+}  // namespace torch::autograd
 using torch::autograd::variable_list;
 
 namespace {
@@ -325,59 +335,85 @@ struct Slot {
   }
 };
 
-// Runs once, after the GEMM node has computed dX (and the bias gradient) from the pre-update weight.
-struct UpdateHook : torch::autograd::FunctionPostHook {
-  at::Tensor held;  // the layer's input (or the 2-D copy its GEMM read), released when the hook runs
+// A fresh autograd node of type T, held as this torch's tensors hold their grad_fn (a shared_ptr with
+// torch's node deleter, or an intrusive_ptr, by torch version).
+template <typename T>
+auto new_node() {
+  using Held = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+  if constexpr (std::is_same_v<Held, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<T>(new T(), torch::autograd::deleteNode);
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+// The one autograd node of an eager fused Linear (y = x W^T + b; x W + b when `transposed`, transformers'
+// Conv1D). Backward: dX and the bias gradient with the ATen calls torch's own nodes of the same GEMM make
+// (the same values, bit for bit), from the weight as it was before this layer's update, then the update of
+// (x, dY) once: the slot's recorded graph where one matches, else the Python update.
+//
+// Why one node: torch's GEMM of an N-D input records three (the input's flattening view, the GEMM, the
+// output's view) and a post-hook on the GEMM's node is a fourth call; each costs an eager step's host the
+// dispatcher's autograd wrapper in the forward and the engine's call in the backward (D131).
+struct FusedLinearBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable weight;  // the detached alias the GEMM read: version-checked, as torch's is
+  at::Tensor held;  // the update's input: the layer's input, or the 2-D copy the GEMM read; released after
   std::shared_ptr<Slot> slot;
-  bool transposed;
-  int64_t outputs;
+  bool transposed = false;
+  bool column_major = false;   // the GEMM's 2-D input was column-major (torch's mm backward then transposes)
+  bool bias_after_view = false;  // the bias was added to the N-D output (an unflattened input), not in the GEMM
+  std::vector<int64_t> input_sizes, bias_sizes;
+  int64_t outputs = 0;
   bool ran = false;
 
-  UpdateHook(at::Tensor held_, std::shared_ptr<Slot> slot_, bool transposed_, int64_t outputs_)
-      : held(std::move(held_)), slot(std::move(slot_)), transposed(transposed_), outputs(outputs_) {}
+  std::string name() const override { return "FusedLinearBackward"; }
 
-  variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
+  void release_variables() override {
+    weight.reset_data();
+    held.reset();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor alias = weight.unpack();  // torch's error for a released graph or a weight changed in place
     TORCH_CHECK(!ran, "a fused Linear's graph was run backward twice (retain_graph=True): FORGE updates the weight "
                       "once per forward; run the forward again for another backward");
     ran = true;
     at::Tensor x = std::move(held);
-    at::Tensor grad_output = grad_outputs.empty() ? at::Tensor() : grad_outputs[0];
-    if (!grad_output.defined()) {
+    const at::Tensor& grad = grads[0];
+    variable_list result(2);
+    at::Tensor grad_2d;
+    if (grad.defined()) {
+      grad_2d = grad.reshape({-1, outputs});  // what the output's view node hands the GEMM's
+      const at::Tensor mat2 = transposed ? alias : alias.t();
+      if (task_should_compute_output(0)) {
+        at::Tensor dx = column_major ? mat2.mm(grad_2d.t()).t() : grad_2d.mm(mat2.t());
+        result[0] = dx.sizes().equals(input_sizes) ? dx : dx.reshape(input_sizes);
+      }
+      if (task_should_compute_output(1)) {
+        result[1] = at::sum_to(bias_after_view ? grad : grad_2d, bias_sizes);
+      }
+    } else {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(outputs);
-      grad_output = at::zeros(shape, x.options());
+      grad_2d = at::zeros(shape, x.options());
     }
-    const at::Tensor& first = transposed ? grad_output : x;
-    const at::Tensor& second = transposed ? x : grad_output;
+    const at::Tensor& first = transposed ? grad_2d : x;
+    const at::Tensor& second = transposed ? x : grad_2d;
     if (!slot->try_replay(first, second)) {
       slot->run_in_python(first, second);
     }
-    return grad_inputs;
+    return result;
   }
 };
 
-bool is_gemm(const std::string& name) { return name == "AddmmBackward0" || name == "MmBackward0"; }
-
-bool is_view(const std::string& name) { return name == "ViewBackward0" || name == "UnsafeViewBackward0"; }
-
-// Hook the GEMM node that produced `output` (or the view of it F.linear returns for a (..., Din) input);
-// false, with nothing hooked, where another node produced it.
-bool attach(const at::Tensor& output, at::Tensor held, std::shared_ptr<Slot> slot, bool transposed) {
-  auto node = output.grad_fn();  // a shared_ptr or an intrusive_ptr, by torch version
-  if (node && is_view(node->name())) {
-    node = node->next_edge(0).function;
-  }
-  if (!node || !is_gemm(node->name())) {
-    return false;
-  }
-  node->add_post_hook(std::make_unique<UpdateHook>(std::move(held), std::move(slot), transposed, output.size(-1)));
-  return true;
+bool column_major(const at::Tensor& matrix) {
+  return matrix.stride(0) == 1 && matrix.stride(1) == matrix.size(0);
 }
 
 // forge_core.linear.hooked_linear's forward after its global checks (saved-tensor hooks, functorch,
-// autocast: the caller's), the same ATen calls in the same order, so the same autograd graph: the GEMM
-// on a detached alias of the weight (x W^T + b; x W + b when `transposed`, transformers' Conv1D), the
-// update hooked on its node. nullopt where that path does not apply (the caller runs the Function).
+// autocast: the caller's): the GEMM on a detached alias of the weight (x W^T + b; x W + b when `transposed`,
+// transformers' Conv1D) with the ATen calls of the Python hooked forward, below autograd, and one
+// FusedLinearBackward for its graph. nullopt where that path does not apply (the caller runs the Function).
 std::optional<at::Tensor> hooked_forward(const at::Tensor& x, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, std::shared_ptr<Slot> slot,
                                          bool transposed) {
@@ -389,36 +425,58 @@ std::optional<at::Tensor> hooked_forward(const at::Tensor& x, const at::Tensor& 
   if (!(x.requires_grad() || (has_bias && bias->requires_grad()))) {
     return std::nullopt;
   }
+  if (x._fw_grad(0).defined() || (has_bias && bias->_fw_grad(0).defined())) {
+    return std::nullopt;  // forward-mode AD: torch's nodes carry the tangents
+  }
   at::Tensor alias = weight.detach();
   // An input at::linear cannot flatten as a view (MLP-Mixer's token mixing reads a transposed one) it
   // multiplies as a flattened copy, adding the bias after the GEMM: the same here.
   const bool unflattened = !transposed && x.dim() > 2 && !x.is_contiguous();
+  const int64_t inputs = x.size(-1);
   at::Tensor held = x;
-  at::Tensor gemm;
   at::Tensor output;
-  if (transposed || unflattened) {
-    at::Tensor flat = x.reshape({-1, x.size(-1)});
-    held = flat;
-    if (transposed && has_bias) {
-      gemm = at::addmm(*bias, flat, alias);
+  bool column = false;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (transposed || unflattened) {
+      at::Tensor flat = x.reshape({-1, inputs});
+      column = column_major(flat);
+      held = flat;
+      at::Tensor gemm;
+      if (transposed && has_bias) {
+        gemm = at::addmm(*bias, flat, alias);
+      } else {
+        gemm = at::mm(flat, transposed ? alias : alias.t());
+      }
+      output = gemm;
+      if (x.dim() != 2) {
+        std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+        shape.push_back(gemm.size(-1));
+        output = gemm.view(shape);
+      }
+      if (unflattened && has_bias) {
+        output = at::add(output, *bias);
+      }
     } else {
-      gemm = at::mm(flat, transposed ? alias : alias.t());
+      // at::linear multiplies a 2-D input as it is and a contiguous N-D one as its row-major (-1, Din) view
+      column = x.dim() == 2 ? column_major(x) : (inputs == 1 && x.numel() == 1);
+      output = at::linear(x, alias, bias);
     }
-    output = gemm;
-    if (x.dim() != 2) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-      shape.push_back(gemm.size(-1));
-      output = gemm.view(shape);
-    }
-    if (unflattened && has_bias) {
-      output = at::add(output, *bias);
-    }
-  } else {
-    gemm = output = at::linear(x, alias, bias);
   }
-  if (!attach(gemm, held, std::move(slot), transposed)) {
-    return std::nullopt;
+  auto node = new_node<FusedLinearBackward>();
+  node->weight = torch::autograd::SavedVariable(alias, false);
+  node->held = std::move(held);
+  node->slot = std::move(slot);
+  node->transposed = transposed;
+  node->column_major = column;
+  node->bias_after_view = unflattened;
+  node->input_sizes = x.sizes().vec();
+  node->outputs = output.size(-1);
+  if (has_bias) {
+    node->bias_sizes = bias->sizes().vec();
   }
+  node->set_next_edges(torch::autograd::collect_next_edges(x, has_bias ? *bias : at::Tensor()));
+  torch::autograd::set_history(output, node);
   return output;
 }
 
