@@ -254,8 +254,7 @@ def native_forward(module: nn.Module, x: torch.Tensor, transposed: bool = False)
     Why: an eager step at batch 1 is the host's time, and torch's Linear costs it one Python call and two
     attribute lookups (``nn.Module.__getattr__``) around the GEMM. Here the same checks as the full forward's
     in the order that rules out the most, the parameters read from the module's own table (no
-    ``__getattr__``) and ``hooked_path_allowed`` inlined: ~1 us a layer of checks on a CPU where the full
-    forward's cost ~3 (D131)."""
+    ``__getattr__``): ~1 us a layer of checks on a CPU where the full forward's cost ~3 (D131)."""
     if torch.compiler.is_compiling():
         return None
     attributes = module.__dict__
@@ -266,8 +265,8 @@ def native_forward(module: nn.Module, x: torch.Tensor, transposed: bool = False)
     weight = parameters.get("weight")
     if type(weight) is not nn.Parameter or not weight.requires_grad or not torch.is_grad_enabled():
         return None
-    if not HOOKED_LINEAR or _saved_tensor_hooks(False) is not None or _functorch_active() or _any_autocast():
-        return None                   # hooked_path_allowed(), inlined
+    if not hooked_path_allowed():
+        return None
     return native_hooks.hooked_forward(x, weight, parameters.get("bias"), slot, transposed)
 
 

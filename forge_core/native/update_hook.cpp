@@ -381,24 +381,24 @@ struct FusedLinearBackward : torch::autograd::Node {
     at::Tensor x = std::move(held);
     const at::Tensor& grad = grads[0];
     variable_list result(2);
-    at::Tensor grad_2d;
+    at::Tensor grad_output;  // the update's dY: the GEMM's 2-D one, or zeros where no gradient reached the output
     if (grad.defined()) {
-      grad_2d = grad.reshape({-1, outputs});  // what the output's view node hands the GEMM's
+      grad_output = grad.reshape({-1, outputs});  // what the output's view node hands the GEMM's
       const at::Tensor mat2 = transposed ? alias : alias.t();
       if (task_should_compute_output(0)) {
-        at::Tensor dx = column_major ? mat2.mm(grad_2d.t()).t() : grad_2d.mm(mat2.t());
+        at::Tensor dx = column_major ? mat2.mm(grad_output.t()).t() : grad_output.mm(mat2.t());
         result[0] = dx.sizes().equals(input_sizes) ? dx : dx.reshape(input_sizes);
       }
       if (task_should_compute_output(1)) {
-        result[1] = at::sum_to(bias_after_view ? grad : grad_2d, bias_sizes);
+        result[1] = at::sum_to(bias_after_view ? grad : grad_output, bias_sizes);
       }
     } else {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(outputs);
-      grad_2d = at::zeros(shape, x.options());
+      grad_output = at::zeros(shape, x.options());
     }
-    const at::Tensor& first = transposed ? grad_2d : x;
-    const at::Tensor& second = transposed ? x : grad_2d;
+    const at::Tensor& first = transposed ? grad_output : x;
+    const at::Tensor& second = transposed ? x : grad_output;
     if (!slot->try_replay(first, second)) {
       slot->run_in_python(first, second);
     }
